@@ -1,0 +1,113 @@
+"""Command line: `python -m k3backend {generate,make-checkpoint,serve}`. Argument parsing only."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from k3backend.checkpoint import load_model
+    from k3backend.detokenizer import IncrementalDetokenizer
+    from k3backend.engine.sampling_params import SamplingParams
+    from k3backend.generate import generate
+    from k3backend.model.preprocess import load_image, preprocess_image
+    from k3backend.presets import ensure_default_checkpoint
+    from k3backend.tokenizer import IMAGE_PLACEHOLDER_TEXT, Tokenizer
+
+    torch.set_num_threads(args.threads)
+    ckpt = Path(args.checkpoint) if args.checkpoint else ensure_default_checkpoint()
+    dtype = getattr(torch, args.dtype)
+    model = load_model(ckpt, dtype=dtype, device=args.device)
+    tok = Tokenizer.from_dir(ckpt)
+    images = [load_image(Path(f)) for f in args.image]
+    if args.raw:
+        prompt = args.prompt
+        if images and IMAGE_PLACEHOLDER_TEXT not in prompt and "<|media_pad|>" not in prompt:
+            prompt = IMAGE_PLACEHOLDER_TEXT * len(images) + prompt
+        ids = tok.encode_text_input(prompt)
+    else:
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.prompt}]
+        ids = tok.render_chat([{"role": "user", "content": content}], thinking=args.thinking).ids
+    embeds = None
+    if images:
+        processed = [preprocess_image(im, model.preprocess_cfg) for im in images]
+        ids, _ = tok.expand_image_placeholders(ids, [p.size for p in processed], [p.num_tokens for p in processed])
+        for i, p in enumerate(processed):
+            print(f"image {i}: {p.size[0]}x{p.size[1]} -> grid {p.grid_thw}, {p.num_tokens} image tokens",
+                  file=sys.stderr)
+        embeds = torch.cat(model.vision.encode_images(processed))
+    print(f"prompt: {len(ids)} tokens", file=sys.stderr)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                            top_p=args.top_p, top_k=args.top_k)
+    detok = IncrementalDetokenizer(tok, in_think=args.thinking and not args.raw)
+    t0, n = time.perf_counter(), 0
+    eos = model.cfg.eos_token_id or (tok.eos_id,)
+    for step in generate(model, ids, params, eos_ids=eos, image_embeds=embeds):
+        n += 1
+        if step.token in eos:
+            break
+        sys.stdout.write(detok.push([step.token]).text)
+        sys.stdout.flush()
+    sys.stdout.write(detok.finish().text + "\n")
+    dt = time.perf_counter() - t0
+    print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def _make_checkpoint(args: argparse.Namespace) -> int:
+    from k3backend.presets import make_checkpoint
+
+    out = make_checkpoint(args.preset, args.out, seed=args.seed)
+    print(f"wrote {args.preset} checkpoint (seed {args.seed}) to {out}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from k3backend.tritonserver import serve_main
+
+    return serve_main(args.server_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(prog="k3backend", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="stream a completion from a checkpoint (prefill + cached decode)")
+    g.add_argument("--checkpoint", help="checkpoint directory (default: the built-in tiny checkpoint)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--image", action="append", default=[], help="image file; repeat for several")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="use the prompt verbatim instead of the K3 chat format")
+    g.add_argument("--thinking", action="store_true", help="open a think element (chat format)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    g.set_defaults(fn=_generate)
+
+    m = sub.add_parser("make-checkpoint", help="write a deterministic random-weight checkpoint")
+    m.add_argument("--preset", default="tiny")
+    m.add_argument("--out", required=True)
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(fn=_make_checkpoint)
+
+    s = sub.add_parser("serve", help="run tritonserver on model_repository in the foreground")
+    s.add_argument("server_args", nargs=argparse.REMAINDER, help="extra tritonserver arguments")
+    s.set_defaults(fn=_serve)
+
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

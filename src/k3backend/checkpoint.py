@@ -1,0 +1,268 @@
+"""Hugging Face-layout safetensors checkpoints: name mapping, loading, writing (K3_LM.md §8, K3_VISION.md §5).
+
+Reads `kimi_k3` (`language_model.*`, `vision_tower.*`, `mm_projector.*`) and `kimi_linear`
+(`model.*`, `lm_head.*`, as transformers' `save_pretrained` writes it), single-file or sharded
+with `model.safetensors.index.json`. Routed experts may be bf16 (`w1/w2/w3.weight`) or MXFP4
+(`weight_packed` + `weight_scale`, §7.7). Missing, unexpected or mis-shaped tensors are a
+`CheckpointError` naming them: a model never runs with silently random weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from k3backend.config import K3Config
+
+log = logging.getLogger(__name__)
+
+# Parameters SGLang keeps in fp32 whatever the model dtype (§8.1).
+FP32_PARAMS = ("conv1d.weight", "A_log", "dt_bias", "e_score_correction_bias")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
+_RES = re.compile(r"\.(self_attention_res|mlp_res|output_attn_res)_(norm|proj)\.weight$")
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model its config describes; the message names the tensors."""
+
+
+def param_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name.endswith(FP32_PARAMS):
+        return torch.float64 if model_dtype == torch.float64 else torch.float32
+    return model_dtype
+
+
+def canonical_name(ckpt_name: str, model_type: str) -> str:
+    """Checkpoint tensor name → our parameter name (before expert stacking).
+
+    kimi_k3: `language_model.layers.` → `language_model.model.layers.` (§8.2), `vision_tower.*` and
+    `mm_projector.*` → `vision.*`; kimi_linear: everything under `language_model.`. Both spellings
+    `block_sparse_moe` / `mlp` load. AttnRes `*_res_norm/_proj.weight` → `*_res.norm/proj.weight`.
+    """
+    n = ckpt_name
+    if model_type == "kimi_k3":
+        if n.startswith(("vision_tower.", "mm_projector.")):
+            return "vision." + n
+        if n.startswith("language_model.layers."):
+            n = "language_model.model." + n[len("language_model."):]
+    elif not n.startswith("language_model."):
+        n = "language_model." + n
+    n = n.replace(".block_sparse_moe.", ".mlp.")
+    return _RES.sub(lambda m: f".{m.group(1)}.{m.group(2)}.weight", n)
+
+
+def checkpoint_name(param: str, model_type: str) -> str:
+    """Inverse of `canonical_name` for non-expert tensors (used when writing checkpoints)."""
+    n = re.sub(r"\.(self_attention_res|mlp_res|output_attn_res)\.(norm|proj)\.weight$", r".\1_\2.weight", param)
+    if n.startswith("vision."):
+        return n[len("vision."):]
+    n = n.replace(".mlp.", ".block_sparse_moe.") if ".mlp.experts" in n or ".mlp.gate." in n or \
+        ".mlp.shared_experts." in n or ".mlp.routed_expert" in n else n
+    return n if model_type == "kimi_k3" else n[len("language_model."):]
+
+
+def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4 (compressed-tensors, group 32) → float32 (§7.7). packed [out, in/2] u8, scale [out, in/32] u8.
+
+    Low nibble = even input index; code bit 3 = sign, LUT[c & 7] magnitude; scale is an E8M0 exponent.
+    """
+    lut = torch.tensor(E2M1, dtype=torch.float32)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()  # [out, in]
+    mag = lut[codes & 7]
+    vals = torch.where(codes & 8 != 0, -mag, mag)
+    exp = torch.pow(2.0, scale.float() - 127).repeat_interleave(32, dim=-1)
+    return vals * exp
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map")
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise CheckpointError(f"{path}: shard files listed in the index are missing: {missing}")
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    return files
+
+
+def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in checkpoint_files(path):
+        with safe_open(str(f), "pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def count_tensors(path: Path) -> int:
+    n = 0
+    for f in checkpoint_files(path):
+        with safe_open(str(f), "pt") as sf:
+            n += len(list(sf.keys()))
+    return n
+
+
+def load_state_dict_into(model: torch.nn.Module, path: Path, model_type: str, *, progress: bool = True) -> None:
+    """Copy every checkpoint tensor into `model`'s parameters (already allocated, final dtypes).
+
+    Collects all problems and raises one `CheckpointError` listing them.
+    """
+    params = dict(model.named_parameters())
+    filled: dict[str, torch.Tensor] = {}  # param name -> bool mask of filled expert rows (or scalar True)
+    unexpected, bad_shape = [], []
+    mx_parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    total = count_tensors(path)
+    bar = tqdm(total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress or total < 50)
+    for ckpt_name, t in iter_tensors(path):
+        bar.update(1)
+        name = canonical_name(ckpt_name, model_type)
+        m = _EXPERT.match(name)
+        if m:
+            base, e, w, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+            if kind != "weight":
+                mx_parts[f"{base}.{e}.{w}"][kind] = t
+                parts = mx_parts[f"{base}.{e}.{w}"]
+                if len(parts) < 2:
+                    continue
+                t = dequant_mxfp4(parts["weight_packed"], parts["weight_scale"])
+                del mx_parts[f"{base}.{e}.{w}"]
+            _load_expert(params, filled, base, e, w, t, ckpt_name, unexpected, bad_shape)
+            continue
+        if name.endswith(".self_attn.A_log") and name in params:
+            t = t.reshape(-1)[: params[name].numel()]  # first num_heads entries (§13)
+        if name not in params:
+            unexpected.append(ckpt_name)
+            continue
+        p = params[name]
+        if tuple(t.shape) != tuple(p.shape):
+            bad_shape.append(f"{ckpt_name}: expected {list(p.shape)}, got {list(t.shape)}")
+            continue
+        with torch.no_grad():
+            p.copy_(t.to(p.dtype))
+        filled[name] = torch.tensor(True)
+    bar.close()
+    unexpected += [f"{k}.{kind}" for k, parts in mx_parts.items() for kind in parts]  # unpaired MXFP4 halves
+    missing = []
+    for name in params:
+        f = filled.get(name)
+        if f is None:
+            missing.append(name)
+        elif f.dim() and not bool(f.all()):
+            missing.append(f"{name} (experts {(~f.view(f.shape[0], -1).all(-1)).nonzero().flatten().tolist()})")
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_short(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_short(unexpected)}")
+    if bad_shape:
+        problems.append(f"mis-shaped tensors ({len(bad_shape)}): {_short(bad_shape)}")
+    if problems:
+        raise CheckpointError(f"{path}: checkpoint does not match config.json: " + "; ".join(problems))
+
+
+def _load_expert(params: dict, filled: dict, base: str, e: int, w: str, t: torch.Tensor, ckpt_name: str,
+                 unexpected: list, bad_shape: list) -> None:
+    """Stack experts.{e}.w1/w3 into w13[e] = [w1 ; w3] and experts.{e}.w2 into w2[e]."""
+    pname = f"{base}.w13" if w in ("w1", "w3") else f"{base}.w2"
+    if pname not in params:
+        unexpected.append(ckpt_name)
+        return
+    p = params[pname]
+    if e >= p.shape[0]:
+        unexpected.append(ckpt_name)
+        return
+    half = p.shape[1] // 2
+    dst = p[e, :half] if w == "w1" else p[e, half:] if w == "w3" else p[e]
+    if tuple(t.shape) != tuple(dst.shape):
+        bad_shape.append(f"{ckpt_name}: expected {list(dst.shape)}, got {list(t.shape)}")
+        return
+    with torch.no_grad():
+        dst.copy_(t.to(p.dtype))
+    mask = filled.setdefault(pname, torch.zeros(p.shape[0], 2, dtype=torch.bool))
+    if w == "w2":
+        mask[e] = True
+    else:
+        mask[e, 0 if w == "w1" else 1] = True
+
+
+def _short(items: list[str], n: int = 8) -> str:
+    return ", ".join(items[:n]) + (f", ... (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def expected_checkpoint_tensors(model: torch.nn.Module, model_type: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our parameters under their checkpoint names, experts unstacked (the inverse of loading)."""
+    for name, p in model.named_parameters():
+        if name.endswith((".experts.w13", ".experts.w2")):
+            base = checkpoint_name(name.rsplit(".", 1)[0] + ".x", model_type)[:-2]
+            for e in range(p.shape[0]):
+                if name.endswith("w13"):
+                    half = p.shape[1] // 2
+                    yield f"{base}.{e}.w1.weight", p[e, :half]
+                    yield f"{base}.{e}.w3.weight", p[e, half:]
+                else:
+                    yield f"{base}.{e}.w2.weight", p[e]
+        else:
+            yield checkpoint_name(name, model_type), p
+
+
+def save_checkpoint(model: torch.nn.Module, out: Path, model_type: str, *, num_shards: int = 1,
+                    dtype: torch.dtype = torch.bfloat16, a_log_pad: int | None = None) -> None:
+    """Write `model` as safetensors in the HF layout (fp32 for the FP32_PARAMS, `dtype` otherwise).
+
+    a_log_pad: store A_log 1-D zero-padded to this length, as the K3 release does ([head_dim]).
+    """
+    tensors = {}
+    for name, p in expected_checkpoint_tensors(model, model_type):
+        t = p.detach().to("cpu")
+        t = t.to(torch.float32) if name.endswith(FP32_PARAMS) else t.to(dtype)
+        if name.endswith("A_log") and a_log_pad:
+            t = torch.cat([t.reshape(-1), t.new_zeros(a_log_pad - t.numel())])
+        tensors[name] = t.contiguous()
+    names = sorted(tensors)
+    shards = [names[i::num_shards] for i in range(num_shards)]
+    if num_shards == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in shard}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+               progress: bool = True) -> torch.nn.Module:
+    """Build the model a checkpoint's config.json describes and load its weights. dtype defaults to fp32."""
+    from k3backend.model.k3 import K3Model
+
+    path = Path(path)
+    cfg = K3Config.from_json(path)
+    dtype = dtype or torch.float32
+    with torch.device("meta"):
+        model = K3Model(cfg)
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        p.data = p.data.to(param_dtype(name, dtype))
+    load_state_dict_into(model, path, cfg.model_type, progress=progress)
+    if cfg.vision is not None and (path / "preprocessor_config.json").exists():
+        from k3backend.model.preprocess import PreprocessConfig
+
+        model.preprocess_cfg = PreprocessConfig.from_json(path / "preprocessor_config.json")
+    model.eval().requires_grad_(False)
+    log.info("loaded %s (%s, %s) from %s", cfg.model_type, dtype, device, path)
+    return model

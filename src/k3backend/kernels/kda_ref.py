@@ -1,0 +1,97 @@
+"""Torch references of the KDA ops (K3_LM.md §2.5, §5.3, §5.6, §5.8). One sequence at a time.
+
+Shapes: T tokens, H heads, K key dim, V value dim, C conv channels, W conv width.
+State convention follows fla's naive reference: S [H, K, V], row d of S decays with α[d].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3backend.kernels.norm_ref import acc_dtype
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv + SiLU (§2.5), continuing from the cached raw rows.
+
+    x: [T, C] raw projection rows (model dtype); weight: [C, W] (fp32 parameter);
+    history: [W-1, C] raw rows before this chunk (zeros at a sequence start).
+    Returns (bf(silu(conv)) [T, C], new history [W-1, C] = the last W-1 raw rows).
+    """
+    T, C = x.shape
+    W = weight.shape[1]
+    a = acc_dtype(weight)
+    full = torch.cat([history.to(x.dtype), x], dim=0).to(a)  # [W-1+T, C]
+    y = torch.zeros(T, C, dtype=a, device=x.device)
+    for j in range(W):  # w[:, W-1] multiplies the current token
+        y = y + weight[:, j].to(a) * full[j:j + T]
+    new_history = torch.cat([history.to(x.dtype), x], dim=0)[-(W - 1):] if W > 1 else history
+    return F.silu(y).to(x.dtype), new_history.contiguous()
+
+
+def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Per-channel log-decay g (§5.3). f: [T, H, K] pre-activation; dt_bias: [H*K]; A_log: [H].
+
+    Lower-bounded (K3): g = lb·σ(exp(A_log[h])·(f + dt_bias)); plain: g = −exp(A_log[h])·softplus(f + dt_bias).
+    """
+    T, H, K = f.shape
+    a = acc_dtype(dt_bias)
+    s = f.to(a) + dt_bias.to(a).view(H, K)
+    A = torch.exp(A_log.to(a)).view(H, 1)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(A * s)
+    return -A * torch.where(s > 20.0, s, torch.log1p(torch.exp(s)))
+
+
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token recurrence (§5.6), everything in the accumulation dtype of S.
+
+    q, k: [T, H, K] (already l2-normalised, q scaled); v: [T, H, V]; g: [T, H, K] log-decay;
+    beta: [T, H]; S: [H, K, V] incoming state. Returns (o [T, H, V], final S).
+    """
+    a = S.dtype
+    q, k, v, g, beta = (t.to(a) for t in (q, k, v, g, beta))
+    o = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=a, device=q.device)
+    for t in range(q.shape[0]):
+        S = S * torch.exp(g[t])[..., None]  # diag(α_t)·S
+        u = beta[t][:, None] * (v[t] - torch.einsum("hk,hkv->hv", k[t], S))  # [H, V]
+        S = S + k[t][..., None] * u[:, None, :]  # + k uᵀ
+        o[t] = torch.einsum("hk,hkv->hv", q[t], S)  # read after the update
+    return o, S
+
+
+def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                S: torch.Tensor, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (WY) form of the same recurrence (§5.8); equal to `kda_recurrent` in exact arithmetic.
+
+    Same arguments as `kda_recurrent`; T need not be a multiple of chunk_size (the last chunk is short).
+    """
+    a = S.dtype
+    q, k, v, g, beta = (t.to(a).transpose(0, 1) for t in (q, k, v, g, beta))  # head-major: [H, T, ...]
+    H, T, K = q.shape
+    o = torch.empty(H, T, v.shape[-1], dtype=a, device=q.device)
+    for c0 in range(0, T, chunk_size):
+        sl = slice(c0, min(c0 + chunk_size, T))
+        qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl]  # [H, C, ·]
+        G = g[:, sl].cumsum(1)  # Γ_i, [H, C, K]
+        C = qc.shape[1]
+        decay = torch.exp(G[:, :, None, :] - G[:, None, :, :])  # e^{Γ_i − Γ_j}, [H, C, C, K]
+        strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), diagonal=-1)
+        causal = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
+        A = -bc[:, :, None] * torch.einsum("hik,hjk,hijk->hij", kc, kc, decay)
+        A = A.masked_fill(~strict, 0.0)
+        # T = (I − A)^{-1} by forward substitution, then right-multiplied by diag(β)
+        Tm = torch.eye(C, dtype=a, device=q.device).repeat(H, 1, 1)
+        for i in range(1, C):
+            Tm[:, i, :i] = Tm[:, i, :i] + torch.einsum("hj,hjm->hm", A[:, i, :i], Tm[:, :i, :i])
+        Tm = Tm * bc[:, None, :]
+        w = Tm @ (torch.exp(G) * kc)  # [H, C, K]
+        u = Tm @ vc  # [H, C, V]
+        v_new = u - w @ S
+        Aqk = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay).masked_fill(~causal, 0.0)
+        o[:, sl] = (qc * torch.exp(G)) @ S + Aqk @ v_new
+        G_last = G[:, -1]  # [H, K]
+        S = torch.exp(G_last)[..., None] * S + (torch.exp(G_last[:, None, :] - G) * kc).transpose(1, 2) @ v_new
+    return o.transpose(0, 1), S

@@ -1,0 +1,72 @@
+"""Torch references of the MoE ops (K3_LM.md §2.3, §2.4, §7.3, §7.4).
+
+Shapes: T tokens, E experts, k = top-k, D expert input width (latent 3584 in K3, or H), I expert width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3backend.kernels.norm_ref import acc_dtype
+
+
+def situ_and_mul(gu: torch.Tensor, beta: float, linear_beta: float | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """SiTU-and-mul (§2.4): β·tanh(g/β)·σ(g) · λ·tanh(u/λ), in fp32, one rounding. gu: [.., 2I] = [g | u]."""
+    a = acc_dtype(gu)
+    g, u = gu.to(a).chunk(2, dim=-1)
+    gate = beta * torch.tanh(g / beta) * torch.sigmoid(g)  # σ uses the uncapped g
+    up = u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
+    return (gate * up).to(out_dtype)
+
+
+def silu_and_mul(gu: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """SiLU-and-mul (§2.3): silu(g)·u in fp32, one rounding."""
+    g, u = gu.to(acc_dtype(gu)).chunk(2, dim=-1)
+    return (F.silu(g) * u).to(out_dtype)
+
+
+def _topk_lowest_id(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries per row, ties to the lowest index (SGLang's kernels)."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
+          renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with bias-for-selection and grouped top-k (§7.3, §13).
+
+    logits: [T, E] fp32. Returns (weights [T, k] fp32, expert ids [T, k] int64).
+    Groups are ranked by the sum of their two largest biased scores; ties go to the lowest id.
+    """
+    T, E = logits.shape
+    s = torch.sigmoid(logits)
+    c = s if correction_bias is None else s + correction_bias.to(s.dtype)
+    if n_group > 1:
+        grouped = c.view(T, n_group, E // n_group)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+        keep = _topk_lowest_id(group_score, topk_group)
+        mask = torch.zeros(T, n_group, dtype=torch.bool, device=c.device).scatter_(1, keep, True)
+        c = c.masked_fill(~mask.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = _topk_lowest_id(c, top_k)
+    w = s.gather(1, ids)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w * scaling, ids
+
+
+def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            act, scaling: float = 1.0) -> torch.Tensor:
+    """Routed experts with SGLang's rounding points (§7.4).
+
+    x: [T, D] model dtype; weights, ids: [T, k]; w13: [E, 2I, D] = [w1; w3]; w2: [E, D, I];
+    act: bf16→bf16 activation of [.., 2I]. Per expert e: y_e = bf(w_e·(act(bf(x·w13ᵀ))·w2ᵀ));
+    returns bf(scaling·Σ_e fp32(y_e)) [T, D].
+    """
+    a = acc_dtype(x)
+    T, k = ids.shape
+    y = torch.zeros(T, k, w2.shape[1], dtype=x.dtype, device=x.device)  # y_e per (token, slot)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        h = act(F.linear(x[tok], w13[e]))  # [n, I]
+        y[tok, slot] = (F.linear(h.to(a), w2[e].to(a)) * weights[tok, slot, None].to(a)).to(x.dtype)
+    return (scaling * y.to(a).sum(1)).to(x.dtype)

@@ -1,0 +1,121 @@
+"""The K3 language model (K3_LM.md §3, §4, §10): decoder layers, Attention-Residual stream, head.
+
+Parameter names follow the checkpoint after `language_model.` (§8.1), with two exceptions that
+the loader maps: the AttnRes score weights live in `ResScore` modules (`self_attention_res`,
+`mlp_res`, `output_attn_res`) and routed experts are stacked (`experts.w13`, `experts.w2`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3backend import kernels
+from k3backend.config import TextConfig
+from k3backend.model.attn_res import ResScore
+from k3backend.model.cache import ForwardBatch, SequenceCache
+from k3backend.model.kda import KDA
+from k3backend.model.mla import MLA
+from k3backend.model.moe import MLP, MoE
+from k3backend.model.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    """Attention (KDA or MLA) then MLP/MoE, joined by Attention Residuals or a plain pre-norm residual."""
+
+    def __init__(self, cfg: TextConfig, i: int) -> None:
+        super().__init__()
+        self.i, self.S = i, cfg.attn_res_block_size
+        self.self_attn = KDA(cfg) if cfg.is_kda_layer(i) else MLA(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg, cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.S is not None:
+            self.self_attention_res = ResScore(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp_res = ResScore(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, bank: list[torch.Tensor], batch: ForwardBatch, states: list) -> torch.Tensor:
+        """Attention-Residual layer (§4.4, §4.10). x: running prefix [T, H]; `bank` grows at block starts."""
+        a_in = self.input_layernorm(self.self_attention_res.mix(bank + [x]) if bank else x)
+        P = None if self.i % self.S == 0 else x
+        if P is None:
+            bank.append(x)  # freeze the old prefix; the running prefix restarts at this layer
+        A = self.self_attn(a_in, batch, states)
+        Q = A if P is None else P + A  # bf(P + A), the pending add
+        m_in = self.post_attention_layernorm(self.mlp_res.mix(bank + [Q]))
+        return self.mlp(m_in) + Q  # bf(M + Q): dense bf(d + Q), MoE bf(bf(up + sh) + Q)
+
+    def forward_plain(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                      states: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm path without AttnRes (§4.11): fused add-RMSNorm normalises the unrounded fp32 sum."""
+        x, residual = _add_norm(h, residual, self.input_layernorm)
+        h = self.self_attn(x, batch, states)
+        x, residual = _add_norm(h, residual, self.post_attention_layernorm)
+        return self.mlp(x), residual
+
+
+def _add_norm(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(h + residual), bf(h + residual)); the sum is kept in fp32 for the norm (§2.2)."""
+    if residual is None:
+        return norm(h), h
+    s = h.to(kernels.acc_dtype(h)) + residual
+    return kernels.rms_norm(s, norm.weight, norm.eps).to(h.dtype), s.to(h.dtype)
+
+
+class K3TextModel(nn.Module):
+    """`language_model.model`: embeddings, decoder layers, final aggregation and norm."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.attn_res_block_size is not None:
+            self.output_attn_res = ResScore(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: list[SequenceCache]) -> torch.Tensor:
+        """x: [T, H] input embeddings. Returns the final normed hidden states [T, H]."""
+        layer_states = lambda i: [c.layers[i] for c in caches]  # noqa: E731
+        if self.cfg.attn_res_block_size is None:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                x, residual = layer.forward_plain(x, residual, batch, layer_states(i))
+            return _add_norm(x, residual, self.norm)[0]
+        bank: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, bank, batch, layer_states(i))
+        return self.norm(self.output_attn_res.mix(bank + [x]))  # §4.7
+
+
+class K3ForCausalLM(nn.Module):
+    """`language_model`: the text model plus an untied (or tied) LM head. Logits are in the model dtype."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = K3TextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def new_cache(self) -> SequenceCache:
+        p = self.model.embed_tokens.weight
+        return SequenceCache([layer.self_attn.new_state(p.dtype, p.device) for layer in self.model.layers])
+
+    def forward(self, input_ids: torch.Tensor | None = None, batch: ForwardBatch | None = None, *,
+                inputs_embeds: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [T] (flat over `batch`) or inputs_embeds [T, H]. Returns logits [T or len(logits_rows), V].
+
+        Without `batch`, the tokens are one fresh sequence and no state is kept (a full forward).
+        """
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch = batch or ForwardBatch.single(x.shape[0])
+        caches = batch.caches if batch.caches is not None else [self.new_cache() for _ in batch.seq_lens]
+        h = self.model(x, batch, caches)
+        for c, n in zip(caches, batch.seq_lens):
+            c.num_tokens += n
+        if logits_rows is not None:
+            h = h[logits_rows]
+        logits = self.lm_head(h)
+        return logits if self.cfg.logit_scale == 1.0 else logits * self.cfg.logit_scale

@@ -1,0 +1,198 @@
+"""Named model sizes: config.json dictionaries of the exact K3 architecture at other sizes.
+
+`tiny` exercises every K3 feature at toy size (issue: built-in default checkpoint): a dense first
+layer, KDA and MLA layers in K3's pattern (every 4th layer MLA, the last layer MLA), three
+Attention-Residual blocks, latent MoE with its norm, shared experts, two expert groups, SiTU,
+and a vision tower with the K3 block structure. Its vocabulary is byte-level (256 ranks) plus
+K3's 256 special slots, so special ids are K3's minus 163328.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_SPECIAL_BASE = 256  # first special id in the tiny vocabulary (163584 in K3)
+
+
+def _tiny() -> dict[str, Any]:
+    n_layers = 10
+    mla = [4, 8, 10]  # 1-based: every 4th layer plus the last one, as in K3
+    text = {
+        "model_type": "kimi_linear",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "num_hidden_layers": n_layers,
+        "intermediate_size": 96,
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "rms_norm_eps": 1e-5,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 24,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "tie_word_embeddings": False,
+        "num_experts": 8,
+        "num_experts_per_token": 3,
+        "num_shared_experts": 2,
+        "moe_intermediate_size": 16,
+        "routed_expert_hidden_size": 32,
+        "latent_moe_use_norm": True,
+        "moe_router_activation_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": True,
+        "num_expert_group": 2,
+        "topk_group": 1,
+        "moe_renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "attn_res_block_size": 4,
+        "linear_attn_config": {
+            "kda_layers": [i for i in range(1, n_layers + 1) if i not in mla],
+            "full_attn_layers": mla,
+            "num_heads": 4,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+            "gate_lower_bound": -5.0,
+        },
+        "bos_token_id": TINY_SPECIAL_BASE + 0,
+        "eos_token_id": TINY_SPECIAL_BASE + 2,
+        "pad_token_id": TINY_SPECIAL_BASE + 255,
+        "dtype": "bfloat16",
+    }
+    vision = {
+        "patch_size": 14,
+        "vt_hidden_size": 32,
+        "hidden_size": 32,
+        "vt_num_hidden_layers": 2,
+        "vt_num_attention_heads": 2,
+        "qkv_hidden_size": 48,
+        "vt_intermediate_size": 64,
+        "init_pos_emb_height": 16,
+        "init_pos_emb_width": 16,
+        "init_pos_emb_time": 4,
+        "pos_emb_type": "divided_fixed",
+        "pos_emb_interpolation_mode": "bilinear",
+        "merge_kernel_size": [2, 2],
+        "merge_type": "sd2_tpool",
+        "norm_type": "rmsnorm",
+        "attn_bias": False,
+        "linear_bias": False,
+        "patch_embed_proj_bias": False,
+        "mlp_type": "mlp2",
+        "activation_func": "gelu_pytorch_tanh",
+        "mm_projector_type": "patchmergerv2",
+        "mm_hidden_size": 32,
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-5,
+        "text_hidden_size": 64,
+    }
+    return {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "bos_token_id": TINY_SPECIAL_BASE + 0,
+        "eos_token_id": TINY_SPECIAL_BASE + 2,
+        "pad_token_id": TINY_SPECIAL_BASE + 255,
+        "media_placeholder_token_id": TINY_SPECIAL_BASE + 21,
+        "tie_word_embeddings": False,
+    }
+
+
+PRESETS = {"tiny": _tiny}
+
+
+def preset_config(name: str) -> dict[str, Any]:
+    """A fresh copy of a preset's config.json dictionary."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return copy.deepcopy(PRESETS[name]())
+
+
+def _init_tensor(name: str, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
+    """Deterministic random value for one parameter, scaled so activations stay O(1) through all layers."""
+    randn = lambda: torch.randn(shape, generator=g, dtype=torch.float64)  # noqa: E731
+    if name.endswith("A_log"):
+        return torch.log(torch.rand(shape, generator=g, dtype=torch.float64) * 15 + 1)  # exp(A) in [1, 16]
+    if name.endswith("dt_bias"):
+        return 0.5 * randn()
+    if name.endswith("e_score_correction_bias"):
+        return 0.01 * randn()
+    if name.endswith("conv1d.weight"):
+        return randn() / math.sqrt(shape[-1])
+    if name.endswith(("norm.weight", "layernorm.weight")):
+        return 1.0 + 0.1 * randn()
+    if name.endswith("embed_tokens.weight"):
+        return randn()
+    if name.endswith("pos_emb.weight"):
+        return 0.5 * randn()
+    if name.endswith("experts.w13") or name.endswith("experts.w2"):
+        return randn() / math.sqrt(shape[-1])
+    fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
+    return randn() / math.sqrt(fan_in)
+
+
+def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, num_shards: int = 2) -> Path:
+    """Write a deterministic random-weight checkpoint of a preset: config.json, generation_config.json,
+    safetensors (sharded, with an index), tokenizer files and preprocessor_config.json."""
+    from k3backend.checkpoint import save_checkpoint
+    from k3backend.config import K3Config
+    from k3backend.model.k3 import K3Model
+    from k3backend.model.preprocess import PreprocessConfig
+    from k3backend.tokenizer import write_tiny_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = preset_config(preset)
+    cfg = K3Config.from_dict(raw)
+    with torch.device("meta"):
+        model = K3Model(cfg)
+    model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            p.copy_(_init_tensor(name, p.shape, g))
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": [raw["eos_token_id"]], "temperature": 1.0, "top_p": 1.0}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    save_checkpoint(model, out, cfg.model_type, num_shards=num_shards,
+                    a_log_pad=cfg.text.linear_attn_config.head_dim)
+    write_tiny_tokenizer(out)
+    PreprocessConfig().to_json(out / "preprocessor_config.json")
+    return out
+
+
+def default_checkpoint_dir() -> Path:
+    """Where the built-in tiny checkpoint lives: $K3_DEFAULT_CHECKPOINT, else ~/.cache/k3backend/tiny-seed0."""
+    env = os.environ.get("K3_DEFAULT_CHECKPOINT")
+    return Path(env) if env else Path.home() / ".cache" / "k3backend" / "tiny-seed0"
+
+
+def ensure_default_checkpoint() -> Path:
+    """The built-in checkpoint directory, created on first use (atomically, so concurrent loaders agree)."""
+    path = default_checkpoint_dir()
+    if (path / "config.json").exists():
+        return path
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    make_checkpoint("tiny", tmp, seed=0)
+    try:
+        tmp.rename(path)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

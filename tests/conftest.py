@@ -1,0 +1,71 @@
+"""Shared fixtures for tests that talk to a real tritonserver (see k3backend.tritonserver).
+
+Nothing here skips: a missing tritonserver or perf_analyzer fails the test with the command
+that fixes it (scripts/setup-env).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from k3backend.tritonserver import TritonServer
+
+StartServer = Callable[..., TritonServer]
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartServer]:
+    """Factory: `triton_server(model_repository, models, extra_args=())` -> a started server.
+
+    The returned `TritonServer` is ready (every model in `models` answers
+    `/v2/models/<m>/ready` with 200) and has `.http_url`, `.grpc_url` (host:port, as
+    tritonclient.grpc takes it), `.metrics_url`, `.log_path`, `.pid` and `.stop()`.
+
+    Servers are shared: a second call with the same repository, models and extra_args returns
+    the same running server, so several modules can use one slow-to-load repository. Pass
+    `fresh=True` for a private server (for tests that kill or reload it). Every server started
+    here is stopped at the end of the session; stop it earlier with `.stop()`.
+    """
+    servers: dict[tuple, TritonServer] = {}
+    started: list[TritonServer] = []
+
+    def start(
+        model_repository: Path,
+        models: Sequence[str],
+        extra_args: Sequence[str] = (),
+        *,
+        fresh: bool = False,
+        startup_timeout_s: float = 300.0,
+    ) -> TritonServer:
+        key = (Path(model_repository).resolve(), tuple(models), tuple(extra_args))
+        server = None if fresh else servers.get(key)
+        if server is not None and server.is_running():
+            return server
+        work_dir = tmp_path_factory.mktemp("tritonserver")
+        server = TritonServer(
+            model_repository, work_dir, models=models, extra_args=extra_args,
+            startup_timeout_s=startup_timeout_s,
+        )
+        started.append(server)
+        server.start()
+        if not fresh:
+            servers[key] = server
+        return server
+
+    yield start
+    for server in reversed(started):
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def perf_analyzer() -> Path:
+    """The perf_analyzer wrapper that scripts/setup-env puts in the virtualenv's bin/."""
+    path = Path(sys.executable).parent / "perf_analyzer"
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"perf_analyzer not found at {path}; run scripts/setup-env", pytrace=False)
+    return path
