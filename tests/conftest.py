@@ -12,8 +12,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3backend.tritonserver import TritonServer
+
+# The models under test are tiny: one intra-op thread is several times faster than two fighting
+# over a 2-core machine (and keeps results independent of the machine's core count).
+torch.set_num_threads(1)
 
 StartServer = Callable[..., TritonServer]
 

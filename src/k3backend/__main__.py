@@ -68,14 +68,13 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from k3backend.tritonserver import serve_main
-
-    return serve_main(args.server_args)
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # everything after `serve` goes to tritonserver, options included
+        from k3backend.tritonserver import serve_main
+
+        return serve_main(argv[1:])
     p = argparse.ArgumentParser(prog="k3backend", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -101,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=_make_checkpoint)
 
-    s = sub.add_parser("serve", help="run tritonserver on model_repository in the foreground")
-    s.add_argument("server_args", nargs=argparse.REMAINDER, help="extra tritonserver arguments")
-    s.set_defaults(fn=_serve)
+    sub.add_parser("serve", help="run tritonserver on model_repository in the foreground (options pass through)")
 
     args = p.parse_args(argv)
     return args.fn(args)

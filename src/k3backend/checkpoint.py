@@ -116,20 +116,26 @@ def count_tensors(path: Path) -> int:
     return n
 
 
-def load_state_dict_into(model: torch.nn.Module, path: Path, model_type: str, *, progress: bool = True) -> None:
+def load_state_dict_into(model: torch.nn.Module, path: Path, model_type: str, *, progress: bool = True,
+                         only_prefix: str | None = None) -> None:
     """Copy every checkpoint tensor into `model`'s parameters (already allocated, final dtypes).
 
-    Collects all problems and raises one `CheckpointError` listing them.
+    only_prefix: load just the tensors whose mapped name starts with it (and strip it), e.g. the
+    vision tower alone. Collects all problems and raises one `CheckpointError` listing them.
     """
     params = dict(model.named_parameters())
     filled: dict[str, torch.Tensor] = {}  # param name -> bool mask of filled expert rows (or scalar True)
     unexpected, bad_shape = [], []
     mx_parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-    total = count_tensors(path)
+    total = count_tensors(path) if only_prefix is None else 0
     bar = tqdm(total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress or total < 50)
     for ckpt_name, t in iter_tensors(path):
         bar.update(1)
         name = canonical_name(ckpt_name, model_type)
+        if only_prefix is not None:
+            if not name.startswith(only_prefix):
+                continue
+            name = name[len(only_prefix):]
         m = _EXPERT.match(name)
         if m:
             base, e, w, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
@@ -266,3 +272,26 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     model.eval().requires_grad_(False)
     log.info("loaded %s (%s, %s) from %s", cfg.model_type, dtype, device, path)
     return model
+
+
+def load_vision(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                progress: bool = True) -> tuple[torch.nn.Module, "PreprocessConfig"]:
+    """Only the vision tower and projector of a kimi_k3 checkpoint (what `k3_vision` serves), plus its
+    preprocessing config. The language model's tensors are not read."""
+    from k3backend.model.preprocess import PreprocessConfig
+    from k3backend.model.vision import K3VisionModel
+
+    path = Path(path)
+    cfg = K3Config.from_json(path)
+    if cfg.vision is None:
+        raise CheckpointError(f"{path}: model_type {cfg.model_type} has no vision_config")
+    dtype = dtype or torch.float32
+    with torch.device("meta"):
+        model = K3VisionModel(cfg.vision)
+    model.to_empty(device=device)
+    model.to(dtype)
+    load_state_dict_into(model, path, cfg.model_type, progress=progress, only_prefix="vision.")
+    pre = path / "preprocessor_config.json"
+    preprocess_cfg = PreprocessConfig.from_json(pre) if pre.exists() else PreprocessConfig()
+    log.info("loaded vision tower (%s, %s) from %s", dtype, device, path)
+    return model.eval().requires_grad_(False), preprocess_cfg

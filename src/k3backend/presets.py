@@ -48,7 +48,7 @@ def _tiny() -> dict[str, Any]:
         "num_experts": 8,
         "num_experts_per_token": 3,
         "num_shared_experts": 2,
-        "moe_intermediate_size": 16,
+        "moe_intermediate_size": 32,  # MXFP4 groups of 32 must divide every expert matrix
         "routed_expert_hidden_size": 32,
         "latent_moe_use_norm": True,
         "moe_router_activation_func": "sigmoid",

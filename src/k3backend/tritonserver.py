@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install nvidia-pytriton==0.7.0 (or run scripts/setup-env)"
 STUB_NAME = "triton_python_backend_stub"
+# Readiness polls go straight to 127.0.0.1, whatever http_proxy says.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class TritonServerError(RuntimeError):
@@ -170,7 +172,7 @@ def _free_ports(n: int) -> list[int]:
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
         for s in socks:
-            s.bind(("127.0.0.1", 0))
+            s.bind(("", 0))  # tritonserver binds 0.0.0.0
         return [s.getsockname()[1] for s in socks]
 
 
@@ -178,8 +180,9 @@ class TritonServer:
     """One tritonserver process: start, wait until ready, stop. Use as a context manager.
 
     The server runs in its own process group (so `stop()` can sweep the Python-backend stubs
-    too) and logs to `log_path`. Ports left as None are picked with `free_port()`; if the
-    server then loses a port race, start is retried with new ports.
+    too) and logs to `work_dir/tritonserver.log`. Ports left as None are picked with
+    `free_port()`. Stopping it can take up to `--exit-timeout-secs` (default 30) while a client
+    still holds an HTTP keep-alive connection: close clients first.
     """
 
     def __init__(
@@ -239,23 +242,23 @@ class TritonServer:
             raise TritonServerError(f"server already started (pid {self.process.pid})")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         backend_dir = prepare_backends(self.work_dir, self.install)
-        attempts = 1 if all(self._fixed_ports) else 3
+        # A port picked here can be taken before the server binds it; then try new ones.
+        attempts = 1 if any(self._fixed_ports) else 3
         for attempt in range(1, attempts + 1):
             picked = iter(_free_ports(3))
             self.http_port, self.grpc_port, self.metrics_port = (
-                p if p else next(picked) for p in self._fixed_ports
+                p or next(picked) for p in self._fixed_ports
             )
             self._spawn(backend_dir)
             try:
                 self._wait_ready()
                 return self
             except TritonServerError as e:
-                lost_port_race = "already in use" in self.log_tail(40)
                 self.stop()
-                if not (lost_port_race and attempt < attempts):
+                if attempt == attempts or "already in use" not in self.log_tail(40):
                     raise TritonServerError(f"{e}\n{self.failure_report()}") from None
+                logger.warning("tritonserver: a port was taken before it started, retrying with new ports")
                 self.process = None
-                logger.warning("tritonserver: port already in use, retrying with new ports")
         raise AssertionError("unreachable")
 
     def _spawn(self, backend_dir: Path) -> None:
@@ -263,7 +266,7 @@ class TritonServer:
             self.model_repository, backend_dir, self.http_port, self.grpc_port, self.metrics_port,
             self.extra_args, self.install,
         )
-        self._log_file = open(self.log_path, "ab")
+        self._log_file = open(self.log_path, "wb")
         self._log_file.write(f"$ {' '.join(cmd)}\n".encode())
         self._log_file.flush()
         self.process = subprocess.Popen(
@@ -294,7 +297,7 @@ class TritonServer:
 
     def _http_status(self, path: str) -> int | None:
         try:
-            with urllib.request.urlopen(self.http_url + path, timeout=2) as r:
+            with _DIRECT.open(self.http_url + path, timeout=2) as r:
                 return r.status
         except urllib.error.HTTPError as e:
             return e.code

@@ -5,9 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-
-class InvalidArgument(ValueError):
-    """A client mistake; the serving layer maps it to Triton's INVALID_ARG."""
+from k3backend.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

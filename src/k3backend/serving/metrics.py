@@ -1,0 +1,137 @@
+"""Triton custom metrics for k3_vision and k3_lm (SERVING.md §9), updated off the request path.
+
+`TritonMetrics` registers `<prefix>:<name>` families through `pb_utils.MetricFamily` (counter,
+gauge and histogram: the 2.51 Python backend has all three), every series labelled with `model`
+and `version` as vllm_backend does. Updates are queued and applied by one drain thread [MET-2]:
+each metric update is a round trip to the Triton process. `NullMetrics` takes the same calls and
+does nothing: with `REPORT_CUSTOM_METRICS=false` no family is registered [MET-3].
+
+    metrics = TritonMetrics(pb_utils, "k3", model="k3_vision", version="1")
+    metrics.counter("vision_images_total", "Images encoded")
+    metrics.counter("request_failure_total", "Error responses", labels={"code": ERROR_CODES})
+    metrics.histogram("vision_encode_seconds", "Encode time per request", TTFT_BUCKETS)
+    metrics.start()
+    metrics.inc("request_failure_total", code="INVALID_ARG"); metrics.observe("vision_encode_seconds", 0.2)
+    metrics.close()
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# [MET-1] buckets, in seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+VISION_ENCODE_BUCKETS = TTFT_BUCKETS
+ERROR_CODES = ("INVALID_ARG", "UNSUPPORTED", "UNAVAILABLE", "CANCELLED", "INTERNAL")
+
+
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1-2-5 buckets up to max_model_len (request_prompt_tokens, request_generation_tokens)."""
+    out: list[float] = []
+    for exp in itertools.count():
+        for m in (1, 2, 5):
+            if m * 10 ** exp > max_model_len:
+                return tuple(out)
+            out.append(float(m * 10 ** exp))
+    raise AssertionError("unreachable")
+
+
+class NullMetrics:
+    """Metrics switched off: every call is accepted and ignored."""
+
+    def counter(self, name: str, description: str, labels: dict[str, Sequence[str]] | None = None) -> None: ...
+    def gauge(self, name: str, description: str, labels: dict[str, Sequence[str]] | None = None) -> None: ...
+    def histogram(self, name: str, description: str, buckets: Sequence[float]) -> None: ...
+    def start(self) -> None: ...
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None: ...
+    def set(self, name: str, value: float, **labels: str) -> None: ...
+    def observe(self, name: str, value: float, **labels: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class TritonMetrics(NullMetrics):
+    """Metric families of one model instance; see the module docstring.
+
+    Register every family, with every value of its extra labels, before `start()`: series are
+    created on the calling thread, and an update for an unregistered series is a bug (logged
+    once, dropped) rather than a new series created on the drain thread.
+    """
+
+    def __init__(self, pb_utils: Any, prefix: str, *, model: str, version: str) -> None:
+        self._pb = pb_utils
+        self.prefix = prefix
+        self._base = {"model": model, "version": str(version)}
+        self._families: list[Any] = []  # deleted after their metrics (pb_utils requires that order)
+        self._series: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        self._queue: queue.Queue[tuple[str, str, float, tuple] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._warned: set[tuple] = set()
+
+    def counter(self, name: str, description: str, labels: dict[str, Sequence[str]] | None = None) -> None:
+        self._register(name, description, self._pb.MetricFamily.COUNTER, labels)
+
+    def gauge(self, name: str, description: str, labels: dict[str, Sequence[str]] | None = None) -> None:
+        self._register(name, description, self._pb.MetricFamily.GAUGE, labels)
+
+    def histogram(self, name: str, description: str, buckets: Sequence[float]) -> None:
+        family = self._family(name, description, self._pb.MetricFamily.HISTOGRAM)
+        self._series[(name, ())] = family.Metric(labels=dict(self._base), buckets=list(buckets))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._drain, name=f"{self.prefix}-metrics", daemon=True)
+        self._thread.start()
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        self._queue.put(("increment", name, float(value), tuple(sorted(labels.items()))))
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self._queue.put(("set", name, float(value), tuple(sorted(labels.items()))))
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        self._queue.put(("observe", name, float(value), tuple(sorted(labels.items()))))
+
+    def close(self) -> None:
+        """Apply what is queued, stop the thread, then release series before their families."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        self._series.clear()
+        self._families.clear()
+
+    def _family(self, name: str, description: str, kind: Any) -> Any:
+        family = self._pb.MetricFamily(name=f"{self.prefix}:{name}", description=description, kind=kind)
+        self._families.append(family)
+        return family
+
+    def _register(self, name: str, description: str, kind: Any, labels: dict[str, Sequence[str]] | None) -> None:
+        family = self._family(name, description, kind)
+        keys = sorted(labels or {})
+        for values in itertools.product(*((labels or {})[k] for k in keys)):
+            extra = tuple(zip(keys, values))
+            self._series[(name, extra)] = family.Metric(labels={**self._base, **dict(extra)})
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            op, name, value, labels = item
+            series = self._series.get((name, labels))
+            if series is None:
+                if (name, labels) not in self._warned:
+                    self._warned.add((name, labels))
+                    logger.error("metric %s:%s%s is not registered; update dropped", self.prefix, name, dict(labels))
+                continue
+            try:
+                getattr(series, op)(value)
+            except Exception:  # a metric must never take the model down
+                logger.exception("metric %s:%s update failed", self.prefix, name)

@@ -1,0 +1,169 @@
+"""Checkpoint loading: layouts, name spellings, MXFP4 experts, named errors, the built-in checkpoint."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from k3backend import load_model
+from k3backend.checkpoint import CheckpointError, dequant_mxfp4, iter_tensors
+from k3backend.presets import make_checkpoint
+from k3backend.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny):
+    return load_model(tiny, progress=False)
+
+
+def single_file_copy(src, dst, rename=lambda n: n, transform=lambda n, t: {n: t}):
+    """Rewrite a checkpoint as one safetensors file, renaming / transforming tensors."""
+    dst.mkdir()
+    for f in ("config.json", "tiktoken.model", "tokenizer_config.json", "preprocessor_config.json"):
+        shutil.copy(src / f, dst / f)
+    tensors = {}
+    for name, t in iter_tensors(src):
+        tensors.update(transform(rename(name), t))
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_make_checkpoint_is_deterministic(tmp_path, tiny):
+    again = make_checkpoint("tiny", tmp_path / "again", seed=0)
+    other = make_checkpoint("tiny", tmp_path / "other", seed=1)
+    a, b, c = (dict(iter_tensors(p)) for p in (tiny, again, other))
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a if a[k].numel() > 4)
+
+
+def test_tiny_checkpoint_is_sharded_in_k3_layout(tiny):
+    index = json.loads((tiny / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) == 2
+    names = set(index)
+    assert "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight" in names
+    assert "language_model.model.layers.0.self_attention_res_proj.weight" in names
+    assert "vision_tower.encoder.blocks.0.wqkv.weight" in names and "mm_projector.post_norm.weight" in names
+    a_log = load_file(str(tiny / index["language_model.model.layers.0.self_attn.A_log"]))[
+        "language_model.model.layers.0.self_attn.A_log"]
+    assert a_log.shape == (16,) and a_log.dtype == torch.float32 and torch.all(a_log[4:] == 0)  # K3 padding
+
+
+def test_activations_stay_sane(tiny_model):
+    ids = torch.randint(0, tiny_model.cfg.text.vocab_size, (48,))
+    hidden = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: hidden.append(out))
+             for layer in tiny_model.language_model.model.layers]
+    logits = tiny_model(ids)
+    for h in hooks:
+        h.remove()
+    for i, h in enumerate(hidden):
+        assert torch.isfinite(h).all() and 0.1 < h.std() < 100, f"layer {i}: std {h.std()}"
+    assert torch.isfinite(logits).all() and logits.std(-1).min() > 0.1
+    assert len(set(logits.argmax(-1).tolist())) > 1
+
+
+def test_both_name_spellings_load_the_same_model(tmp_path, tiny, tiny_model):
+    def short(n):  # language_model.layers.* and mlp.* spellings (K3_LM.md §8.2, §13)
+        return n.replace("language_model.model.layers.", "language_model.layers.").replace(".block_sparse_moe.", ".mlp.")
+
+    other = load_model(single_file_copy(tiny, tmp_path / "short", rename=short), progress=False)
+    ids = torch.randint(0, 512, (20,))
+    assert torch.equal(other(ids), tiny_model(ids))
+
+
+def test_mxfp4_dequantisation_matches_the_spec():
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (3, 32), generator=g, dtype=torch.uint8)
+    scale = torch.randint(120, 135, (3, 2), generator=g, dtype=torch.uint8)
+    lut = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    ref = torch.empty(3, 64)
+    for o in range(3):
+        for i in range(64):
+            code = (int(packed[o, i // 2]) >> (4 * (i % 2))) & 0xF  # low nibble = even index
+            ref[o, i] = (-1) ** (code >> 3) * lut[code & 7] * 2.0 ** (int(scale[o, i // 32]) - 127)
+    assert torch.equal(dequant_mxfp4(packed, scale), ref)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest MXFP4 codes for w [out, in] with a per-32 scale (test helper; exactness is not needed)."""
+    lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    groups = w.float().view(w.shape[0], -1, 32)
+    exp = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6)).clamp(-127, 127)
+    scaled = groups / torch.pow(2.0, exp)[..., None]
+    mag = (scaled.abs()[..., None] - lut).abs().argmin(-1)
+    codes = (mag | ((scaled < 0).long() << 3)).view(w.shape[0], -1)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    return packed, (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_load_like_their_dequantised_values(tmp_path, tiny):
+    def to_mxfp4(name, t):
+        if ".experts." not in name:
+            return {name: t}
+        packed, scale = quantize_mxfp4(t)
+        base = name.removesuffix(".weight")
+        return {f"{base}.weight_packed": packed, f"{base}.weight_scale": scale}
+
+    def dequantised(name, t):
+        return {name: dequant_mxfp4(*quantize_mxfp4(t)).to(torch.bfloat16) if ".experts." in name else t}
+
+    mx = load_model(single_file_copy(tiny, tmp_path / "mx", transform=to_mxfp4), progress=False)
+    bf = load_model(single_file_copy(tiny, tmp_path / "bf", transform=dequantised), progress=False)
+    ids = torch.randint(0, 512, (16,))
+    assert torch.equal(mx(ids), bf(ids))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("language_model.lm_head.weight"), "missing tensors.*language_model.lm_head.weight"),
+    (lambda d: d.pop("language_model.model.layers.2.block_sparse_moe.experts.5.w3.weight"),
+     r"missing tensors.*layers.2.mlp.experts.w13 \(experts \[5\]\)"),
+    (lambda d: d.update({"language_model.model.layers.0.self_attn.bogus": torch.zeros(2)}),
+     "unexpected tensors.*layers.0.self_attn.bogus"),
+    (lambda d: d.update({"language_model.model.norm.weight": torch.zeros(63)}),
+     r"mis-shaped tensors.*model.norm.weight: expected \[64\], got \[63\]"),
+    (lambda d: d.update({"language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed":
+                         torch.zeros(16, 16, dtype=torch.uint8)}),
+     "unexpected tensors.*experts.0.w1.weight_packed"),
+], ids=["missing", "missing-expert", "unexpected", "mis-shaped", "half-mxfp4"])
+def test_checkpoint_mismatch_names_the_tensors(tmp_path, tiny, edit, message):
+    dst = single_file_copy(tiny, tmp_path / "bad")
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(dst, progress=False)
+
+
+def test_missing_shard_and_missing_config_are_errors(tmp_path, tiny):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny, broken)
+    next(broken.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match="shard files listed in the index are missing"):
+        load_model(broken, progress=False)
+    (broken / "config.json").unlink()
+    with pytest.raises(ValueError, match="config.json not found"):
+        load_model(broken, progress=False)
+
+
+def test_image_prompt_runs_through_the_model(tiny, tiny_model):
+    tok = Tokenizer.from_dir(tiny)
+    image = Image.new("RGB", (640, 480), (200, 30, 90))
+    ids = tok.render_chat([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}],
+                          thinking=False).ids
+    ids, spans = tok.expand_image_placeholders(ids, [(640, 480)], [414])
+    assert spans[0][1] - spans[0][0] == 414
+    with_image = tiny_model(torch.tensor(ids), images=[image])
+    other = tiny_model(torch.tensor(ids), images=[Image.new("RGB", (640, 480), (0, 200, 0))])
+    assert with_image.shape == (len(ids), 512) and torch.isfinite(with_image).all()
+    assert not torch.equal(with_image[-1], other[-1])  # the image reaches the logits
+    with pytest.raises(ValueError, match="image pad positions"):
+        tiny_model(torch.tensor(ids))

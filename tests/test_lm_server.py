@@ -1,0 +1,274 @@
+"""k3_lm and k3_ensemble on a real tritonserver (SERVING.md §10), the repository as shipped.
+
+The server loads model_repository/ unchanged; its default checkpoint is the built-in tiny one,
+created under K3_DEFAULT_CHECKPOINT (a per-session temp dir here) on first load.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from PIL import Image
+
+from k3client import collect, http_post, make_inputs, metric, metrics, stream_one
+
+REPO = Path(__file__).resolve().parents[1] / "model_repository"
+MODELS = ["k3_vision", "k3_lm", "k3_ensemble"]
+
+
+@pytest.fixture(scope="module")
+def server(triton_server, tmp_path_factory):
+    os.environ["K3_DEFAULT_CHECKPOINT"] = str(tmp_path_factory.mktemp("ckpt") / "tiny-seed0")
+    return triton_server(REPO, MODELS)
+
+
+def png_data_uri(w: int = 64, h: int = 48, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+GREEDY = {"temperature": 0.0}
+
+
+def test_CMP2_grpc_streaming_deltas_join_to_the_non_streamed_text(server):
+    base = {"text_input": "The capital of France is", "max_tokens": 24, **GREEDY}
+    streamed = stream_one(server.grpc_url, "k3_ensemble", {**base, "stream": True})
+    single = stream_one(server.grpc_url, "k3_ensemble", {**base, "stream": False})
+    assert streamed.error is None and streamed.final
+    for r in streamed.responses[:-1]:  # [STR-3]: every non-final delta is non-empty
+        assert r["text_output"].shape == (1, 1) and r["text_output"][0, 0]
+    assert len(single.responses) == 1  # [STR-1]
+    assert streamed.text == single.text and streamed.text
+
+
+def test_CMP3_unary_infer_on_a_decoupled_model_is_unsupported(server):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with pytest.raises(Exception, match="(?i)decoupled|unsupported|unimplemented"):
+        client.infer("k3_ensemble", make_inputs({"text_input": "hi", "max_tokens": 2}))
+    client.close()
+
+
+def test_CMP6_http_generate_returns_one_json_object(server):
+    status, body = http_post(server.http_url, "/v2/models/k3_ensemble/generate", {
+        "text_input": "The capital of France is", "max_tokens": 16, "temperature": 0,
+        "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True})
+    assert status == 200, body
+    out = json.loads(body)
+    assert isinstance(out["text_output"], str) and out["finish_reason"] in ("stop", "length")
+    assert out["num_input_tokens"] == len("The capital of France is".encode())  # byte-level tiny vocabulary
+    assert 1 <= out["num_output_tokens"] <= 16
+
+
+def test_CMP7_http_generate_stream_sends_sse_deltas(server):
+    status, body = http_post(server.http_url, "/v2/models/k3_ensemble/generate_stream",
+                             {"text_input": "Count to five:", "max_tokens": 32, "stream": True, "temperature": 0})
+    assert status == 200, body
+    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    assert events and events[0]["text_output"]
+    _, single = http_post(server.http_url, "/v2/models/k3_ensemble/generate",
+                          {"text_input": "Count to five:", "max_tokens": 32, "temperature": 0})
+    assert "".join(e["text_output"] for e in events) == json.loads(single)["text_output"]
+
+
+def test_CMP8_vllm_dialect_sampling_parameters(server):
+    status, body = http_post(server.http_url, "/v2/models/k3_ensemble/generate", {
+        "text_input": "Hi", "return_finish_reason": True, "return_cumulative_logprob": True,
+        "sampling_parameters": json.dumps({"temperature": "0", "max_tokens": "8", "stop": ["\n"]})})
+    assert status == 200, body
+    out = json.loads(body)
+    assert out["finish_reason"] in ("stop", "length") and out["cumulative_logprob"] <= 0
+
+
+def test_CMP9_image_chat_counts_image_tokens(server):
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_uri(64, 48)}},
+                                             {"type": "text", "text": "Describe the image."}]}]
+    status, body = http_post(server.http_url, "/v2/models/k3_ensemble/generate", {
+        "text_input": "", "messages": json.dumps(messages), "max_tokens": 8, "return_num_input_tokens": True})
+    assert status == 200, body
+    text_only = [{"role": "user", "content": "Describe the image."}]
+    _, body2 = http_post(server.http_url, "/v2/models/k3_ensemble/generate", {
+        "text_input": "", "messages": json.dumps(text_only), "max_tokens": 8, "return_num_input_tokens": True})
+    n_image = (48 + 8) // 28 * ((64 + 20) // 28)  # padded to 56x84 → 2x3 merged tokens
+    framing = len("<|media_begin|>image 64x48<|media_content|>".replace("<|media_begin|>", "B")
+                  .replace("<|media_content|>", "C")) + 1  # specials are one token, text is bytes
+    assert json.loads(body)["num_input_tokens"] == json.loads(body2)["num_input_tokens"] + n_image + framing
+
+
+def test_CMP9_raw_placeholder_and_count_mismatch(server):
+    ok = stream_one(server.grpc_url, "k3_ensemble", {
+        "text_input": "<|kimi_image_placeholder|>What is this?", "image_url_input": [png_data_uri()],
+        "max_tokens": 4, "return_num_input_tokens": True})
+    assert ok.error is None and ok.final
+    status, body = http_post(server.http_url, "/v2/models/k3_ensemble/generate", {
+        "text_input": "two <|kimi_image_placeholder|><|kimi_image_placeholder|>",
+        "image_url_input": [png_data_uri()], "max_tokens": 4})
+    assert status == 400 and "2 image placeholders but 1 image" in body
+
+
+def test_concurrent_streams_are_independent(server):
+    """8 concurrent streams (greedy and seeded) give exactly what each gives alone ([SMP-7])."""
+    jobs = []
+    for i in range(8):
+        values = {"text_input": f"Request number {i} says", "max_tokens": 12, "stream": True,
+                  "temperature": 0.0 if i % 2 else 0.8, "seed": 1000 + i, "ignore_eos": True}
+        jobs.append(("k3_ensemble", values, f"c{i}"))
+    alone = {rid: stream_one(server.grpc_url, m, v, rid) for m, v, rid in jobs}
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    together = collect(client, jobs)
+    client.close()
+    for rid in alone:
+        assert together[rid].error is None and together[rid].final
+        assert together[rid].text == alone[rid].text, rid
+
+
+def test_seeded_request_is_reproducible_and_logprobs_are_consistent(server):
+    values = {"text_input": "Seeded", "max_tokens": 10, "temperature": 1.0, "top_p": 0.9, "seed": 7,
+              "stream": True, "return_log_probs": True, "return_num_output_tokens": True, "ignore_eos": True}
+    a = stream_one(server.grpc_url, "k3_lm", values)
+    b = stream_one(server.grpc_url, "k3_lm", values)
+    assert a.text == b.text and a.total("num_output_tokens") == 10
+    lp = np.concatenate([r["output_log_probs"].reshape(-1) for r in a.responses])
+    assert len(lp) == 10 and np.all(lp <= 0)
+    assert np.isclose(a.responses[-1]["cum_log_probs"].reshape(-1)[0], lp.sum(), atol=1e-4)
+
+
+def test_STP4_ignore_eos_min_tokens_gives_exactly_max_tokens(server):
+    s = stream_one(server.grpc_url, "k3_ensemble", {
+        "text_input": "Hello", "max_tokens": 20, "min_tokens": 20, "ignore_eos": True, "stream": True,
+        "return_num_output_tokens": True, "return_finish_reason": True})
+    assert s.total("num_output_tokens") == 20
+    assert s.responses[-1]["finish_reason"].reshape(-1)[0] == b"length"
+
+
+def test_CMP4_grpc_cancel_frees_the_request(server):
+    before = metrics(server.metrics_url)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    got = []
+    client.start_stream(callback=lambda result, error: got.append((result, error)))
+    client.async_stream_infer("k3_lm", make_inputs({"text_input": "Go on forever", "max_tokens": 4096,
+                                                    "ignore_eos": True, "stream": True}), request_id="cancel-me")
+    deadline = time.time() + 60
+    while sum(r is not None for r, _ in got) < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    assert sum(r is not None for r, _ in got) >= 3
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        after = metrics(server.metrics_url)
+        if metric(after, "k3:num_requests_running") == 0 and \
+                metric(after, "k3:request_success_total", finished_reason="cancelled") > \
+                metric(before, "k3:request_success_total", finished_reason="cancelled"):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"cancel not observed: running={metric(after, 'k3:num_requests_running')}")
+
+
+def test_CMP5_stop_convention_through_the_ensemble(server):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results = []
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    client.async_stream_infer("k3_ensemble", make_inputs({
+        "text_input": "Tell me a long story", "max_tokens": 4096, "ignore_eos": True, "stream": True,
+        "return_finish_reason": True}), request_id="job-42")
+    deadline = time.time() + 60
+    while not results and time.time() < deadline:
+        time.sleep(0.01)
+    stop = stream_one(server.grpc_url, "k3_ensemble", {"text_input": "", "stop": True}, request_id="job-42")
+    assert stop.error is None and stop.final and stop.text == ""
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        finals = [r for r, e in results if r is not None and
+                  r.get_response().parameters["triton_final_response"].bool_param]
+        if finals:
+            break
+        time.sleep(0.05)
+    client.stop_stream()
+    client.close()
+    assert finals, "the target did not finish after the stop request"
+    assert finals[-1].as_numpy("finish_reason").reshape(-1)[0] == b"cancelled"
+
+
+def test_CMP5_stop_over_http(server):
+    out = {}
+
+    def target():
+        out["resp"] = http_post(server.http_url, "/v2/models/k3_ensemble/generate_stream", {
+            "id": "job-http", "text_input": "Another long story", "max_tokens": 4096, "ignore_eos": True,
+            "stream": True, "return_finish_reason": True})
+
+    t = threading.Thread(target=target)
+    t.start()
+    time.sleep(1.0)
+    status, body = http_post(server.http_url, "/v2/models/k3_ensemble/generate",
+                             {"id": "job-http", "text_input": "", "stop": True})
+    assert status == 200 and json.loads(body)["text_output"] == ""
+    t.join(timeout=10)
+    assert not t.is_alive()
+    events = [json.loads(x[6:]) for x in out["resp"][1].splitlines() if x.startswith("data: ")]
+    assert events[-1]["finish_reason"] == "cancelled"
+
+
+BAD = [
+    ({"text_input": "hi", "messages": "[]"}, "INVALID_ARG", "either in text_input or in messages"),
+    ({"text_input": "hi", "sampling_parameters": "{\"temperature\": 1,}"}, "INVALID_ARG", "not valid JSON"),
+    ({"text_input": "hi", "sampling_parameters": "{\"temprature\": 1}"}, "INVALID_ARG", "unknown key 'temprature'"),
+    ({"text_input": "hi", "top_p": 1.5}, "INVALID_ARG", r"top_p must be in \(0, 1\], got 1.5"),
+    ({"text_input": "hi", "min_tokens": 20, "min_length": 10, "max_tokens": 30}, "INVALID_ARG", "disagree"),
+    ({"text_input": "hi", "max_tokens": 200000}, "INVALID_ARG", "exceeds max_model_len"),
+    ({"text_input": "hi", "beam_width": 2}, "UNSUPPORTED", "beam_width"),
+    ({"text_input": "look <|kimi_image_placeholder|>", "image": ["bm90IGFuIGltYWdl"]}, "INVALID_ARG",
+     "cannot decode image data"),
+    ({"text_input": "", "stop": True}, "INVALID_ARG", "needs a request id"),
+]
+
+
+@pytest.mark.parametrize("values, code, message", BAD, ids=[
+    "two-sources", "bad-json", "unknown-key", "range", "alias", "too-long", "beam", "bad-image", "stop-no-id"])
+def test_ERR_client_mistakes_get_their_code_and_a_good_request_follows(server, values, code, message):
+    rid = "" if values.get("stop") else "bad"
+    bad = stream_one(server.grpc_url, "k3_ensemble", {"max_tokens": 4, **values}, request_id=rid)
+    assert bad.error is not None and code in bad.error, bad.error
+    assert __import__("re").search(message, bad.error), bad.error
+    assert "INTERNAL" not in bad.error
+    good = stream_one(server.grpc_url, "k3_ensemble", {"text_input": "still fine", "max_tokens": 3})
+    assert good.error is None and good.final
+
+
+def test_metrics_counters_move(server):
+    before = metrics(server.metrics_url)
+    s = stream_one(server.grpc_url, "k3_ensemble", {"text_input": "count me", "max_tokens": 5, "ignore_eos": True,
+                                                    "min_tokens": 5, "return_num_input_tokens": True})
+    after = metrics(server.metrics_url)
+    assert s.error is None
+    assert metric(after, "k3:prompt_tokens_total") - metric(before, "k3:prompt_tokens_total") == len(b"count me")
+    assert metric(after, "k3:generation_tokens_total") - metric(before, "k3:generation_tokens_total") == 5
+    for family in ("k3:time_to_first_token_seconds_count", "k3:e2e_request_latency_seconds_count",
+                   "k3:time_per_output_token_seconds_count"):
+        assert metric(after, family) > metric(before, family), family
+    assert metric(after, "k3:engine_healthy") == 1
+
+
+def test_CMP10_perf_analyzer_streaming_ensemble(server, perf_analyzer, tmp_path):
+    data = tmp_path / "prompts.json"
+    data.write_text(json.dumps({"data": [{"text_input": ["Hello"], "max_tokens": [16], "min_tokens": [16],
+                                          "ignore_eos": [True], "stream": [True]}]}))
+    proc = subprocess.run([str(perf_analyzer), "-m", "k3_ensemble", "-i", "grpc", "-u", server.grpc_url,
+                           "--async", "--streaming", "--input-data", str(data), "--concurrency-range", "1:2",
+                           "--measurement-mode", "count_windows", "--measurement-request-count", "8",
+                           "--stability-percentage", "100"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "error" not in proc.stdout.lower().replace("errors: 0", ""), proc.stdout[-2000:]
