@@ -149,6 +149,7 @@ def test_single_request_equals_generate(model32, tok, make_engine, case):
     shown = out.token_ids[:-1] if eos else out.token_ids
     text, reasoning, _ = detokenize_all(tok, shown, **extra)
     assert (out.text, out.reasoning) == (text, reasoning)
+    assert (out.reasoning if extra.get("split_reasoning") else out.text) != ""
     assert out.num_input_tokens == len(req.prompt_ids)
     if params.logprobs is not None:
         assert [lp.logprob for lp in out.logprobs] == [s.logprob for s in ref]
@@ -195,7 +196,7 @@ def test_image_embeddings_replace_media_pads(model64, tok, make_engine, chunk):
 
 @pytest.fixture(scope="module")
 def greedy_ref(model32, tok):
-    """A greedy request with plenty of visible ASCII in its output, and its 24 reference tokens."""
+    """A greedy request whose output has some visible ASCII, and its 24 reference tokens (EOS ignored)."""
     req = Request("g", prompt(tok, "Once upon a time"),
                   SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), eos_ids=(tok.eos_id,))
     return req, reference(model32, req)
@@ -324,18 +325,19 @@ def test_full_queue_is_unavailable(model32, tok, make_engine, greedy_ref):
 
 
 def test_invalid_requests_are_refused_at_submit(model32, tok, make_engine):
-    engine = make_engine(model32, tok)
+    engine, col = make_engine(model32, tok), Collector()
     ok = SamplingParams(max_tokens=4)
-    with pytest.raises(InvalidArgument, match=r"^prompt \(1000 tokens\) \+ max_tokens \(100\) exceeds max_model_len 1024$"):
-        engine.submit(Request("r", [65] * 1000, SamplingParams(max_tokens=100)), print)
+    too_long = r"^prompt \(1000 tokens\) \+ max_tokens \(100\) exceeds max_model_len 1024$"
+    with pytest.raises(InvalidArgument, match=too_long):
+        engine.submit(Request("r", [65] * 1000, SamplingParams(max_tokens=100)), col)
     with pytest.raises(InvalidArgument, match="prompt is empty"):
-        engine.submit(Request("r", [], ok), print)
+        engine.submit(Request("r", [], ok), col)
     with pytest.raises(InvalidArgument, match="token id 512 is outside the vocabulary 0..511"):
-        engine.submit(Request("r", [65, 512], ok), print)
+        engine.submit(Request("r", [65, 512], ok), col)
     with pytest.raises(InvalidArgument, match="2 image pad positions but image_embeds has 1 rows"):
-        engine.submit(Request("r", [tok.media_pad_id] * 2, ok, image_embeds=torch.zeros(1, 64)), print)
+        engine.submit(Request("r", [tok.media_pad_id] * 2, ok, image_embeds=torch.zeros(1, 64)), col)
     with pytest.raises(InvalidArgument, match="stop strings must be non-empty"):
-        engine.submit(Request("r", [65], replace(ok, stop=("",))), print)
+        engine.submit(Request("r", [65], replace(ok, stop=("",))), col)
     assert_idle(engine)
 
 

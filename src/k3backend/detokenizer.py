@@ -76,8 +76,12 @@ class IncrementalDetokenizer:
 
     # ---- public --------------------------------------------------------------------------------
 
-    def push(self, ids: Sequence[int]) -> Delta:
-        """Consume newly generated ids; returns the text that is now safe to send."""
+    def push(self, ids: Sequence[int], *, check_stops: bool = True) -> Delta:
+        """Consume newly generated ids; returns the text that is now safe to send.
+
+        check_stops=False passes text through as if there were no stop strings (nothing held for
+        them): the output is still below min_tokens ([STP-5]).
+        """
         if self._finished:
             raise RuntimeError("push() after finish()")
         if self._stopped:
@@ -88,7 +92,7 @@ class IncrementalDetokenizer:
             new = ["", ""]
             self._feed(token, new)
             reasonings.append(new[REASONING])
-            text, stopped = self._match_stops(new[TEXT])
+            text, stopped = self._match_stops(new[TEXT], check_stops)
             texts.append(text)
             if stopped:
                 return Delta("".join(texts), "".join(reasonings), True, n)
@@ -163,14 +167,14 @@ class IncrementalDetokenizer:
 
     # ---- stop strings (STP-3, STR-6) -----------------------------------------------------------
 
-    def _match_stops(self, new_text: str) -> tuple[str, bool]:
+    def _match_stops(self, new_text: str, check: bool = True) -> tuple[str, bool]:
         """Return (text safe to emit, stopped); keep a tail that could still start a stop string.
 
         The match that completes first wins (smallest end, then earliest start), as it would when
         generating token by token.
         """
         buf = self._held + new_text
-        if not self._stops:
+        if not self._stops or not check:
             self._held = ""
             return buf, False
         best: tuple[int, int] | None = None

@@ -50,4 +50,5 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams, 
             return
         if len(out) >= params.max_tokens:
             return
-        logits = model(torch.tensor([token], device=device), ForwardBatch.single(1, cache))[0]
+        # generated ids are plain tokens: a sampled <|media_pad|> carries no image row
+        logits = model.language_model(torch.tensor([token], device=device), ForwardBatch.single(1, cache))[0]

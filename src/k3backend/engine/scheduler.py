@@ -26,24 +26,6 @@ class Cancel(str, Enum):
     ABORT = "abort"  # direct client cancel ([CAN-1]): the adapter answers with a CANCELLED error
 
 
-class _Detokenizer(IncrementalDetokenizer):
-    """The request's detokenizer, whose stop-string checks can be suspended below min_tokens ([STP-5]).
-
-    While suspended, text passes through as if there were no stop strings (nothing held for them),
-    so a stop string completed before the output has `min_tokens` tokens never ends generation.
-    NOTE: overrides a private hook of IncrementalDetokenizer; replace it with a public
-    `push(..., check_stops=False)` when the detokenizer grows one.
-    """
-
-    suspend_stops = False
-
-    def _match_stops(self, new_text: str) -> tuple[str, bool]:
-        if not self.suspend_stops:
-            return super()._match_stops(new_text)
-        buf, self._held = self._held + new_text, ""
-        return buf, False
-
-
 @dataclass(eq=False)
 class Sequence:
     """One request inside the engine: prompt progress, outputs, and what the next event must carry.
@@ -54,7 +36,7 @@ class Sequence:
 
     request: Request
     on_output: Callable[[RequestOutput], None]
-    detok: _Detokenizer
+    detok: IncrementalDetokenizer
     mask_eos: tuple[int, ...]  # masked below min_tokens ([SMP-6] step 1): end_id, else the EOS set
     stop_eos: tuple[int, ...]  # ends generation ([STP-1] check 1): mask_eos unless ignore_eos
     num_computed: int = 0
@@ -78,7 +60,7 @@ class Sequence:
     def create(cls, request: Request, on_output: Callable[[RequestOutput], None], tokenizer: Tokenizer) -> Sequence:
         """Raises ValueError for options the detokenizer rejects (e.g. an empty stop string)."""
         p = request.params
-        detok = _Detokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens, stop_strings=p.stop,
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens, stop_strings=p.stop,
                              include_stop_str_in_output=p.include_stop_str_in_output,
                              split_reasoning=request.split_reasoning, in_think=request.in_think)
         mask_eos = (p.end_id,) if p.end_id is not None else tuple(request.eos_ids)
@@ -114,8 +96,7 @@ class Sequence:
         n = len(self.output_ids)
         if n >= p.min_tokens and (token in p.stop_token_ids or token in self.stop_eos):
             return FinishReason.STOP  # [STP-2]: the terminating token produces no text
-        self.detok.suspend_stops = n < p.min_tokens
-        delta = self.detok.push([token])
+        delta = self.detok.push([token], check_stops=n >= p.min_tokens)  # [STP-5]
         self.pending_text += delta.text
         self.pending_reasoning += delta.reasoning
         if delta.stopped:

@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 
 IMAGE_INPUTS = ("image_url_input", "image", "image_bytes_input")
 ONLY_ONE_KIND = "use only one of image_url_input, image, image_bytes_input"
-# Pillow format names accepted; MPO is how Pillow opens many camera JPEGs.
-FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP")
+# Pillow format names accepted (camera JPEGs that Pillow opens as MPO come through "JPEG").
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_REDIRECTS = 3
 _REDIRECTS = (301, 302, 303, 307, 308)
 
@@ -361,7 +361,8 @@ class UrlFetcher:
                 n += len(chunk)
                 check_size(n)
                 chunks.append(chunk)
-                conn.pinned_sock.settimeout(_left(deadline))
+                if not resp.isclosed():  # a response closes its socket once the body is read
+                    conn.pinned_sock.settimeout(_left(deadline))
             return b"".join(chunks), None
         finally:
             conn.close()

@@ -12,7 +12,6 @@ message that names the input and the value (ERR-1, ERR-3).
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -27,10 +26,9 @@ from k3backend.engine.sampling_params import SamplingParams
 from k3backend.errors import InvalidArgument, Unsupported
 from k3backend.serving.prompt import ImageInputs, parse_images, parse_json, parse_messages, parse_thinking
 
-logger = logging.getLogger(__name__)
-
-# get(name) -> the input with its batch dimension, or None when absent. Only `image_embeds` may be a
-# torch.Tensor (BF16 has no numpy dtype; it comes through DLPack, possibly on the GPU).
+# get(name) -> the input with its batch dimension, or None when absent. Any input may come as a
+# torch.Tensor (DLPack: BF16 has no numpy dtype, and with FORCE_CPU_ONLY_INPUT_TENSORS=no inputs may
+# sit on the GPU). `image_embeds` stays a tensor where it is; the small ones are copied to numpy.
 TensorGetter = Callable[[str], Union[np.ndarray, torch.Tensor, None]]
 
 MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024
@@ -120,12 +118,11 @@ class ParsedRequest:
 def load_generation_defaults(checkpoint_dir: str | Path) -> dict[str, float | int]:
     """The [SMP-1] level-4 defaults from `generation_config.json` (only the five keys vLLM takes).
 
-    Returns {} without the file. Bad values fail the load naming the file ([CFG-L3]); the effective
-    values are logged once ([CFG-L4]).
+    Returns {} without the file. Bad values fail the load naming the file ([CFG-L3]). The caller
+    logs the result once ([CFG-L4]).
     """
     path = Path(checkpoint_dir) / "generation_config.json"
     if not path.is_file():
-        logger.info("k3_lm: no %s; sampling defaults are the SERVING.md §2.2 ones", path)
         return {}
     try:
         config = json.loads(path.read_text())
@@ -145,41 +142,44 @@ def load_generation_defaults(checkpoint_dir: str | Path) -> dict[str, float | in
         SamplingParams(**out)
     except InvalidArgument as e:
         raise ValueError(f"{path}: {e}") from e
-    logger.info("k3_lm: sampling defaults from %s: %s", path, out or "none")
     return out
 
 
 # ---- scalar coercion (JSON values and request parameters, [SMP-3]) -----------------------------
 
 
+def _show(value: Any) -> str:
+    """repr for an error message, cut short: a hostile value must not make a megabyte message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _number(text: str) -> int | float | None:
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:  # also int() beyond Python's digit limit
+            pass
+    return None
+
+
 def _as_int(value: Any, where: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    try:
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            text = value.strip()
-            try:
-                return int(text)
-            except ValueError:
-                number = float(text)
-                if number.is_integer():
-                    return int(number)
-    except (ValueError, OverflowError):
-        pass
-    raise InvalidArgument(f"{where} must be an integer, got {value!r}")
+    number = _number(value) if isinstance(value, str) else value
+    if isinstance(number, float) and number.is_integer():
+        number = int(number)
+    if isinstance(number, int) and not isinstance(number, bool):
+        return number
+    raise InvalidArgument(f"{where} must be an integer, got {_show(value)}")
 
 
 def _as_float(value: Any, where: str) -> float:
-    try:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            return float(value.strip())
-    except (ValueError, OverflowError):
-        pass
-    raise InvalidArgument(f"{where} must be a number, got {value!r}")
+    number = _number(value) if isinstance(value, str) else value
+    if isinstance(number, (int, float)) and not isinstance(number, bool):
+        try:
+            return float(number)
+        except OverflowError:
+            pass
+    raise InvalidArgument(f"{where} must be a number, got {_show(value)}")
 
 
 def _as_bool(value: Any, where: str) -> bool:
@@ -187,12 +187,12 @@ def _as_bool(value: Any, where: str) -> bool:
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
-    raise InvalidArgument(f"{where} must be a boolean, got {value!r}")
+    raise InvalidArgument(f"{where} must be a boolean, got {_show(value)}")
 
 
 def _as_strs(value: Any, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise InvalidArgument(f"{where} must be a list of strings, got {value!r}")
+        raise InvalidArgument(f"{where} must be a list of strings, got {_show(value)}")
     return value
 
 
@@ -202,7 +202,7 @@ def _as_stop(value: Any, where: str) -> list[str]:
 
 def _as_ints(value: Any, where: str) -> list[int]:
     if not isinstance(value, list):
-        raise InvalidArgument(f"{where} must be a list of integers, got {value!r}")
+        raise InvalidArgument(f"{where} must be a list of integers, got {_show(value)}")
     return [_as_int(v, f"{where}[{i}]") for i, v in enumerate(value)]
 
 

@@ -197,8 +197,8 @@ def parse_images(embeds: np.ndarray | torch.Tensor, token_counts: np.ndarray, gr
 
 def _expand_images(ids: list[int], images: ImageInputs | None, tokenizer: Tokenizer) -> list[int]:
     """[IMG-2] placeholders == images, then [IMG-3] expansion with (W0, H0) and N_i."""
-    if images is None and tokenizer.media_pad_id not in ids and tokenizer.id_of("<|media_begin|>") not in ids:
-        return ids  # text-only fast path: no placeholder can be present
+    if images is None and tokenizer.media_pad_id not in ids:
+        return ids  # text-only fast path: every placeholder form holds a <|media_pad|>
     sizes, counts = (images.sizes, images.token_counts) if images is not None else ((), ())
     try:
         expanded, _ = tokenizer.expand_image_placeholders(ids, sizes, counts)
@@ -227,10 +227,12 @@ def ends_in_think(ids: Sequence[int], tokenizer: Tokenizer) -> bool:
     """
     open_id, close_id, sep_id = (tokenizer.id_of(name) for name in ("<|open|>", "<|close|>", "<|sep|>"))
     start = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] in (open_id, close_id)), None)
-    if start is None or ids[start] != open_id or sep_id not in ids[start + 1:]:
+    if start is None or ids[start] != open_id:
         return False
-    end = start + 1 + list(ids[start + 1:]).index(sep_id)
-    words = tokenizer.decode(ids[start + 1:end], skip_special_tokens=True).split(maxsplit=1)
+    tail = list(ids[start + 1:])
+    if sep_id not in tail:
+        return False  # the prompt ends inside the markup itself
+    words = tokenizer.decode(tail[:tail.index(sep_id)], skip_special_tokens=True).split(maxsplit=1)
     return bool(words) and words[0] == "think"
 
 

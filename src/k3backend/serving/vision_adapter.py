@@ -1,0 +1,473 @@
+"""The logic behind `k3_vision` (SERVING.md §3): parameters, the tower, per-request results.
+
+`VisionServer` is plain Python (no Triton): `execute(requests)` returns, per request, either a
+dict of output arrays (empty for a text-only request [VIS-1], all five outputs otherwise
+[VIS-2]) or the `K3Error` that request fails with. One request's error never touches another's
+result [VIS-7]. The `triton_*` functions at the end are the only code that sees `pb_utils`
+(passed in, so this module imports without Triton); `model_repository/k3_vision/1/model.py`
+just calls them.
+
+Batch invariance [VIS-8]: every image runs through tower and projector on its own. Packing
+images into one forward changes the GEMM shapes, and with them the kernels: measured on an H200
+(bf16 and fp32) packed results differ in the last bits from single-image ones, and on CPU the
+projector does too for images of fewer than 4 tokens. Per-image runs cost about 20% throughput
+against packing at K3 size on an H200 (7 images, 17k patches); results are then bit-identical
+whatever the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from k3backend.config import ConfigError
+from k3backend.errors import InvalidArgument, K3Error
+from k3backend.model.preprocess import PreprocessConfig, ProcessedImage, image_num_tokens, preprocess_image
+from k3backend.model.vision import ROPE_MAX_SIDE
+from k3backend.serving.images import (
+    ImageLimits, ImageReader, UrlFetcher, UrlPolicy, check_placeholder_count, collect_sources,
+    count_placeholders, image_hash, load_pixels, message_image_parts, parse_messages, preprocess_digest,
+)
+from k3backend.serving.metrics import ERROR_CODES, VISION_ENCODE_BUCKETS, NullMetrics, TritonMetrics
+from k3backend.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+MODEL = "k3_vision"
+OUTPUTS = ("image_embeds", "image_token_counts", "image_grid_thw", "image_sizes", "image_hashes")
+# SERVING.md §3.4 with their defaults; "" for in_patch_limit / patch_limit_on_one_side = the checkpoint's.
+PARAMETERS = {
+    "model_path": "", "device": "auto", "gpu_device_ids": "0", "dtype": "auto",
+    "max_images_per_request": "16", "max_image_bytes": "33554432", "max_total_image_bytes": "134217728",
+    "max_image_pixels": "89478485", "max_image_tokens_per_request": "32768",
+    "in_patch_limit": "", "patch_limit_on_one_side": "",
+    "allow_remote_image_urls": "false", "remote_image_url_allowlist": "", "allow_private_network_urls": "false",
+    "url_fetch_timeout_s": "10", "REPORT_CUSTOM_METRICS": "true", "metrics_prefix": "k3",
+}
+# Python-backend settings a deployment may add; accepted and left to the backend.
+BACKEND_PARAMETERS = ("EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS", "ENABLE_MEMORY_GROWTH")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EMBED_DTYPES = {"TYPE_BF16": torch.bfloat16, "TYPE_FP32": torch.float32}
+_WARMUP_SIZE = (56, 42)  # W, H of the warm-up image [HLT-3]
+
+
+@dataclass(frozen=True)
+class VisionParams:
+    """Parsed `parameters` of config.pbtxt; every value checked at load."""
+
+    model_path: str
+    device: str  # auto | cuda | cpu
+    gpu_device_id: int
+    dtype: str  # auto | bfloat16 | float16 | float32
+    limits: ImageLimits
+    max_image_tokens_per_request: int
+    in_patch_limit: int | None
+    patch_limit_on_one_side: int | None
+    url_policy: UrlPolicy
+    report_metrics: bool
+    metrics_prefix: str
+
+    @classmethod
+    def from_model_config(cls, model_config: dict[str, Any]) -> VisionParams:
+        raw = {k: v.get("string_value", "") if isinstance(v, dict) else str(v)
+               for k, v in (model_config.get("parameters") or {}).items()}
+        unknown = sorted(set(raw) - set(PARAMETERS) - set(BACKEND_PARAMETERS))
+        if unknown:
+            raise ConfigError(f"{MODEL}: unknown parameter(s) {unknown}; known: {sorted(PARAMETERS)}")
+        p = _ParamReader({**PARAMETERS, **{k: raw[k] for k in raw if k in PARAMETERS}})
+        allowlist = tuple(h.strip().lower().rstrip(".") for h in p.str("remote_image_url_allowlist").split(",") if h.strip())
+        return cls(
+            model_path=p.str("model_path"),
+            device=p.choice("device", ("auto", "cuda", "cpu")),
+            gpu_device_id=p.int("gpu_device_ids", lo=0),
+            dtype=p.choice("dtype", ("auto", *DTYPES)),
+            limits=ImageLimits(
+                max_images_per_request=p.int("max_images_per_request", lo=1),
+                max_image_bytes=p.int("max_image_bytes", lo=1),
+                max_total_image_bytes=p.int("max_total_image_bytes", lo=1),
+                max_image_pixels=p.int("max_image_pixels", lo=1),
+            ),
+            max_image_tokens_per_request=p.int("max_image_tokens_per_request", lo=1),
+            in_patch_limit=p.int("in_patch_limit", lo=4, optional=True),
+            patch_limit_on_one_side=p.int("patch_limit_on_one_side", lo=2, hi=ROPE_MAX_SIDE, optional=True),
+            url_policy=UrlPolicy(
+                allow_remote=p.bool("allow_remote_image_urls"),
+                allowlist=allowlist,
+                allow_private=p.bool("allow_private_network_urls"),
+                timeout_s=p.float("url_fetch_timeout_s", lo=0.001),
+            ),
+            report_metrics=p.bool("REPORT_CUSTOM_METRICS"),
+            metrics_prefix=p.str("metrics_prefix") or "k3",
+        )
+
+
+class _ParamReader:
+    """String parameters -> typed values; a bad value is a `ConfigError` naming the parameter."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+
+    def str(self, name: str) -> str:
+        return self.values[name].strip()
+
+    def _fail(self, name: str, expected: str) -> ConfigError:
+        return ConfigError(f"{MODEL}: parameter {name}: expected {expected}, got {self.values[name]!r}")
+
+    def int(self, name: str, lo: int, hi: int | None = None, optional: bool = False) -> Any:
+        s = self.str(name)
+        if optional and not s:
+            return None
+        try:
+            v = int(s)
+        except ValueError:
+            v = None
+        if v is None or v < lo or (hi is not None and v > hi):
+            raise self._fail(name, f"an integer in [{lo}, {hi if hi is not None else 'inf'}]"
+                             + (" or empty" if optional else ""))
+        return v
+
+    def float(self, name: str, lo: float) -> float:
+        try:
+            v = float(self.str(name))
+        except ValueError:
+            v = float("nan")
+        if not (v >= lo and v != float("inf")):
+            raise self._fail(name, f"a finite number >= {lo:g}")
+        return v
+
+    def bool(self, name: str) -> bool:
+        s = self.str(name).lower()
+        if s not in ("true", "false", "1", "0", "yes", "no"):
+            raise self._fail(name, "true or false")
+        return s in ("true", "1", "yes")
+
+    def choice(self, name: str, options: Sequence[str]) -> str:
+        s = self.str(name).lower()
+        if s not in options:
+            raise self._fail(name, f"one of {list(options)}")
+        return s
+
+
+@dataclass(frozen=True)
+class VisionRequest:
+    """One Triton request's inputs, batch dimension removed. BYTES elements stay bytes."""
+
+    text_input: bytes | None = None
+    messages: bytes | None = None
+    image_url_input: list[bytes] | None = None
+    image: list[bytes] | None = None
+    image_bytes_input: np.ndarray | None = None  # [N, H, W, C] uint8
+    request_id: str = ""
+    batch_size: int = 1
+
+
+VisionResult = dict[str, Any] | K3Error
+
+
+class VisionServer:
+    """Tower + projector of one model instance and the per-request logic of SERVING.md §3.5."""
+
+    def __init__(self, params: VisionParams, model: torch.nn.Module, preprocess_cfg: PreprocessConfig,
+                 tokenizer: Tokenizer, embeds_dtype: torch.dtype, metrics: NullMetrics | None = None) -> None:
+        self.params = params
+        self.model = model
+        self.preprocess_cfg = preprocess_cfg
+        self.tokenizer = tokenizer
+        self.embeds_dtype = embeds_dtype
+        self.metrics = metrics or NullMetrics()
+        self.device = next(model.parameters()).device
+        self.reader = ImageReader(params.limits, UrlFetcher(params.url_policy))
+        self._config_digest = preprocess_digest(preprocess_cfg)
+
+    @classmethod
+    def from_model_config(cls, model_config: dict[str, Any], model_instance_device_id: int = 0,
+                          metrics: NullMetrics | None = None) -> VisionServer:
+        """Parse the parameters, load tower, projector, preprocessing config and tokenizer.
+
+        `model_instance_device_id` is Triton's; with KIND_MODEL the GPU is `gpu_device_ids`.
+        """
+        from k3backend.checkpoint import load_vision
+        from k3backend.presets import ensure_default_checkpoint
+
+        params = VisionParams.from_model_config(model_config)
+        embeds_dtype = _declared_embeds_dtype(model_config)
+        device, dtype = _device_and_dtype(params, _instance_count(model_config))
+        path = Path(params.model_path) if params.model_path else ensure_default_checkpoint()
+        model, preprocess_cfg = load_vision(path, dtype=dtype, device=device, progress=False)
+        overrides = {k: v for k, v in (("in_patch_limit", params.in_patch_limit),
+                                       ("patch_limit_on_one_side", params.patch_limit_on_one_side)) if v is not None}
+        preprocess_cfg = dataclasses.replace(preprocess_cfg, **overrides)
+        if not (path / "tiktoken.model").is_file():
+            raise ConfigError(f"{MODEL}: {path} has no tokenizer (tiktoken.model); it is needed to count "
+                              f"image placeholders [VIS-6]")
+        tokenizer = Tokenizer.from_dir(path)
+        logger.info("%s: tower on %s (%s), embeddings %s, checkpoint %s, instance device id %s",
+                    MODEL, device, dtype, embeds_dtype, path, model_instance_device_id)
+        return cls(params, model, preprocess_cfg, tokenizer, embeds_dtype, metrics)
+
+    def warm_up(self) -> None:
+        """One image through preprocessing, tower and projector [HLT-3]; not counted in metrics."""
+        from PIL import Image
+
+        image = Image.new("RGB", _WARMUP_SIZE, (128, 64, 32))
+        (embeds,) = self._encode([preprocess_image(image, self.preprocess_cfg)])
+        logger.info("%s: warm-up image %dx%d -> %s embeddings", MODEL, *_WARMUP_SIZE, list(embeds.shape))
+
+    def close(self) -> None:
+        self.metrics.close()
+
+    # ---- per batch ------------------------------------------------------------------------------
+
+    def execute(self, requests: Sequence[VisionRequest]) -> list[VisionResult]:
+        """One result per request, in order. Never raises: a defect is that request's INTERNAL."""
+        start = time.perf_counter()
+        results: list[VisionResult] = []
+        for request in requests:
+            try:
+                results.append(self._prepare(request))
+            except K3Error as e:
+                results.append(e)
+            except Exception:
+                results.append(internal_error(request.request_id))
+        for i, result in enumerate(results):
+            if isinstance(result, list) and result:
+                results[i] = self._outputs_or_error(result, requests[i].request_id)
+            elif isinstance(result, list):
+                results[i] = {}  # text-only [VIS-1]
+        for result in results:
+            if isinstance(result, K3Error):
+                self.metrics.inc("request_failure_total", code=result.code)
+            elif result:
+                self.metrics.inc("vision_images_total", len(result["image_token_counts"][0]))
+                self.metrics.observe("vision_encode_seconds", time.perf_counter() - start)
+        return results
+
+    def _prepare(self, request: VisionRequest) -> list[ProcessedImage]:
+        """Validation, decoding and preprocessing of one request: [] when it has no images."""
+        if request.batch_size != 1:
+            raise InvalidArgument(f"one prompt per request: expected batch size 1, got {request.batch_size}")
+        text = _utf8(request.text_input or b"", "text_input")
+        parts = None
+        if request.messages is not None:
+            parts = message_image_parts(parse_messages(_utf8(request.messages, "messages")))
+        sources = collect_sources(request.image_url_input, request.image, request.image_bytes_input, parts)
+        placeholders = count_placeholders(text, parts, self.tokenizer)
+        if not sources and not placeholders:
+            return []
+        check_placeholder_count(placeholders, len(sources))  # before any image is read [VIS-6]
+        images = self.reader.open_all(sources)
+        tokens = 0
+        for i, image in enumerate(images):
+            try:
+                tokens += image_num_tokens(*image.size, self.preprocess_cfg)
+            except ValueError as e:
+                raise InvalidArgument(f"image {i}: {e}") from None
+        limit = self.params.max_image_tokens_per_request
+        if tokens > limit:  # before the tower runs
+            raise InvalidArgument(f"the images need {tokens} tokens, more than max_image_tokens_per_request {limit}")
+        processed = []
+        for i, image in enumerate(images):
+            image = load_pixels(image, i)
+            try:
+                processed.append(preprocess_image(image, self.preprocess_cfg))
+            except (ValueError, OSError) as e:  # e.g. a pixel mode Pillow cannot convert to RGB
+                raise InvalidArgument(f"image {i}: cannot preprocess {image.mode} image: {e}") from None
+        return processed
+
+    def _outputs_or_error(self, processed: list[ProcessedImage], request_id: str) -> VisionResult:
+        try:
+            embeds = torch.cat(self._encode(processed))  # [ΣN, E]
+        except Exception:
+            return internal_error(request_id)
+        counts = [p.num_tokens for p in processed]
+        assert embeds.shape[0] == sum(counts), (embeds.shape, counts)
+        return {
+            "image_embeds": embeds.unsqueeze(0).contiguous(),  # [1, ΣN, E]
+            "image_token_counts": np.array([counts], dtype=np.int32),
+            "image_grid_thw": np.array([[p.grid_thw for p in processed]], dtype=np.int64),
+            "image_sizes": np.array([[p.size for p in processed]], dtype=np.int32),
+            "image_hashes": np.array([[image_hash(self._config_digest, p).encode() for p in processed]], dtype=object),
+        }
+
+    @torch.inference_mode()
+    def _encode(self, processed: Sequence[ProcessedImage]) -> list[torch.Tensor]:
+        """[N_i, E] per image in the declared dtype; one forward per image [VIS-8]."""
+        return [self.model(p.pixel_values.to(self.device), [p.grid_thw]).to(self.embeds_dtype) for p in processed]
+
+
+def internal_error(request_id: str) -> K3Error:
+    """Log the active exception once with its traceback, and return the client's INTERNAL [ERR-3]."""
+    logger.error("%s: unexpected error in request %r:\n%s", MODEL, request_id, traceback.format_exc())
+    return K3Error(f"unexpected error (see server log, request id '{request_id}')")
+
+
+def _utf8(data: bytes | str, name: str) -> str:
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgument(f"{name} is not valid UTF-8 at byte {e.start}") from None
+
+
+def _declared_embeds_dtype(model_config: dict[str, Any]) -> torch.dtype:
+    """The dtype config.pbtxt declares for image_embeds [ENS-3]."""
+    for out in model_config.get("output", []):
+        if out.get("name") == "image_embeds":
+            declared = out.get("data_type")
+            if declared not in EMBED_DTYPES:
+                raise ConfigError(f"{MODEL}: output image_embeds: data_type must be one of "
+                                  f"{sorted(EMBED_DTYPES)}, got {declared!r}")
+            return EMBED_DTYPES[declared]
+    raise ConfigError(f"{MODEL}: config.pbtxt declares no output image_embeds")
+
+
+def _instance_count(model_config: dict[str, Any]) -> int:
+    return sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])) or 1
+
+
+def _device_and_dtype(params: VisionParams, instances: int) -> tuple[torch.device, torch.dtype]:
+    """device auto -> cuda if visible else cpu; dtype auto -> bfloat16 on GPU, float32 on CPU."""
+    use_cuda = params.device == "cuda" or (params.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{MODEL}: parameter device: cuda requested but no GPU is visible")
+        if params.gpu_device_id >= torch.cuda.device_count():
+            raise ConfigError(f"{MODEL}: parameter gpu_device_ids: GPU {params.gpu_device_id} does not exist "
+                              f"({torch.cuda.device_count()} visible)")
+        device = torch.device("cuda", params.gpu_device_id)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # The instances share the cores; each forward is sequential within an instance.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // instances))
+    if params.dtype != "auto":
+        return device, DTYPES[params.dtype]
+    return device, torch.bfloat16 if use_cuda else torch.float32
+
+
+# ---- Triton glue (pb_utils passed in) ------------------------------------------------------------
+
+
+def triton_initialize(pb_utils: Any, args: dict[str, Any]) -> VisionServer:
+    """`initialize`: parameters, metrics, model, warm-up. Raises on any problem (the load fails)."""
+    import json
+
+    _ensure_log_handler()
+    model_config = json.loads(args["model_config"])
+    params = VisionParams.from_model_config(model_config)
+    metrics: NullMetrics = NullMetrics()
+    if params.report_metrics:
+        metrics = TritonMetrics(pb_utils, params.metrics_prefix, model=args.get("model_name", MODEL),
+                                version=args.get("model_version", "1"))
+        metrics.counter("vision_images_total", "Images encoded by k3_vision")
+        metrics.counter("request_failure_total", "Error responses of k3_vision", labels={"code": ERROR_CODES})
+        metrics.histogram("vision_encode_seconds", "Time k3_vision spends per request with images",
+                          VISION_ENCODE_BUCKETS)
+        metrics.start()
+    try:
+        server = VisionServer.from_model_config(model_config, int(args.get("model_instance_device_id") or 0), metrics)
+        server.warm_up()
+    except BaseException:
+        metrics.close()
+        raise
+    return server
+
+
+def triton_execute(pb_utils: Any, server: VisionServer, requests: Sequence[Any]) -> list[Any]:
+    """`execute`: one response per request; never raises [VIS-7]."""
+    inputs: list[VisionRequest | K3Error] = []
+    for request in requests:
+        try:
+            inputs.append(read_request(pb_utils, request))
+        except Exception:
+            inputs.append(internal_error(_request_id(request)))
+            server.metrics.inc("request_failure_total", code="INTERNAL")
+    valid = [r for r in inputs if isinstance(r, VisionRequest)]
+    try:
+        done = iter(server.execute(valid))
+    except Exception:  # execute catches per request; this is a last line of defence
+        err = internal_error("")
+        done = iter([err] * len(valid))
+    responses = []
+    for item in inputs:
+        result = next(done) if isinstance(item, VisionRequest) else item
+        try:
+            responses.append(build_response(pb_utils, result))
+        except Exception:
+            server.metrics.inc("request_failure_total", code="INTERNAL")
+            responses.append(build_response(pb_utils, internal_error(_request_id(item))))
+    return responses
+
+
+def read_request(pb_utils: Any, request: Any) -> VisionRequest:
+    def get(name: str) -> np.ndarray | None:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    arrays = {name: get(name) for name in ("text_input", "messages", "image_url_input", "image", "image_bytes_input")}
+    present = [a for a in arrays.values() if a is not None]
+    batch = int(present[0].shape[0]) if present else 0
+    if batch != 1 or any(a.shape[0] != 1 for a in present):
+        return VisionRequest(request_id=request.request_id(), batch_size=batch)
+
+    def first(a: np.ndarray | None) -> bytes | None:
+        return None if a is None or a.size == 0 else a.reshape(-1)[0]
+
+    def items(a: np.ndarray | None) -> list[bytes] | None:
+        return None if a is None else list(a.reshape(-1))
+
+    pixels = arrays["image_bytes_input"]
+    return VisionRequest(
+        text_input=first(arrays["text_input"]), messages=first(arrays["messages"]),
+        image_url_input=items(arrays["image_url_input"]), image=items(arrays["image"]),
+        image_bytes_input=None if pixels is None else pixels[0], request_id=request.request_id(),
+    )
+
+
+def build_response(pb_utils: Any, result: VisionResult) -> Any:
+    if isinstance(result, K3Error):
+        return pb_utils.InferenceResponse(output_tensors=[], error=triton_error(pb_utils, result))
+    tensors = []
+    for name in OUTPUTS if result else ():
+        value = result[name]
+        if isinstance(value, torch.Tensor):  # bf16 has no numpy dtype; DLPack also keeps it on the GPU [ENS-4]
+            tensors.append(pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value)))
+        else:
+            tensors.append(pb_utils.Tensor(name, value))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def triton_error(pb_utils: Any, error: K3Error) -> Any:
+    """`k3_vision: <CODE>: <detail>` with the matching Triton code (SERVING.md §7.1, §7.3)."""
+    codes = {"INVALID_ARG": pb_utils.TritonError.INVALID_ARG, "UNSUPPORTED": pb_utils.TritonError.UNSUPPORTED,
+             "UNAVAILABLE": pb_utils.TritonError.UNAVAILABLE, "CANCELLED": pb_utils.TritonError.CANCELLED}
+    return pb_utils.TritonError(f"{MODEL}: {error.code}: {error}", codes.get(error.code, pb_utils.TritonError.INTERNAL))
+
+
+def _request_id(request: Any) -> str:
+    try:
+        return request.request_id() if not isinstance(request, VisionRequest) else request.request_id
+    except Exception:
+        return ""
+
+
+def _ensure_log_handler() -> None:
+    """The stub's stderr lands in the Triton log; give the k3backend logger a handler there once."""
+    root = logging.getLogger("k3backend")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
