@@ -94,7 +94,8 @@ def stream_one(url: str, model: str, values: dict, request_id: str = "r1", timeo
 
 
 def http_post(url: str, path: str, body: dict, timeout: float = 120) -> tuple[int, str]:
-    req = urllib.request.Request(f"http://{url}{path}", data=json.dumps(body).encode(),
+    """POST JSON to `url` (http://host:port) + `path`; returns (status, body) for errors too."""
+    req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -104,8 +105,8 @@ def http_post(url: str, path: str, body: dict, timeout: float = 120) -> tuple[in
 
 
 def metrics(url: str) -> dict[str, float]:
-    """Parse the Prometheus text on the metrics URL into {'name{labels}': value}."""
-    with urllib.request.urlopen(f"http://{url}/metrics", timeout=10) as r:
+    """Parse the Prometheus text at the metrics URL into {'name{labels}': value}."""
+    with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     out = {}
     for line in text.splitlines():

@@ -22,7 +22,6 @@ import http.client
 import io
 import ipaddress
 import json
-import logging
 import socket
 import ssl
 import time
@@ -39,9 +38,6 @@ from k3backend.errors import InvalidArgument, Unavailable
 from k3backend.model.preprocess import PreprocessConfig, ProcessedImage
 from k3backend.tokenizer import IMAGE_PLACEHOLDER_TEXT, MEDIA_PAD, Tokenizer
 
-logger = logging.getLogger(__name__)
-
-IMAGE_INPUTS = ("image_url_input", "image", "image_bytes_input")
 ONLY_ONE_KIND = "use only one of image_url_input, image, image_bytes_input"
 # Pillow format names accepted (camera JPEGs that Pillow opens as MPO come through "JPEG").
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 
 from k3backend.config import ConfigError
-from k3backend.errors import InvalidArgument, K3Error
+from k3backend.errors import InvalidArgument, K3Error, Unavailable
 from k3backend.model.preprocess import PreprocessConfig, ProcessedImage, image_num_tokens, preprocess_image
 from k3backend.model.vision import ROPE_MAX_SIDE
 from k3backend.serving.images import (
@@ -40,6 +39,7 @@ from k3backend.serving.images import (
     count_placeholders, image_hash, load_pixels, message_image_parts, parse_messages, preprocess_digest,
 )
 from k3backend.serving.metrics import ERROR_CODES, VISION_ENCODE_BUCKETS, NullMetrics, TritonMetrics
+from k3backend.serving.triton_io import setup_logging, triton_error_code
 from k3backend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,8 @@ class VisionParams:
         if unknown:
             raise ConfigError(f"{MODEL}: unknown parameter(s) {unknown}; known: {sorted(PARAMETERS)}")
         p = _ParamReader({**PARAMETERS, **{k: raw[k] for k in raw if k in PARAMETERS}})
-        allowlist = tuple(h.strip().lower().rstrip(".") for h in p.str("remote_image_url_allowlist").split(",") if h.strip())
+        hosts = p.str("remote_image_url_allowlist").split(",")
+        allowlist = tuple(h.strip().lower().rstrip(".") for h in hosts if h.strip())
         return cls(
             model_path=p.str("model_path"),
             device=p.choice("device", ("auto", "cuda", "cpu")),
@@ -245,6 +246,8 @@ class VisionServer:
                 results[i] = self._outputs_or_error(result, requests[i].request_id)
             elif isinstance(result, list):
                 results[i] = {}  # text-only [VIS-1]
+        if self.device.type == "cuda":  # DLPack hands the outputs over without waiting for kernels
+            torch.cuda.synchronize(self.device)
         for result in results:
             if isinstance(result, K3Error):
                 self.metrics.inc("request_failure_total", code=result.code)
@@ -288,6 +291,10 @@ class VisionServer:
     def _outputs_or_error(self, processed: list[ProcessedImage], request_id: str) -> VisionResult:
         try:
             embeds = torch.cat(self._encode(processed))  # [ΣN, E]
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            logger.warning("%s: out of GPU memory encoding %d images (request %r)", MODEL, len(processed), request_id)
+            return Unavailable("out of GPU memory while encoding the images; retry, or send fewer or smaller images")
         except Exception:
             return internal_error(request_id)
         counts = [p.num_tokens for p in processed]
@@ -364,7 +371,7 @@ def triton_initialize(pb_utils: Any, args: dict[str, Any]) -> VisionServer:
     """`initialize`: parameters, metrics, model, warm-up. Raises on any problem (the load fails)."""
     import json
 
-    _ensure_log_handler()
+    setup_logging()
     model_config = json.loads(args["model_config"])
     params = VisionParams.from_model_config(model_config)
     metrics: NullMetrics = NullMetrics()
@@ -379,6 +386,7 @@ def triton_initialize(pb_utils: Any, args: dict[str, Any]) -> VisionServer:
     try:
         server = VisionServer.from_model_config(model_config, int(args.get("model_instance_device_id") or 0), metrics)
         server.warm_up()
+        logger.info("%s: instance %s ready", MODEL, args.get("model_instance_name", "?"))
     except BaseException:
         metrics.close()
         raise
@@ -399,6 +407,8 @@ def triton_execute(pb_utils: Any, server: VisionServer, requests: Sequence[Any])
         done = iter(server.execute(valid))
     except Exception:  # execute catches per request; this is a last line of defence
         err = internal_error("")
+        for _ in valid:
+            server.metrics.inc("request_failure_total", code="INTERNAL")
         done = iter([err] * len(valid))
     responses = []
     for item in inputs:
@@ -451,9 +461,7 @@ def build_response(pb_utils: Any, result: VisionResult) -> Any:
 
 def triton_error(pb_utils: Any, error: K3Error) -> Any:
     """`k3_vision: <CODE>: <detail>` with the matching Triton code (SERVING.md §7.1, §7.3)."""
-    codes = {"INVALID_ARG": pb_utils.TritonError.INVALID_ARG, "UNSUPPORTED": pb_utils.TritonError.UNSUPPORTED,
-             "UNAVAILABLE": pb_utils.TritonError.UNAVAILABLE, "CANCELLED": pb_utils.TritonError.CANCELLED}
-    return pb_utils.TritonError(f"{MODEL}: {error.code}: {error}", codes.get(error.code, pb_utils.TritonError.INTERNAL))
+    return pb_utils.TritonError(f"{MODEL}: {error.code}: {error}", triton_error_code(pb_utils, error.code))
 
 
 def _request_id(request: Any) -> str:
@@ -462,12 +470,3 @@ def _request_id(request: Any) -> str:
     except Exception:
         return ""
 
-
-def _ensure_log_handler() -> None:
-    """The stub's stderr lands in the Triton log; give the k3backend logger a handler there once."""
-    root = logging.getLogger("k3backend")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
