@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import math
 from pathlib import Path
 
@@ -26,31 +25,14 @@ from k3backend.model.lm import K3TextModel
 from k3backend.model.mla import MLA
 from k3backend.model.moe import MoE
 from k3backend.presets import preset_config
+from fla_naive import load_fla
 from tolerances import tol
 
-FLA = Path(importlib.util.find_spec("fla").submodule_search_locations[0])
 F64 = torch.float64
 BF16 = torch.bfloat16
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """These tensors are tiny: one intra-op thread is fastest, and on a shared 2-core machine OpenMP
-    spin-waits made each small GEMM ~500x slower with two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-def _load_fla(rel: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, FLA / rel)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-FLA_ATTNRES = _load_fla("ops/attnres/naive.py", "fla_attnres_naive")
+FLA_ATTNRES = load_fla("ops/attnres/naive.py", "fla_attnres_naive")
 
 
 def tiny_text(**overrides) -> TextConfig:

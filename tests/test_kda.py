@@ -28,28 +28,13 @@ from k3backend.config import K3Config, TextConfig
 from k3backend.model.cache import ForwardBatch
 from k3backend.model.kda import KDA
 from k3backend.presets import preset_config
+from fla_naive import FLA, load_fla
 from tolerances import SCALAR_FP64, tol
 
-FLA = Path(importlib.util.find_spec("fla").submodule_search_locations[0])
 DTYPES = [pytest.param(torch.float64, id="fp64"), pytest.param(torch.float32, id="fp32")]
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """These tensors are tiny: one intra-op thread is fastest, and on a shared 2-core machine OpenMP
-    spin-waits made each small GEMM ~500x slower with two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 # ---------------------------------------------------------------- fla, loaded by file path
-def _load_fla(rel: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, FLA / rel)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class _TorchWithFloat64:
@@ -62,8 +47,8 @@ class _TorchWithFloat64:
 
 
 def _fla_naive_kda() -> dict[torch.dtype, object]:
-    fp32 = _load_fla("ops/kda/naive.py", "fla_kda_naive_fp32")
-    fp64 = _load_fla("ops/kda/naive.py", "fla_kda_naive_fp64")
+    fp32 = load_fla("ops/kda/naive.py", "fla_kda_naive_fp32")
+    fp64 = load_fla("ops/kda/naive.py", "fla_kda_naive_fp64")
     fp64.torch = _TorchWithFloat64()
     return {torch.float32: fp32, torch.float64: fp64}
 

@@ -252,13 +252,20 @@ def test_metrics_counters_move(server):
     before = metrics(server.metrics_url)
     s = stream_one(server.grpc_url, "k3_ensemble", {"text_input": "count me", "max_tokens": 5, "ignore_eos": True,
                                                     "min_tokens": 5, "return_num_input_tokens": True})
-    after = metrics(server.metrics_url)
     assert s.error is None
-    assert metric(after, "k3:prompt_tokens_total") - metric(before, "k3:prompt_tokens_total") == len(b"count me")
-    assert metric(after, "k3:generation_tokens_total") - metric(before, "k3:generation_tokens_total") == 5
-    for family in ("k3:time_to_first_token_seconds_count", "k3:e2e_request_latency_seconds_count",
-                   "k3:time_per_output_token_seconds_count"):
-        assert metric(after, family) > metric(before, family), family
+    deadline = time.time() + 5  # updates are applied by the metrics thread ([MET-2])
+    while True:
+        after = metrics(server.metrics_url)
+        moved = {name: metric(after, name) - metric(before, name) for name in (
+            "k3:prompt_tokens_total", "k3:generation_tokens_total", "k3:time_to_first_token_seconds_count",
+            "k3:e2e_request_latency_seconds_count", "k3:time_per_output_token_seconds_count")}
+        if moved["k3:e2e_request_latency_seconds_count"] >= 1 or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert moved["k3:prompt_tokens_total"] == len(b"count me")  # [TOK-3]
+    assert moved["k3:generation_tokens_total"] == 5
+    assert moved["k3:time_to_first_token_seconds_count"] == 1 and moved["k3:e2e_request_latency_seconds_count"] == 1
+    assert moved["k3:time_per_output_token_seconds_count"] == 4  # one per token after the first
     assert metric(after, "k3:engine_healthy") == 1
 
 

@@ -182,16 +182,7 @@ class K3Config:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "K3Config":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config.json not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json_object(path, "config.json"))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "K3Config":
@@ -220,6 +211,22 @@ class K3Config:
                    bos_token_id=tokens_src.get("bos_token_id"), eos_token_id=eos_ids,
                    pad_token_id=tokens_src.get("pad_token_id"),
                    media_placeholder_token_id=int(tokens_src.get("media_placeholder_token_id", 163605)), raw=raw)
+
+
+def read_json_object(path: str | Path, filename: str) -> dict[str, Any]:
+    """A JSON object from `path` (or `path/filename` for a checkpoint directory), or a ConfigError."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / filename
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: {filename} not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return raw
 
 
 def _check_type(name: str, value: Any, annotation: str) -> Any:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from k3backend.config import ConfigError
+from k3backend.config import ConfigError, read_json_object
 
 _PATTERNS = ("chessboard", "white", "black", "gray")
 _FILL_STAGES = ("after_resize", "before_resize")
@@ -134,16 +134,7 @@ class PreprocessConfig:
     def from_json(cls, path: str | Path) -> "PreprocessConfig":
         """Read `preprocessor_config.json` (a checkpoint directory is also accepted)."""
         path = Path(path)
-        if path.is_dir():
-            path = path / "preprocessor_config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: preprocessor_config.json not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
+        raw = read_json_object(path, "preprocessor_config.json")
         try:
             return cls.from_dict(raw)
         except ConfigError as e:

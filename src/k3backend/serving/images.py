@@ -35,6 +35,7 @@ import numpy as np
 from PIL import Image
 
 from k3backend.errors import InvalidArgument, Unavailable
+from k3backend.serving.params import decode_utf8
 from k3backend.model.preprocess import PreprocessConfig, ProcessedImage
 from k3backend.tokenizer import IMAGE_PLACEHOLDER_TEXT, MEDIA_PAD, Tokenizer
 
@@ -146,24 +147,15 @@ def collect_sources(image_url_input: Sequence[bytes] | None, image: Sequence[byt
     if embedded and any(present):
         raise InvalidArgument(f"{ONLY_ONE_KIND} (images embedded in messages count as one)")
     if image_url_input is not None:
-        return [ImageSource("url", _text(v, i, "image_url_input")) for i, v in enumerate(image_url_input)]
+        return [ImageSource("url", decode_utf8(v, f"image {i}: image_url_input element")) for i, v in enumerate(image_url_input)]
     if image is not None:
-        return [ImageSource("base64", _text(v, i, "image")) for i, v in enumerate(image)]
+        return [ImageSource("base64", decode_utf8(v, f"image {i}: image element")) for i, v in enumerate(image)]
     if image_bytes_input is not None:
         if image_bytes_input.ndim != 4 or image_bytes_input.shape[3] not in (1, 3, 4):
             raise InvalidArgument(f"image_bytes_input: expected [N, H, W, C] with C in {{1, 3, 4}}, "
                                   f"got shape {list(image_bytes_input.shape)}")
         return [ImageSource("pixels", a) for a in image_bytes_input]
     return embedded
-
-
-def _text(value: bytes | str, index: int, name: str) -> str:
-    if isinstance(value, str):
-        return value
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidArgument(f"image {index}: {name} element is not valid UTF-8 at byte {e.start}") from None
 
 
 # ---- reading and decoding ---------------------------------------------------------------------

@@ -69,12 +69,8 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     """`auto` device: CUDA when visible, else CPU; `auto` dtype: bf16 on GPU, fp32 on CPU (§4.4)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"{MODEL}: parameter device={device!r} must be auto, cuda or cpu")
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
-    if dtype not in ("bfloat16", "float32", "float16", "float64"):
-        raise ValueError(f"{MODEL}: parameter dtype={dtype!r} must be auto, bfloat16, float32, float16 or float64")
     return torch.device(device), getattr(torch, dtype)
 
 
@@ -86,15 +82,16 @@ class LmServer:
         setup_logging()
         _check_instance_config(model_config)
         p = ModelParams(model_config, PARAMETERS, MODEL)
-        if p.int("tensor_parallel_size", 1) != 1 or p.int("expert_parallel_size", 1) != 1:
+        if p.int("tensor_parallel_size", lo=1) != 1 or p.int("expert_parallel_size", lo=1) != 1:
             raise ValueError(f"{MODEL}: tensor_parallel_size/expert_parallel_size > 1 are not implemented yet "
                              "(the engine runs in one process)")
-        self.period_s = p.int("cancellation_check_period_ms", 1) / 1000
-        self.tombstone_ttl_s = p.float("stop_tombstone_ttl_s")
-        self.shutdown_timeout_s = p.float("shutdown_timeout_s")
+        self.period_s = p.int("cancellation_check_period_ms", lo=1) / 1000
+        self.tombstone_ttl_s = p.float("stop_tombstone_ttl_s", lo=0)
+        self.shutdown_timeout_s = p.float("shutdown_timeout_s", lo=0)
         self.unload_on_failure = p.bool("unload_on_engine_failure")
-        self.max_model_len = p.int("max_model_len", 1)
-        device, dtype = resolve_device_dtype(p.str("device"), p.str("dtype"))
+        self.max_model_len = p.int("max_model_len", lo=1)
+        device, dtype = resolve_device_dtype(p.choice("device", ("auto", "cpu", "cuda")),
+                                             p.choice("dtype", ("auto", "bfloat16", "float32", "float16", "float64")))
         ckpt = self._checkpoint(p.str("model_path"))
         tok_dir = Path(p.str("tokenizer_path")) if p.str("tokenizer_path") else ckpt
         t0 = time.monotonic()
@@ -109,15 +106,15 @@ class LmServer:
         gen = load_generation_defaults(ckpt)  # logs the effective defaults [CFG-L4]
         self.defaults = LmDefaults(
             vocab_size=text.vocab_size, hidden_size=text.hidden_size,
-            default_max_tokens=p.int("default_max_tokens", 1), exclude_input_in_output=p.bool("exclude_input_in_output"),
-            default_thinking=p.bool("default_thinking"), max_prompt_bytes=p.int("max_prompt_bytes", 1),
+            default_max_tokens=p.int("default_max_tokens", lo=1), exclude_input_in_output=p.bool("exclude_input_in_output"),
+            default_thinking=p.bool("default_thinking"), max_prompt_bytes=p.int("max_prompt_bytes", lo=1),
             allow_stop_by_request_id=p.bool("allow_stop_by_request_id"), **gen)
         self.eos_ids = tuple(model.cfg.eos_token_id) or (self.tokenizer.eos_id,)
         self.eos_ids = tuple(dict.fromkeys(self.eos_ids + tuple(_generation_eos(ckpt))))
         self.engine = Engine(model, self.tokenizer, EngineConfig(
-            max_num_seqs=p.int("max_num_seqs", 1), max_model_len=self.max_model_len,
-            max_num_batched_tokens=p.int("max_num_batched_tokens", 1),
-            max_queued_requests=p.int("max_queued_requests", 0), step_timeout_s=p.float("step_timeout_s")))
+            max_num_seqs=p.int("max_num_seqs", lo=1), max_model_len=self.max_model_len,
+            max_num_batched_tokens=p.int("max_num_batched_tokens", lo=1),
+            max_queued_requests=p.int("max_queued_requests", lo=0), step_timeout_s=p.float("step_timeout_s", lo=0.001)))
         self._warm_up()
         log.info("%s: worker rank 0 pid %d device %s", MODEL, os.getpid(), device)  # [HLT-1]
         log.info("%s: loaded %s (%s) in %.1f s", MODEL, ckpt, dtype, time.monotonic() - t0)
@@ -211,13 +208,7 @@ class LmServer:
         """Engine thread: one event -> at most one response, queued for the send thread."""
         try:
             if ev.token_ids:
-                state.num_output_tokens += len(ev.token_ids)
-                self.metrics.inc("generation_tokens_total", len(ev.token_ids))
-                if state.last_token_ns and ev.last_token_time_ns:
-                    per_token = (ev.last_token_time_ns - state.last_token_ns) / 1e9 / len(ev.token_ids)
-                    for _ in ev.token_ids:
-                        self.metrics.observe("time_per_output_token_seconds", per_token)
-                state.last_token_ns = ev.last_token_time_ns or state.last_token_ns
+                self._count_tokens(state, ev)
             if ev.first_scheduled_time_ns and state.builder is not None and not state.first_sent and ev.token_ids:
                 self.metrics.observe("request_queue_time_seconds",
                                      max(0.0, ev.first_scheduled_time_ns / 1e9 - state.parsed.arrival_time))
@@ -238,6 +229,22 @@ class LmServer:
             self.metrics.inc("request_success_total", finished_reason=ev.finish_reason.value)
             self.metrics.observe("e2e_request_latency_seconds", time.monotonic() - state.arrival)
             self.metrics.observe("request_generation_tokens", state.num_output_tokens)
+
+    def _count_tokens(self, state: _InFlight, ev: RequestOutput) -> None:
+        """Generation counter, and one time-per-output-token observation per token after the first.
+
+        An event can cover several tokens (held-back text); their interval is spread evenly.
+        """
+        n = len(ev.token_ids)
+        state.num_output_tokens += n
+        self.metrics.inc("generation_tokens_total", n)
+        prev = state.last_token_ns or ev.first_token_time_ns
+        intervals = n if state.last_token_ns else n - 1
+        if intervals > 0 and ev.last_token_time_ns and prev:
+            per_token = max(0.0, (ev.last_token_time_ns - prev) / 1e9 / intervals)
+            for _ in range(intervals):
+                self.metrics.observe("time_per_output_token_seconds", per_token)
+        state.last_token_ns = ev.last_token_time_ns or state.last_token_ns
 
     def _send_loop(self) -> None:
         while (item := self._send_q.get()) is not None:

@@ -250,7 +250,10 @@ def _to_bytes(name: str, element: Any) -> bytes:
     raise InvalidArgument(f"{name}: expected BYTES elements, got {type(element).__name__}")
 
 
-def _utf8(name: str, raw: bytes) -> str:
+def decode_utf8(raw: bytes | str, name: str) -> str:
+    """A BYTES element as text; invalid UTF-8 is INVALID_ARG naming the input and byte ([PRM-2])."""
+    if isinstance(raw, str):
+        return raw
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -310,13 +313,13 @@ class _Inputs:
 
     def text(self, name: str) -> str | None:
         raw = self.raw(name)
-        return None if raw is None else _utf8(name, raw)
+        return None if raw is None else decode_utf8(raw, name)
 
     def texts(self, name: str) -> list[str] | None:
         arr = self.array(name)
         if arr is None:
             return None
-        return [_utf8(f"{name}[{i}]", _to_bytes(name, x)) for i, x in enumerate(arr.reshape(-1))]
+        return [decode_utf8(_to_bytes(name, x), f"{name}[{i}]") for i, x in enumerate(arr.reshape(-1))]
 
     def ints(self, name: str) -> list[int] | None:
         arr = self.array(name)
@@ -473,8 +476,8 @@ def _prompt_source(inputs: _Inputs, defaults: LmDefaults) -> tuple[str, list[dic
     for name, value in raw.items():
         if value is not None and len(value) > defaults.max_prompt_bytes:
             raise InvalidArgument(f"{name} is {len(value)} bytes; max_prompt_bytes is {defaults.max_prompt_bytes}")
-    text = _utf8("text_input", raw["text_input"] or b"")  # absent only in tests: Triton requires it
-    messages_text = None if raw["messages"] is None else _utf8("messages", raw["messages"])
+    text = decode_utf8(raw["text_input"] or b"", "text_input")  # absent only in tests: Triton requires it
+    messages_text = None if raw["messages"] is None else decode_utf8(raw["messages"], "messages")
     kwargs_text = inputs.text("chat_template_kwargs")
     if messages_text is not None and text:
         raise InvalidArgument('send the prompt either in text_input or in messages (with text_input ""), not both')

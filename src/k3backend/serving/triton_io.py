@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from k3backend.config import ConfigError
 from k3backend.errors import InvalidArgument
 
 
@@ -32,42 +33,65 @@ def triton_error_code(pb_utils: Any, code: str) -> int:
     return getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL)
 
 
+# Python-backend settings a deployment may add to any model; accepted and left to the backend.
+BACKEND_PARAMETERS = ("EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS", "ENABLE_MEMORY_GROWTH")
+
+
 class ModelParams:
-    """Typed access to a model's config.pbtxt `parameters` with defaults; unknown names fail the load ([CFG-L3])."""
+    """Typed access to a model's config.pbtxt `parameters`, with defaults.
+
+    Unknown names and unparsable values fail the load with a `ConfigError` naming the parameter
+    ([CFG-L3]); an empty string is the default unless the caller says the value is optional.
+    """
 
     def __init__(self, model_config: Mapping[str, Any], defaults: Mapping[str, str], model_name: str) -> None:
-        raw = {k: v.get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
-        unknown = sorted(set(raw) - set(defaults))
+        raw = {k: v.get("string_value", "") if isinstance(v, dict) else str(v)
+               for k, v in (model_config.get("parameters") or {}).items()}
+        unknown = sorted(set(raw) - set(defaults) - set(BACKEND_PARAMETERS))
         if unknown:
-            raise ValueError(f"{model_name}: unknown parameter(s) {unknown}; known: {sorted(defaults)}")
-        self._values = {**defaults, **raw}
+            raise ConfigError(f"{model_name}: unknown parameter(s) {unknown}; known: {sorted(defaults)}")
+        self._values = {**defaults, **{k: v for k, v in raw.items() if k in defaults}}
         self._model = model_name
 
-    def str(self, name: str) -> str:
-        return self._values[name]
+    def _fail(self, name: str, expected: str) -> ConfigError:
+        return ConfigError(f"{self._model}: parameter {name}: expected {expected}, got {self._values[name]!r}")
 
-    def int(self, name: str, minimum: int | None = None) -> int:
+    def str(self, name: str) -> str:
+        return self._values[name].strip()
+
+    def int(self, name: str, lo: int, hi: int | None = None, optional: bool = False) -> Any:
+        s = self.str(name)
+        if optional and not s:
+            return None
         try:
-            v = int(self._values[name])
+            v = int(s)
         except ValueError:
-            raise ValueError(f"{self._model}: parameter {name}={self._values[name]!r} is not an integer") from None
-        if minimum is not None and v < minimum:
-            raise ValueError(f"{self._model}: parameter {name}={v} must be >= {minimum}")
+            v = None
+        if v is None or v < lo or (hi is not None and v > hi):
+            raise self._fail(name, f"an integer in [{lo}, {hi if hi is not None else 'inf'}]"
+                             + (" or empty" if optional else ""))
         return v
 
-    def float(self, name: str) -> float:
+    def float(self, name: str, lo: float) -> float:
         try:
-            return float(self._values[name])
+            v = float(self.str(name))
         except ValueError:
-            raise ValueError(f"{self._model}: parameter {name}={self._values[name]!r} is not a number") from None
+            v = float("nan")
+        if not (v >= lo and v != float("inf")):
+            raise self._fail(name, f"a finite number >= {lo:g}")
+        return v
 
     def bool(self, name: str) -> bool:
-        v = self._values[name].strip().lower()
-        if v in ("true", "1", "yes", "on"):
-            return True
-        if v in ("false", "0", "no", "off", ""):
-            return False
-        raise ValueError(f"{self._model}: parameter {name}={self._values[name]!r} is not true/false")
+        s = self.str(name).lower()
+        if s not in ("true", "false", "1", "0", "yes", "no"):
+            raise self._fail(name, "true or false")
+        return s in ("true", "1", "yes")
+
+    def choice(self, name: str, options: Sequence[str]) -> str:
+        s = self.str(name).lower()
+        if s not in options:
+            raise self._fail(name, f"one of {list(options)}")
+        return s
 
 
 def input_getter(pb_utils: Any, request: Any) -> Callable[[str], np.ndarray | torch.Tensor | None]:

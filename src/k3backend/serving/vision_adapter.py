@@ -38,8 +38,9 @@ from k3backend.serving.images import (
     ImageLimits, ImageReader, UrlFetcher, UrlPolicy, check_placeholder_count, collect_sources,
     count_placeholders, image_hash, load_pixels, message_image_parts, parse_messages, preprocess_digest,
 )
+from k3backend.serving.params import decode_utf8
 from k3backend.serving.metrics import ERROR_CODES, VISION_ENCODE_BUCKETS, NullMetrics, TritonMetrics
-from k3backend.serving.triton_io import setup_logging, triton_error_code
+from k3backend.serving.triton_io import ModelParams, setup_logging, triton_error_code
 from k3backend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ PARAMETERS = {
     "allow_remote_image_urls": "false", "remote_image_url_allowlist": "", "allow_private_network_urls": "false",
     "url_fetch_timeout_s": "10", "REPORT_CUSTOM_METRICS": "true", "metrics_prefix": "k3",
 }
-# Python-backend settings a deployment may add; accepted and left to the backend.
-BACKEND_PARAMETERS = ("EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS", "ENABLE_MEMORY_GROWTH")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 EMBED_DTYPES = {"TYPE_BF16": torch.bfloat16, "TYPE_FP32": torch.float32}
 _WARMUP_SIZE = (56, 42)  # W, H of the warm-up image [HLT-3]
@@ -80,12 +79,7 @@ class VisionParams:
 
     @classmethod
     def from_model_config(cls, model_config: dict[str, Any]) -> VisionParams:
-        raw = {k: v.get("string_value", "") if isinstance(v, dict) else str(v)
-               for k, v in (model_config.get("parameters") or {}).items()}
-        unknown = sorted(set(raw) - set(PARAMETERS) - set(BACKEND_PARAMETERS))
-        if unknown:
-            raise ConfigError(f"{MODEL}: unknown parameter(s) {unknown}; known: {sorted(PARAMETERS)}")
-        p = _ParamReader({**PARAMETERS, **{k: raw[k] for k in raw if k in PARAMETERS}})
+        p = ModelParams(model_config, PARAMETERS, MODEL)
         hosts = p.str("remote_image_url_allowlist").split(",")
         allowlist = tuple(h.strip().lower().rstrip(".") for h in hosts if h.strip())
         return cls(
@@ -111,53 +105,6 @@ class VisionParams:
             report_metrics=p.bool("REPORT_CUSTOM_METRICS"),
             metrics_prefix=p.str("metrics_prefix") or "k3",
         )
-
-
-class _ParamReader:
-    """String parameters -> typed values; a bad value is a `ConfigError` naming the parameter."""
-
-    def __init__(self, values: dict[str, str]) -> None:
-        self.values = values
-
-    def str(self, name: str) -> str:
-        return self.values[name].strip()
-
-    def _fail(self, name: str, expected: str) -> ConfigError:
-        return ConfigError(f"{MODEL}: parameter {name}: expected {expected}, got {self.values[name]!r}")
-
-    def int(self, name: str, lo: int, hi: int | None = None, optional: bool = False) -> Any:
-        s = self.str(name)
-        if optional and not s:
-            return None
-        try:
-            v = int(s)
-        except ValueError:
-            v = None
-        if v is None or v < lo or (hi is not None and v > hi):
-            raise self._fail(name, f"an integer in [{lo}, {hi if hi is not None else 'inf'}]"
-                             + (" or empty" if optional else ""))
-        return v
-
-    def float(self, name: str, lo: float) -> float:
-        try:
-            v = float(self.str(name))
-        except ValueError:
-            v = float("nan")
-        if not (v >= lo and v != float("inf")):
-            raise self._fail(name, f"a finite number >= {lo:g}")
-        return v
-
-    def bool(self, name: str) -> bool:
-        s = self.str(name).lower()
-        if s not in ("true", "false", "1", "0", "yes", "no"):
-            raise self._fail(name, "true or false")
-        return s in ("true", "1", "yes")
-
-    def choice(self, name: str, options: Sequence[str]) -> str:
-        s = self.str(name).lower()
-        if s not in options:
-            raise self._fail(name, f"one of {list(options)}")
-        return s
 
 
 @dataclass(frozen=True)
@@ -260,10 +207,10 @@ class VisionServer:
         """Validation, decoding and preprocessing of one request: [] when it has no images."""
         if request.batch_size != 1:
             raise InvalidArgument(f"one prompt per request: expected batch size 1, got {request.batch_size}")
-        text = _utf8(request.text_input or b"", "text_input")
+        text = decode_utf8(request.text_input or b"", "text_input")
         parts = None
         if request.messages is not None:
-            parts = message_image_parts(parse_messages(_utf8(request.messages, "messages")))
+            parts = message_image_parts(parse_messages(decode_utf8(request.messages, "messages")))
         sources = collect_sources(request.image_url_input, request.image, request.image_bytes_input, parts)
         placeholders = count_placeholders(text, parts, self.tokenizer)
         if not sources and not placeholders:
@@ -317,15 +264,6 @@ def internal_error(request_id: str) -> K3Error:
     """Log the active exception once with its traceback, and return the client's INTERNAL [ERR-3]."""
     logger.error("%s: unexpected error in request %r:\n%s", MODEL, request_id, traceback.format_exc())
     return K3Error(f"unexpected error (see server log, request id '{request_id}')")
-
-
-def _utf8(data: bytes | str, name: str) -> str:
-    if isinstance(data, str):
-        return data
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidArgument(f"{name} is not valid UTF-8 at byte {e.start}") from None
 
 
 def _declared_embeds_dtype(model_config: dict[str, Any]) -> torch.dtype:
