@@ -118,10 +118,15 @@ def main() -> int:
     from k3backend.presets import ensure_default_checkpoint
     from k3backend.tokenizer import Tokenizer
 
-    torch.set_num_threads(1)  # as k3_lm does for toy models on CPU
+    from k3backend.serving.lm_adapter import resolve_device_dtype
+
+    device, dtype = resolve_device_dtype("auto", "auto")  # what k3_lm picks with its default parameters
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as k3_lm does for toy models on CPU
     ckpt = ensure_default_checkpoint()
     tok = Tokenizer.from_dir(ckpt)
-    engine = Engine(load_model(ckpt, progress=False), tok, EngineConfig())
+    engine = Engine(load_model(ckpt, dtype=dtype, device=device, progress=False), tok, EngineConfig())
+    print(f"engine in-process: {device} {dtype}")
     via_engine(engine, tok, prompts[0], 4)
     results["engine in-process"] = [via_engine(engine, tok, p, args.max_tokens) for p in prompts]
     engine.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,17 @@ from k3backend.tritonserver import TritonServer
 torch.set_num_threads(1)
 
 StartServer = Callable[..., TritonServer]
+REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
+
+
+@dataclass
+class ExternalServer:
+    """A server started outside pytest on the project's model_repository (e.g. on a GPU machine):
+    `K3_EXTERNAL_SERVER=http://host:8000,host:8001,http://host:8002/metrics`."""
+
+    http_url: str
+    grpc_url: str
+    metrics_url: str
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +59,9 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartSer
         fresh: bool = False,
         startup_timeout_s: float = 300.0,
     ) -> TritonServer:
+        external = os.environ.get("K3_EXTERNAL_SERVER")
+        if external and Path(model_repository).resolve() == REPOSITORY and not fresh and not extra_args:
+            return ExternalServer(*external.split(","))
         key = (Path(model_repository).resolve(), tuple(models), tuple(extra_args))
         server = None if fresh else servers.get(key)
         if server is not None and server.is_running():

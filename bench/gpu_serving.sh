@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Serve model_repository/ on a GPU machine without Docker and check it end to end.
+#
+# Carried inputs (see ../shared/PLATFORM.md): .dev/tritonserver.tar.xz (bin, backends/python with the
+# 3.12 stub, libs) and .dev/whl/ (numpy 1.26.4 cp312 — the stub needs numpy<2 —, tritonclient,
+# python-rapidjson). Writes server.log, bench.txt and pytest.txt under $OUT (or /tmp/k3out).
+set -uo pipefail
+OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
+TS=/tmp/k3ts; mkdir -p $TS && tar -xJf .dev/tritonserver.tar.xz -C $TS
+python3 -m pip install -q --no-index --no-deps .dev/whl/numpy-1.26.4-*.whl 2>&1 | tail -1
+python3 -m pip install -q --no-index --no-deps --target /tmp/k3site .dev/whl/tritonclient-*.whl .dev/whl/python_rapidjson-*.whl
+echo "$ROOT/src" > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/k3backend-src.pth"
+export PYTHONPATH=/tmp/k3site K3_DEFAULT_CHECKPOINT=/tmp/k3ck PYTHONUNBUFFERED=1
+python3 -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__, torch.cuda.get_device_name())"
+LIBDIR=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
+LD_LIBRARY_PATH=$TS/ts/libs:$LIBDIR $TS/ts/bin/tritonserver --model-repository="$ROOT/model_repository" \
+  --backend-directory=$TS/ts/backends --cuda-memory-pool-byte-size=0:1073741824 >"$OUT/server.log" 2>&1 &
+SERVER=$!
+python3 - <<'PY' || { tail -50 "$OUT/server.log"; kill $SERVER; exit 1; }
+import time, urllib.request
+for _ in range(300):
+    try:
+        if urllib.request.urlopen("http://localhost:8000/v2/models/k3_ensemble/ready", timeout=2).status == 200:
+            print("k3_ensemble ready"); break
+    except Exception:
+        time.sleep(1)
+else:
+    raise SystemExit("server not ready")
+PY
+grep -E "k3backend|worker rank" "$OUT/server.log" | head -20
+python3 bench/serving_latency.py --url localhost:8001 --requests 20 --max-tokens 64 2>&1 | grep -v INFO | tee "$OUT/bench.txt"
+K3_EXTERNAL_SERVER=http://127.0.0.1:8000,127.0.0.1:8001,http://127.0.0.1:8002/metrics \
+  python3 -m pytest tests/test_lm_server.py -q -p no:cacheprovider -k "not perf_analyzer" 2>&1 | tee "$OUT/pytest.txt" | tail -30
+kill $SERVER; wait $SERVER
+grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm" | head -20
