@@ -279,3 +279,66 @@ def test_CMP10_perf_analyzer_streaming_ensemble(server, perf_analyzer, tmp_path)
                            "--stability-percentage", "100"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "error" not in proc.stdout.lower().replace("errors: 0", ""), proc.stdout[-2000:]
+
+
+def test_ERR5_malformed_traffic_does_not_disturb_valid_streams(server):
+    """[ERR-5] in small: 8 valid streams run while malformed requests (client mistakes and Triton-level
+    garbage) hit the same server; every valid stream completes exactly, no error is INTERNAL."""
+    valid = [("k3_ensemble", {"text_input": f"valid {i}", "max_tokens": 16, "min_tokens": 16, "ignore_eos": True,
+                              "stream": True, "return_num_output_tokens": True,
+                              "temperature": 0.0 if i % 2 else 1.0, "seed": i}, f"v{i}") for i in range(8)]
+    bad_values = [{"max_tokens": 4, **v} for v, _, _ in BAD if not v.get("stop")] + [
+        {"text_input": "hi", "temprature": 0.5},  # unknown input name (Triton core)
+        {"text_input": ["a", "b"]},  # wrong shape
+        {"text_input": 7},  # wrong dtype
+    ]
+    errors: list[str] = []
+
+    def hammer():
+        for rep in range(3):
+            for values in bad_values:
+                try:
+                    s = stream_one(server.grpc_url, "k3_ensemble", values, request_id="")
+                    errors.append(s.error or "no error")
+                except Exception as e:  # noqa: BLE001 - Triton rejects garbage before streaming
+                    errors.append(str(e))
+
+    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results = collect(client, valid)
+    client.close()
+    for t in threads:
+        t.join(timeout=120)
+    for rid, s in results.items():
+        assert s.error is None and s.final, (rid, s.error)
+        assert s.total("num_output_tokens") == 16, rid
+        assert all(r["text_output"][0, 0].decode("utf-8") is not None for r in s.responses)
+    assert len(errors) == 6 * len(bad_values)
+    assert not any("INTERNAL" in e or e == "no error" for e in errors), [e for e in errors if "INTERNAL" in e][:3]
+    greedy_alone = stream_one(server.grpc_url, "k3_ensemble", valid[1][1], request_id="v1-alone")
+    assert greedy_alone.text == results["v1"].text
+
+
+def _config(server, model: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.http_url}/v2/models/{model}/config", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_CFG_E3_ensemble_lm_and_vision_declare_the_same_tensors(server):
+    ens, lm, vis = (_config(server, m) for m in ("k3_ensemble", "k3_lm", "k3_vision"))
+    sig = lambda io: {t["name"]: (t["data_type"], tuple(t["dims"])) for t in io}  # noqa: E731
+    image_inputs = {"image_url_input", "image", "image_bytes_input"}
+    internal = {"image_embeds", "image_token_counts", "image_grid_thw", "image_sizes", "image_hashes"}
+    ens_in, lm_in, vis_in = sig(ens["input"]), sig(lm["input"]), sig(vis["input"])
+    assert {k: v for k, v in ens_in.items() if k not in image_inputs} == \
+        {k: v for k, v in lm_in.items() if k not in internal}
+    assert all(ens_in[k] == v for k, v in vis_in.items())
+    assert sig(ens["output"]) == sig(lm["output"])  # [TOP-2]: every ensemble output comes from k3_lm
+    vis_out = sig(vis["output"])
+    assert {k: lm_in[k] for k in internal} == vis_out  # [ENS-3]: same dtype for image_embeds
+    assert ens["max_batch_size"] == lm["max_batch_size"] == 1 and ens["model_transaction_policy"]["decoupled"]
+    assert [t["name"] for t in ens["input"] if not t.get("optional")] == ["text_input"]  # [TOP-6]
