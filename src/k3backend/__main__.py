@@ -1,4 +1,4 @@
-"""Command line: `python -m k3backend {generate,make-checkpoint,serve}`. Argument parsing only."""
+"""Command line: `python -m k3backend {generate,make-checkpoint,hf-tokenizer,serve}`. Argument parsing only."""
 
 from __future__ import annotations
 
@@ -68,6 +68,14 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hf_tokenizer(args: argparse.Namespace) -> int:
+    from k3backend.hf_tokenizer import write_hf_tokenizer
+
+    out = write_hf_tokenizer(Path(args.tokenizer), Path(args.out), default_thinking=args.default_thinking)
+    print(f"wrote Hugging Face tokenizer (tokenizer.json, tokenizer_config.json) to {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
@@ -99,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=_make_checkpoint)
+
+    h = sub.add_parser("hf-tokenizer", help="write the Hugging Face tokenizer dir (SERVING.md PRM-5) for a "
+                                            "tiktoken.model + tokenizer_config.json dir")
+    h.add_argument("--tokenizer", required=True, help="directory with tiktoken.model (e.g. a checkpoint)")
+    h.add_argument("--out", required=True, help="output directory (may equal --tokenizer)")
+    h.add_argument("--default-thinking", action="store_true",
+                   help="the template's thinking default; match k3_lm's default_thinking parameter")
+    h.set_defaults(fn=_hf_tokenizer)
 
     sub.add_parser("serve", help="run tritonserver on model_repository in the foreground (options pass through)")
 

@@ -136,7 +136,8 @@ def _special_names(config: dict[str, Any], n_ranks: int, where: str) -> list[str
 
 
 def write_tiny_tokenizer(out_dir: Path) -> None:
-    """Write the tiny checkpoint's vocabulary: 256 single-byte ranks + the 256 K3 special slots.
+    """Write the tiny checkpoint's vocabulary: 256 single-byte ranks + the 256 K3 special slots,
+    plus the Hugging Face files of the same vocabulary (SERVING.md PRM-5).
 
     Every byte is its own token, so multi-byte characters always span tokens: that is what makes
     the tiny model a good test of UTF-8-safe streaming.
@@ -151,6 +152,10 @@ def write_tiny_tokenizer(out_dir: Path) -> None:
     config = {"added_tokens_decoder": decoder, "bos_token": "[BOS]", "eos_token": "<|end_of_msg|>",
               "pad_token": "[PAD]", "unk_token": "[UNK]"}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # The checkpoint dir doubles as the [PRM-5] Hugging Face tokenizer dir (tokenizer.json + template).
+    from k3backend.hf_tokenizer import write_hf_tokenizer  # imports this module
+
+    write_hf_tokenizer(out_dir, out_dir)
 
 
 def split_text_placeholders(text: str) -> list[str]:

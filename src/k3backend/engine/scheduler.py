@@ -61,8 +61,8 @@ class Sequence:
         """Raises ValueError for options the detokenizer rejects (e.g. an empty stop string)."""
         p = request.params
         detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens, stop_strings=p.stop,
-                             include_stop_str_in_output=p.include_stop_str_in_output,
-                             split_reasoning=request.split_reasoning, in_think=request.in_think)
+                                       include_stop_str_in_output=p.include_stop_str_in_output,
+                                       split_reasoning=request.split_reasoning, in_think=request.in_think)
         mask_eos = (p.end_id,) if p.end_id is not None else tuple(request.eos_ids)
         return cls(request, on_output, detok, mask_eos, () if p.ignore_eos else mask_eos)
 
