@@ -8,32 +8,41 @@ merges, single bytes at shuffled ranks, a few ranks reachable only as whole piec
 from __future__ import annotations
 
 import base64
-import codecs
 import json
 import os
 import random
 import subprocess
 import sys
-import this
 from pathlib import Path
 
 import pytest
 
-from k3backend.hf_tokenizer import byte_alphabet, chat_template, derive_merges, write_hf_tokenizer
-from k3backend.tokenizer import K3_SPECIAL_OFFSETS, N_SPECIAL, PAT_STR, Tokenizer, write_tiny_tokenizer
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: no network, ever
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+import jinja2  # noqa: E402
+import tokenizers  # noqa: E402
+import transformers  # noqa: E402
 
-ENGLISH = codecs.decode(this.s, "rot13") + """
+from k3backend.hf_tokenizer import byte_alphabet, derive_merges, write_hf_tokenizer  # noqa: E402
+from k3backend.tokenizer import (  # noqa: E402
+    K3_SPECIAL_OFFSETS,
+    MAX_NO_WHITESPACES_CHARS,
+    N_SPECIAL,
+    PAT_STR,
+    Tokenizer,
+    write_tiny_tokenizer,
+)
+
+ENGLISH = """Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex.
+Readability counts; errors should never pass silently -- unless explicitly silenced. Now is better than never.
 It's the user's job; they'll say we're done when I'd agree. YOU'RE RIGHT, SHE'S HERE, WE'VE GOT IT.
 The quick brown fox jumps over the lazy dog 1234567890 times, doesn't it? Naïve café résumé.
 def tokenize(text: str) -> list[int]:\n    return [ord(c) for c in text]  # comment\n\n\tindent
 """
-CHINESE = """中文分词是自然语言处理的基础。我们今天去北京大学看看，天气很好！人工智能正在改变世界。
-模型的推理速度非常快，服务器支持流式输出。这个问题很有意思，我们需要仔细想一想。你好，世界。
-数据、算法和算力是三大要素；大家都说“学习使人进步”。日本語の文章も少し：こんにちは、世界。한국어도 조금."""
+CHINESE = """中文分词是自然语言处理的基础。我们今天去北京大学看看，天气很好！
+人工智能正在改变世界。模型的推理速度非常快，服务器支持流式输出。
+这个问题很有意思，我们需要仔细想一想。你好，世界。
+数据、算法和算力是三大要素；大家都说“学习使人进步”。
+日本語の文章も少し：こんにちは、世界。한국어도 조금."""
 EMOJI = ["\U0001f680", "\U0001f525", "\U0001f600", "\U0001f44d\U0001f3fd", "\U0001f468\u200d\U0001f4bb",
          "\U0001f1e8\U0001f1f3", "\u2764\ufe0f", "\U0001f389", "\u2728", "\U0001f914"]
 # Pieces that become ranks without their prefixes: tiktoken emits them only as whole regex pieces.
@@ -43,7 +52,8 @@ CORPUS = [
     "", "a", "hello world", "Hello, World!", "  leading and trailing  ", "it's they'll we'RE I'd YOU'VE",
     "don't CAN'T o'clock 's 'S", "1 12 123 1234 12345 3.14159 -42 1e10 ٣٤٥ ½ Ⅻ",
     "中文分词是自然语言处理的基础。", "abc中文def", "日本語とカタカナ、한국어", "Naïve café ÀÉÎõü ǅungla İstanbul",
-    "\U0001f680\U0001f525 rocket \U0001f468\u200d\U0001f469\u200d\U0001f467 family \U0001f1e8\U0001f1f3",
+    "\U0001f680\U0001f525 rocket \U0001f468\u200d\U0001f469\u200d\U0001f467 family",
+    "\U0001f1e8\U0001f1f3\U0001f1ef\U0001f1f5 flags",
     "\u2764\ufe0f\u2764\ufe0f\u2764\ufe0f", "a  b   c    d", "\t\ttabs\t", "x\n\ny\r\n\r\nz\n", "   \n   \n",
     " \n\t \u3000\u00a0\u2003x\u2028y\u0085z", "line\n    indented\n\tcode();\n", "!!! ??? ... --- ***",
     "<div class=\"x\">&amp;</div>", "{{ jinja }} {% raw %} \\n \\\\", "a" * 300, " " * 200 + "x",
@@ -80,7 +90,8 @@ def _training_text(rng: random.Random) -> list[str]:
         sentence = " ".join(rng.choices(words[:rng.randrange(50, 1500)], k=rng.randrange(4, 16)))
         chinese = "".join(han[i:i + rng.randrange(1, 5)] for i in rng.choices(range(len(han)), k=6))
         emoji = "".join(rng.choices(EMOJI, k=rng.randrange(1, 4)))
-        lines.append(f"{sentence.capitalize()}, {rng.randrange(10**6)}! {chinese}。 {emoji} it's {rng.choice(words)}")
+        number, word = rng.randrange(10**6), rng.choice(words)
+        lines.append(f"{sentence.capitalize()}, {number}! {chinese}。 {emoji} it's {word}")
     return lines
 
 
@@ -96,7 +107,8 @@ def _train_ranks() -> list[bytes]:
                                              initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_training_text(rng), trainer)
     decode = {c: b for b, c in enumerate(byte_alphabet())}
-    learned = [bytes(decode[c] for c in token) for token, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    by_id = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    learned = [bytes(decode[c] for c in token) for token, _ in by_id]
     singles = [bytes([b]) for b in range(256)]
     rng.shuffle(singles)
     ranks = singles + [t for t in learned if len(t) > 1]
@@ -142,7 +154,8 @@ def pair(request: pytest.FixtureRequest):
 def test_trained_vocab_has_multibyte_merges(trained):
     ours, hf = trained
     ranks = [ours.decode_bytes([i]) for i in range(ours.n_ranks)]
-    assert 3000 < ours.n_ranks <= 4100 and ranks[0] != b"\x00"  # single bytes are not at rank == byte
+    assert 3000 < ours.n_ranks <= 4100
+    assert ranks[:256] != [bytes([b]) for b in range(256)]  # single bytes are not at rank == byte
     assert "中文".encode() in ranks and "\U0001f680".encode() in ranks  # whole characters merged
     assert any(len(t) == 2 and t[0] >= 0xE0 for t in ranks)  # part of a 3-byte character
     assert len(hf) == ours.vocab_size
@@ -167,6 +180,16 @@ def test_specials_are_added_special_tokens_at_their_ids(pair):
     assert (hf.bos_token_id, hf.pad_token_id, hf.unk_token_id) == (ours.id_of("[BOS]"), ours.id_of("[PAD]"),
                                                                    ours.id_of("[UNK]"))
     assert hf.decode([ours.id_of("<|open|>"), ours.n_ranks + 100], skip_special_tokens=True) == ""
+
+
+def test_reserved_slot_literals_follow_the_slot_table(pair):
+    ours, hf = pair
+    reserved = f"a<|reserved_token_{ours.n_ranks + 8}|>b"
+    assert hf.encode(reserved) == ours.encode(reserved, allow_special=True)
+    assert ours.n_ranks + 8 in hf.encode(reserved)
+    named = f"<|reserved_token_{ours.n_ranks}|>"  # slot 0 is [BOS]: this spelling is ordinary text
+    assert hf.encode(named) == ours.encode(named, allow_special=True)
+    assert max(hf.encode(named)) < ours.n_ranks
 
 
 def test_tiny_eos_is_end_of_msg(tiny):
@@ -217,12 +240,38 @@ def test_hf_ids_equal_ours_on_random_strings(pair):
     assert mismatches == []
 
 
+def test_split_regex_agrees_on_any_code_point(tmp_path: Path):
+    """Every adjacent character pair is a rank, so a piece boundary anywhere shows up in the ids."""
+    texts = random_strings(seed=2, count=400)
+    ranks = {bytes([b]): b for b in range(256)}
+    chars = [c.encode() for c in sorted({c for text in texts for c in text})]
+    pairs = [(a + b).encode() for text in texts for a, b in zip(text, text[1:])]
+    for token in [c[:k] for c in chars for k in range(2, len(c) + 1)] + pairs:
+        ranks.setdefault(token, len(ranks))
+    _write_real_format(tmp_path, sorted(ranks, key=ranks.__getitem__))
+    write_hf_tokenizer(tmp_path, tmp_path)
+    ours, hf = _load_pair(tmp_path)
+    mismatches = [t for t, ids in zip(texts, hf(texts)["input_ids"]) if ids != ours.encode(t, allow_special=True)]
+    assert mismatches == []
+    assert sum(len(ids) < len(t) for t, ids in zip(texts, hf(texts)["input_ids"])) > len(texts) // 2  # pairs merged
+
+
 def test_decode_round_trips(pair):
     ours, hf = pair
     for text in CORPUS + random_strings(seed=1, count=200):
         ids = ours.encode(text, allow_special=True)
         assert hf.decode(ids) == text == ours.decode(ids, skip_special_tokens=False)
         assert hf.decode(ids, skip_special_tokens=True) == ours.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("text", ["q" + "ab" * 12501, "中文字" * 9000], ids=["latin", "han"])
+def test_runs_over_25k_chars_are_cut_by_ours_only(trained, text: str):
+    """The one known difference (module docstring): tokenization_kimi.py cuts long runs, tokenizers doesn't."""
+    ours, hf = trained
+    cut = MAX_NO_WHITESPACES_CHARS
+    assert ours.encode(text, allow_special=True) == hf.encode(text[:cut]) + hf.encode(text[cut:])
+    assert ours.encode(text, allow_special=True) != hf.encode(text)
+    assert ours.encode(text[:cut], allow_special=True) == hf.encode(text[:cut])
 
 
 def test_whole_piece_only_ranks_are_one_token(trained):
@@ -264,17 +313,18 @@ def test_template_renders_like_render_chat(pair, name: str, thinking: bool):
     ours, hf = pair
     messages = CONVERSATIONS[name]
     expected = ours.render_chat(messages, thinking=thinking)
-    text = _render(hf, messages, chat_template_kwargs={"thinking": thinking})
+    text = _render(hf, messages, **{"thinking": thinking})  # chat_template_kwargs, splatted as vLLM does
     assert text == expected.text
-    assert _render(hf, messages, thinking=thinking) == expected.text  # transformers' kwargs form
+    assert _render(hf, messages, chat_template_kwargs={"thinking": thinking}) == expected.text  # passed whole
     assert hf.encode(text) == expected.ids
     ids = hf.apply_chat_template(messages, add_generation_prompt=True, thinking=thinking)
-    assert (ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids) == expected.ids
+    assert (ids["input_ids"] if hasattr(ids, "keys") else ids) == expected.ids  # a BatchEncoding in v5
 
 
 def test_template_special_literals_in_content_render_as_text(pair):
     ours, hf = pair
-    assert _render(hf, SPECIAL_LITERALS) == ours.render_chat(SPECIAL_LITERALS, thinking=False).text
+    expected = ours.render_chat(SPECIAL_LITERALS, thinking=False)
+    assert _render(hf, SPECIAL_LITERALS, thinking=False) == expected.text
 
 
 def test_template_thinking_default_is_the_writers(tiny, trained):
@@ -283,13 +333,14 @@ def test_template_thinking_default_is_the_writers(tiny, trained):
         expected = ours.render_chat(messages, thinking=default).text
         assert _render(hf, messages) == expected
         assert _render(hf, messages, thinking=None) == expected
+        assert _render(hf, messages, chat_template_kwargs={"thinking": None}) == expected
 
 
 def test_template_without_generation_prompt_is_the_conversation_alone(pair):
     ours, hf = pair
     messages = CONVERSATIONS["system_user_assistant"]
     full = ours.render_chat(messages, thinking=False).text
-    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, thinking=False)
     assert full == text + '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
 
 
@@ -302,17 +353,14 @@ def test_template_image_part_is_one_media_pad(tiny):
 @pytest.mark.parametrize("messages,kwargs", [
     ([{"role": "tool", "content": "x"}], {}),
     ([{"role": "user", "content": None}], {}),
+    ([{"role": "user", "content": [{"type": "text", "text": 3}]}], {}),
     ([{"role": "user", "content": [{"type": "video"}]}], {}),
     ([{"role": "user", "content": "x"}], {"thinking": "yes"}),
-], ids=["tool_role", "null_content", "unknown_part", "non_bool_thinking"])
+], ids=["tool_role", "null_content", "non_string_text", "unknown_part", "non_bool_thinking"])
 def test_template_refuses_what_k3_lm_refuses(tiny, messages: list[dict], kwargs: dict):
     _, hf = tiny
-    with pytest.raises(Exception, match="role|content|parts|thinking"):
+    with pytest.raises(jinja2.TemplateError, match="role|content|parts|thinking"):
         _render(hf, messages, **kwargs)
-
-
-def test_chat_template_default_is_substituted():
-    assert "set thinking = false" in chat_template(False) and "set thinking = true" in chat_template(True)
 
 
 # ---- the command line -----------------------------------------------------------------------------
