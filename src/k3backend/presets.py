@@ -178,10 +178,15 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, num_shards: 
     return out
 
 
+# Bump when the tiny preset or the files make_checkpoint writes change, so a cached copy is rebuilt.
+DEFAULT_CHECKPOINT_VERSION = 2
+
+
 def default_checkpoint_dir() -> Path:
-    """Where the built-in tiny checkpoint lives: $K3_DEFAULT_CHECKPOINT, else ~/.cache/k3backend/tiny-seed0."""
+    """Where the built-in tiny checkpoint lives: $K3_DEFAULT_CHECKPOINT, else ~/.cache/k3backend/tiny-seed0-v<N>."""
     env = os.environ.get("K3_DEFAULT_CHECKPOINT")
-    return Path(env) if env else Path.home() / ".cache" / "k3backend" / "tiny-seed0"
+    name = f"tiny-seed0-v{DEFAULT_CHECKPOINT_VERSION}"
+    return Path(env) if env else Path.home() / ".cache" / "k3backend" / name
 
 
 def ensure_default_checkpoint() -> Path:
