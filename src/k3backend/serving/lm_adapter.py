@@ -103,7 +103,8 @@ class LmServer:
             torch.set_num_threads(1)  # toy models: one thread beats several fighting over small ops
         self.tokenizer = Tokenizer.from_dir(tok_dir)
         text = model.cfg.text
-        gen = load_generation_defaults(ckpt)  # logs the effective defaults [CFG-L4]
+        gen = load_generation_defaults(ckpt)
+        log.info("%s: sampling defaults from generation_config.json: %s", MODEL, gen or "none")  # [CFG-L4]
         self.defaults = LmDefaults(
             vocab_size=text.vocab_size, hidden_size=text.hidden_size,
             default_max_tokens=p.int("default_max_tokens", lo=1), exclude_input_in_output=p.bool("exclude_input_in_output"),
