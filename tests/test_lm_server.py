@@ -342,3 +342,43 @@ def test_CFG_E3_ensemble_lm_and_vision_declare_the_same_tensors(server):
     assert {k: lm_in[k] for k in internal} == vis_out  # [ENS-3]: same dtype for image_embeds
     assert ens["max_batch_size"] == lm["max_batch_size"] == 1 and ens["model_transaction_policy"]["decoupled"]
     assert [t["name"] for t in ens["input"] if not t.get("optional")] == ["text_input"]  # [TOP-6]
+
+
+def test_CAN7_stop_before_arrival_leaves_a_tombstone(server):
+    stop = stream_one(server.grpc_url, "k3_lm", {"text_input": "", "stop": True}, request_id="early-bird")
+    assert stop.error is None and stop.text == ""
+    late = stream_one(server.grpc_url, "k3_lm", {"text_input": "never generated", "max_tokens": 64,
+                                                 "return_finish_reason": True, "return_num_output_tokens": True},
+                      request_id="early-bird")
+    assert late.error is None and late.final and late.text == ""
+    assert late.responses[-1]["finish_reason"].reshape(-1)[0] == b"cancelled"
+    assert late.total("num_output_tokens") == 0
+    again = stream_one(server.grpc_url, "k3_lm", {"text_input": "now it runs", "max_tokens": 3, "min_tokens": 3,
+                                                  "ignore_eos": True, "return_num_output_tokens": True},
+                       request_id="early-bird")  # the tombstone is consumed by the first request it stops
+    assert again.total("num_output_tokens") == 3
+
+
+def test_CMP4_cancel_storm_leaves_nothing_running(server):
+    """32 concurrent k3_lm streams cancelled mid-generation: the running/waiting gauges return to idle."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    got: list = []
+    client.start_stream(callback=lambda result, error: got.append((result, error)))
+    for i in range(32):
+        client.async_stream_infer("k3_lm", make_inputs({"text_input": f"storm {i}", "max_tokens": 4096,
+                                                        "ignore_eos": True, "stream": True}), request_id=f"s{i}")
+    deadline = time.time() + 60
+    while len(got) < 32 and time.time() < deadline:
+        time.sleep(0.02)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        m = metrics(server.metrics_url)
+        if metric(m, "k3:num_requests_running") == 0 and metric(m, "k3:num_requests_waiting") == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"running={metric(m, 'k3:num_requests_running')} waiting={metric(m, 'k3:num_requests_waiting')}")
+    ok = stream_one(server.grpc_url, "k3_lm", {"text_input": "after the storm", "max_tokens": 3})
+    assert ok.error is None and ok.final
