@@ -118,9 +118,9 @@ def main() -> int:
     from k3backend.presets import ensure_default_checkpoint
     from k3backend.tokenizer import Tokenizer
 
-    from k3backend.serving.lm_adapter import resolve_device_dtype
+    from k3backend.serving.triton_io import resolve_device_dtype
 
-    device, dtype = resolve_device_dtype("auto", "auto")  # what k3_lm picks with its default parameters
+    device, dtype = resolve_device_dtype("auto", "auto", "bench")  # what k3_lm picks with its default parameters
     if device.type == "cpu":
         torch.set_num_threads(1)  # as k3_lm does for toy models on CPU
     ckpt = ensure_default_checkpoint()

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from k3backend.config import ConfigError
-from k3backend.serving.lm_adapter import PARAMETERS, _check_instance_config, resolve_device_dtype
-from k3backend.serving.triton_io import ModelParams
+from k3backend.serving.lm_adapter import PARAMETERS, _check_instance_config
+from k3backend.serving.triton_io import ModelParams, resolve_device_dtype
 
 GOOD = {"max_batch_size": 1, "model_transaction_policy": {"decoupled": True},
         "instance_group": [{"kind": "KIND_MODEL", "count": 1}]}
@@ -46,9 +46,9 @@ def test_repository_k3_lm_parameters_are_exactly_the_known_ones():
 
 
 def test_auto_device_and_dtype_on_cpu():
-    device, dtype = resolve_device_dtype("auto", "auto")
+    device, dtype = resolve_device_dtype("auto", "auto", "k3_lm")
     import torch
 
     if not torch.cuda.is_available():
         assert (device.type, dtype) == ("cpu", torch.float32)
-    assert resolve_device_dtype("cpu", "bfloat16")[1] == torch.bfloat16
+    assert resolve_device_dtype("cpu", "bfloat16", "k3_lm")[1] == torch.bfloat16

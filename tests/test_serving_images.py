@@ -22,8 +22,9 @@ from k3backend.model.preprocess import PreprocessConfig, preprocess_image
 from k3backend.serving.images import (
     FORMATS, ONLY_ONE_KIND, ImageLimits, ImageReader, ImageSource, UrlFetcher, UrlPolicy, address_refusal,
     check_placeholder_count, collect_sources, count_placeholders, decode_base64, image_hash, load_pixels,
-    message_image_parts, parse_messages, preprocess_digest,
+    message_image_parts, preprocess_digest,
 )
+from k3backend.serving.prompt import parse_messages
 from k3backend.tokenizer import Tokenizer, write_tiny_tokenizer
 
 CANNOT_DECODE = "image 0: cannot decode image data (PNG, JPEG, WebP, GIF or BMP expected)"
@@ -135,7 +136,7 @@ def test_undecodable_image_message(data: bytes) -> None:
 def test_messages_parts_in_order_with_tensor_references() -> None:
     png = base64.b64encode(encode(noise(4, 4), "PNG")).decode()
     uri = "data:image/png;base64," + png
-    messages = parse_messages(
+    messages, _ = parse_messages(
         '[{"role": "system", "content": "s"},'
         ' {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "' + uri + '"}},'
         ' {"type": "text", "text": "a"}, {"type": "image_url", "image_url": "http://h/x.png"},'
@@ -146,7 +147,7 @@ def test_messages_parts_in_order_with_tensor_references() -> None:
 
 
 def test_messages_not_json_is_invalid_arg() -> None:
-    with pytest.raises(InvalidArgument, match=r"^messages is not valid JSON: Expecting"):
+    with pytest.raises(InvalidArgument, match=r"^messages is not valid JSON: Expecting"):  # k3_lm's parser
         parse_messages('[{"role": "user",')
 
 

@@ -164,7 +164,8 @@ def check_outputs(out: dict[str, Any], sizes: list[tuple[int, int]], cfg: Prepro
 
 
 def test_text_only_request_has_no_outputs(server: VisionServer) -> None:  # [VIS-1]
-    requests = [VisionRequest(text_input=b"hello"), VisionRequest(text_input=b"", messages=b"[]")]
+    chat = b'[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]'
+    requests = [VisionRequest(text_input=b"hello"), VisionRequest(text_input=b"", messages=chat)]
     assert server.execute(requests) == [{}, {}]
 
 

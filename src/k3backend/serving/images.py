@@ -76,16 +76,6 @@ class ImageSource(NamedTuple):
 # ---- messages and placeholders [VIS-4], [VIS-6], SERVING.md §5.2 ------------------------------
 
 
-def parse_messages(raw: str) -> list[Any]:
-    try:
-        messages = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise InvalidArgument(f"messages is not valid JSON: {e}") from None
-    if not isinstance(messages, list):
-        raise InvalidArgument(f"messages: expected a JSON array of messages, got {type(messages).__name__}")
-    return messages
-
-
 def message_image_parts(messages: list[Any]) -> list[ImageSource | None]:
     """Per image part of `messages`, in order: its embedded image (an image_url part's URL, an
     image part's base64), or None for a `{"type": "image"}` part without data, which takes the

@@ -30,7 +30,7 @@ from k3backend.serving.params import LmDefaults, ParsedRequest, load_generation_
 from k3backend.serving.prompt import build_request
 from k3backend.serving.responses import ResponseBuilder, error_message, stop_request_response
 from k3backend.serving.triton_io import (ModelParams, data_response, error_response, input_getter, request_parameters,
-                                        setup_logging)
+                                        resolve_device_dtype, setup_logging)
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +65,6 @@ class _InFlight:
     arrival: float = field(default_factory=time.monotonic)
 
 
-def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """`auto` device: CUDA when visible, else CPU; `auto` dtype: bf16 on GPU, fp32 on CPU (§4.4)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    return torch.device(device), getattr(torch, dtype)
-
-
 class LmServer:
     """The k3_lm model instance: parameters, engine, threads, metrics. `close()` is idempotent."""
 
@@ -91,7 +82,8 @@ class LmServer:
         self.unload_on_failure = p.bool("unload_on_engine_failure")
         self.max_model_len = p.int("max_model_len", lo=1)
         device, dtype = resolve_device_dtype(p.choice("device", ("auto", "cpu", "cuda")),
-                                             p.choice("dtype", ("auto", "bfloat16", "float32", "float16", "float64")))
+                                             p.choice("dtype", ("auto", "bfloat16", "float32", "float16", "float64")),
+                                             MODEL)
         ckpt = self._checkpoint(p.str("model_path"))
         tok_dir = Path(p.str("tokenizer_path")) if p.str("tokenizer_path") else ckpt
         t0 = time.monotonic()

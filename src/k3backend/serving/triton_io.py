@@ -94,6 +94,20 @@ class ModelParams:
         return s
 
 
+def resolve_device_dtype(device: str, dtype: str, model_name: str, gpu_id: int = 0) -> tuple[torch.device, torch.dtype]:
+    """`auto` device: CUDA when a GPU is visible, else CPU; `auto` dtype: bfloat16 on GPU, float32 on CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{model_name}: parameter device: cuda requested but no GPU is visible")
+        if gpu_id >= torch.cuda.device_count():
+            raise ConfigError(f"{model_name}: GPU {gpu_id} does not exist ({torch.cuda.device_count()} visible)")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return torch.device(device, gpu_id) if device == "cuda" else torch.device("cpu"), getattr(torch, dtype)
+
+
 def input_getter(pb_utils: Any, request: Any) -> Callable[[str], np.ndarray | torch.Tensor | None]:
     """`get(name)` for `serving.params.parse_request`: numpy arrays, or a torch tensor for BF16 inputs."""
 

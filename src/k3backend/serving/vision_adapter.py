@@ -36,11 +36,12 @@ from k3backend.model.preprocess import PreprocessConfig, ProcessedImage, image_n
 from k3backend.model.vision import ROPE_MAX_SIDE
 from k3backend.serving.images import (
     ImageLimits, ImageReader, UrlFetcher, UrlPolicy, check_placeholder_count, collect_sources,
-    count_placeholders, image_hash, load_pixels, message_image_parts, parse_messages, preprocess_digest,
+    count_placeholders, image_hash, load_pixels, message_image_parts, preprocess_digest,
 )
 from k3backend.serving.params import decode_utf8
+from k3backend.serving.prompt import parse_messages
 from k3backend.serving.metrics import ERROR_CODES, VISION_ENCODE_BUCKETS, NullMetrics, TritonMetrics
-from k3backend.serving.triton_io import ModelParams, setup_logging, triton_error_code
+from k3backend.serving.triton_io import ModelParams, data_response, error_response, resolve_device_dtype, setup_logging
 from k3backend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class VisionServer:
         text = decode_utf8(request.text_input or b"", "text_input")
         parts = None
         if request.messages is not None:
-            parts = message_image_parts(parse_messages(decode_utf8(request.messages, "messages")))
+            parts = message_image_parts(parse_messages(decode_utf8(request.messages, "messages"))[0])
         sources = collect_sources(request.image_url_input, request.image, request.image_bytes_input, parts)
         placeholders = count_placeholders(text, parts, self.tokenizer)
         if not sources and not placeholders:
@@ -283,23 +284,12 @@ def _instance_count(model_config: dict[str, Any]) -> int:
 
 
 def _device_and_dtype(params: VisionParams, instances: int) -> tuple[torch.device, torch.dtype]:
-    """device auto -> cuda if visible else cpu; dtype auto -> bfloat16 on GPU, float32 on CPU."""
-    use_cuda = params.device == "cuda" or (params.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        if not torch.cuda.is_available():
-            raise ConfigError(f"{MODEL}: parameter device: cuda requested but no GPU is visible")
-        if params.gpu_device_id >= torch.cuda.device_count():
-            raise ConfigError(f"{MODEL}: parameter gpu_device_ids: GPU {params.gpu_device_id} does not exist "
-                              f"({torch.cuda.device_count()} visible)")
-        device = torch.device("cuda", params.gpu_device_id)
+    device, dtype = resolve_device_dtype(params.device, params.dtype, MODEL, params.gpu_device_id)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        # The instances share the cores; each forward is sequential within an instance.
+    else:  # the instances share the cores; each forward is sequential within an instance
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // instances))
-    if params.dtype != "auto":
-        return device, DTYPES[params.dtype]
-    return device, torch.bfloat16 if use_cuda else torch.float32
+    return device, dtype
 
 
 # ---- Triton glue (pb_utils passed in) ------------------------------------------------------------
@@ -385,21 +375,10 @@ def read_request(pb_utils: Any, request: Any) -> VisionRequest:
 
 
 def build_response(pb_utils: Any, result: VisionResult) -> Any:
-    if isinstance(result, K3Error):
-        return pb_utils.InferenceResponse(output_tensors=[], error=triton_error(pb_utils, result))
-    tensors = []
-    for name in OUTPUTS if result else ():
-        value = result[name]
-        if isinstance(value, torch.Tensor):  # bf16 has no numpy dtype; DLPack also keeps it on the GPU [ENS-4]
-            tensors.append(pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value)))
-        else:
-            tensors.append(pb_utils.Tensor(name, value))
-    return pb_utils.InferenceResponse(output_tensors=tensors)
-
-
-def triton_error(pb_utils: Any, error: K3Error) -> Any:
-    """`k3_vision: <CODE>: <detail>` with the matching Triton code (SERVING.md §7.1, §7.3)."""
-    return pb_utils.TritonError(f"{MODEL}: {error.code}: {error}", triton_error_code(pb_utils, error.code))
+    """Outputs (bf16 through DLPack, which also keeps them on the GPU [ENS-4]) or the request's error."""
+    if isinstance(result, K3Error):  # `k3_vision: <CODE>: <detail>` (SERVING.md §7.1, §7.3)
+        return error_response(pb_utils, result.code, f"{MODEL}: {result.code}: {result}")
+    return data_response(pb_utils, {name: result[name] for name in OUTPUTS} if result else {})
 
 
 def _request_id(request: Any) -> str:
