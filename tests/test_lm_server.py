@@ -223,7 +223,8 @@ def test_CMP5_stop_over_http(server):
 
 
 BAD = [
-    ({"text_input": "hi", "messages": "[]"}, "INVALID_ARG", "either in text_input or in messages"),
+    ({"text_input": "hi", "messages": '[{"role": "user", "content": "hi"}]'}, "INVALID_ARG",
+     "either in text_input or in messages"),
     ({"text_input": "hi", "sampling_parameters": "{\"temperature\": 1,}"}, "INVALID_ARG", "not valid JSON"),
     ({"text_input": "hi", "sampling_parameters": "{\"temprature\": 1}"}, "INVALID_ARG", "unknown key 'temprature'"),
     ({"text_input": "hi", "top_p": 1.5}, "INVALID_ARG", r"top_p must be in \(0, 1\], got 1.5"),
