@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from pathlib import Path
 
 import pytest
 import torch

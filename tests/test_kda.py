@@ -15,9 +15,7 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch

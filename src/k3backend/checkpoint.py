@@ -14,7 +14,7 @@ import logging
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from safetensors import safe_open
@@ -22,6 +22,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from k3backend.config import K3Config
+
+if TYPE_CHECKING:
+    from k3backend.model.preprocess import PreprocessConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,13 @@ the definition of the op); fused Triton kernels will register here beside them, 
 from k3backend.kernels.kda_ref import kda_chunked, kda_gate, kda_recurrent, short_conv
 from k3backend.kernels.mla_ref import mla_absorbed, mla_mha
 from k3backend.kernels.moe_ref import experts, route, silu_and_mul, situ_and_mul
-from k3backend.kernels.norm_ref import acc_dtype, attn_res_mix, gated_rms_norm, l2_norm, rms_norm
+from k3backend.kernels.norm_ref import (
+    acc_dtype,
+    attn_res_mix,
+    gated_rms_norm,
+    l2_norm,
+    rms_norm,
+)
 
 __all__ = [
     "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "kda_chunked", "kda_gate", "kda_recurrent",

@@ -35,8 +35,8 @@ import numpy as np
 from PIL import Image
 
 from k3backend.errors import InvalidArgument, Unavailable
-from k3backend.serving.params import decode_utf8
 from k3backend.model.preprocess import PreprocessConfig, ProcessedImage
+from k3backend.serving.inputs import decode_utf8
 from k3backend.tokenizer import IMAGE_PLACEHOLDER_TEXT, MEDIA_PAD, Tokenizer
 
 ONLY_ONE_KIND = "use only one of image_url_input, image, image_bytes_input"

@@ -26,11 +26,27 @@ from k3backend.engine.engine import Engine, EngineConfig
 from k3backend.engine.request import FinishReason, RequestOutput
 from k3backend.errors import Cancelled, Unavailable
 from k3backend.serving import metrics as m
-from k3backend.serving.params import LmDefaults, ParsedRequest, load_generation_defaults, parse_request
+from k3backend.serving.params import (
+    LmDefaults,
+    ParsedRequest,
+    load_generation_defaults,
+    parse_request,
+)
 from k3backend.serving.prompt import build_request
-from k3backend.serving.responses import ResponseBuilder, error_message, stop_request_response
-from k3backend.serving.triton_io import (ModelParams, data_response, error_response, input_getter, request_parameters,
-                                        resolve_device_dtype, setup_logging)
+from k3backend.serving.responses import (
+    ResponseBuilder,
+    error_message,
+    stop_request_response,
+)
+from k3backend.serving.triton_io import (
+    ModelParams,
+    data_response,
+    error_response,
+    input_getter,
+    request_parameters,
+    resolve_device_dtype,
+    setup_logging,
+)
 
 log = logging.getLogger(__name__)
 

@@ -14,22 +14,21 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
-
-import numpy as np
-import torch
+from typing import Any
 
 from k3backend.engine.sampling_params import SamplingParams
 from k3backend.errors import InvalidArgument, Unsupported
-from k3backend.serving.prompt import ImageInputs, parse_images, parse_json, parse_messages, parse_thinking
-
-# get(name) -> the input with its batch dimension, or None when absent. Any input may come as a
-# torch.Tensor (DLPack: BF16 has no numpy dtype, and with FORCE_CPU_ONLY_INPUT_TENSORS=no inputs may
-# sit on the GPU). `image_embeds` stays a tensor where it is; the small ones are copied to numpy.
-TensorGetter = Callable[[str], Union[np.ndarray, torch.Tensor, None]]
+from k3backend.serving.inputs import COERCE, Inputs, TensorGetter, alias, decode_utf8
+from k3backend.serving.prompt import (
+    ImageInputs,
+    parse_images,
+    parse_json,
+    parse_messages,
+    parse_thinking,
+)
 
 MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024
 MAX_STOP_WORDS, MAX_STOP_TOKEN_IDS, MAX_BAD_WORDS, MAX_WORD_BYTES = 32, 64, 256, 256
@@ -145,72 +144,6 @@ def load_generation_defaults(checkpoint_dir: str | Path) -> dict[str, float | in
     return out
 
 
-# ---- scalar coercion (JSON values and request parameters, [SMP-3]) -----------------------------
-
-
-def _show(value: Any) -> str:
-    """repr for an error message, cut short: a hostile value must not make a megabyte message."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _number(text: str) -> int | float | None:
-    for parse in (int, float):
-        try:
-            return parse(text)
-        except ValueError:  # also int() beyond Python's digit limit
-            pass
-    return None
-
-
-def _as_int(value: Any, where: str) -> int:
-    number = _number(value) if isinstance(value, str) else value
-    if isinstance(number, float) and number.is_integer():
-        number = int(number)
-    if isinstance(number, int) and not isinstance(number, bool):
-        return number
-    raise InvalidArgument(f"{where} must be an integer, got {_show(value)}")
-
-
-def _as_float(value: Any, where: str) -> float:
-    number = _number(value) if isinstance(value, str) else value
-    if isinstance(number, (int, float)) and not isinstance(number, bool):
-        try:
-            return float(number)
-        except OverflowError:
-            pass
-    raise InvalidArgument(f"{where} must be a number, got {_show(value)}")
-
-
-def _as_bool(value: Any, where: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    raise InvalidArgument(f"{where} must be a boolean, got {_show(value)}")
-
-
-def _as_strs(value: Any, where: str) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise InvalidArgument(f"{where} must be a list of strings, got {_show(value)}")
-    return value
-
-
-def _as_stop(value: Any, where: str) -> list[str]:
-    return [value] if isinstance(value, str) else _as_strs(value, where)
-
-
-def _as_ints(value: Any, where: str) -> list[int]:
-    if not isinstance(value, list):
-        raise InvalidArgument(f"{where} must be a list of integers, got {_show(value)}")
-    return [_as_int(v, f"{where}[{i}]") for i, v in enumerate(value)]
-
-
-_COERCE: dict[str, Callable[[Any, str], Any]] = {
-    "int": _as_int, "float": _as_float, "bool": _as_bool, "strs": _as_strs, "stop": _as_stop, "ints": _as_ints,
-}
-
-
 def _sampling_json(text: str | None) -> dict[str, Any]:
     """[SMP-3] `sampling_parameters` -> {key: coerced value}; null values count as absent."""
     if text is None:
@@ -229,119 +162,20 @@ def _sampling_json(text: str | None) -> dict[str, Any]:
         elif key not in SAMPLING_KEYS:
             raise InvalidArgument(f"unknown key {key!r} in sampling_parameters")
         elif value is not None:
-            out[key] = _COERCE[SAMPLING_KEYS[key]](value, f"sampling_parameters.{key}")
+            out[key] = COERCE[SAMPLING_KEYS[key]](value, f"sampling_parameters.{key}")
     return out
 
 
 def _request_params(parameters: Mapping[str, Any]) -> dict[str, Any]:
     """[SMP-1] level 3: request parameters named like accepted keys; others are ignored ([SMP-4])."""
-    return {key: _COERCE[SAMPLING_KEYS[key]](value, f"request parameter {key!r}")
+    return {key: COERCE[SAMPLING_KEYS[key]](value, f"request parameter {key!r}")
             for key, value in parameters.items() if key in SAMPLING_KEYS and value is not None}
-
-
-# ---- tensors -----------------------------------------------------------------------------------
-
-
-def _to_bytes(name: str, element: Any) -> bytes:
-    if isinstance(element, (bytes, np.bytes_)):
-        return bytes(element)
-    if isinstance(element, str):  # tests and numpy 'U' arrays; lone surrogates fail the UTF-8 check
-        return element.encode("utf-8", errors="surrogatepass")
-    raise InvalidArgument(f"{name}: expected BYTES elements, got {type(element).__name__}")
-
-
-def decode_utf8(raw: bytes | str, name: str) -> str:
-    """A BYTES element as text; invalid UTF-8 is INVALID_ARG naming the input and byte ([PRM-2])."""
-    if isinstance(raw, str):
-        return raw
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidArgument(f"{name} is not valid UTF-8 at byte {e.start}") from None
-
-
-class _Inputs:
-    """Typed access to one request's tensors, batch dimension stripped (batch must be 1)."""
-
-    def __init__(self, get: TensorGetter):
-        self._get = get
-
-    def array(self, name: str) -> np.ndarray | torch.Tensor | None:
-        value = self._get(name)
-        if value is None:
-            return None
-        if isinstance(value, torch.Tensor) and name != "image_embeds":
-            value = value.detach().cpu().numpy()
-        shape = tuple(value.shape)
-        if not shape or shape[0] != 1:
-            raise InvalidArgument(f"{name}: expected a batch dimension of 1, got shape {list(shape)}")
-        return value[0]
-
-    def _one(self, name: str) -> np.ndarray | None:
-        arr = self.array(name)
-        if arr is not None and arr.size != 1:
-            raise InvalidArgument(f"{name} must hold exactly one value, got shape {list(arr.shape)}")
-        return None if arr is None else arr.reshape(-1)
-
-    def flag(self, name: str) -> bool | None:
-        arr = self._one(name)
-        if arr is None:
-            return None
-        if arr.dtype != np.bool_:
-            raise InvalidArgument(f"{name}: expected BOOL, got {arr.dtype}")
-        return bool(arr[0])
-
-    def int(self, name: str) -> int | None:
-        arr = self._one(name)
-        if arr is None:
-            return None
-        if arr.dtype.kind not in "iu":
-            raise InvalidArgument(f"{name}: expected an integer type, got {arr.dtype}")
-        return int(arr[0])
-
-    def float(self, name: str) -> float | None:
-        arr = self._one(name)
-        if arr is None:
-            return None
-        if arr.dtype.kind != "f":
-            raise InvalidArgument(f"{name}: expected FP32, got {arr.dtype}")
-        return float(str(arr[0]))  # the shortest text of the fp32 value: 0.7, not 0.699999988079071
-
-    def raw(self, name: str) -> bytes | None:
-        arr = self._one(name)
-        return None if arr is None else _to_bytes(name, arr[0])
-
-    def text(self, name: str) -> str | None:
-        raw = self.raw(name)
-        return None if raw is None else decode_utf8(raw, name)
-
-    def texts(self, name: str) -> list[str] | None:
-        arr = self.array(name)
-        if arr is None:
-            return None
-        return [decode_utf8(_to_bytes(name, x), f"{name}[{i}]") for i, x in enumerate(arr.reshape(-1))]
-
-    def ints(self, name: str) -> list[int] | None:
-        arr = self.array(name)
-        if arr is None:
-            return None
-        if arr.dtype.kind not in "iu":
-            raise InvalidArgument(f"{name}: expected an integer type, got {arr.dtype}")
-        return [int(x) for x in arr.reshape(-1)]
-
-
-def _alias(inputs: _Inputs, name: str, alias: str) -> int | None:
-    """[SMP-2]: both tensors of an alias pair given with different values is INVALID_ARG."""
-    value, other = inputs.int(name), inputs.int(alias)
-    if value is not None and other is not None and value != other:
-        raise InvalidArgument(f"{name} ({value}) and {alias} ({other}) disagree")
-    return value if value is not None else other
 
 
 # ---- sampling and output options ([SMP-1]..[SMP-3]) ----------------------------------------------
 
 
-def _check_unsupported(inputs: _Inputs) -> None:
+def _check_unsupported(inputs: Inputs) -> None:
     for name in ("beam_width", "num_return_sequences"):
         value = inputs.int(name)
         if value is not None and value > 1:
@@ -380,7 +214,7 @@ def _check_id(value: int, where: str, vocab_size: int) -> int:
     return value
 
 
-def _resolve_sampling(inputs: _Inputs, js: dict[str, Any], ps: dict[str, Any],
+def _resolve_sampling(inputs: Inputs, js: dict[str, Any], ps: dict[str, Any],
                       defaults: LmDefaults, outputs: OutputOptions) -> tuple[SamplingParams, int | None]:
     """[SMP-1]: tensor > sampling_parameters > request parameter > generation_config > §2.2 default."""
 
@@ -396,7 +230,7 @@ def _resolve_sampling(inputs: _Inputs, js: dict[str, Any], ps: dict[str, Any],
         return pick(key, tensor, fallback)[0]
 
     max_tokens = value("max_tokens", inputs.int("max_tokens"))
-    seed, seed_where = pick("seed", _alias(inputs, "seed", "random_seed"))
+    seed, seed_where = pick("seed", alias(inputs, "seed", "random_seed"))
     if seed is not None and not 0 <= seed < 2**64:
         raise InvalidArgument(f"{seed_where} must be in [0, 2**64), got {seed}")
     top_k = value("top_k", inputs.int("top_k"), _or(defaults.top_k, 0))
@@ -414,7 +248,7 @@ def _resolve_sampling(inputs: _Inputs, js: dict[str, Any], ps: dict[str, Any],
         raise InvalidArgument(f"length_penalty must be finite, got {length_penalty}")
     params = SamplingParams(
         max_tokens=defaults.default_max_tokens if max_tokens is None else max_tokens,
-        min_tokens=value("min_tokens", _alias(inputs, "min_tokens", "min_length"), 0),
+        min_tokens=value("min_tokens", alias(inputs, "min_tokens", "min_length"), 0),
         temperature=value("temperature", inputs.float("temperature"), _or(defaults.temperature, 1.0)),
         top_k=0 if top_k == -1 or top_k > defaults.vocab_size else top_k,  # both mean off (§2.2)
         top_p=value("top_p", inputs.float("top_p"), _or(defaults.top_p, 1.0)),
@@ -440,7 +274,7 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _output_options(inputs: _Inputs, js: dict[str, Any], ps: dict[str, Any], defaults: LmDefaults) -> OutputOptions:
+def _output_options(inputs: Inputs, js: dict[str, Any], ps: dict[str, Any], defaults: LmDefaults) -> OutputOptions:
     flags = {name: bool(inputs.flag(name)) for name in (
         "stream", "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
         "return_log_probs", "return_cumulative_logprob", "return_logprobs", "return_reasoning",
@@ -456,7 +290,7 @@ def _output_options(inputs: _Inputs, js: dict[str, Any], ps: dict[str, Any], def
                          top_logprobs=top, **flags)
 
 
-def _images(inputs: _Inputs, hidden_size: int) -> ImageInputs | None:
+def _images(inputs: Inputs, hidden_size: int) -> ImageInputs | None:
     """The five internal image tensors (§2.4): all present or all absent (text-only), then [VIS-2]."""
     arrays = {name: inputs.array(name) for name in IMAGE_INPUTS}
     present = [name for name, arr in arrays.items() if arr is not None]
@@ -470,7 +304,7 @@ def _images(inputs: _Inputs, hidden_size: int) -> ImageInputs | None:
                         arrays["image_sizes"], hashes, hidden_size)
 
 
-def _prompt_source(inputs: _Inputs, defaults: LmDefaults) -> tuple[str, list[dict[str, Any]] | None, int, bool]:
+def _prompt_source(inputs: Inputs, defaults: LmDefaults) -> tuple[str, list[dict[str, Any]] | None, int, bool]:
     """[PRM-1]..[PRM-3]: (text_input, messages, image parts in messages, thinking)."""
     raw = {name: inputs.raw(name) for name in ("text_input", "messages")}
     for name, value in raw.items():
@@ -495,7 +329,7 @@ def _prompt_source(inputs: _Inputs, defaults: LmDefaults) -> tuple[str, list[dic
 def parse_request(get: TensorGetter, parameters: Mapping[str, Any], request_id: str,
                   defaults: LmDefaults) -> ParsedRequest:
     """Validate one k3_lm request (every §2.2 / §4.2 / §5.1-5.3 rule that needs no tokenizer)."""
-    inputs = _Inputs(get)
+    inputs = Inputs(get)
     if inputs.flag("stop"):  # [CAN-3]/[CAN-4]: every other input is ignored
         if not defaults.allow_stop_by_request_id:
             raise Unsupported("stop requests are disabled (allow_stop_by_request_id=false)")

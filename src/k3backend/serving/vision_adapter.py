@@ -32,16 +32,41 @@ import torch
 
 from k3backend.config import ConfigError
 from k3backend.errors import InvalidArgument, K3Error, Unavailable
-from k3backend.model.preprocess import PreprocessConfig, ProcessedImage, image_num_tokens, preprocess_image
+from k3backend.model.preprocess import (
+    PreprocessConfig,
+    ProcessedImage,
+    image_num_tokens,
+    preprocess_image,
+)
 from k3backend.model.vision import ROPE_MAX_SIDE
 from k3backend.serving.images import (
-    ImageLimits, ImageReader, UrlFetcher, UrlPolicy, check_placeholder_count, collect_sources,
-    count_placeholders, image_hash, load_pixels, message_image_parts, preprocess_digest,
+    ImageLimits,
+    ImageReader,
+    UrlFetcher,
+    UrlPolicy,
+    check_placeholder_count,
+    collect_sources,
+    count_placeholders,
+    image_hash,
+    load_pixels,
+    message_image_parts,
+    preprocess_digest,
 )
-from k3backend.serving.params import decode_utf8
+from k3backend.serving.inputs import decode_utf8
+from k3backend.serving.metrics import (
+    ERROR_CODES,
+    VISION_ENCODE_BUCKETS,
+    NullMetrics,
+    TritonMetrics,
+)
 from k3backend.serving.prompt import parse_messages
-from k3backend.serving.metrics import ERROR_CODES, VISION_ENCODE_BUCKETS, NullMetrics, TritonMetrics
-from k3backend.serving.triton_io import ModelParams, data_response, error_response, resolve_device_dtype, setup_logging
+from k3backend.serving.triton_io import (
+    ModelParams,
+    data_response,
+    error_response,
+    resolve_device_dtype,
+    setup_logging,
+)
 from k3backend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
