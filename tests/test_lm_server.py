@@ -10,6 +10,7 @@ import base64
 import io
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -243,7 +244,7 @@ def test_ERR_client_mistakes_get_their_code_and_a_good_request_follows(server, v
     rid = "" if values.get("stop") else "bad"
     bad = stream_one(server.grpc_url, "k3_ensemble", {"max_tokens": 4, **values}, request_id=rid)
     assert bad.error is not None and code in bad.error, bad.error
-    assert __import__("re").search(message, bad.error), bad.error
+    assert re.search(message, bad.error), bad.error
     assert "INTERNAL" not in bad.error
     good = stream_one(server.grpc_url, "k3_ensemble", {"text_input": "still fine", "max_tokens": 3})
     assert good.error is None and good.final

@@ -32,7 +32,8 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams, 
 
     Stop strings are matched by the caller on detokenized text ([STP-3]).
     """
-    eos = () if params.ignore_eos else ((params.end_id,) if params.end_id is not None else tuple(eos_ids))
+    mask_eos = (params.end_id,) if params.end_id is not None else tuple(eos_ids)  # end_id replaces the set
+    stop_eos = () if params.ignore_eos else mask_eos
     device = model.language_model.lm_head.weight.device
     ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
     cache = model.new_cache()
@@ -43,10 +44,10 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams, 
     while True:
         logits32 = logits.float().cpu()
         token = sample(logits32, params, gen, prompt_ids=prompt_ids, output_ids=out,
-                       eos_ids=(params.end_id,) if params.end_id is not None else tuple(eos_ids))
+                       eos_ids=mask_eos)
         out.append(token)
         yield Step(token, float(torch.log_softmax(logits32, -1)[token]))
-        if len(out) >= params.min_tokens and (token in params.stop_token_ids or token in eos):
+        if len(out) >= params.min_tokens and (token in params.stop_token_ids or token in stop_eos):
             return
         if len(out) >= params.max_tokens:
             return

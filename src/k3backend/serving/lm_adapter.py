@@ -218,7 +218,8 @@ class LmServer:
         try:
             if ev.token_ids:
                 self._count_tokens(state, ev)
-            if ev.first_scheduled_time_ns and state.builder is not None and not state.first_sent and ev.token_ids:
+            if ev.token_ids and state.num_output_tokens == len(ev.token_ids) and ev.first_scheduled_time_ns:
+                # the request's first tokens: observed once even when their text was held back
                 self.metrics.observe("request_queue_time_seconds",
                                      max(0.0, ev.first_scheduled_time_ns / 1e9 - state.parsed.arrival_time))
             if ev.finished and ev.finish_reason is FinishReason.CANCELLED and state.client_cancelled:
