@@ -7,6 +7,7 @@ recurrent KDA), so the tests that compare such runs token for token use a float6
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import replace
 
@@ -18,7 +19,7 @@ from k3backend.detokenizer import IncrementalDetokenizer, detokenize_all
 from k3backend.engine.engine import Engine, EngineConfig
 from k3backend.engine.request import FinishReason, Request, RequestOutput
 from k3backend.engine.sampling_params import SamplingParams
-from k3backend.errors import InvalidArgument, Unavailable
+from k3backend.errors import Cancelled, InvalidArgument, Unavailable
 from k3backend.generate import generate
 from k3backend.presets import make_checkpoint
 from k3backend.tokenizer import Tokenizer
@@ -67,7 +68,7 @@ def make_engine():
     yield make
     for e in engines:
         e.close()
-        assert not e._thread.is_alive()
+        assert not any(t.is_alive() for t in e._threads)
 
 
 class Collector:
@@ -284,25 +285,67 @@ def test_stop_mid_generation_flushes_held_text(model32, tok, make_engine, greedy
 
 @pytest.mark.parametrize("cancel", ["stop", "abort"])
 def test_cancel_matches_running_and_queued_requests_with_the_id(model32, tok, make_engine, greedy_ref, cancel):
-    """max_num_seqs=1: one request with the id runs, another waits; both end CANCELLED ([CAN-6])."""
+    """max_num_seqs=1: one request with the id runs, another waits; both end CANCELLED ([CAN-6]).
+
+    stop() matches the client id; abort() one engine id ([CAN-1]) and ends with a CANCELLED error."""
     req, _ = greedy_ref
     engine = make_engine(model32, tok, max_num_seqs=1)
-    first, second, gate, counts = Collector(), Collector(), threading.Event(), []
+    first, second, gate, done = Collector(), Collector(), threading.Event(), []
+    keys = []
 
-    def hook(out: RequestOutput) -> None:  # on the engine thread: the next step boundary applies it
-        if not counts:
+    def hook(out: RequestOutput) -> None:  # on the output thread: the next step boundary applies it
+        if not done:
             gate.wait(WAIT_S)
-            counts.append(getattr(engine, cancel)("g"))
+            done.append(engine.stop("g") if cancel == "stop" else [engine.abort(k) for k in keys])
 
     first.hook = hook
-    engine.submit(long_request(req), first)
-    engine.submit(long_request(req), second)
-    assert engine.stop("nobody") == 0 and engine.abort("nobody") == 0
+    keys += [engine.submit(long_request(req), first), engine.submit(long_request(req), second)]
+    assert engine.stop("nobody") == 0
     gate.set()
     running, queued = check_events(first.wait("g")["g"]), check_events(second.wait("g")["g"])
-    assert counts == [2]
+    assert done == [2] if cancel == "stop" else done == [[None, None]]
     assert running.finish_reason is queued.finish_reason is FinishReason.CANCELLED
     assert 0 < len(running.token_ids) < 200 and queued.token_ids == []
+    if cancel == "abort":
+        assert isinstance(running.error, Cancelled) and isinstance(queued.error, Cancelled)
+    else:
+        assert running.error is None and queued.error is None
+    assert_idle(engine)
+
+
+def test_stop_before_arrival_leaves_a_tombstone_consumed_once(model32, tok, make_engine, greedy_ref):
+    """[CAN-7]: an unmatched stop cancels the next request with that id, without engine work; only that one."""
+    req, ref = greedy_ref
+    engine = make_engine(model32, tok)
+    assert engine.stop("g") == 0
+    col = Collector()
+    engine.submit(req, col)
+    out = check_events(col.wait("g")["g"])
+    assert (out.finish_reason, out.token_ids, out.text, out.error) == (FinishReason.CANCELLED, [], "", None)
+    assert engine.stats().steps == 0
+    col2 = Collector()
+    engine.submit(req, col2)
+    assert check_events(col2.wait("g")["g"]).token_ids == ref
+
+
+def test_stop_while_being_prepared_cancels_it(model32, tok, make_engine, greedy_ref):
+    """A stop that lands while the request is still being tokenized finds it ([CAN-5] at every interleaving)."""
+    req, _ = greedy_ref
+    engine = make_engine(model32, tok)
+    entered, release, col = threading.Event(), threading.Event(), Collector()
+
+    def prepare() -> Request:
+        entered.set()
+        release.wait(WAIT_S)
+        return long_request(req)
+
+    engine.add("g", prepare, col)
+    assert entered.wait(WAIT_S)
+    assert engine.stop("g") == 1
+    release.set()
+    out = check_events(col.wait("g")["g"])
+    assert (out.finish_reason, out.token_ids, out.error) == (FinishReason.CANCELLED, [], None)
+    assert engine.stats().steps == 0
     assert_idle(engine)
 
 
@@ -312,32 +355,39 @@ def test_full_queue_is_unavailable(model32, tok, make_engine, greedy_ref):
     req, _ = greedy_ref
     engine = make_engine(model32, tok, max_num_seqs=1, max_queued_requests=1)
     col, entered, gate = Collector(), threading.Event(), threading.Event()
-    col.hook = lambda out: (entered.set(), gate.wait(WAIT_S))  # park the loop inside a callback
-    engine.submit(long_request(req, "a"), col)
+    col.hook = lambda out: (entered.set(), gate.wait(WAIT_S))  # park the output thread inside a callback
+    a = engine.submit(long_request(req, "a"), col)
     assert entered.wait(WAIT_S)
-    engine.submit(long_request(req, "b"), col)
+    b = engine.submit(long_request(req, "b"), col)
     with pytest.raises(Unavailable, match=r"request queue is full \(1 waiting, max_queued_requests 1\)"):
         engine.submit(long_request(req, "c"), col)
-    assert engine.abort("a") == 1 and engine.abort("b") == 1
+    engine.abort(a)
+    engine.abort(b)
     gate.set()
     col.wait("a", "b")
     assert_idle(engine)
 
 
-def test_invalid_requests_are_refused_at_submit(model32, tok, make_engine):
+def test_invalid_requests_end_with_invalid_arg(model32, tok, make_engine):
+    """Checks that need the prepared request run on the admission thread: the error is the final event."""
     engine, col = make_engine(model32, tok), Collector()
     ok = SamplingParams(max_tokens=4)
-    too_long = r"^prompt \(1000 tokens\) \+ max_tokens \(100\) exceeds max_model_len 1024$"
-    with pytest.raises(InvalidArgument, match=too_long):
-        engine.submit(Request("r", [65] * 1000, SamplingParams(max_tokens=100)), col)
-    with pytest.raises(InvalidArgument, match="prompt is empty"):
-        engine.submit(Request("r", [], ok), col)
-    with pytest.raises(InvalidArgument, match="token id 512 is outside the vocabulary 0..511"):
-        engine.submit(Request("r", [65, 512], ok), col)
-    with pytest.raises(InvalidArgument, match="2 image pad positions but image_embeds has 1 rows"):
-        engine.submit(Request("r", [tok.media_pad_id] * 2, ok, image_embeds=torch.zeros(1, 64)), col)
-    with pytest.raises(InvalidArgument, match="stop strings must be non-empty"):
-        engine.submit(Request("r", [65], replace(ok, stop=("",))), col)
+    cases = {
+        "long": (Request("long", [65] * 1000, SamplingParams(max_tokens=100)),
+                 r"^prompt \(1000 tokens\) \+ max_tokens \(100\) exceeds max_model_len 1024$"),
+        "empty": (Request("empty", [], ok), "prompt is empty"),
+        "vocab": (Request("vocab", [65, 512], ok), "token id 512 is outside the vocabulary 0..511"),
+        "pads": (Request("pads", [tok.media_pad_id] * 2, ok, image_embeds=torch.zeros(1, 64)),
+                 "2 image pad positions but image_embeds has 1 rows"),
+        "stop": (Request("stop", [65], replace(ok, stop=("",))), "stop strings must be non-empty"),
+    }
+    for req, _ in cases.values():
+        engine.submit(req, col)
+    for rid, (_, message) in cases.items():
+        out = check_events(col.wait(rid)[rid])
+        assert out.finish_reason is FinishReason.ERROR and isinstance(out.error, InvalidArgument), rid
+        assert re.search(message, str(out.error)), (rid, out.error)
+    assert engine.stats().steps == 0
     assert_idle(engine)
 
 
@@ -358,8 +408,8 @@ def test_model_error_fails_in_flight_requests_and_marks_unhealthy(model32, tok, 
         engine.submit(long_request(req, f"r{i}"), col)
     for i, col in enumerate(cols):
         final = check_events(col.wait(f"r{i}")[f"r{i}"])
-        assert final.finish_reason is FinishReason.ERROR
-        assert final.error == "engine step failed: RuntimeError: injected fault"
+        assert final.finish_reason is FinishReason.ERROR and isinstance(final.error, Unavailable)
+        assert str(final.error) == "engine failed: engine step failed: RuntimeError: injected fault"
     assert not engine.is_healthy() and not engine.stats().healthy
     with pytest.raises(Unavailable, match=r"engine is not healthy \(engine step failed: RuntimeError"):
         engine.submit(req, Collector())
@@ -390,15 +440,15 @@ def test_close_fails_in_flight_requests_and_is_idempotent(model32, tok, greedy_r
     engine.close()
     for rid in ("a", "b"):
         final = check_events(col.events[rid])
-        assert (final.finish_reason, final.error) == (FinishReason.ERROR, "server shutting down")
-    assert not engine._thread.is_alive()
+        assert (final.finish_reason, str(final.error)) == (FinishReason.ERROR, "server shutting down")
+    assert not any(t.is_alive() for t in engine._threads)
     engine.close()
     with pytest.raises(Unavailable, match="server shutting down"):
         engine.submit(req, col)
 
 
-def test_stuck_step_is_unhealthy_and_close_answers_for_it(model32, tok, greedy_ref, monkeypatch):
-    """[HLT-7]: a step past step_timeout_s makes the engine unhealthy; close() then ends its requests itself."""
+def test_stuck_step_fails_its_requests_and_the_engine(model32, tok, greedy_ref, monkeypatch):
+    """[HLT-7]: a step past step_timeout_s fails the engine and its requests within the watchdog period."""
     req, _ = greedy_ref
     engine = Engine(model32, tok, EngineConfig(max_model_len=1024, step_timeout_s=0.05))
     lm, entered, release = model32.language_model, threading.Event(), threading.Event()
@@ -412,13 +462,27 @@ def test_stuck_step_is_unhealthy_and_close_answers_for_it(model32, tok, greedy_r
     col = Collector()
     engine.submit(req, col)
     assert entered.wait(WAIT_S)
-    threading.Event().wait(0.1)
-    assert not engine.is_healthy()
-    assert "made no progress" in engine.stats().unhealthy_reason
-    engine.close(timeout=0.1)
-    final = check_events(col.events["g"])
-    assert (final.finish_reason, final.error) == (FinishReason.ERROR, "server shutting down")
+    final = check_events(col.wait("g")["g"])  # while the step is still stuck
+    assert final.finish_reason is FinishReason.ERROR and isinstance(final.error, Unavailable)
+    assert "made no progress" in str(final.error)
+    assert not engine.is_healthy() and "made no progress" in engine.stats().unhealthy_reason
+    with pytest.raises(Unavailable, match="engine is not healthy"):
+        engine.submit(req, Collector())
     release.set()
-    engine._thread.join(WAIT_S)
-    assert not engine._thread.is_alive()
-    assert len(col.events["g"]) == 1  # the loop sent nothing after close() answered for it
+    engine.close(timeout=WAIT_S)
+    assert not any(t.is_alive() for t in engine._threads)
+    assert len(col.events["g"]) == 1  # the loop sent nothing after the watchdog answered for it
+
+
+def test_close_drains_then_cuts(model32, tok, greedy_ref):
+    """[HLT-9]: close(drain_s) lets a short request finish and ends a long one with UNAVAILABLE."""
+    req, ref = greedy_ref
+    engine = Engine(model32, tok, EngineConfig(max_model_len=4096))
+    col = Collector()
+    engine.submit(req, col)  # 24 tokens
+    engine.submit(replace(req, request_id="long", params=replace(req.params, max_tokens=3000)), col)
+    engine.close(timeout=WAIT_S, drain_s=3.0)
+    assert check_events(col.events["g"]).token_ids == ref
+    final = check_events(col.events["long"])
+    assert final.finish_reason is FinishReason.ERROR and str(final.error) == "server shutting down"
+    assert 0 < len(final.token_ids) < 3000

@@ -1,16 +1,26 @@
-"""The serving engine: `submit` / `stop` / `abort` / `close` around one owned step-loop thread.
+"""The serving engine: `add` / `stop` / `abort` / `close` around three owned threads.
 
-Spec: SERVING.md §5.4–5.10 (sampling, termination, text, streaming, accounting, log-probs), §6
-(cancellation), §8.3–8.4 (failure, shutdown). Each step: apply cancellations, admit and prefill
-(chunked within `max_num_batched_tokens`), one batched decode forward, sample every row with the
-request's own generator, and send each request's event in the step that made it ([STR-7]).
+Spec: SERVING.md §5.4-5.10 (sampling, termination, text, streaming, accounting, log-probs), §6
+(cancellation, the stop convention and its tombstones), §8.3-8.4 (failure, shutdown).
 
-Per-sequence `SequenceCache`s, freed when a request finishes; paged caches come later.
+Threads, each with one job:
+- admission: runs each request's `prepare()` (tokenization, rendering: off the Triton thread),
+  validates it and hands it to the scheduler; also the watchdog of a stuck step ([HLT-7]);
+- loop: each step applies cancellations, schedules, forwards, samples, and applies the id-level
+  termination checks;
+- output (`engine.output`): detokenization, stop strings, events.
+
+The request registry lives here and only here: every request from `add()` until its final
+event is decided, whatever its phase (being prepared, queued, running), keyed by the engine's
+id and by the client's id, with the stop tombstones beside it under the same lock. So a stop
+finds its target at every interleaving ([CAN-5]) and a tombstone is consumed exactly once ([CAN-7]).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -18,10 +28,11 @@ from typing import Callable
 
 import torch
 
+from k3backend.engine.output import Closed, Message, Opened, OutputProcessor, Progress, Rejected
 from k3backend.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from k3backend.engine.sampler import make_generator, sample
 from k3backend.engine.scheduler import Cancel, Scheduler, Sequence, StepPlan
-from k3backend.errors import InvalidArgument, Unavailable
+from k3backend.errors import Cancelled, InvalidArgument, Unavailable
 from k3backend.model.cache import ForwardBatch
 from k3backend.model.k3 import K3Model
 from k3backend.tokenizer import Tokenizer
@@ -29,8 +40,7 @@ from k3backend.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 SHUTDOWN_ERROR = "server shutting down"
-
-Event = tuple[Sequence, RequestOutput]  # an event and the sequence whose callback receives it
+WATCHDOG_PERIOD_S = 0.5  # how often the admission thread checks for a stuck step
 
 
 @dataclass(frozen=True)
@@ -38,8 +48,9 @@ class EngineConfig:
     max_num_seqs: int = 256  # most sequences in one step
     max_model_len: int = 131072  # prompt + output
     max_num_batched_tokens: int = 8192  # prefill token budget per step (chunked prefill beyond it)
-    max_queued_requests: int = 0  # 0 = no limit; beyond it submit raises Unavailable
-    step_timeout_s: float = 300.0  # a step running longer makes the engine unhealthy ([HLT-7])
+    max_queued_requests: int = 0  # 0 = no limit; beyond it add() raises Unavailable
+    step_timeout_s: float = 300.0  # a step running longer fails the engine ([HLT-7])
+    stop_tombstone_ttl_s: float = 30.0  # how long an unmatched stop id is remembered ([CAN-7])
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
@@ -49,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if not self.step_timeout_s > 0:
             raise ValueError(f"EngineConfig.step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if not self.stop_tombstone_ttl_s >= 0:
+            raise ValueError(f"EngineConfig.stop_tombstone_ttl_s must be >= 0, got {self.stop_tombstone_ttl_s}")
 
 
 @dataclass(frozen=True)
@@ -56,7 +69,7 @@ class EngineStats:
     """A snapshot for gauges and counters (§9); counters are totals since the engine started."""
 
     num_running: int
-    num_waiting: int
+    num_waiting: int  # being prepared or queued
     healthy: bool
     steps: int
     prompt_tokens_total: int  # prompt tokens of admitted requests ([TOK-3])
@@ -77,7 +90,7 @@ def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
 
 
 class Engine:
-    """Continuous batching over a `K3Model` on one device; callbacks run on the engine thread."""
+    """Continuous batching over a `K3Model` on one device. `close()` is idempotent."""
 
     def __init__(self, model: K3Model, tokenizer: Tokenizer, cfg: EngineConfig) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
@@ -86,43 +99,80 @@ class Engine:
         self._hidden_size = model.cfg.text.hidden_size
         self._pad_id = model.cfg.media_placeholder_token_id
         self._sched = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self._cond = threading.Condition()  # guards everything below, the scheduler and Sequence.cancel
-        self._by_id: dict[str, list[Sequence]] = {}  # in-flight (queued or running) sequences per id
-        self._closing = False
+        self._cond = threading.Condition()  # guards the registry, the scheduler, the flags below
+        self._by_key: dict[str, Sequence] = {}  # every request from add() until it leaves the engine
+        self._by_client: dict[str, list[Sequence]] = {}
+        self._tombstones: dict[str, float] = {}  # client id -> expiry (monotonic) [CAN-7]
+        self._keys = itertools.count()
+        self._accepting = True  # False once close() began: add() refuses
+        self._stopping = False  # the loop and admission end everything
+        self._drain_cut = threading.Event()  # ends a close()'s drain early (a second close())
+        self._close_lock = threading.Lock()
+        self._closed = False
         self._unhealthy: str | None = None
+        self._abandoned = False  # the loop's requests were answered elsewhere: it must emit nothing
         self._step_started: float | None = None  # monotonic start of the step in progress
         self._steps = self._prompt_tokens = self._generation_tokens = 0
-        self._emit_lock = threading.Lock()  # held while calling back; see close()
-        self._abandoned = False  # close() gave up on a stuck loop and finished requests itself
-        self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
-        self._thread.start()
+        self._out = OutputProcessor(tokenizer, self._finished_by_output)
+        self._admit_q: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._admit_loop, name="k3-engine-admit", daemon=True),
+                         threading.Thread(target=self._loop, name="k3-engine", daemon=True)]
+        for t in self._threads:
+            t.start()
         log.info("engine started: max_num_seqs=%d max_model_len=%d max_num_batched_tokens=%d device=%s",
                  cfg.max_num_seqs, cfg.max_model_len, cfg.max_num_batched_tokens, self.device)
 
     # ---- public API ----------------------------------------------------------------------------
 
-    def submit(self, request: Request, on_output: Callable[[RequestOutput], None]) -> None:
-        """Validate cheaply and queue; events then arrive on `on_output` from the engine thread."""
-        with self._cond:
-            self._check_available()
-        seq = self._validate(request, on_output)
+    def add(self, client_id: str, prepare: Callable[[], Request],
+            on_output: Callable[[RequestOutput], None]) -> str:
+        """Register a request now and prepare it on the admission thread; returns the engine's id.
+
+        Events arrive on `on_output` from the output thread. A request whose client id has a live
+        tombstone ends at once, cancelled, without `prepare` being called ([CAN-7]). Raises
+        Unavailable when the engine is closing, failed, or its queue is full.
+        """
         with self._cond:
             self._check_available()
             limit = self.cfg.max_queued_requests
-            if limit and len(self._sched.waiting) >= limit:
-                raise Unavailable(f"request queue is full ({len(self._sched.waiting)} waiting, "
-                                  f"max_queued_requests {limit})")
-            self._sched.add(seq)
-            self._by_id.setdefault(request.request_id, []).append(seq)
+            waiting = len(self._by_key) - len(self._sched.running)
+            if limit and waiting >= limit:
+                raise Unavailable(f"request queue is full ({waiting} waiting, max_queued_requests {limit})")
+            key = f"{client_id}#{next(self._keys)}"
+            if self._take_tombstone(client_id):
+                self._out.put([Rejected(client_id, on_output, FinishReason.CANCELLED,
+                                        arrival_time_ns=time.time_ns())])
+                return key
+            seq = Sequence(key, client_id, on_output, prepare)
+            self._by_key[key] = seq
+            self._by_client.setdefault(client_id, []).append(seq)
+        self._admit_q.put(seq)
+        return key
+
+    def submit(self, request: Request, on_output: Callable[[RequestOutput], None]) -> str:
+        """`add()` for a request that is already built (tests, benchmarks, the CLI)."""
+        return self.add(request.request_id, lambda: request, on_output)
+
+    def stop(self, client_id: str) -> int:
+        """[CAN-5]: every in-flight request with this client id ends at the next step boundary,
+        cancelled, held text flushed. With none in flight, leave a tombstone ([CAN-7]). Returns
+        the number of requests matched."""
+        with self._cond:
+            seqs = self._by_client.get(client_id, [])
+            for seq in seqs:
+                seq.cancel = seq.cancel or Cancel.STOP
+            if not seqs and self.cfg.stop_tombstone_ttl_s > 0:
+                self._tombstones[client_id] = time.monotonic() + self.cfg.stop_tombstone_ttl_s
             self._cond.notify()
+            return len(seqs)
 
-    def stop(self, request_id: str) -> int:
-        """[CAN-5]: matching requests finish at the next step boundary, CANCELLED, held text flushed."""
-        return self._cancel(request_id, Cancel.STOP)
-
-    def abort(self, request_id: str) -> int:
-        """[CAN-1]: matching requests are removed at the next step boundary with a final CANCELLED event."""
-        return self._cancel(request_id, Cancel.ABORT)
+    def abort(self, key: str) -> None:
+        """[CAN-1]: the request ends at the next step boundary with a CANCELLED error."""
+        with self._cond:
+            seq = self._by_key.get(key)
+            if seq is not None and seq.cancel is not Cancel.DONE:
+                seq.cancel = Cancel.ABORT
+                self._cond.notify()
 
     def is_healthy(self) -> bool:
         with self._cond:
@@ -131,53 +181,105 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._cond:
             reason = self._health_reason()
-            return EngineStats(len(self._sched.running), len(self._sched.waiting), reason is None, self._steps,
+            running = len(self._sched.running)
+            return EngineStats(running, len(self._by_key) - running, reason is None, self._steps,
                                self._prompt_tokens, self._generation_tokens, reason)
 
-    def close(self, timeout: float = 20.0) -> None:
-        """Idempotent: stop admitting, end every in-flight request with an ERROR event, join the loop."""
-        with self._cond:
-            first = not self._closing
-            self._closing = True
-            self._cond.notify()
-        if threading.current_thread() is self._thread:
-            return  # called from a callback: the loop ends after this step
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            # The loop is stuck in a step: answer its requests from here, and have the loop emit nothing more.
-            log.error("engine loop did not stop within %.1f s; failing its requests from close()", timeout)
-            if not self._emit_lock.acquire(timeout=1.0):
-                log.error("engine loop is stuck inside an on_output callback; its requests get no final event")
-                return
-            try:
-                self._abandoned = True
-            finally:
-                self._emit_lock.release()
-            with self._cond:
-                seqs = self._take_all()
-            self._finish_all(seqs, SHUTDOWN_ERROR, force=True)
-        elif first:
-            log.info("engine closed after %d steps", self._steps)
+    def close(self, timeout: float = 20.0, drain_s: float = 0.0) -> None:
+        """Refuse new requests; let in-flight ones run up to `drain_s`; end the rest with
+        UNAVAILABLE ("server shutting down"); join the threads within about `timeout` ([HLT-9]).
 
-    # ---- submit helpers ------------------------------------------------------------------------
+        Idempotent; a call during another's drain ends that drain now and returns once the
+        first call is done.
+        """
+        with self._cond:
+            self._accepting = False
+        deadline = time.monotonic() + drain_s
+        while time.monotonic() < deadline and not self._drain_cut.is_set() and not self._idle():
+            self._drain_cut.wait(0.05)
+        self._drain_cut.set()
+        with self._close_lock:
+            if not self._closed:
+                self._closed = True
+                self._shut_down(timeout)
+
+    def _shut_down(self, timeout: float) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._admit_q.put(None)
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            log.error("engine loop did not stop within %.1f s; failing its requests from close()", timeout)
+            self._abandon(Unavailable(SHUTDOWN_ERROR))
+        if not self._out.close(max(1.0, end - time.monotonic())):
+            log.error("engine output thread is stuck in an on_output callback")
+        log.info("engine closed after %d steps", self._steps)
+
+    # ---- admission -----------------------------------------------------------------------------
 
     def _check_available(self) -> None:
-        if self._closing:
+        if not self._accepting:
             raise Unavailable(f"engine is closed ({SHUTDOWN_ERROR})")
         reason = self._health_reason()
         if reason is not None:
             raise Unavailable(f"engine is not healthy ({reason})")
 
-    def _health_reason(self) -> str | None:
-        if self._unhealthy is not None:
-            return self._unhealthy
-        if self._step_started is not None:
-            running = time.monotonic() - self._step_started
-            if running > self.cfg.step_timeout_s:
-                return f"engine step made no progress for {running:.0f} s (step_timeout_s {self.cfg.step_timeout_s:g})"
-        return None
+    def _take_tombstone(self, client_id: str) -> bool:
+        """Under the lock: consume a live tombstone of this id, dropping expired ones on the way."""
+        now = time.monotonic()
+        for cid in [c for c, t in self._tombstones.items() if t < now]:
+            del self._tombstones[cid]
+        return self._tombstones.pop(client_id, None) is not None
 
-    def _validate(self, request: Request, on_output: Callable[[RequestOutput], None]) -> Sequence:
+    def _admit_loop(self) -> None:
+        while True:
+            try:
+                seq = self._admit_q.get(timeout=WATCHDOG_PERIOD_S)
+            except queue.Empty:
+                self._check_stuck()
+                continue
+            if seq is None:
+                break
+            self._admit(seq)
+        with self._cond:  # close(): whatever is still queued here was never admitted
+            leftover = [s for s in self._by_key.values() if s.request is None]
+            for seq in leftover:
+                self._forget(seq)
+        self._out.put([Rejected(s.client_id, s.on_output, FinishReason.ERROR, Unavailable(SHUTDOWN_ERROR))
+                       for s in leftover])
+
+    def _admit(self, seq: Sequence) -> None:
+        error: Exception | None = None
+        request = None
+        if seq.cancel is None:
+            try:
+                request = seq.prepare()
+                self._validate(request)
+            except Exception as e:  # noqa: BLE001 - every failure becomes this request's final event
+                error = e
+        with self._cond:
+            if seq.key not in self._by_key:
+                return  # answered already (close() gave up on the loop)
+            if error is None and seq.cancel is None and self._stopping:
+                error = Unavailable(SHUTDOWN_ERROR)
+            if error is not None or seq.cancel is not None:
+                self._forget(seq)
+                if error is not None:
+                    msg = Rejected(seq.client_id, seq.on_output, FinishReason.ERROR, error)
+                else:  # stopped or aborted while being prepared
+                    msg = Rejected(seq.client_id, seq.on_output, FinishReason.CANCELLED,
+                                   Cancelled("request cancelled by client") if seq.cancel is Cancel.ABORT else None)
+                self._out.put([msg])
+                return
+            seq.bind(request)
+            self._out.put([Opened(seq.key, request, seq.on_output)])  # before the loop can see it
+            self._sched.add(seq)
+            self._cond.notify()
+
+    def _validate(self, request: Request) -> None:
         ids, p = request.prompt_ids, request.params
         if not ids:
             raise InvalidArgument("prompt is empty")
@@ -196,19 +298,43 @@ class Engine:
         if emb is not None and (emb.dim() != 2 or emb.shape[1] != self._hidden_size):
             raise InvalidArgument(f"image_embeds: expected [{rows}, {self._hidden_size}], got {list(emb.shape)}")
         try:
-            return Sequence.create(request, on_output, self.tokenizer)
+            OutputProcessor.detokenizer(request, self.tokenizer)
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
 
-    def _cancel(self, request_id: str, mode: Cancel) -> int:
+    # ---- failure -------------------------------------------------------------------------------
+
+    def _health_reason(self) -> str | None:
+        if self._unhealthy is not None:
+            return self._unhealthy
+        if self._step_started is not None:
+            running = time.monotonic() - self._step_started
+            if running > self.cfg.step_timeout_s:
+                return f"engine step made no progress for {running:.0f} s (step_timeout_s {self.cfg.step_timeout_s:g})"
+        return None
+
+    def _check_stuck(self) -> None:
+        """[HLT-7]: a step past step_timeout_s fails the engine; its requests are answered from here."""
         with self._cond:
-            seqs = self._by_id.get(request_id, [])
-            for seq in seqs:
-                if seq.cancel is None or mode is Cancel.ABORT:
-                    seq.cancel = mode
-            if seqs:
-                self._cond.notify()
-            return len(seqs)
+            if self._unhealthy is not None or self._step_started is None:
+                return
+            reason = self._health_reason()
+            if reason is None:
+                return
+            self._unhealthy = reason
+        log.error("engine failed: %s", reason)
+        self._abandon(Unavailable(f"engine failed: {reason}"))
+
+    def _abandon(self, error: Exception) -> None:
+        """End every request from this thread; the loop, if it ever returns, emits nothing more."""
+        with self._cond:
+            self._abandoned = True
+            seqs = self._take_all()
+        self._out.put(self._fail_messages(seqs, error))
+
+    def _fail_messages(self, seqs: list[Sequence], error: Exception) -> list[Message]:
+        return [Closed(s.key, FinishReason.ERROR, error) if s.request is not None
+                else Rejected(s.client_id, s.on_output, FinishReason.ERROR, error) for s in seqs]
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -216,41 +342,51 @@ class Engine:
         try:
             while True:
                 with self._cond:
-                    while not (self._closing or self._sched.waiting or self._sched.running):
+                    while not (self._stopping or self._sched.waiting or self._sched.running):
                         self._cond.wait()
-                    if self._closing:
-                        seqs = self._take_all()
+                    if self._stopping or self._abandoned:
                         break
                 self._step()
-            self._finish_all(seqs, SHUTDOWN_ERROR)
+            with self._cond:  # requests still being prepared are the admission thread's to answer
+                seqs = [] if self._abandoned else self._take_all(prepared_only=True)
+            self._out.put(self._fail_messages(seqs, Unavailable(SHUTDOWN_ERROR)))
         except BaseException as e:  # noqa: BLE001 - the loop must answer every request whatever failed
             reason = f"engine step failed: {type(e).__name__}: {e}"
             log.exception("engine failed; every in-flight request gets an error")
             with self._cond:
                 self._unhealthy = reason
                 self._step_started = None
-                seqs = self._take_all()
-            self._finish_all(seqs, reason)
+            self._abandon(Unavailable(f"engine failed: {reason}"))
 
     def _step(self) -> None:
+        """One step. Sequences leave the registry only once their messages are queued, so a step
+        that raises leaves every request it had in hand for `_abandon` to answer."""
         with self._cond:
             cancelled = self._sched.pop_cancelled()
-            for seq in cancelled:
-                self._forget(seq)
             plan = self._sched.schedule()
             self._step_started = time.monotonic()
-        self._emit([self._end(s, FinishReason.CANCELLED, flush=s.cancel is Cancel.STOP) for s in cancelled])
-        events = self._run(plan) if not plan.empty else []
+        messages: list[Message] = [self._cancel_message(s) for s in cancelled if s.cancel is not Cancel.DONE]
+        for seq in cancelled:
+            seq.free()
+        if not plan.empty:
+            messages += self._run(plan)
         with self._cond:
-            self._sched.remove_finished()
-            for seq, out in events:
-                if out.finished:
-                    self._forget(seq)
-            self._steps += not plan.empty
             self._step_started = None
-        self._emit(events)
+            if self._abandoned:
+                return
+            for seq in cancelled + self._sched.remove_finished():
+                self._forget(seq)
+                seq.free()
+            self._steps += not plan.empty
+            self._out.put(messages)
 
-    def _run(self, plan: StepPlan) -> list[Event]:
+    @staticmethod
+    def _cancel_message(seq: Sequence) -> Closed:
+        if seq.cancel is Cancel.ABORT:
+            return Closed(seq.key, FinishReason.CANCELLED, Cancelled("request cancelled by client"), flush=False)
+        return Closed(seq.key, FinishReason.CANCELLED)  # [CAN-5]: held text flushed
+
+    def _run(self, plan: StepPlan) -> list[Message]:
         """Forward the plan and sample one token for every sequence that has logits this step."""
         now = time.time_ns()
         for seq in plan.admitted:
@@ -259,12 +395,12 @@ class Engine:
             seq.first_scheduled_time_ns = now
         sampled = [c.seq for c in plan.prefill if c.last] + plan.decode
         logits = self._forward(plan)  # [len(sampled), V] fp32 on the host: the step's one sync
-        events = [e for row, seq in zip(logits, sampled)
-                  if not seq.finished and (e := self._sample(seq, row)) is not None]  # finished: by close()
+        now = time.time_ns()
+        messages: list[Message] = [self._sample(seq, row, now) for row, seq in zip(logits, sampled)]
         with self._cond:
             self._prompt_tokens += sum(s.num_prompt_tokens for s in plan.admitted)
             self._generation_tokens += len(sampled)
-        return events
+        return messages
 
     @torch.inference_mode()
     def _forward(self, plan: StepPlan) -> torch.Tensor:
@@ -296,54 +432,45 @@ class Engine:
         seq.num_pads_computed += n
         return seq.request.image_embeds[first:first + n].to(self.device)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> Event | None:
-        """[SMP-6] with the request's generator, then [STP-1]; the event to send now, if any ([STR-3])."""
+    def _sample(self, seq: Sequence, logits: torch.Tensor, now: int) -> Progress:
+        """[SMP-6] with the request's generator, then the id-level checks of [STP-1]."""
         p, req = seq.request.params, seq.request
         token = sample(logits, p, seq.generator, prompt_ids=req.prompt_ids, output_ids=seq.output_ids,
                        eos_ids=seq.mask_eos, bad_word_seqs=req.bad_word_seqs)
         lp = token_logprob(logits, token, p.logprobs) if p.logprobs is not None else None  # [LP-4]
-        finish = seq.append_token(token, lp)
-        if finish is not None:
-            return self._end(seq, finish)
-        out = seq.take_output()
-        return None if out is None else (seq, out)
+        finish = seq.append_token(token)
+        return Progress(seq.key, [token], None if lp is None else [lp], now,
+                        first_scheduled_time_ns=seq.first_scheduled_time_ns, finish=finish,
+                        terminal=finish is FinishReason.STOP)
 
-    # ---- finishing -----------------------------------------------------------------------------
+    # ---- registry ------------------------------------------------------------------------------
 
-    def _end(self, seq: Sequence, reason: FinishReason, *, flush: bool = True, error: str | None = None) -> Event:
-        out = seq.take_output(reason, flush=flush, error=error)
-        assert out is not None
-        seq.free()
-        return seq, out
+    def _finished_by_output(self, key: str) -> None:
+        """The output thread ended a request on a stop string: drop it at the next step boundary."""
+        with self._cond:
+            seq = self._by_key.get(key)
+            if seq is not None:
+                seq.cancel = Cancel.DONE
+                self._cond.notify()
+
+    def _idle(self) -> bool:
+        with self._cond:
+            return not self._by_key
 
     def _forget(self, seq: Sequence) -> None:
         """Under the lock: `seq` is no longer in flight, so stop()/abort() no longer match it."""
-        same = self._by_id.get(seq.request_id, [])
+        self._by_key.pop(seq.key, None)
+        same = self._by_client.get(seq.client_id, [])
         if seq in same:
             same.remove(seq)
         if not same:
-            self._by_id.pop(seq.request_id, None)
+            self._by_client.pop(seq.client_id, None)
 
-    def _take_all(self) -> list[Sequence]:
-        """Under the lock: every in-flight sequence, removed from the scheduler and the id index."""
-        seqs = self._sched.pop_all()
-        self._by_id.clear()
+    def _take_all(self, prepared_only: bool = False) -> list[Sequence]:
+        """Under the lock: every in-flight sequence (or every admitted one), removed from the
+        scheduler and the registry."""
+        seqs = [s for s in self._by_key.values() if s.request is not None or not prepared_only]
+        self._sched.pop_all()
+        for seq in seqs:
+            self._forget(seq)
         return seqs
-
-    def _finish_all(self, seqs: list[Sequence], error: str, *, force: bool = False) -> None:
-        events = [self._end(s, FinishReason.ERROR, flush=False, error=error) for s in seqs if not s.final_sent]
-        self._emit(events, force=force)
-
-    def _emit(self, events: list[Event], *, force: bool = False) -> None:
-        """Call back in order; a raising callback is logged and never stops the loop."""
-        if not events:
-            return
-        with self._emit_lock:
-            if self._abandoned and not force:
-                return
-            for seq, out in events:
-                seq.final_sent = out.finished
-                try:
-                    seq.on_output(out)
-                except Exception:  # noqa: BLE001 - a client callback must not kill the engine
-                    log.exception("on_output callback of request %r raised", seq.request_id)

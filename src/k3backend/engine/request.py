@@ -1,8 +1,9 @@
 """What the server hands the engine, and what the engine hands back (the engine API's data types).
 
-The serving layer builds a `Request` (token ids already rendered and image-expanded), calls
-`Engine.submit(request, on_output)` and receives `RequestOutput` events on that callback, from the
-engine's thread, in order; exactly one event has `finished=True` and it is the last.
+The serving layer hands `Engine.add(client_id, prepare, on_output)` a function that builds a
+`Request` (token ids already rendered and image-expanded) and receives `RequestOutput` events on
+that callback, from the engine's output thread, in order; exactly one event has `finished=True`
+and it is the last.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class FinishReason(str, Enum):
     STOP = "stop"  # EOS / end_id, a stop token id, or a stop string
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"  # Engine.stop(request_id) or abort
-    ERROR = "error"  # engine failure: the event carries `error`
+    ERROR = "error"  # the request failed: the event carries `error`
 
 
 @dataclass
@@ -68,7 +69,10 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
-    error: str | None = None  # set with FinishReason.ERROR: why the engine failed
+    # Why the request ended without a normal finish: a client-visible `K3Error` (INVALID_ARG at
+    # admission, CANCELLED for an abort, UNAVAILABLE for an engine failure or shutdown) or, for a
+    # defect, any other exception. Set only on the final event.
+    error: Exception | None = None
     num_input_tokens: int = 0
     num_cached_tokens: int = 0
     arrival_time_ns: int = 0

@@ -7,7 +7,6 @@ prompt tokens each prefills; it builds no tensors (the engine turns a `StepPlan`
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -15,60 +14,48 @@ from typing import Callable
 
 import torch
 
-from k3backend.detokenizer import IncrementalDetokenizer
-from k3backend.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
+from k3backend.engine.request import FinishReason, Request, RequestOutput
 from k3backend.model.cache import SequenceCache
-from k3backend.tokenizer import Tokenizer
 
 
 class Cancel(str, Enum):
-    STOP = "stop"  # stop convention ([CAN-5]): held-back text flushed
-    ABORT = "abort"  # direct client cancel ([CAN-1]): the adapter answers with a CANCELLED error
+    STOP = "stop"  # stop convention ([CAN-5]): held-back text flushed, finish_reason cancelled
+    ABORT = "abort"  # direct client cancel ([CAN-1]): ends with a CANCELLED error
+    DONE = "done"  # a stop string ended it on the output thread: remove, emit nothing more
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One request inside the engine: prompt progress, outputs, and what the next event must carry.
+    """One request inside the engine, from `Engine.add` until it leaves the scheduler.
 
+    Until `bind()` the request is still being prepared (tokenized) and only `key`, `client_id`
+    and `cancel` matter: a stop or abort can already reach it ([CAN-5] at every interleaving).
     `num_computed`: prompt tokens already scheduled for prefill. After prefill the sequence always
     has exactly one sampled token not yet fed to the model (the last of `output_ids`), until it finishes.
     """
 
-    request: Request
+    key: str  # the engine's unique id of this request
+    client_id: str  # the client's request id: what stop requests match ([CAN-3])
     on_output: Callable[[RequestOutput], None]
-    detok: IncrementalDetokenizer
-    mask_eos: tuple[int, ...]  # masked below min_tokens ([SMP-6] step 1): end_id, else the EOS set
-    stop_eos: tuple[int, ...]  # ends generation ([STP-1] check 1): mask_eos unless ignore_eos
+    prepare: Callable[[], Request] | None = None
+    request: Request | None = None
+    mask_eos: tuple[int, ...] = ()  # masked below min_tokens ([SMP-6] step 1): end_id, else the EOS set
+    stop_eos: tuple[int, ...] = ()  # ends generation ([STP-1] check 1): mask_eos unless ignore_eos
+    cancel: Cancel | None = None
     num_computed: int = 0
     num_pads_computed: int = 0  # media-pad positions already prefilled: the next image row to use
     output_ids: list[int] = field(default_factory=list)
     cache: SequenceCache | None = None
     generator: torch.Generator | None = None
-    cancel: Cancel | None = None
-    finished: bool = False  # the final event is built (it may not be sent yet)
-    final_sent: bool = False  # the final event went to `on_output`
-    # the next event: tokens since the previous event and text released since then ([STR-8])
-    pending_ids: list[int] = field(default_factory=list)
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    pending_text: str = ""
-    pending_reasoning: str = ""
+    finished: bool = False
     first_scheduled_time_ns: int = 0
-    first_token_time_ns: int = 0
-    last_token_time_ns: int = 0
 
-    @classmethod
-    def create(cls, request: Request, on_output: Callable[[RequestOutput], None], tokenizer: Tokenizer) -> Sequence:
-        """Raises ValueError for options the detokenizer rejects (e.g. an empty stop string)."""
+    def bind(self, request: Request) -> None:
+        """The prepared request; derives the EOS sets once ([STP-2])."""
         p = request.params
-        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens, stop_strings=p.stop,
-                                       include_stop_str_in_output=p.include_stop_str_in_output,
-                                       split_reasoning=request.split_reasoning, in_think=request.in_think)
-        mask_eos = (p.end_id,) if p.end_id is not None else tuple(request.eos_ids)
-        return cls(request, on_output, detok, mask_eos, () if p.ignore_eos else mask_eos)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+        self.request, self.prepare = request, None
+        self.mask_eos = (p.end_id,) if p.end_id is not None else tuple(request.eos_ids)
+        self.stop_eos = () if p.ignore_eos else self.mask_eos
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,52 +70,21 @@ class Sequence:
         """Prefill done and a sampled token waits to be fed ([STP-1] has not ended it)."""
         return not self.prefilling and bool(self.output_ids) and not self.finished
 
-    def append_token(self, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
-        """Record a sampled token, run the termination checks of [STP-1] in order, release text."""
+    def append_token(self, token: int) -> FinishReason | None:
+        """Record a sampled token and run the id-level checks of [STP-1] (1: stop ids / EOS, 3: length).
+
+        Stop strings (check 2) are matched on the output thread, which ends the request itself.
+        """
         p = self.request.params
-        now = time.time_ns()
-        self.first_token_time_ns = self.first_token_time_ns or now
-        self.last_token_time_ns = now
         self.output_ids.append(token)
-        self.pending_ids.append(token)
-        if logprob is not None:
-            self.pending_logprobs.append(logprob)
         n = len(self.output_ids)
         if n >= p.min_tokens and (token in p.stop_token_ids or token in self.stop_eos):
+            self.finished = True
             return FinishReason.STOP  # [STP-2]: the terminating token produces no text
-        delta = self.detok.push([token], check_stops=n >= p.min_tokens)  # [STP-5]
-        self.pending_text += delta.text
-        self.pending_reasoning += delta.reasoning
-        if delta.stopped:
-            return FinishReason.STOP
         if n >= p.max_tokens:
+            self.finished = True
             return FinishReason.LENGTH
         return None
-
-    def take_output(self, finish: FinishReason | None = None, *, flush: bool = True,
-                    error: str | None = None) -> RequestOutput | None:
-        """The next event, or None when there is nothing visible to send yet ([STR-3]).
-
-        `finish` makes it the final event; `flush` releases held-back text first ([STR-6]).
-        """
-        if finish is not None:
-            self.finished = True
-            if flush:
-                delta = self.detok.finish()
-                self.pending_text += delta.text
-                self.pending_reasoning += delta.reasoning
-        elif not (self.pending_text or self.pending_reasoning):
-            return None  # the token's text is held back: carry its id into the next event
-        out = RequestOutput(
-            request_id=self.request_id, text=self.pending_text, reasoning=self.pending_reasoning,
-            token_ids=self.pending_ids,
-            logprobs=self.pending_logprobs if self.request.params.logprobs is not None else None,
-            finished=finish is not None, finish_reason=finish, error=error,
-            num_input_tokens=self.num_prompt_tokens, arrival_time_ns=int(self.request.arrival_time * 1e9),
-            first_scheduled_time_ns=self.first_scheduled_time_ns, first_token_time_ns=self.first_token_time_ns,
-            last_token_time_ns=self.last_token_time_ns)
-        self.pending_ids, self.pending_logprobs, self.pending_text, self.pending_reasoning = [], [], "", ""
-        return out
 
     def free(self) -> None:
         self.cache = None
@@ -193,8 +149,11 @@ class Scheduler:
         self.running = []
         return seqs
 
-    def remove_finished(self) -> None:
-        self.running = [s for s in self.running if not s.finished]
+    def remove_finished(self) -> list[Sequence]:
+        done = [s for s in self.running if s.finished]
+        if done:
+            self.running = [s for s in self.running if not s.finished]
+        return done
 
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens

@@ -1,16 +1,16 @@
 """Everything behind `k3_lm`'s TritonPythonModel (SERVING.md §4, §6, §8, §9).
 
-`execute()` only parses and enqueues ([CFG-L2]); tokenization and engine admission run on the
-admission thread; engine events become responses on the response thread (a slow client never
-stalls the engine); a poller thread checks cancellation and refreshes gauges. Each request gets
-a unique engine id, so a gRPC cancel aborts exactly one request while `stop` + request id
-([CAN-3]) reaches every in-flight request that shares the client's id.
+The vllm_backend shape: `execute()` parses cheaply and hands each request to the engine
+(`Engine.add`, which tokenizes on its own thread and owns the one request registry, stop ids
+and tombstones); it never waits for generation ([CFG-L2]). Engine events become responses on
+the output thread and are sent by one response thread, which is also the only thread that asks a
+sender `is_cancelled()`, and never after that sender's final response: on 2.51 that call on a
+finished request reads a freed response factory and crashes the server. A lifecycle thread
+watches the server (shutdown, a dead parent) and the engine's health.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import os
 import queue
@@ -22,22 +22,14 @@ from typing import Any
 
 import torch
 
-from k3backend.engine.engine import Engine, EngineConfig
+from k3backend.engine.engine import SHUTDOWN_ERROR, Engine, EngineConfig
 from k3backend.engine.request import FinishReason, RequestOutput
 from k3backend.errors import Cancelled, Unavailable
+from k3backend.serving import guardian, lifecycle
 from k3backend.serving import metrics as m
-from k3backend.serving.params import (
-    LmDefaults,
-    ParsedRequest,
-    load_generation_defaults,
-    parse_request,
-)
+from k3backend.serving.params import LmDefaults, ParsedRequest, load_generation_defaults, parse_request
 from k3backend.serving.prompt import build_request
-from k3backend.serving.responses import (
-    ResponseBuilder,
-    error_message,
-    stop_request_response,
-)
+from k3backend.serving.responses import ResponseBuilder, error_message, stop_request_response
 from k3backend.serving.triton_io import (
     ModelParams,
     data_response,
@@ -59,26 +51,38 @@ PARAMETERS = {  # SERVING.md §4.4 with defaults
     "default_thinking": "false", "max_prompt_bytes": "8388608", "max_queued_requests": "0",
     "cancellation_check_period_ms": "100", "allow_stop_by_request_id": "true", "stop_tombstone_ttl_s": "30",
     "startup_timeout_s": "3600", "shutdown_timeout_s": "20", "step_timeout_s": "300",
-    "unload_on_engine_failure": "true", "REPORT_CUSTOM_METRICS": "true", "metrics_prefix": "k3",
-    "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+    "unload_on_engine_failure": "true", "stub_failure_action": "exit", "REPORT_CUSTOM_METRICS": "true",
+    "metrics_prefix": "k3", "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
 }
+LIFECYCLE_PERIOD_S = 0.25  # gauges, server shutdown and engine-health checks
 
 
-@dataclass
+@dataclass(eq=False)
 class _InFlight:
     """One request between execute() and its final response."""
 
     client_id: str
-    engine_id: str
     sender: Any
     parsed: ParsedRequest
+    key: str = ""  # the engine's id, once added
     builder: ResponseBuilder | None = None
-    num_input_tokens: int = 0
-    client_cancelled: bool = False
+    admitted: bool = False  # prompt metrics counted
+    scheduled: bool = False  # queue time observed
     num_output_tokens: int = 0
     first_sent: float | None = None  # monotonic time of the first data response
     last_token_ns: int = 0
     arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Send:
+    """One response for the response thread; `state` is None for a request the engine never saw."""
+
+    sender: Any
+    state: _InFlight | None
+    outputs: dict | None = None  # a data response's outputs, or
+    error: tuple[str, str] | None = None  # (code, message) of an error response
+    final: bool = True
 
 
 class LmServer:
@@ -93,9 +97,9 @@ class LmServer:
             raise ValueError(f"{MODEL}: tensor_parallel_size/expert_parallel_size > 1 are not implemented yet "
                              "(the engine runs in one process)")
         self.period_s = p.int("cancellation_check_period_ms", lo=1) / 1000
-        self.tombstone_ttl_s = p.float("stop_tombstone_ttl_s", lo=0)
         self.shutdown_timeout_s = p.float("shutdown_timeout_s", lo=0)
         self.unload_on_failure = p.bool("unload_on_engine_failure")
+        stub_failure_action = p.choice("stub_failure_action", guardian.ACTIONS)
         self.max_model_len = p.int("max_model_len", lo=1)
         device, dtype = resolve_device_dtype(p.choice("device", ("auto", "cpu", "cuda")),
                                              p.choice("dtype", ("auto", "bfloat16", "float32", "float16", "float64")),
@@ -123,122 +127,116 @@ class LmServer:
         self.engine = Engine(model, self.tokenizer, EngineConfig(
             max_num_seqs=p.int("max_num_seqs", lo=1), max_model_len=self.max_model_len,
             max_num_batched_tokens=p.int("max_num_batched_tokens", lo=1),
-            max_queued_requests=p.int("max_queued_requests", lo=0), step_timeout_s=p.float("step_timeout_s", lo=0.001)))
-        self._warm_up()
+            max_queued_requests=p.int("max_queued_requests", lo=0), step_timeout_s=p.float("step_timeout_s", lo=0.001),
+            stop_tombstone_ttl_s=p.float("stop_tombstone_ttl_s", lo=0)))
+        try:
+            self._warm_up()
+        except BaseException:
+            self.engine.close(timeout=5)
+            raise
         log.info("%s: worker rank 0 pid %d device %s", MODEL, os.getpid(), device)  # [HLT-1]
         log.info("%s: loaded %s (%s) in %.1f s", MODEL, ckpt, dtype, time.monotonic() - t0)
 
-        self.metrics = self._make_metrics(p, version)
-        self._lock = threading.Lock()  # guards the maps below
-        self._by_client: dict[str, set[str]] = {}
-        self._inflight: dict[str, _InFlight] = {}
-        self._tombstones: dict[str, float] = {}  # client id -> expiry (monotonic)
-        self._ids = itertools.count()
-        self._admit_q: queue.Queue[_InFlight | None] = queue.Queue()
-        self._send_q: queue.Queue[tuple[Any, Any, bool] | None] = queue.Queue()
+        self.metrics = m.lm_metrics(pb_utils, p.bool("REPORT_CUSTOM_METRICS"), p.str("metrics_prefix"), MODEL,
+                                    version, self.max_model_len)
+        self._ppid = os.getppid()
         self._closed = threading.Event()
-        self._threads = [threading.Thread(target=f, name=f"k3-lm-{n}", daemon=True)
-                         for n, f in (("admit", self._admit_loop), ("send", self._send_loop), ("poll", self._poll_loop))]
+        self._close_lock = threading.Lock()
+        self._send_q: queue.SimpleQueue[_Send | _InFlight | None] = queue.SimpleQueue()
+        self._guardian_fd = guardian.spawn(MODEL, stub_failure_action)
+        self._threads = [threading.Thread(target=self._respond_loop, name="k3-lm-respond", daemon=True),
+                         threading.Thread(target=self._lifecycle_loop, name="k3-lm-lifecycle", daemon=True)]
         for t in self._threads:
             t.start()
 
     # ---- Triton entry points ---------------------------------------------------------------
 
     def execute(self, requests: list) -> None:
-        """Parse cheaply, answer stop requests, enqueue the rest; never waits for generation."""
+        """Parse cheaply, answer stop requests, hand the rest to the engine; never waits for generation."""
         for request in requests:
             sender = request.get_response_sender()
             client_id = request.request_id()
             try:
                 if self._closed.is_set():
-                    raise Unavailable("server shutting down")
+                    raise Unavailable(SHUTDOWN_ERROR)
                 if request.is_cancelled():  # [CAN-2]: cancelled while k3_vision ran
                     raise Cancelled("request cancelled by client")
                 parsed = parse_request(input_getter(self.pb, request), request_parameters(request), client_id,
                                        self.defaults)
+                if parsed.is_stop:
+                    matched = self.engine.stop(client_id)
+                    log.debug("%s: stop request %r matched %d request(s)", MODEL, client_id, matched)
+                    self._send_q.put(_Send(sender, None, stop_request_response()))
+                    continue
             except Exception as e:  # noqa: BLE001 - every failure becomes this request's error response
-                self._send_error(sender, e, client_id)
+                self._send_q.put(_Send(sender, None, error=self._error(e, client_id)))
                 continue
-            if parsed.is_stop:
-                self._stop(client_id)
-                self._send_q.put((sender, data_response(self.pb, stop_request_response()), True))
-                continue
-            state = _InFlight(client_id, f"{client_id}#{next(self._ids)}", sender, parsed)
-            with self._lock:
-                tombstone = self._tombstones.pop(client_id, None) if client_id else None
-                if tombstone is None or tombstone < time.monotonic():
-                    self._inflight[state.engine_id] = state
-                    self._by_client.setdefault(client_id, set()).add(state.engine_id)
-                    tombstone = None
-            if tombstone is not None:  # [CAN-7]: stopped before it arrived
-                self._finish_tombstoned(state)
-                continue
-            self._admit_q.put(state)
+            state = _InFlight(client_id, sender, parsed)
+            self._send_q.put(state)  # the response thread owns the sender from here on: before any send
+            try:
+                state.key = self.engine.add(client_id, lambda s=state: self._prepare(s),
+                                            lambda ev, s=state: self._on_output(s, ev))
+            except Exception as e:  # noqa: BLE001 - closing, failed or full
+                self._send_q.put(_Send(sender, state, error=self._error(e, client_id)))
 
     def close(self) -> None:
         """[HLT-9]: stop admitting, end in-flight requests (UNAVAILABLE), join threads and the engine."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self.engine.close(timeout=self.shutdown_timeout_s)  # in-flight requests get ERROR events
-        self._admit_q.put(None)
-        for t in self._threads[:1] + self._threads[2:]:
-            t.join(timeout=5)
+        with self._close_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+        self.engine.close(timeout=self.shutdown_timeout_s)  # in-flight requests get their final events
         self._send_q.put(None)
-        self._threads[1].join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=5)
         self.metrics.close()
+        guardian.say_goodbye(self._guardian_fd)
 
-    # ---- threads ---------------------------------------------------------------------------
+    # ---- engine callbacks (admission and output threads) -----------------------------------
 
-    def _admit_loop(self) -> None:
-        """Tokenize, render and expand off the Triton thread, then hand the request to the engine."""
-        while (state := self._admit_q.get()) is not None:
-            try:
-                if state.client_cancelled:
-                    raise Cancelled("request cancelled by client")
-                request, echo = build_request(state.parsed, self.tokenizer, eos_ids=self.eos_ids,
-                                              max_model_len=self.max_model_len,
-                                              default_max_tokens=self.defaults.default_max_tokens)
-                request = dataclasses.replace(request, request_id=state.engine_id)
-                state.num_input_tokens = len(request.prompt_ids)
-                state.builder = ResponseBuilder(state.parsed, echo, num_input_tokens=state.num_input_tokens,
-                                                tokenizer=self.tokenizer)
-                self.engine.submit(request, lambda ev, s=state: self._on_output(s, ev))
-            except Exception as e:  # noqa: BLE001
-                self._forget(state)
-                self._send_error(state.sender, e, state.client_id)
-                continue
-            self.metrics.inc("prompt_tokens_total", state.num_input_tokens)
-            self.metrics.observe("request_prompt_tokens", state.num_input_tokens)
-            if state.parsed.images is not None:
-                self.metrics.inc("image_tokens_total", sum(state.parsed.images.token_counts))
+    def _prepare(self, state: _InFlight):
+        """Admission thread: tokenize, render, expand images; the builder of its responses."""
+        request, echo = build_request(state.parsed, self.tokenizer, eos_ids=self.eos_ids,
+                                      max_model_len=self.max_model_len,
+                                      default_max_tokens=self.defaults.default_max_tokens)
+        state.builder = ResponseBuilder(state.parsed, echo, num_input_tokens=len(request.prompt_ids),
+                                        tokenizer=self.tokenizer)
+        return request
 
     def _on_output(self, state: _InFlight, ev: RequestOutput) -> None:
-        """Engine thread: one event -> at most one response, queued for the send thread."""
+        """Output thread: one event -> at most one response, queued for the response thread."""
+        self._count_admission(state, ev)
         try:
             if ev.token_ids:
                 self._count_tokens(state, ev)
-            if ev.token_ids and state.num_output_tokens == len(ev.token_ids) and ev.first_scheduled_time_ns:
-                # the request's first tokens: observed once even when their text was held back
-                self.metrics.observe("request_queue_time_seconds",
-                                     max(0.0, ev.first_scheduled_time_ns / 1e9 - state.parsed.arrival_time))
-            if ev.finished and ev.finish_reason is FinishReason.CANCELLED and state.client_cancelled:
-                raise Cancelled("request cancelled by client")  # [CAN-1]: a gRPC cancel ends in an error
-            outputs = state.builder.on_event(ev)
+            builder = state.builder or ResponseBuilder(state.parsed, "", tokenizer=self.tokenizer)
+            outputs = builder.on_event(ev)  # raises ev.error: the request's error response
         except Exception as e:  # noqa: BLE001
-            self._forget(state)
-            self._send_error(state.sender, e, state.client_id)
+            self._send_q.put(_Send(state.sender, state, error=self._error(e, state.client_id)))
             return
         if outputs is not None:
             if state.first_sent is None:
                 state.first_sent = time.monotonic()
                 self.metrics.observe("time_to_first_token_seconds", state.first_sent - state.arrival)
-            self._send_q.put((state.sender, data_response(self.pb, outputs), ev.finished))
+            self._send_q.put(_Send(state.sender, state, outputs, final=ev.finished))
         if ev.finished:
-            self._forget(state)
             self.metrics.inc("request_success_total", finished_reason=ev.finish_reason.value)
             self.metrics.observe("e2e_request_latency_seconds", time.monotonic() - state.arrival)
             self.metrics.observe("request_generation_tokens", state.num_output_tokens)
+
+    def _count_admission(self, state: _InFlight, ev: RequestOutput) -> None:
+        """Prompt metrics once the engine admitted the request (its events carry the prompt length,
+        [TOK-3]); the queue time once it was first scheduled."""
+        if ev.num_input_tokens and not state.admitted:
+            state.admitted = True
+            self.metrics.inc("prompt_tokens_total", ev.num_input_tokens)
+            self.metrics.observe("request_prompt_tokens", ev.num_input_tokens)
+            if state.parsed.images is not None:
+                self.metrics.inc("image_tokens_total", sum(state.parsed.images.token_counts))
+        if ev.first_scheduled_time_ns and not state.scheduled:
+            state.scheduled = True
+            self.metrics.observe("request_queue_time_seconds",
+                                 max(0.0, ev.first_scheduled_time_ns / 1e9 - state.parsed.arrival_time))
 
     def _count_tokens(self, state: _InFlight, ev: RequestOutput) -> None:
         """Generation counter, and one time-per-output-token observation per token after the first.
@@ -256,74 +254,101 @@ class LmServer:
                 self.metrics.observe("time_per_output_token_seconds", per_token)
         state.last_token_ns = ev.last_token_time_ns or state.last_token_ns
 
-    def _send_loop(self) -> None:
-        while (item := self._send_q.get()) is not None:
-            sender, response, final = item
-            try:
-                sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-            except Exception:  # noqa: BLE001 - a vanished client must not stop other responses
-                log.exception("%s: sending a response failed", MODEL)
+    def _error(self, exc: BaseException, client_id: str) -> tuple[str, str]:
+        code, message = error_message(MODEL, exc, client_id)
+        if code == "CANCELLED":  # a direct cancellation counts as a finished request (§9)
+            self.metrics.inc("request_success_total", finished_reason="cancelled")
+        else:
+            self.metrics.inc("request_failure_total", code=code)
+        return code, message
 
-    def _poll_loop(self) -> None:
-        """[CAN-1] cancellation polling, tombstone expiry, gauges, engine-failure handling."""
-        reported_failure = False
-        while not self._closed.wait(self.period_s):
-            with self._lock:
-                states = list(self._inflight.values())
-                now = time.monotonic()
-                for cid in [c for c, t in self._tombstones.items() if t < now]:
-                    del self._tombstones[cid]
-            for state in states:
-                if not state.client_cancelled and _is_cancelled(state.sender):
-                    state.client_cancelled = True
-                    self.engine.abort(state.engine_id)
+    # ---- the response thread ---------------------------------------------------------------
+
+    def _respond_loop(self) -> None:
+        """Sends every response and polls cancellation ([CAN-1]) for the senders it owns.
+
+        `open` holds the requests whose final response has not been sent; a sender is asked
+        `is_cancelled()` at most once per period, and never after its final response.
+        """
+        open_: dict[_InFlight, float] = {}  # request -> monotonic time of its last cancellation check
+        while True:
+            try:
+                item = self._send_q.get(timeout=self.period_s)
+            except queue.Empty:
+                item = False
+            if item is None:
+                break
+            if isinstance(item, _InFlight):
+                open_[item] = time.monotonic()
+            elif item:
+                self._send(item)
+                if item.final:
+                    open_.pop(item.state, None)
+                elif item.state in open_ and time.monotonic() - open_[item.state] >= self.period_s:
+                    self._check_cancelled(item.state, open_)
+            now = time.monotonic()
+            for state in [s for s, t in open_.items() if now - t >= self.period_s]:
+                self._check_cancelled(state, open_)
+
+    def _send(self, item: _Send) -> None:
+        if item.error is not None:
+            response = error_response(self.pb, *item.error)
+        else:
+            response = data_response(self.pb, item.outputs)
+        try:
+            item.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if item.final else 0)
+        except Exception:  # noqa: BLE001 - a vanished client must not stop other responses
+            log.exception("%s: sending a response of request %r failed", MODEL,
+                          item.state.client_id if item.state else "")
+
+    def _check_cancelled(self, state: _InFlight, open_: dict[_InFlight, float]) -> None:
+        open_[state] = time.monotonic()
+        try:
+            cancelled = state.sender.is_cancelled()
+        except Exception:  # noqa: BLE001
+            cancelled = False
+        if cancelled and state.key:
+            open_[state] = float("inf")  # aborted: its final response is on its way; ask no more
+            self.engine.abort(state.key)
+
+    # ---- the lifecycle thread --------------------------------------------------------------
+
+    def _lifecycle_loop(self) -> None:
+        """Gauges; the server's shutdown ([HLT-9]); a dead parent ([HLT-10]); engine failure ([HLT-5])."""
+        seen_ready = reported_failure = False
+        gauges: dict[str, float] = {}
+        while not self._closed.wait(LIFECYCLE_PERIOD_S):
+            if not lifecycle.parent_alive(self._ppid):
+                log.error("%s: tritonserver (pid %d) is gone; exiting", MODEL, self._ppid)
+                os._exit(1)
+            shutting_down = lifecycle.server_is_shutting_down(self.pb, MODEL)
+            seen_ready = seen_ready or shutting_down is False
+            if seen_ready and shutting_down:
+                self._drain_and_close()
+                return
             stats = self.engine.stats()
-            self.metrics.set("num_requests_running", stats.num_running)
-            self.metrics.set("num_requests_waiting", stats.num_waiting)
-            self.metrics.set("engine_healthy", 1.0 if stats.healthy else 0.0)
-            self.metrics.set("workers_alive", 1.0 if stats.healthy else 0.0)
+            for name, value in (("num_requests_running", stats.num_running),
+                                ("num_requests_waiting", stats.num_waiting),
+                                ("engine_healthy", float(stats.healthy)), ("workers_alive", float(stats.healthy))):
+                if gauges.get(name) != value:
+                    gauges[name] = value
+                    self.metrics.set(name, value)
             if not stats.healthy and not reported_failure:
                 reported_failure = True
                 log.error("%s: engine failed: %s", MODEL, stats.unhealthy_reason)
                 if self.unload_on_failure:
                     self._self_unload()
 
-    # ---- helpers ---------------------------------------------------------------------------
-
-    def _stop(self, client_id: str) -> None:
-        """[CAN-5]/[CAN-7]: stop every in-flight request with this id, or leave a tombstone."""
-        with self._lock:
-            engine_ids = list(self._by_client.get(client_id, ()))
-            if not engine_ids:
-                self._tombstones[client_id] = time.monotonic() + self.tombstone_ttl_s
-        matched = sum(self.engine.stop(eid) for eid in engine_ids)
-        log.debug("%s: stop request %r matched %d request(s)", MODEL, client_id, matched)
-        if engine_ids and not matched:  # still being admitted: the engine has not seen them yet
-            with self._lock:
-                self._tombstones[client_id] = time.monotonic() + self.tombstone_ttl_s
-
-    def _finish_tombstoned(self, state: _InFlight) -> None:
-        builder = ResponseBuilder(state.parsed, "", tokenizer=self.tokenizer)
-        ev = RequestOutput(state.engine_id, finished=True, finish_reason=FinishReason.CANCELLED)
-        self.metrics.inc("request_success_total", finished_reason="cancelled")
-        self._send_q.put((state.sender, data_response(self.pb, builder.on_event(ev)), True))
-
-    def _forget(self, state: _InFlight) -> None:
-        with self._lock:
-            self._inflight.pop(state.engine_id, None)
-            ids = self._by_client.get(state.client_id)
-            if ids is not None:
-                ids.discard(state.engine_id)
-                if not ids:
-                    del self._by_client[state.client_id]
-
-    def _send_error(self, sender: Any, exc: BaseException, client_id: str) -> None:
-        code, message = error_message(MODEL, exc, client_id)
-        if code == "CANCELLED":  # a direct cancellation counts as a finished request (§9)
-            self.metrics.inc("request_success_total", finished_reason="cancelled")
-        else:
-            self.metrics.inc("request_failure_total", code=code)
-        self._send_q.put((sender, error_response(self.pb, code, message), True))
+    def _drain_and_close(self) -> None:
+        """The server is shutting down: in-flight requests may finish until shortly before Triton's
+        exit timeout; the rest get UNAVAILABLE in time for Triton to unload the models cleanly."""
+        exit_timeout = lifecycle.server_exit_timeout_s(self._ppid)
+        drain = lifecycle.drain_seconds(exit_timeout)
+        stats = self.engine.stats()
+        log.info("%s: server is shutting down (exit timeout %.0f s): %d request(s) in flight may finish "
+                 "within %.0f s, the rest get UNAVAILABLE", MODEL, exit_timeout,
+                 stats.num_running + stats.num_waiting, drain)
+        self.engine.close(timeout=self.shutdown_timeout_s, drain_s=drain)
 
     def _self_unload(self) -> None:
         """[HLT-5] item 2: in explicit model-control mode, unload k3_lm and its dependents."""
@@ -331,6 +356,8 @@ class LmServer:
             self.pb.unload_model(MODEL, unload_dependents=True)
         except Exception as e:  # noqa: BLE001 - not in explicit mode: readiness cannot be flipped on 2.51
             log.warning("%s: could not unload after the engine failure (%s); engine_healthy=0 reports it", MODEL, e)
+
+    # ---- load helpers ----------------------------------------------------------------------
 
     def _warm_up(self) -> None:
         """One prefill and one decode through the engine before the model reports ready ([HLT-1])."""
@@ -361,48 +388,6 @@ class LmServer:
         from k3backend.presets import ensure_default_checkpoint
 
         return ensure_default_checkpoint()
-
-    def _make_metrics(self, p: ModelParams, version: str) -> m.NullMetrics:
-        if not p.bool("REPORT_CUSTOM_METRICS"):
-            return m.NullMetrics()  # [MET-3]
-        reg = m.TritonMetrics(self.pb, p.str("metrics_prefix"), model=MODEL, version=version)
-        for name, desc in (("prompt_tokens_total", "Prompt tokens of admitted requests"),
-                           ("generation_tokens_total", "Generated tokens"),
-                           ("num_preemptions_total", "Sequences preempted and recomputed"),
-                           ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
-                           ("prefix_cache_hits_total", "Prompt tokens served from the prefix cache"),
-                           ("image_tokens_total", "Image pad positions admitted")):
-            reg.counter(name, desc)
-        reg.counter("request_success_total", "Requests finished with a data response, plus direct cancellations",
-                    labels={"finished_reason": ("stop", "length", "cancelled")})
-        reg.counter("request_failure_total", "Error final responses", labels={"code": m.ERROR_CODES})
-        for name, desc in (("num_requests_running", "Sequences in the running batch"),
-                           ("num_requests_waiting", "Admitted but not yet scheduled"),
-                           ("kv_cache_usage_perc", "Fraction of MLA latent-cache pages in use"),
-                           ("state_slots_usage_perc", "Fraction of KDA state slots in use"),
-                           ("engine_healthy", "1 when the engine is healthy"),
-                           ("workers_alive", "Live worker processes")):
-            reg.gauge(name, desc)
-        tok = m.token_buckets(self.max_model_len)
-        for name, desc, buckets in (
-                ("time_to_first_token_seconds", "Receipt to first data response", m.TTFT_BUCKETS),
-                ("time_per_output_token_seconds", "Time per output token", m.TPOT_BUCKETS),
-                ("e2e_request_latency_seconds", "Receipt to final response", m.E2E_BUCKETS),
-                ("request_queue_time_seconds", "Receipt to first scheduling", m.TTFT_BUCKETS),
-                ("request_prompt_tokens", "Prompt tokens per request", tok),
-                ("request_generation_tokens", "Output tokens per request", tok)):
-            reg.histogram(name, desc, buckets)
-        reg.start()
-        reg.set("engine_healthy", 1.0)
-        reg.set("workers_alive", 1.0)
-        return reg
-
-
-def _is_cancelled(sender: Any) -> bool:
-    try:
-        return bool(sender.is_cancelled())
-    except Exception:  # noqa: BLE001 - a sender whose request already completed
-        return False
 
 
 def _generation_eos(ckpt: Path) -> list[int]:

@@ -123,15 +123,72 @@ class TritonMetrics(NullMetrics):
             self._series[(name, extra)] = family.Metric(labels={**self._base, **dict(extra)})
 
     def _drain(self) -> None:
-        while (item := self._queue.get()) is not None:
-            op, name, value, labels = item
-            series = self._series.get((name, labels))
-            if series is None:
-                if (name, labels) not in self._warned:
-                    self._warned.add((name, labels))
-                    logger.error("metric %s:%s%s is not registered; update dropped", self.prefix, name, dict(labels))
-                continue
-            try:
-                getattr(series, op)(value)
-            except Exception:  # a metric must never take the model down
-                logger.exception("metric %s:%s update failed", self.prefix, name)
+        """Apply updates in batches: increments of one series are summed and gauges keep their last
+        value, so a busy engine costs one round trip per series and batch rather than per update."""
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
+            while not self._queue.empty() and len(batch) < 4096:
+                batch.append(self._queue.get_nowait())
+            if None in batch:
+                stop = True
+                batch = batch[:batch.index(None)]
+            merged: dict[tuple[str, tuple], float] = {}  # (op, series) -> summed increment / last value
+            for op, name, value, labels in batch:
+                key = (op, (name, labels))
+                if op == "observe":
+                    self._apply(op, key[1], value)
+                else:
+                    merged[key] = merged.get(key, 0.0) + value if op == "increment" else value
+            for (op, series), value in merged.items():
+                self._apply(op, series, value)
+
+    def _apply(self, op: str, key: tuple, value: float) -> None:
+        series = self._series.get(key)
+        if series is None:
+            if key not in self._warned:
+                self._warned.add(key)
+                logger.error("metric %s:%s%s is not registered; update dropped", self.prefix, key[0], dict(key[1]))
+            return
+        try:
+            getattr(series, op)(value)
+        except Exception:  # a metric must never take the model down
+            logger.exception("metric %s:%s update failed", self.prefix, key[0])
+
+
+def lm_metrics(pb_utils: Any, enabled: bool, prefix: str, model: str, version: str,
+               max_model_len: int) -> NullMetrics:
+    """The §9 families of k3_lm, registered and started ([MET-3]: none when disabled)."""
+    if not enabled:
+        return NullMetrics()
+    reg = TritonMetrics(pb_utils, prefix, model=model, version=version)
+    for name, desc in (("prompt_tokens_total", "Prompt tokens of admitted requests"),
+                       ("generation_tokens_total", "Generated tokens"),
+                       ("num_preemptions_total", "Sequences preempted and recomputed"),
+                       ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
+                       ("prefix_cache_hits_total", "Prompt tokens served from the prefix cache"),
+                       ("image_tokens_total", "Image pad positions admitted")):
+        reg.counter(name, desc)
+    reg.counter("request_success_total", "Requests finished with a data response, plus direct cancellations",
+                labels={"finished_reason": ("stop", "length", "cancelled")})
+    reg.counter("request_failure_total", "Error final responses", labels={"code": ERROR_CODES})
+    for name, desc in (("num_requests_running", "Sequences in the running batch"),
+                       ("num_requests_waiting", "Admitted but not yet scheduled"),
+                       ("kv_cache_usage_perc", "Fraction of MLA latent-cache pages in use"),
+                       ("state_slots_usage_perc", "Fraction of KDA state slots in use"),
+                       ("engine_healthy", "1 when the engine is healthy"),
+                       ("workers_alive", "Live worker processes")):
+        reg.gauge(name, desc)
+    tok = token_buckets(max_model_len)
+    for name, desc, buckets in (
+            ("time_to_first_token_seconds", "Receipt to first data response", TTFT_BUCKETS),
+            ("time_per_output_token_seconds", "Time per output token", TPOT_BUCKETS),
+            ("e2e_request_latency_seconds", "Receipt to final response", E2E_BUCKETS),
+            ("request_queue_time_seconds", "Receipt to first scheduling", TTFT_BUCKETS),
+            ("request_prompt_tokens", "Prompt tokens per request", tok),
+            ("request_generation_tokens", "Output tokens per request", tok)):
+        reg.histogram(name, desc, buckets)
+    reg.start()
+    reg.set("engine_healthy", 1.0)
+    reg.set("workers_alive", 1.0)
+    return reg

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from k3backend.engine.request import FinishReason, RequestOutput, TokenLogprob
-from k3backend.errors import K3Error, Unavailable
+from k3backend.engine.request import RequestOutput, TokenLogprob
+from k3backend.errors import K3Error
 from k3backend.serving.params import ParsedRequest
 from k3backend.tokenizer import Tokenizer
 
@@ -105,14 +105,14 @@ class ResponseBuilder:
     def on_event(self, ev: RequestOutput) -> dict[str, np.ndarray] | None:
         """Absorb one engine delta; returns a response's outputs, or None when none may be sent yet.
 
-        A final event with FinishReason.ERROR raises Unavailable: the engine failed ([HLT-7]) and
-        the request ends with an error response, not a data response (§5.8).
+        A final event with an `error` raises it: the request ends with an error response, not a
+        data response (§5.8): its client mistake, a cancellation, or the engine's failure ([HLT-7]).
         """
         if self._finished:
             raise RuntimeError(f"request {ev.request_id!r}: event after the final one")
-        if ev.finished and ev.finish_reason is FinishReason.ERROR:
+        if ev.error is not None:
             self._finished = True
-            raise Unavailable(f"engine failed: {ev.error or 'unknown error'}")
+            raise ev.error
         self._absorb(ev)
         if ev.finished:
             self._finished = True
