@@ -338,12 +338,18 @@ def test_CFG_E3_ensemble_lm_and_vision_declare_the_same_tensors(server):
     ens_in, lm_in, vis_in = sig(ens["input"]), sig(lm["input"]), sig(vis["input"])
     assert {k: v for k, v in ens_in.items() if k not in image_inputs} == \
         {k: v for k, v in lm_in.items() if k not in internal}
+    assert all(t.get("optional") for t in ens["input"])
     assert all(ens_in[k] == v for k, v in vis_in.items())
     assert sig(ens["output"]) == sig(lm["output"])  # [TOP-2]: every ensemble output comes from k3_lm
     vis_out = sig(vis["output"])
     assert {k: lm_in[k] for k in internal} == vis_out  # [ENS-3]: same dtype for image_embeds
     assert ens["max_batch_size"] == lm["max_batch_size"] == 1 and ens["model_transaction_policy"]["decoupled"]
-    assert [t["name"] for t in ens["input"] if not t.get("optional")] == ["text_input"]  # [TOP-6]
+    # [TOP-6]: text_input is required by k3_lm and k3_vision. The ensemble declares it optional: Triton
+    # 2.51 does not enforce required ensemble inputs, and a required one that is missing stalls the
+    # ensemble (no response at all); optional, a missing one reaches k3_vision, whose core check refuses it.
+    assert [t["name"] for t in lm["input"] if not t.get("optional")] == ["text_input"]
+    assert [t["name"] for t in vis["input"] if not t.get("optional")] == ["text_input"]
+    assert [t["name"] for t in ens["input"] if not t.get("optional")] == []
 
 
 def test_CAN7_stop_before_arrival_leaves_a_tombstone(server):
@@ -384,3 +390,26 @@ def test_CMP4_cancel_storm_leaves_nothing_running(server):
         pytest.fail(f"running={metric(m, 'k3:num_requests_running')} waiting={metric(m, 'k3:num_requests_waiting')}")
     ok = stream_one(server.grpc_url, "k3_lm", {"text_input": "after the storm", "max_tokens": 3})
     assert ok.error is None and ok.final
+
+
+@pytest.mark.parametrize("body", [{"max_tokens": 4}, {"max_tokens": 4, "stream": True}],
+                         ids=["no-prompt", "no-prompt-stream"])
+def test_missing_text_input_through_the_ensemble_is_invalid_arg(server, body):
+    """Finding: without text_input the ensemble used to answer 200 with no output, or nothing at all."""
+    for path in ("/generate", "/generate_stream"):
+        status, text = http_post(server.http_url, f"/v2/models/k3_ensemble{path}", body)
+        assert status == 400 and "missing required input(s) ['text_input']" in text, (path, status, text)
+    out = stream_one(server.grpc_url, "k3_ensemble", body)
+    assert out.final and "missing required input(s) ['text_input']" in (out.error or ""), out
+
+
+def test_messages_without_text_input_through_the_ensemble_answers(server):
+    messages = json.dumps([{"role": "user", "content": "Say hi"}])
+    base = {"messages": messages, "max_tokens": 4, "min_tokens": 4, "ignore_eos": True, "temperature": 0.0,
+            "return_num_output_tokens": True}
+    status, text = http_post(server.http_url, "/v2/models/k3_ensemble/generate", base)
+    assert status == 200 and json.loads(text)["num_output_tokens"] == 4, text
+    streamed = stream_one(server.grpc_url, "k3_ensemble", {**base, "stream": True})
+    assert streamed.error is None and streamed.final and streamed.total("num_output_tokens") == 4
+    with_empty = stream_one(server.grpc_url, "k3_ensemble", {**base, "text_input": ""})
+    assert with_empty.text == json.loads(text)["text_output"] == streamed.text

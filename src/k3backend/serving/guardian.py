@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import select
 import signal
@@ -32,6 +33,8 @@ import urllib.request
 from pathlib import Path
 
 from k3backend.serving.lifecycle import server_command_line, server_option
+
+log = logging.getLogger(__name__)
 
 ACTIONS = ("exit", "unload", "log")
 GOODBYE = b"bye\n"
@@ -46,8 +49,9 @@ def spawn(model: str, action: str) -> int:
     os.set_inheritable(read_fd, True)
     cmd = [_python(), "-m", "k3backend.serving.guardian", "--fd", str(read_fd), "--stub-pid", str(os.getpid()),
            "--server-pid", str(os.getppid()), "--model", model, "--action", action]
-    subprocess.Popen(cmd, pass_fds=(read_fd,), stdin=subprocess.DEVNULL, close_fds=True)
+    proc = subprocess.Popen(cmd, pass_fds=(read_fd,), stdin=subprocess.DEVNULL, close_fds=True)
     os.close(read_fd)
+    log.info("%s: guardian pid %d (stub_failure_action=%s)", model, proc.pid, action)
     return write_fd
 
 

@@ -1,29 +1,37 @@
 """What a Python-backend stub can learn about the tritonserver around it (SERVING.md §8).
 
 Triton 2.51 tells a Python model nothing about shutdown until `finalize`, and it calls
-`finalize` only once no request is in flight: when `--exit-timeout-secs` expires first, the
-server exits without unloading its models, which crashed it (SIGSEGV, heap corruption) and
-orphaned the stubs. So `k3_lm` watches for the shutdown itself and ends its requests in time:
+`finalize` only once no request of the model is in flight: when `--exit-timeout-secs` expires
+first, the server exits without unloading its models, which crashed it (SIGSEGV, heap
+corruption) and orphaned the stubs. So `k3_lm` watches for the shutdown itself and ends its
+requests in time. The stub cannot ask through `pb_utils`: during shutdown `is_model_ready`
+answers with an error, and 2.51's stub reads that error after the server freed it (the stub
+dies of SIGSEGV). It asks the server's own HTTP liveness endpoint on loopback instead, whose
+listener closes the moment shutdown begins:
 
-- `server_is_shutting_down()`: during shutdown Triton answers every readiness query with
-  "Server not ready", which `pb_utils.is_model_ready` raises;
-- `server_exit_timeout_s()`: the `--exit-timeout-secs` of the parent tritonserver, read from
-  its command line, to know how long in-flight requests may still run;
-- `parent_alive()`: the stub's own parent watch only notices a parent that was reaped;
-  a crashed server that its launcher has not waited for yet is a zombie, and counts as dead here.
+- `ServerWatch.shutting_down()`: True once `/v2/health/live` stops answering 200 after it did;
+- `ServerWatch.exit_timeout_s`: the server's `--exit-timeout-secs`, from its command line, to know
+  how long in-flight requests may still run;
+- `parent_alive()`: the stub's own parent watch only notices a parent that was reaped; a crashed
+  server that its launcher has not waited for yet is a zombie, and counts as dead here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
-from typing import Any
 
 log = logging.getLogger(__name__)
 
 DEFAULT_EXIT_TIMEOUT_S = 30.0  # tritonserver's default --exit-timeout-secs
-SHUTDOWN_MARGIN_S = 5.0  # finish every response this long before Triton's exit timeout expires
+# Every response is sent this long before Triton's exit timeout expires: the models must still
+# unload after that (about a second per Python stub here), or the server exits with exit(1).
+SHUTDOWN_MARGIN_S = 5.0
+SHUTDOWN_MARGIN_FRACTION = 0.25
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, whatever http_proxy says
 
 
 def server_command_line(pid: int) -> list[str]:
@@ -34,9 +42,9 @@ def server_command_line(pid: int) -> list[str]:
         return []
 
 
-def server_option(argv: list[str], name: str) -> str | None:
+def server_option(argv: list[str], name: str, default: str | None = None) -> str | None:
     """The value of `--name=value` or `--name value` in `argv` (the last one wins, as in Triton)."""
-    value = None
+    value = default
     for i, arg in enumerate(argv):
         if arg.startswith(f"--{name}="):
             value = arg.split("=", 1)[1]
@@ -45,17 +53,18 @@ def server_option(argv: list[str], name: str) -> str | None:
     return value
 
 
-def server_exit_timeout_s(pid: int) -> float:
-    raw = server_option(server_command_line(pid), "exit-timeout-secs")
-    try:
-        return float(raw) if raw is not None else DEFAULT_EXIT_TIMEOUT_S
-    except ValueError:
-        return DEFAULT_EXIT_TIMEOUT_S
+def server_http_url(argv: list[str]) -> str | None:
+    """http://host:port of the server's HTTP endpoint, reached over loopback; None when disabled."""
+    if (server_option(argv, "allow-http", "true") or "").lower() in ("false", "0", "no"):
+        return None
+    host = server_option(argv, "http-address", "0.0.0.0")
+    host = "127.0.0.1" if host in ("0.0.0.0", "", None) else host
+    return f"http://{host}:{server_option(argv, 'http-port', '8000')}"
 
 
 def drain_seconds(exit_timeout_s: float) -> float:
     """How long in-flight requests may keep running once shutdown began."""
-    return max(0.0, exit_timeout_s - SHUTDOWN_MARGIN_S)
+    return max(0.0, exit_timeout_s - max(SHUTDOWN_MARGIN_S, SHUTDOWN_MARGIN_FRACTION * exit_timeout_s))
 
 
 def parent_alive(ppid: int) -> bool:
@@ -69,17 +78,39 @@ def parent_alive(ppid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
-def server_is_shutting_down(pb_utils: Any, model: str) -> bool | None:
-    """True when `model` is not ready (the server shuts down, or the model unloads), False while
-    it is ready, None if this backend cannot tell.
+class ServerWatch:
+    """The parent tritonserver as seen from its stub: options, liveness, control mode."""
 
-    `model` is also not ready while it is still loading, so the caller trusts True only after
-    it has once seen False.
-    """
-    try:
-        return not pb_utils.is_model_ready(model)
-    except AttributeError:
-        return None  # a backend without the model-readiness API
-    except Exception as e:  # noqa: BLE001 - 2.51 raises "Server not ready" during shutdown
-        log.debug("is_model_ready(%s) raised %s", model, e)
-        return True
+    def __init__(self, ppid: int) -> None:
+        argv = server_command_line(ppid)
+        self.url = server_http_url(argv)
+        raw = server_option(argv, "exit-timeout-secs")
+        try:
+            self.exit_timeout_s = float(raw) if raw is not None else DEFAULT_EXIT_TIMEOUT_S
+        except ValueError:
+            self.exit_timeout_s = DEFAULT_EXIT_TIMEOUT_S
+        self.explicit = (server_option(argv, "model-control-mode", "none") or "").lower() == "explicit"
+        self._seen_live = False
+        if self.url is None:
+            log.warning("tritonserver runs without HTTP: requests still in flight at shutdown cannot be ended "
+                        "before --exit-timeout-secs expires")
+
+    def shutting_down(self) -> bool:
+        """True once the server's liveness endpoint, which answered 200, refuses or answers otherwise.
+
+        It answers only after all models loaded (so a load is never taken for a shutdown); a slow
+        answer (a timeout) proves nothing and counts as live.
+        """
+        if self.url is None:
+            return False
+        try:
+            with _DIRECT.open(f"{self.url}/v2/health/live", timeout=2) as r:
+                live = r.status == 200
+        except urllib.error.HTTPError:
+            live = False  # "Server exiting"
+        except urllib.error.URLError as e:
+            live = not isinstance(e.reason, ConnectionRefusedError)  # the listener closed at shutdown
+        except OSError:
+            live = True  # a timeout: unknown
+        self._seen_live = self._seen_live or live
+        return self._seen_live and not live

@@ -11,6 +11,7 @@ watches the server (shutdown, a dead parent) and the engine's health.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -140,6 +141,7 @@ class LmServer:
         self.metrics = m.lm_metrics(pb_utils, p.bool("REPORT_CUSTOM_METRICS"), p.str("metrics_prefix"), MODEL,
                                     version, self.max_model_len)
         self._ppid = os.getppid()
+        self.server = lifecycle.ServerWatch(self._ppid)
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self._send_q: queue.SimpleQueue[_Send | _InFlight | None] = queue.SimpleQueue()
@@ -185,12 +187,17 @@ class LmServer:
             if self._closed.is_set():
                 return
             self._closed.set()
+        start = time.monotonic()
         self.engine.close(timeout=self.shutdown_timeout_s)  # in-flight requests get their final events
         self._send_q.put(None)
         for t in self._threads:
             t.join(timeout=5)
         self.metrics.close()
         guardian.say_goodbye(self._guardian_fd)
+        # Python-backend objects (senders, responses) must die while the stub can still talk to
+        # the server: left to the interpreter's teardown they crash the exiting stub (SIGSEGV).
+        gc.collect()
+        log.info("%s: finalized in %.1f s", MODEL, time.monotonic() - start)
 
     # ---- engine callbacks (admission and output threads) -----------------------------------
 
@@ -315,15 +322,13 @@ class LmServer:
 
     def _lifecycle_loop(self) -> None:
         """Gauges; the server's shutdown ([HLT-9]); a dead parent ([HLT-10]); engine failure ([HLT-5])."""
-        seen_ready = reported_failure = False
+        reported_failure = False
         gauges: dict[str, float] = {}
         while not self._closed.wait(LIFECYCLE_PERIOD_S):
             if not lifecycle.parent_alive(self._ppid):
                 log.error("%s: tritonserver (pid %d) is gone; exiting", MODEL, self._ppid)
                 os._exit(1)
-            shutting_down = lifecycle.server_is_shutting_down(self.pb, MODEL)
-            seen_ready = seen_ready or shutting_down is False
-            if seen_ready and shutting_down:
+            if self.server.shutting_down():
                 self._drain_and_close()
                 return
             stats = self.engine.stats()
@@ -342,7 +347,7 @@ class LmServer:
     def _drain_and_close(self) -> None:
         """The server is shutting down: in-flight requests may finish until shortly before Triton's
         exit timeout; the rest get UNAVAILABLE in time for Triton to unload the models cleanly."""
-        exit_timeout = lifecycle.server_exit_timeout_s(self._ppid)
+        exit_timeout = self.server.exit_timeout_s
         drain = lifecycle.drain_seconds(exit_timeout)
         stats = self.engine.stats()
         log.info("%s: server is shutting down (exit timeout %.0f s): %d request(s) in flight may finish "
@@ -351,10 +356,17 @@ class LmServer:
         self.engine.close(timeout=self.shutdown_timeout_s, drain_s=drain)
 
     def _self_unload(self) -> None:
-        """[HLT-5] item 2: in explicit model-control mode, unload k3_lm and its dependents."""
+        """[HLT-5] item 2: in explicit model-control mode, unload k3_lm and its dependents.
+
+        Only there: in other modes the call fails, and 2.51's stub can crash reading that error.
+        """
+        if not self.server.explicit:
+            log.warning("%s: not in explicit model-control mode: readiness cannot be flipped on 2.51; "
+                        "engine_healthy=0 and UNAVAILABLE errors report the failure", MODEL)
+            return
         try:
             self.pb.unload_model(MODEL, unload_dependents=True)
-        except Exception as e:  # noqa: BLE001 - not in explicit mode: readiness cannot be flipped on 2.51
+        except Exception as e:  # noqa: BLE001
             log.warning("%s: could not unload after the engine failure (%s); engine_healthy=0 reports it", MODEL, e)
 
     # ---- load helpers ----------------------------------------------------------------------

@@ -6,8 +6,11 @@ adapter logic above it works on plain numpy / torch / dicts.
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import json
 import logging
+import os
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
@@ -19,13 +22,30 @@ from k3backend.errors import InvalidArgument
 
 
 def setup_logging() -> None:
-    """Route the `k3backend` logger to the stub's stderr (the server log) at INFO, once per process."""
+    """Route the `k3backend` logger to the stub's stderr (the server log) at INFO, once per process.
+
+    faulthandler too: a stub that dies of a signal then leaves its Python stacks in the server log.
+    And the stub ends at the start of interpreter teardown: by then `finalize` ran and the stub
+    released the server's objects, and the teardown of torch's modules would only keep Triton's
+    unload (and a shutdown) waiting a second or two per stub.
+    """
+    faulthandler.enable(sys.stderr)
+    if not getattr(setup_logging, "_exit_registered", False):
+        setup_logging._exit_registered = True  # type: ignore[attr-defined]
+        atexit.register(_exit_now)
     root = logging.getLogger("k3backend")
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(handler)
         root.setLevel(logging.INFO)
+
+
+def _exit_now() -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def triton_error_code(pb_utils: Any, code: str) -> int:

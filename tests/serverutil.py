@@ -1,0 +1,68 @@
+"""Helpers for tests that change, kill or watch a tritonserver: repository copies, pids, waiting."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1] / "model_repository"
+
+
+def repo_copy(dest: Path, **params: dict[str, str]) -> Path:
+    """A copy of model_repository/ with `parameters` values replaced, e.g. k3_lm={"max_num_seqs": "1"}."""
+    shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    for model, values in params.items():
+        cfg = dest / model / "config.pbtxt"
+        text = cfg.read_text()
+        for key, value in values.items():
+            pattern = rf'(parameters {{ key: "{re.escape(key)}" value: {{ string_value: )"[^"]*"'
+            text, n = re.subn(pattern, rf'\1"{value}"', text)
+            assert n == 1, f"{model}: no parameter {key}"
+        cfg.write_text(text)
+    return dest
+
+
+def log_pid(log_path: Path, pattern: str) -> int:
+    """The pid in the first server-log line matching `pattern`, whose group 1 is the pid."""
+    m = re.search(pattern, Path(log_path).read_text(errors="replace"))
+    assert m, f"no line matching {pattern!r} in {log_path}"
+    return int(m.group(1))
+
+
+def stub_pid(log_path: Path) -> int:
+    return log_pid(log_path, r"k3_lm: worker rank 0 pid (\d+) ")
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (the server's: its stubs and the k3_lm guardian)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, period: float = 0.1) -> float:
+    """Poll until `condition()` is truthy; returns the seconds it took, fails the test after `timeout`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(period)
+    return time.monotonic() - start
