@@ -1,5 +1,6 @@
 """Checkpoint loading: layouts, name spellings, MXFP4 experts, named errors, the built-in checkpoint."""
 
+import dataclasses
 import json
 import shutil
 
@@ -9,8 +10,10 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from k3backend import load_model
-from k3backend.checkpoint import CheckpointError, dequant_mxfp4, iter_tensors
-from k3backend.presets import make_checkpoint
+from k3backend.checkpoint import CheckpointError, dequant_mxfp4, iter_tensors, load_config, save_checkpoint
+from k3backend.config import ConfigError, K3Config
+from k3backend.model.k3 import K3Model
+from k3backend.presets import make_checkpoint, preset_config
 from k3backend.tokenizer import Tokenizer
 
 
@@ -152,6 +155,39 @@ def test_missing_shard_and_missing_config_are_errors(tmp_path, tiny):
     (broken / "config.json").unlink()
     with pytest.raises(ValueError, match="config.json not found"):
         load_model(broken, progress=False)
+
+
+def write_text_checkpoint(out, raw: dict, kda_v: int | None) -> None:
+    """A kimi_linear checkpoint of `raw` whose KDA layers use value head size `kda_v` (None: K3's rule)."""
+    cfg = K3Config.from_dict(raw)
+    cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, kda_v_head_dim_in_checkpoint=kda_v))
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(raw))
+    save_checkpoint(K3Model(cfg), out, "kimi_linear")
+
+
+@pytest.mark.parametrize("kda_v, expected", [(None, 24), (16, 16)], ids=["k3-v_head_dim", "kimi-linear-head_dim"])
+def test_kda_value_head_size_follows_the_v_proj_shape(tmp_path, kda_v, expected):
+    """K3_LM.md §13: with v_head_dim 24 and linear_attn_config.head_dim 16 both conventions load."""
+    raw = {**preset_config("tiny")["text_config"], "v_head_dim": 24}
+    write_text_checkpoint(tmp_path / "ckpt", raw, kda_v)
+    assert load_config(tmp_path / "ckpt").text.kda_v_head_dim == expected
+    model = load_model(tmp_path / "ckpt", progress=False)
+    assert model.language_model.model.layers[0].self_attn.V == expected
+    assert torch.isfinite(model(torch.arange(5))).all()
+
+
+def test_kda_v_proj_of_neither_size_is_a_named_mis_shape(tmp_path):
+    raw = {**preset_config("tiny")["text_config"], "v_head_dim": 24}
+    write_text_checkpoint(tmp_path / "ckpt", raw, 20)  # neither 24 nor 16
+    with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.v_proj.weight: expected \[96, 64\], got \[80, 64\]"):
+        load_model(tmp_path / "ckpt", progress=False)
+
+
+def test_kda_value_head_size_is_not_a_config_json_key():
+    raw = {**preset_config("tiny")["text_config"], "kda_v_head_dim_in_checkpoint": 16}
+    with pytest.raises(ConfigError, match="kda_v_head_dim_in_checkpoint: unknown field"):
+        K3Config.from_dict(raw)
 
 
 def test_image_prompt_runs_through_the_model(tiny, tiny_model):

@@ -232,6 +232,8 @@ BAD = [
     ({"text_input": "hi", "min_tokens": 20, "min_length": 10, "max_tokens": 30}, "INVALID_ARG", "disagree"),
     ({"text_input": "hi", "max_tokens": 200000}, "INVALID_ARG", "exceeds max_model_len"),
     ({"text_input": "hi", "beam_width": 2}, "UNSUPPORTED", "beam_width"),
+    ({"text_input": "hi", "sampling_parameters": "{\"top_k\": 1e20}"}, "INVALID_ARG",
+     r"sampling_parameters.top_k must be an integer in \[-2\*\*31, 2\*\*31\) \(INT32\), got 1e\+20"),
     ({"text_input": "look <|kimi_image_placeholder|>", "image": ["bm90IGFuIGltYWdl"]}, "INVALID_ARG",
      "cannot decode image data"),
     ({"text_input": "", "stop": True}, "INVALID_ARG", "needs a request id"),
@@ -239,7 +241,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("values, code, message", BAD, ids=[
-    "two-sources", "bad-json", "unknown-key", "range", "alias", "too-long", "beam", "bad-image", "stop-no-id"])
+    "two-sources", "bad-json", "unknown-key", "range", "alias", "too-long", "beam", "huge-top-k", "bad-image",
+    "stop-no-id"])
 def test_ERR_client_mistakes_get_their_code_and_a_good_request_follows(server, values, code, message):
     rid = "" if values.get("stop") else "bad"
     bad = stream_one(server.grpc_url, "k3_ensemble", {"max_tokens": 4, **values}, request_id=rid)
@@ -248,6 +251,30 @@ def test_ERR_client_mistakes_get_their_code_and_a_good_request_follows(server, v
     assert "INTERNAL" not in bad.error
     good = stream_one(server.grpc_url, "k3_ensemble", {"text_input": "still fine", "max_tokens": 3})
     assert good.error is None and good.final
+
+
+@pytest.mark.parametrize("endpoint", ["generate", "generate_stream"])
+@pytest.mark.parametrize("model", ["k3_ensemble", "k3_lm"])
+def test_ERR1_http_status_of_a_model_error_is_400_on_triton_2_51(server, model, endpoint):
+    """SERVING.md §7.3 asks 501 for UNSUPPORTED, but Triton 2.51's generate endpoints answer 400 for
+    every error a model sends (tests/test_triton_error_codes.py pins the whole table), so HTTP
+    clients read the code from the message. A Triton that fixes this fails here: update README."""
+    status, body = http_post(server.http_url, f"/v2/models/{model}/{endpoint}",
+                             {"text_input": "hi", "max_tokens": 4, "beam_width": 2})
+    error = json.loads(body.removeprefix("data: "))["error"]
+    prefix = "in ensemble 'k3_ensemble', " if model == "k3_ensemble" else ""
+    assert (status, error) == (400, prefix + "k3_lm: UNSUPPORTED: beam_width > 1 is not supported"), (status, body)
+
+
+def test_http_generate_number_conversion_is_triton_s_on_2_51(server):
+    """What Triton's /generate does with JSON numbers before k3_lm sees them (README "Error status
+    codes"): a wrong kind is 500 from Triton's parser, an integer beyond INT32 wraps around."""
+    status, body = http_post(server.http_url, "/v2/models/k3_ensemble/generate",
+                             {"text_input": "hi", "max_tokens": 2.5})
+    assert status == 500 and "Unable to parse 'data'" in body, (status, body)
+    status, body = http_post(server.http_url, "/v2/models/k3_ensemble/generate", {
+        "text_input": "hi", "max_tokens": 2**32 + 2, "ignore_eos": True, "return_num_output_tokens": True})
+    assert (status, json.loads(body)["num_output_tokens"]) == (200, 2), body
 
 
 def test_metrics_counters_move(server):

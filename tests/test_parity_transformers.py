@@ -18,13 +18,16 @@ REFERENCE = Path(__file__).parent / "reference" / "hf_kimi_linear.py"
 SEED = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh random weights and prompts every run
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_kimi_linear")
-    proc = subprocess.run([sys.executable, str(REFERENCE), str(out), str(SEED), "3", "64"],
-                          capture_output=True, text=True, timeout=600)
+def run_reference(out: Path, n_prompts: int, length: int, v_head_dim: int = 16) -> tuple[Path, dict]:
+    proc = subprocess.run([sys.executable, str(REFERENCE), str(out), str(SEED), str(n_prompts), str(length),
+                           str(v_head_dim)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"reference failed (seed {SEED}):\n{proc.stderr[-4000:]}"
     return out, torch.load(out / "logits.pt")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_reference(tmp_path_factory.mktemp("hf_kimi_linear"), 3, 64)
 
 
 def test_loads_transformers_save_pretrained_checkpoint(reference):
@@ -52,3 +55,17 @@ def test_float32_logits_match_transformers(reference):
         err64 = (ours.double() - ref["fp64"][i]).abs().max().item()
         print(f"seed {SEED} prompt {i}: float32 max |Δlogit| vs transformers fp32 {err:.3e}, vs fp64 {err64:.3e}")
         assert err < PARITY_FP32_ATOL, f"seed {SEED} prompt {i}: {err}"
+
+
+def test_kda_value_head_size_comes_from_v_proj(tmp_path):
+    """K3_LM.md §13: transformers' KDA layers size values by linear_attn_config.head_dim (16) while
+    its config.json also says v_head_dim 24 (the MLA value head); the v_proj shape decides."""
+    out, ref = run_reference(tmp_path, 2, 32, v_head_dim=24)
+    for dtype, key, atol in ((torch.float64, "fp64", PARITY_FP64_ATOL), (torch.float32, "fp32", PARITY_FP32_ATOL)):
+        model = load_model(out / "ckpt", dtype=dtype, progress=False)
+        text = model.cfg.text
+        assert (text.v_head_dim, text.linear_attn_config.head_dim, text.kda_v_head_dim) == (24, 16, 16)
+        for i, prompt in enumerate(ref["prompts"]):
+            err = (model(prompt) - ref[key][i]).abs().max().item()
+            print(f"seed {SEED} v_head_dim 24 prompt {i}: {dtype} max |Δlogit| = {err:.3e}")
+            assert err < atol, f"seed {SEED} prompt {i} {dtype}: {err}"

@@ -393,6 +393,109 @@ def test_SMP3_wrong_type_is_invalid_arg(key: str, value: Any, match: str):
         parse(text_input="a", sampling_parameters=json.dumps({key: value}))
 
 
+# One type rule for every source ([SMP-3]): a JSON or request-parameter value is accepted exactly
+# when the §2.2 tensor of that setting could carry it (top_k is INT32, seed UINT64, temperature FP32).
+INT32_RANGE = r"must be an integer in \[-2\*\*31, 2\*\*31\) \(INT32\)"
+UINT64_RANGE = r"must be an integer in \[0, 2\*\*64\) \(UINT64\)"
+BAD_JSON_VALUES = [
+    ("top_k", 1e20, rf"^sampling_parameters.top_k {INT32_RANGE}, got 1e\+20$"),
+    ("top_k", 10**20, rf"sampling_parameters.top_k {INT32_RANGE}, got 100000000000000000000"),
+    ("top_k", -2**31 - 1, rf"sampling_parameters.top_k {INT32_RANGE}"),
+    ("top_k", "1e20", rf"sampling_parameters.top_k {INT32_RANGE}, got '1e20'"),
+    ("top_k", 2.5, "^sampling_parameters.top_k must be an integer, got 2.5$"),
+    ("top_k", "2.5", "sampling_parameters.top_k must be an integer, got '2.5'"),
+    ("max_tokens", float("nan"), "sampling_parameters.max_tokens must be an integer, got nan"),
+    ("max_tokens", float("inf"), "sampling_parameters.max_tokens must be an integer, got inf"),
+    ("max_tokens", "nan", "sampling_parameters.max_tokens must be an integer, got 'nan'"),
+    ("max_tokens", "1_000", "sampling_parameters.max_tokens must be an integer"),
+    ("max_tokens", "0x10", "sampling_parameters.max_tokens must be an integer"),
+    ("max_tokens", "\u0661\u0662", "sampling_parameters.max_tokens must be an integer"),  # Arabic-Indic 12
+    ("max_tokens", "", "sampling_parameters.max_tokens must be an integer"),
+    ("min_tokens", True, "sampling_parameters.min_tokens must be an integer, got True"),
+    ("min_tokens", "true", "sampling_parameters.min_tokens must be an integer"),
+    ("logprobs", 2.5, "sampling_parameters.logprobs must be an integer"),
+    ("n", 1e20, rf"sampling_parameters.n {INT32_RANGE}"),  # a type error, not UNSUPPORTED
+    ("seed", 2**64, rf"sampling_parameters.seed {UINT64_RANGE}, got 18446744073709551616"),
+    ("seed", -1, rf"sampling_parameters.seed {UINT64_RANGE}, got -1"),
+    ("seed", 1e19, r"sampling_parameters.seed must be an integer, got 1e\+19: a float above 2\*\*53 is not exact"),
+    ("stop_token_ids", [1, 1e20], rf"sampling_parameters.stop_token_ids\[1\] {INT32_RANGE}"),
+    ("temperature", True, "sampling_parameters.temperature must be a number, got True"),
+    ("temperature", "inf", "sampling_parameters.temperature must be a number, got 'inf'"),
+    ("temperature", "NaN", "sampling_parameters.temperature must be a number"),
+    ("temperature", 1e300, r"sampling_parameters.temperature must be a number within ±3.402823e\+38 \(FP32\)"),
+    ("temperature", 10**400, "sampling_parameters.temperature must be a number within"),
+    ("top_p", float("nan"), r"top_p must be in \(0, 1\], got nan"),  # NaN is FP32; the range refuses it
+    ("temperature", float("inf"), "temperature must be finite and >= 0, got inf"),
+    ("ignore_eos", 0.0, r"sampling_parameters.ignore_eos must be a boolean \(true or false\), got 0.0"),
+    ("ignore_eos", "1", "sampling_parameters.ignore_eos must be a boolean"),
+    ("detokenize", 0, "sampling_parameters.detokenize must be a boolean"),
+]
+
+
+@pytest.mark.parametrize("key, value, match", BAD_JSON_VALUES,
+                         ids=[f"{k}={str(v)[:12]}" for k, v, _ in BAD_JSON_VALUES])
+def test_SMP3_value_the_tensor_type_cannot_carry_is_invalid_arg(key: str, value: Any, match: str):
+    with pytest.raises(InvalidArgument, match=match):
+        parse(text_input="a", sampling_parameters=json.dumps({key: value}))
+
+
+def test_SMP3_request_parameters_follow_the_same_type_rule():
+    with pytest.raises(InvalidArgument, match=rf"^request parameter 'top_k' {INT32_RANGE}, got 1e\+20$"):
+        parse({"top_k": 1e20}, text_input="a")
+    with pytest.raises(InvalidArgument, match=r"request parameter 'ignore_eos' must be a boolean \(true or false\), got 1"):
+        parse({"ignore_eos": 1}, text_input="a")
+    assert parse({"top_k": "7", "seed": 2**64 - 1}, text_input="a").sampling.seed == 2**64 - 1
+
+
+GOOD_JSON_VALUES = [
+    ("max_tokens", 128.0, 128), ("max_tokens", "128", 128), ("max_tokens", "128.0", 128),
+    ("max_tokens", "1e2", 100), ("max_tokens", " 7 ", 7), ("top_k", 2**31 - 1, 0),  # above the vocab: off
+    ("top_k", "-1", 0), ("seed", 2**64 - 1, 2**64 - 1), ("seed", "18446744073709551615", 2**64 - 1),
+    ("seed", 2.0**53, 2**53), ("temperature", 1, 1.0), ("temperature", "0.7", 0.7),
+    ("temperature", "-0", 0.0), ("ignore_eos", "TRUE", True), ("ignore_eos", " false", False),
+]
+
+
+@pytest.mark.parametrize("key, value, expected", GOOD_JSON_VALUES,
+                         ids=[f"{k}={str(v)[:12]}" for k, v, _ in GOOD_JSON_VALUES])
+def test_SMP3_values_the_tensor_type_carries_are_accepted(key: str, value: Any, expected: Any):
+    parsed = parse(text_input="a", sampling_parameters=json.dumps({key: value}))
+    got = parsed.max_tokens if key == "max_tokens" else getattr(parsed.sampling, key)
+    assert got == expected and type(got) is type(expected)
+
+
+# Tensors of another dtype than declared (only in-process callers can send them: Triton checks the
+# declared dtype): the kind must fit, and the value must fit the declared type as a JSON value must.
+BAD_TENSORS = [
+    ({"top_k": np.array([2**40], dtype=np.int64)}, rf"^top_k {INT32_RANGE}, got 1099511627776$"),
+    ({"max_tokens": np.array([2**63], dtype=np.uint64)}, rf"^max_tokens {INT32_RANGE}"),
+    ({"seed": np.array([-1], dtype=np.int64)}, rf"^seed {UINT64_RANGE}, got -1$"),
+    ({"random_seed": np.array([-5], dtype=np.int8)}, rf"^random_seed {UINT64_RANGE}, got -5$"),
+    ({"stop_token_ids": np.array([1, 2**40], dtype=np.int64)}, rf"^stop_token_ids\[1\] {INT32_RANGE}"),
+    ({"temperature": np.array([1e300], dtype=np.float64)}, r"^temperature must be a number within ±3.402823e\+38"),
+    ({"temperature": np.array([1], dtype=np.int32)}, "^temperature: expected FP32, got int32$"),
+    ({"top_k": np.array([5.0], dtype=np.float32)}, "^top_k: expected INT32, got float32$"),
+    ({"max_tokens": np.array([True])}, "^max_tokens: expected INT32, got bool$"),
+    ({"seed": np.array([1.0])}, "^seed: expected UINT64, got float64$"),
+    ({"ignore_eos": np.array([1], dtype=np.int32)}, "^ignore_eos: expected BOOL, got int32$"),
+    ({"stop_token_ids": np.array([1.0, 2.0])}, "^stop_token_ids: expected INT32, got float64$"),
+    ({"temperature": torch.tensor([0.5], dtype=torch.bfloat16)}, "^temperature: unexpected tensor dtype torch.bfloat16$"),
+]
+
+
+@pytest.mark.parametrize("inputs, match", BAD_TENSORS, ids=[
+    f"{k}-{v.dtype}" for inputs, _ in BAD_TENSORS for k, v in inputs.items()])
+def test_tensor_of_another_dtype_follows_the_declared_type(inputs: dict[str, Any], match: str):
+    with pytest.raises(InvalidArgument, match=match):
+        parse(text_input="a", **inputs)
+
+
+def test_wider_tensor_dtypes_with_values_in_range_are_accepted():
+    s = parse(text_input="a", top_k=np.array([7], dtype=np.int64), seed=np.array([2**64 - 1], dtype=np.uint64),
+              temperature=np.array([0.25], dtype=np.float64), stop_token_ids=np.array([3], dtype=np.int64)).sampling
+    assert (s.top_k, s.seed, s.temperature, s.stop_token_ids) == (7, 2**64 - 1, 0.25, (3,))
+
+
 def test_SMP3_stop_string_or_list():
     assert parse(text_input="a", sampling_parameters=sp(stop="\n")).sampling.stop == ("\n",)
     assert parse(text_input="a", sampling_parameters=sp(stop=["a", "b"])).sampling.stop == ("a", "b")
@@ -471,7 +574,6 @@ RANGE_CASES = [
     ({"bad_words": ["b"] * 257}, InvalidArgument, "bad_words: at most 256 strings allowed, got 257"),
     ({"bad_words": ["x" * 257]}, InvalidArgument, r"bad_words\[0\] must be 1 to 256 bytes, got 257"),
     ({"sampling_parameters": sp(stop=[""])}, InvalidArgument, r"sampling_parameters.stop\[0\] must be 1 to 256"),
-    ({"sampling_parameters": sp(seed=-1)}, InvalidArgument, r"sampling_parameters.seed must be in \[0, 2\*\*64\)"),
     ({"beam_width": 2}, Unsupported, "^beam_width > 1 is not supported$"),
     ({"beam_width": 0}, InvalidArgument, "beam_width must be 1, got 0"),
     ({"num_return_sequences": 4}, Unsupported, "num_return_sequences > 1 is not supported"),
@@ -667,8 +769,12 @@ def test_load_generation_defaults(tmp_path):
     assert parse(defaults=defaults, text_input="a").sampling.top_k == 20
 
 
-@pytest.mark.parametrize("config, match", [({"top_p": 2.0}, r"top_p must be in \(0, 1\]"),
-                                           ({"temperature": "hot"}, "temperature must be a number")])
+@pytest.mark.parametrize("config, match", [
+    ({"top_p": 2.0}, r"top_p must be in \(0, 1\]"), ({"temperature": "hot"}, "temperature must be a number"),
+    ({"temperature": "0.7"}, "temperature must be a number, got '0.7'"),  # no quoted numbers in a file
+    ({"top_k": 40.5}, "top_k must be an integer, got 40.5"), ({"top_k": 1e20}, r"top_k must be an integer in"),
+    ({"top_p": True}, "top_p must be a number, got True"),
+], ids=["top_p-range", "temperature-word", "temperature-quoted", "top_k-fraction", "top_k-huge", "top_p-bool"])
 def test_load_generation_defaults_rejects_bad_values(tmp_path, config: dict, match: str):
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):

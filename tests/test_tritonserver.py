@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import subprocess
 import textwrap
 import urllib.error
@@ -21,7 +22,15 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from k3backend.tritonserver import TritonServer, TritonServerError, find_tritonserver, prepare_backends
+from k3backend.tritonserver import (
+    NO_GPU_ARGS,
+    TritonServer,
+    TritonServerError,
+    find_tritonserver,
+    gpu_visible,
+    prepare_backends,
+    server_command,
+)
 
 STREAM_MODEL_PY = """
 import time
@@ -202,3 +211,31 @@ def test_prepare_backends_is_idempotent(tmp_path: Path) -> None:
     before = {p: p.stat().st_ino for p in backends.rglob("*")}
     assert prepare_backends(tmp_path, install) == backends
     assert {p: p.stat().st_ino for p in backends.rglob("*")} == before  # nothing copied again
+
+
+def test_no_gpu_flags_only_without_a_gpu_and_before_extra_args(tmp_path: Path) -> None:
+    args = (tmp_path, tmp_path, 1, 2, 3, ["--allow-gpu-metrics=true"])
+    cpu, gpu = server_command(*args, gpu=False), server_command(*args, gpu=True)
+    assert cpu[-3:] == [*NO_GPU_ARGS, "--allow-gpu-metrics=true"]  # the caller's flag still wins
+    assert not set(NO_GPU_ARGS) & set(gpu)
+
+
+@pytest.mark.parametrize("visible", ["", "-1", " -1,0"])
+def test_cuda_visible_devices_can_hide_every_gpu(visible: str) -> None:
+    assert not gpu_visible({"CUDA_VISIBLE_DEVICES": visible})
+
+
+# What tritonserver 2.51 still logs on a machine without a GPU, all harmless (README): its GPU
+# build's CUDA block manager and ensemble stream setup at start, and the first request that
+# prefers pinned memory; no flag skips them.
+NO_GPU_LEFTOVERS = ('"CudaDriverHelper has not been initialized."', '"unable to create stream for ',
+                    '"failed to allocate pinned system memory: no pinned memory pool, falling back')
+
+
+def test_server_log_without_gpu_has_no_gpu_probing_errors(server: TritonServer) -> None:
+    """No NVML, DCGM or pinned-pool errors on a CPU machine; every other E/W line is a known one."""
+    log = server.log_path.read_text().splitlines()
+    assert not [line for line in log if re.search(r"NVML|DCGM|Unable to allocate pinned", line)], log[:20]
+    if not gpu_visible():
+        alarms = [line for line in log if re.match(r"[EW]\d{4} ", line)]
+        assert all(any(known in line for known in NO_GPU_LEFTOVERS) for line in alarms), alarms

@@ -9,6 +9,7 @@ with `model.safetensors.index.json`. Routed experts may be bf16 (`w1/w2/w3.weigh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -109,6 +110,35 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(f), "pt") as sf:
             for name in sf.keys():
                 yield name, sf.get_tensor(name)
+
+
+def tensor_shape(path: Path, param: str, model_type: str) -> list[int] | None:
+    """Shape of the checkpoint tensor that loads into `param`, from the safetensors headers only."""
+    for f in checkpoint_files(path):
+        with safe_open(str(f), "pt") as sf:
+            for name in sf.keys():
+                if canonical_name(name, model_type) == param:
+                    return list(sf.get_slice(name).get_shape())
+    return None
+
+
+def load_config(path: str | Path) -> K3Config:
+    """config.json plus what only the tensors say: the KDA value head size, which the first KDA
+    layer's v_proj shape decides when v_head_dim and linear_attn_config.head_dim differ (K3_LM.md §13).
+
+    A v_proj that fits neither is left to the load, which names it as mis-shaped.
+    """
+    path = Path(path)
+    cfg = K3Config.from_json(path)
+    text = cfg.text
+    if len(text.kda_v_head_dim_choices) < 2 or not text.kda_layer_ids:
+        return cfg
+    param = f"language_model.model.layers.{text.kda_layer_ids[0]}.self_attn.v_proj.weight"
+    shape = tensor_shape(path, param, cfg.model_type)
+    heads = text.linear_attn_config.num_heads
+    if shape is None or shape[0] % heads or shape[0] // heads not in text.kda_v_head_dim_choices:
+        return cfg
+    return dataclasses.replace(cfg, text=dataclasses.replace(text, kda_v_head_dim_in_checkpoint=shape[0] // heads))
 
 
 def count_tensors(path: Path) -> int:
@@ -260,7 +290,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     from k3backend.model.k3 import K3Model
 
     path = Path(path)
-    cfg = K3Config.from_json(path)
+    cfg = load_config(path)
     dtype = dtype or torch.float32
     with torch.device("meta"):
         model = K3Model(cfg)

@@ -93,6 +93,9 @@ class TextConfig:
     linear_attn_config: LinearAttnConfig | None = None
     mamba_ssm_dtype: str = "float32"
     logit_scale: float = 1.0
+    # The KDA value head size the checkpoint's v_proj shape shows (§13), set by
+    # `checkpoint.load_config`; config.json cannot say it. None: the K3 rule of `kda_v_head_dim`.
+    kda_v_head_dim_in_checkpoint: int | None = None
 
     # ---- derived (K3_LM.md §1.2) ----
     def is_kda_layer(self, i: int) -> bool:
@@ -117,8 +120,18 @@ class TextConfig:
 
     @property
     def kda_v_head_dim(self) -> int:
-        """KDA value head size: SGLang K3 uses v_head_dim, Kimi-Linear linear_attn_config.head_dim (§13)."""
-        return self.v_head_dim if self.v_head_dim is not None else self.linear_attn_config.head_dim
+        """KDA value head size V (§13): SGLang's K3 code takes v_head_dim, the older Kimi-Linear code
+        and transformers take linear_attn_config.head_dim. Where the two differ, only the v_proj
+        tensor tells which one a checkpoint used; without a checkpoint (new models) K3's rule holds."""
+        if self.kda_v_head_dim_in_checkpoint is not None:
+            return self.kda_v_head_dim_in_checkpoint
+        return self.kda_v_head_dim_choices[0]
+
+    @property
+    def kda_v_head_dim_choices(self) -> tuple[int, ...]:
+        """The value head sizes a checkpoint of this config may use in its KDA layers, K3's first."""
+        head_dim = self.linear_attn_config.head_dim
+        return tuple(dict.fromkeys(d for d in (self.v_head_dim, head_dim) if d is not None))
 
     def situ_betas(self, routed: bool) -> tuple[float, float | None]:
         """(β, λ) for SiTU; β defaults to 4.0 for routed experts and 1.0 elsewhere (§1.1, §11.14)."""
@@ -265,7 +278,7 @@ def _parse_text(d: dict[str, Any], prefix: str) -> TextConfig:
                 raise ConfigError(f"{prefix}{alias}: {d[alias]!r} contradicts {prefix}{canon} {d[canon]!r}")
             d[canon] = d.pop(alias)
     kwargs: dict[str, Any] = {}
-    known = {f.name: f for f in fields(TextConfig)}
+    known = {f.name: f for f in fields(TextConfig) if f.name != "kda_v_head_dim_in_checkpoint"}
     for key, value in d.items():
         if key in _IGNORED_TEXT_KEYS:
             continue

@@ -6,7 +6,7 @@ version. This module turns that install into a running server:
 
 - `find_tritonserver()` finds the pieces in the current environment;
 - `prepare_backends()` builds a writable backend directory holding the stub for this Python;
-- `server_env()` / `server_command()` give the environment and argv (see PLATFORM.md for why
+- `server_env()` / `server_command()` give the environment and argv (`server_env` says why
   `LD_LIBRARY_PATH` needs the interpreter's LIBDIR and why the venv's `bin/` goes first on PATH);
 - `TritonServer` runs one server for tests and tools; `serve_main()` execs one in the foreground.
 
@@ -31,7 +31,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,6 +140,23 @@ def _prepend(entries: list[str], existing: str) -> str:
     return os.pathsep.join(entries + rest)
 
 
+# Without a GPU the wheel's GPU build of tritonserver still probes for one at start: DCGM and NVML
+# for GPU metrics ("Error: Failed to initialize NVML", "DCGM unable to start") and cudaHostAlloc
+# for the pinned-memory pool ("Unable to allocate pinned system memory"). These flags skip both;
+# nothing is lost, since neither can work without a GPU.
+NO_GPU_ARGS = ("--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0")
+
+
+def gpu_visible(env: Mapping[str, str] | None = None) -> bool:
+    """Whether tritonserver will find an NVIDIA GPU: the driver lists one and CUDA_VISIBLE_DEVICES
+    does not hide them all. Reads /proc and /dev only, so it costs nothing and imports nothing."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and (not visible.strip() or visible.strip().startswith("-1")):
+        return False
+    return any(Path("/proc/driver/nvidia/gpus").glob("*")) or any(Path("/dev").glob("nvidia[0-9]*"))
+
+
 def server_command(
     model_repository: Path,
     backend_dir: Path,
@@ -148,9 +165,14 @@ def server_command(
     metrics_port: int,
     extra_args: Sequence[str] = (),
     install: TritonInstall | None = None,
+    gpu: bool | None = None,
 ) -> list[str]:
-    """argv for tritonserver; `extra_args` come last, so they can override the defaults."""
+    """argv for tritonserver; `extra_args` come last, so they can override the defaults.
+
+    gpu: whether a GPU is visible (None: `gpu_visible()`); without one `NO_GPU_ARGS` are added.
+    """
     install = install or find_tritonserver()
+    gpu = gpu_visible() if gpu is None else gpu
     return [
         str(install.binary),
         f"--model-repository={Path(model_repository).resolve()}",
@@ -158,6 +180,7 @@ def server_command(
         f"--http-port={http_port}",
         f"--grpc-port={grpc_port}",
         f"--metrics-port={metrics_port}",
+        *(() if gpu else NO_GPU_ARGS),
         *extra_args,
     ]
 

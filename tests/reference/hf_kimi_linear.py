@@ -1,10 +1,10 @@
 """Independent reference: transformers' KimiLinearForCausalLM on a random Kimi-Linear config.
 
-Run as a subprocess (`python hf_kimi_linear.py OUT_DIR`): it hides triton so transformers keeps its
-pure-torch paths (PLATFORM.md), writes a checkpoint with `save_pretrained`, and saves logits for
-fresh random prompts computed three ways: fp32 as shipped, and float64 with transformers' internal
-float32 casts lifted to float64 (so the comparison with our float64 model is exact up to
-summation order).
+Run as a subprocess (`python hf_kimi_linear.py OUT_DIR SEED N_PROMPTS LENGTH [V_HEAD_DIM]`): it hides
+triton so transformers keeps its pure-torch paths (with triton importable it picks fla's GPU
+kernels), writes a checkpoint with `save_pretrained`, and saves logits for fresh random prompts
+computed two ways: fp32 as shipped, and float64 with transformers' internal float32 casts lifted to
+float64 (so the comparison with our float64 model is exact up to summation order).
 
 Two adjustments make transformers compute the spec's function (K3_LM.md §13): the MLA latent
 norms use `rms_norm_eps` (transformers hard-codes 1e-6 there), and the KDA `o_norm` eps is 1e-5
@@ -24,13 +24,16 @@ import torch  # noqa: E402
 EPS = 1e-5
 
 
-def make_config(seed: int):
+def make_config(v_head_dim: int):
+    """v_head_dim is the MLA value head size; transformers' KDA layers use linear_attn_config.head_dim
+    (16) for values whatever it is, so v_head_dim != 16 gives a checkpoint whose KDA value head size
+    only its v_proj shape tells (K3_LM.md §13)."""
     from transformers import KimiLinearConfig
 
     cfg = KimiLinearConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=32, qk_rope_head_dim=8,
-        v_head_dim=16, qk_nope_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        v_head_dim=v_head_dim, qk_nope_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
         n_group=2, topk_group=1, routed_scaling_factor=2.446, rms_norm_eps=EPS, hidden_act="silu",
         linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
                             "kda_layers": [1, 2, 3, 5, 6], "full_attn_layers": [4]},
@@ -91,11 +94,11 @@ def router_margin(router, logits: torch.Tensor) -> float:
     return min(float(margin), float((top[:, router.top_k - 1] - top[:, router.top_k]).min()))
 
 
-def main(out: Path, seed: int, n_prompts: int, length: int) -> None:
+def main(out: Path, seed: int, n_prompts: int, length: int, v_head_dim: int = 16) -> None:
     from transformers import KimiLinearForCausalLM
 
     g = torch.Generator().manual_seed(seed)
-    model = KimiLinearForCausalLM(make_config(seed))
+    model = KimiLinearForCausalLM(make_config(v_head_dim))
     init_weights(model, g)
     fix_eps(model)
     model.save_pretrained(out / "ckpt")
@@ -126,4 +129,4 @@ def main(out: Path, seed: int, n_prompts: int, length: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    main(Path(sys.argv[1]), *map(int, sys.argv[2:]))

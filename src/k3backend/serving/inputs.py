@@ -2,11 +2,16 @@
 scalar coercion shared by `sampling_parameters` JSON and request parameters (SERVING.md §2.2, [SMP-3]).
 
 Every failure is `InvalidArgument` naming the input and value; `serving.params` builds on these.
+`ScalarType` (INT32, UINT64, FP32, BOOL) is the one rule for numbers and booleans, whichever
+source (tensor, JSON, request parameter) they come from.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
@@ -20,7 +25,7 @@ from k3backend.errors import InvalidArgument
 TensorGetter = Callable[[str], Union[np.ndarray, torch.Tensor, None]]
 
 
-# ---- scalar coercion (JSON values and request parameters, [SMP-3]) -----------------------------
+# ---- scalar coercion: the one rule for every number and boolean of a request ([SMP-3]) ----------
 
 
 def show_value(value: Any) -> str:
@@ -29,40 +34,77 @@ def show_value(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def parse_number(text: str) -> int | float | None:
-    for parse in (int, float):
+# A number sent as a string must be spelled as a JSON number: int()/float() alone would also take
+# "nan", "inf", "1_000" and non-ASCII digits, which no client means as a sampling setting.
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+# Above 2**53 a float no longer names one integer (1e19 + 1 == 1e19), so it cannot stand for one.
+_MAX_EXACT_FLOAT = 2**53
+_FP32_MAX = float(np.finfo(np.float32).max)
+
+
+def _number(value: Any) -> int | float | None:
+    """A JSON number, or a string spelled as one, as int or float; None for anything else."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not _JSON_NUMBER.fullmatch(text):
+            return None
         try:
-            return parse(text)
-        except ValueError:  # also int() beyond Python's digit limit
-            pass
+            return int(text) if text.lstrip("-").isdigit() else float(text)
+        except ValueError:  # int() beyond Python's digit limit
+            return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):  # True is not a number here
+        return value
     return None
 
 
-def as_int(value: Any, where: str) -> int:
-    number = parse_number(value) if isinstance(value, str) else value
-    if isinstance(number, float) and number.is_integer():
-        number = int(number)
-    if isinstance(number, int) and not isinstance(number, bool):
-        return number
-    raise InvalidArgument(f"{where} must be an integer, got {show_value(value)}")
+@dataclass(frozen=True)
+class ScalarType:
+    """The §2.2 type of a setting. A value from any source (input tensor, `sampling_parameters`,
+    request parameter) must be one the declared tensor could carry, so every path means the same.
+
+    Called as `INT32(value, where)`; a failure is `InvalidArgument` naming `where`, the expected
+    type and the value. Ranges of meaning (top_p in (0, 1], ...) are `SamplingParams`' job.
+    """
+
+    name: str  # Triton name, for messages
+    kind: str  # "int", "float" or "bool"
+    lo: int = 0
+    hi: int = 0
+    bounds: str = ""  # the range as messages print it
+
+    def __call__(self, value: Any, where: str) -> int | float | bool:
+        if self.kind == "bool":
+            return _as_bool(value, where)
+        number = _number(value)
+        if self.kind == "float":
+            if number is None:
+                raise InvalidArgument(f"{where} must be a number, got {show_value(value)}")
+            if abs(number) > _FP32_MAX and not (isinstance(number, float) and math.isinf(number)):
+                raise InvalidArgument(f"{where} must be a number within ±{_FP32_MAX:.7g} ({self.name}), "
+                                      f"got {show_value(value)}")
+            return float(number)  # NaN and inf pass: the range rules of each setting reject them
+        if number is None or (isinstance(number, float) and not number.is_integer()):  # NaN, inf, 2.5
+            raise InvalidArgument(f"{where} must be an integer, got {show_value(value)}")
+        if not self.lo <= number <= self.hi:
+            raise InvalidArgument(f"{where} must be an integer in {self.bounds} ({self.name}), got {show_value(value)}")
+        if isinstance(number, float) and abs(number) > _MAX_EXACT_FLOAT:
+            raise InvalidArgument(f"{where} must be an integer, got {show_value(value)}: a float above 2**53 is "
+                                  "not exact; send the integer digits")
+        return int(number)
 
 
-def as_float(value: Any, where: str) -> float:
-    number = parse_number(value) if isinstance(value, str) else value
-    if isinstance(number, (int, float)) and not isinstance(number, bool):
-        try:
-            return float(number)
-        except OverflowError:
-            pass
-    raise InvalidArgument(f"{where} must be a number, got {show_value(value)}")
-
-
-def as_bool(value: Any, where: str) -> bool:
+def _as_bool(value: Any, where: str) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
-    raise InvalidArgument(f"{where} must be a boolean, got {show_value(value)}")
+    raise InvalidArgument(f"{where} must be a boolean (true or false), got {show_value(value)}")
+
+
+INT32 = ScalarType("INT32", "int", -2**31, 2**31 - 1, "[-2**31, 2**31)")
+UINT64 = ScalarType("UINT64", "int", 0, 2**64 - 1, "[0, 2**64)")
+FP32 = ScalarType("FP32", "float")
+BOOL = ScalarType("BOOL", "bool")
 
 
 def as_strs(value: Any, where: str) -> list[str]:
@@ -75,15 +117,10 @@ def as_stop(value: Any, where: str) -> list[str]:
     return [value] if isinstance(value, str) else as_strs(value, where)
 
 
-def as_ints(value: Any, where: str) -> list[int]:
+def as_int32s(value: Any, where: str) -> list[int]:
     if not isinstance(value, list):
         raise InvalidArgument(f"{where} must be a list of integers, got {show_value(value)}")
-    return [as_int(v, f"{where}[{i}]") for i, v in enumerate(value)]
-
-
-COERCE: dict[str, Callable[[Any, str], Any]] = {
-    "int": as_int, "float": as_float, "bool": as_bool, "strs": as_strs, "stop": as_stop, "ints": as_ints,
-}
+    return [INT32(v, f"{where}[{i}]") for i, v in enumerate(value)]
 
 
 # ---- tensors -----------------------------------------------------------------------------------
@@ -118,7 +155,10 @@ class Inputs:
         if value is None:
             return None
         if isinstance(value, torch.Tensor) and name != "image_embeds":
-            value = value.detach().cpu().numpy()
+            try:
+                value = value.detach().cpu().numpy()
+            except TypeError:  # BF16 and other dtypes numpy lacks: only image_embeds is declared so
+                raise InvalidArgument(f"{name}: unexpected tensor dtype {value.dtype}") from None
         shape = tuple(value.shape)
         if not shape or shape[0] != 1:
             raise InvalidArgument(f"{name}: expected a batch dimension of 1, got shape {list(shape)}")
@@ -130,29 +170,19 @@ class Inputs:
             raise InvalidArgument(f"{name} must hold exactly one value, got shape {list(arr.shape)}")
         return None if arr is None else arr.reshape(-1)
 
-    def flag(self, name: str) -> bool | None:
+    def scalar(self, name: str, type: ScalarType) -> int | float | bool | None:
+        """A one-value tensor, held to `type` like the same setting from JSON ([SMP-3])."""
         arr = self._one(name)
-        if arr is None:
-            return None
-        if arr.dtype != np.bool_:
-            raise InvalidArgument(f"{name}: expected BOOL, got {arr.dtype}")
-        return bool(arr[0])
+        return None if arr is None else type(_values(name, arr, type)[0], name)
 
-    def int(self, name: str) -> int | None:
-        arr = self._one(name)
-        if arr is None:
-            return None
-        if arr.dtype.kind not in "iu":
-            raise InvalidArgument(f"{name}: expected an integer type, got {arr.dtype}")
-        return int(arr[0])
+    def flag(self, name: str) -> bool | None:
+        return self.scalar(name, BOOL)
+
+    def int(self, name: str, type: ScalarType = INT32) -> int | None:
+        return self.scalar(name, type)
 
     def float(self, name: str) -> float | None:
-        arr = self._one(name)
-        if arr is None:
-            return None
-        if arr.dtype.kind != "f":
-            raise InvalidArgument(f"{name}: expected FP32, got {arr.dtype}")
-        return float(str(arr[0]))  # the shortest text of the fp32 value: 0.7, not 0.699999988079071
+        return self.scalar(name, FP32)
 
     def raw(self, name: str) -> bytes | None:
         arr = self._one(name)
@@ -172,14 +202,26 @@ class Inputs:
         arr = self.array(name)
         if arr is None:
             return None
-        if arr.dtype.kind not in "iu":
-            raise InvalidArgument(f"{name}: expected an integer type, got {arr.dtype}")
-        return [int(x) for x in arr.reshape(-1)]
+        return [INT32(v, f"{name}[{i}]") for i, v in enumerate(_values(name, arr, INT32))]
 
 
-def alias(inputs: Inputs, name: str, alias: str) -> int | None:
+# numpy dtype kinds a tensor of each kind of setting may have: Triton delivers the declared dtype;
+# a wider one (int64, float64: in-process callers, tests) is fine because the value is checked.
+_TENSOR_KINDS = {"int": "iu", "float": "f", "bool": "b"}
+
+
+def _values(name: str, arr: np.ndarray, type: ScalarType) -> list[int | float | bool]:
+    """The tensor's elements as Python values, after checking that its dtype suits `type`."""
+    if arr.dtype.kind not in _TENSOR_KINDS[type.kind]:
+        raise InvalidArgument(f"{name}: expected {type.name}, got {arr.dtype}")
+    if type.kind == "float":  # the shortest text of the fp32 value: 0.7, not 0.699999988079071
+        return [float(str(x)) for x in arr.reshape(-1)]
+    return [bool(x) if type.kind == "bool" else int(x) for x in arr.reshape(-1)]
+
+
+def alias(inputs: Inputs, name: str, alias: str, type: ScalarType = INT32) -> int | None:
     """[SMP-2]: both tensors of an alias pair given with different values is INVALID_ARG."""
-    value, other = inputs.int(name), inputs.int(alias)
+    value, other = inputs.int(name, type), inputs.int(alias, type)
     if value is not None and other is not None and value != other:
         raise InvalidArgument(f"{name} ({value}) and {alias} ({other}) disagree")
     return value if value is not None else other

@@ -14,14 +14,26 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from k3backend.engine.sampling_params import SamplingParams
 from k3backend.errors import InvalidArgument, Unsupported
-from k3backend.serving.inputs import COERCE, Inputs, TensorGetter, alias, decode_utf8
+from k3backend.serving.inputs import (
+    BOOL,
+    FP32,
+    INT32,
+    UINT64,
+    Inputs,
+    TensorGetter,
+    alias,
+    as_int32s,
+    as_stop,
+    as_strs,
+    decode_utf8,
+)
 from k3backend.serving.prompt import (
     ImageInputs,
     parse_images,
@@ -36,14 +48,16 @@ MAX_TOP_LOGPROBS = 20
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 IMAGE_INPUTS = ("image_embeds", "image_token_counts", "image_grid_thw", "image_sizes", "image_hashes")
 
-# [SMP-3] accepted `sampling_parameters` keys and the kind of value each takes.
-SAMPLING_KEYS: dict[str, str] = {
-    "max_tokens": "int", "min_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
-    "min_p": "float", "presence_penalty": "float", "frequency_penalty": "float",
-    "repetition_penalty": "float", "seed": "int", "stop": "stop", "stop_token_ids": "ints",
-    "bad_words": "strs", "ignore_eos": "bool", "include_stop_str_in_output": "bool",
-    "skip_special_tokens": "bool", "spaces_between_special_tokens": "bool", "logprobs": "int",
-    "n": "int", "best_of": "int", "detokenize": "bool",
+# [SMP-3] accepted `sampling_parameters` keys and the coercion of each: a scalar takes the §2.2
+# type of its tensor (`logprobs` that of top_logprobs, `n`/`best_of` that of num_return_sequences),
+# so a JSON value is refused exactly when the tensor could not carry it (top_k 1e20, 2.5, true).
+SAMPLING_KEYS: dict[str, Callable[[Any, str], Any]] = {
+    "max_tokens": INT32, "min_tokens": INT32, "temperature": FP32, "top_p": FP32, "top_k": INT32,
+    "min_p": FP32, "presence_penalty": FP32, "frequency_penalty": FP32,
+    "repetition_penalty": FP32, "seed": UINT64, "stop": as_stop, "stop_token_ids": as_int32s,
+    "bad_words": as_strs, "ignore_eos": BOOL, "include_stop_str_in_output": BOOL,
+    "skip_special_tokens": BOOL, "spaces_between_special_tokens": BOOL, "logprobs": INT32,
+    "n": INT32, "best_of": INT32, "detokenize": BOOL,
 }
 UNSUPPORTED_SAMPLING_KEYS = ("prompt_logprobs", "logit_bias", "allowed_token_ids", "structured_outputs",
                              "guided_decoding", "lora_name", "truncate_prompt_tokens")
@@ -129,15 +143,12 @@ def load_generation_defaults(checkpoint_dir: str | Path) -> dict[str, float | in
         raise ValueError(f"{path}: not valid JSON: {e}") from e
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    out: dict[str, float | int] = {}
-    for key in GENERATION_CONFIG_KEYS:
-        value = config.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+    values = {key: config[key] for key in GENERATION_CONFIG_KEYS if config.get(key) is not None}
+    for key, value in values.items():
+        if isinstance(value, str):  # a file, unlike a request ([SMP-3]), has no reason to quote numbers
             raise ValueError(f"{path}: {key} must be a number, got {value!r}")
-        out[key] = int(value) if key == "top_k" else float(value)
-    try:
+    try:  # the request rules: the §2.2 type (top_k 40.5 is no integer), then the ranges
+        out = {key: SAMPLING_KEYS[key](value, key) for key, value in values.items()}
         SamplingParams(**out)
     except InvalidArgument as e:
         raise ValueError(f"{path}: {e}") from e
@@ -162,13 +173,13 @@ def _sampling_json(text: str | None) -> dict[str, Any]:
         elif key not in SAMPLING_KEYS:
             raise InvalidArgument(f"unknown key {key!r} in sampling_parameters")
         elif value is not None:
-            out[key] = COERCE[SAMPLING_KEYS[key]](value, f"sampling_parameters.{key}")
+            out[key] = SAMPLING_KEYS[key](value, f"sampling_parameters.{key}")
     return out
 
 
 def _request_params(parameters: Mapping[str, Any]) -> dict[str, Any]:
     """[SMP-1] level 3: request parameters named like accepted keys; others are ignored ([SMP-4])."""
-    return {key: COERCE[SAMPLING_KEYS[key]](value, f"request parameter {key!r}")
+    return {key: SAMPLING_KEYS[key](value, f"request parameter {key!r}")
             for key, value in parameters.items() if key in SAMPLING_KEYS and value is not None}
 
 
@@ -230,9 +241,7 @@ def _resolve_sampling(inputs: Inputs, js: dict[str, Any], ps: dict[str, Any],
         return pick(key, tensor, fallback)[0]
 
     max_tokens = value("max_tokens", inputs.int("max_tokens"))
-    seed, seed_where = pick("seed", alias(inputs, "seed", "random_seed"))
-    if seed is not None and not 0 <= seed < 2**64:
-        raise InvalidArgument(f"{seed_where} must be in [0, 2**64), got {seed}")
+    seed = value("seed", alias(inputs, "seed", "random_seed", UINT64))
     top_k = value("top_k", inputs.int("top_k"), _or(defaults.top_k, 0))
     stop, stop_where = pick("stop", inputs.texts("stop_words"), [], "stop_words")
     bad, bad_where = pick("bad_words", inputs.texts("bad_words"), [])
