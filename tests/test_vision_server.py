@@ -54,6 +54,13 @@ def b64(w: int, h: int, seed: int = 0) -> bytes:
     return base64.b64encode(png(w, h, seed))
 
 
+def solid_png(w: int, h: int) -> bytes:
+    """A large image that compresses to a small file (a 9000x9000 one is about 250 kB)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 120, 40)).save(buf, "PNG")
+    return buf.getvalue()
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("tiny", tmp_path_factory.mktemp("k3_vision_ckpt") / "tiny")
@@ -218,6 +225,49 @@ def test_token_limit_checked_before_the_tower(checkpoint: Path, monkeypatch: pyt
     assert need > 20
     assert str(err) == f"the images need {need} tokens, more than max_image_tokens_per_request 20"
     assert calls == []
+
+
+def test_decoded_images_are_released_one_by_one(server: VisionServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decoded frame is closed once preprocessed, before the next is decoded: a request holds
+    at most one decoded image at a time, not all of them."""
+    from k3backend.serving import vision_adapter
+
+    seen: list[Image.Image] = []
+    real = vision_adapter.preprocess_image
+
+    def spy(image: Image.Image, cfg: PreprocessConfig):
+        for earlier in seen:
+            with pytest.raises(ValueError, match="closed image"):
+                earlier.getpixel((0, 0))
+        seen.append(image)
+        return real(image, cfg)
+
+    monkeypatch.setattr(vision_adapter, "preprocess_image", spy)
+    (out,) = server.execute([VisionRequest(text_input=(PH * 3).encode(), image=[b64(30, 20, i) for i in range(3)])])
+    check_outputs(out, [(30, 20)] * 3)
+    assert len(seen) == 3
+    with pytest.raises(ValueError, match="closed image"):
+        seen[-1].getpixel((0, 0))
+
+
+def test_heap_is_trimmed_after_a_batch_with_large_images(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose images held >= TRIM_AFTER_BYTES on the host gives the freed heap back; small ones do not."""
+    from k3backend.serving import vision_adapter
+
+    threads = torch.get_num_threads()
+    s = VisionServer.from_model_config(model_config(model_path=str(checkpoint), in_patch_limit="256"))
+    torch.set_num_threads(threads)
+    trims: list[bool] = []
+    monkeypatch.setattr(vision_adapter, "release_free_heap", lambda: trims.append(True) or True)
+    side = 2 + int((vision_adapter.TRIM_AFTER_BYTES / 4) ** 0.5)  # its decoded frame alone is over the threshold
+    big = base64.b64encode(solid_png(side, side))
+    (out,) = s.execute([VisionRequest(text_input=PH.encode(), image=[b64(40, 40)])])
+    check_outputs(out, [(40, 40)])
+    assert trims == []
+    (out,) = s.execute([VisionRequest(text_input=PH.encode(), image=[big])])
+    check_outputs(out, [(side, side)], PreprocessConfig(in_patch_limit=256))
+    assert trims == [True]
+    s.close()
 
 
 def test_errors_are_per_request_and_defects_are_internal(server: VisionServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -590,3 +640,61 @@ def test_e2e_metrics(grpc, triton) -> None:  # SERVING.md §9
     assert value(rf'k3:request_failure_total\{{code="INVALID_ARG",{labels}\}}') >= 1
     assert value(rf'k3:request_failure_total\{{code="INTERNAL",{labels}\}}') == 0
     assert "# TYPE k3:vision_encode_seconds histogram" in text
+
+
+# ---- large images: bounded memory, limits named ([ERR-3], SERVING.md §3.4) ------------------------
+
+
+def _stub_rss(triton) -> int:
+    """Summed RSS of the k3_vision Python-backend stubs (both instances) of this server."""
+    from k3backend.serving.heap import rss_bytes
+
+    total, found = 0, 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes()
+            if ppid == triton.pid and b"triton_python_backend_stub" in cmdline and b"k3_vision" in cmdline:
+                total, found = total + rss_bytes(proc.name), found + 1
+        except (OSError, IndexError, ValueError):  # the process went away meanwhile
+            continue
+    assert found == 2, f"expected the 2 k3_vision stubs of tritonserver pid {triton.pid}, found {found}"
+    return total
+
+
+def test_e2e_9000x9000_image_is_encoded_and_memory_returns(grpc, triton) -> None:  # [ERR-3]
+    """Under max_image_pixels, so it must be encoded (it was INTERNAL: attention asked for ~35 GB).
+    Afterwards, and after two more large images, the stubs' RSS is back near where it was."""
+    for _ in range(2):  # both instances have served an image: the baseline is warm
+        check_outputs(_as_outputs(_grpc_infer(grpc, PH, image=[b64(300, 200)])), [(300, 200)])
+    before = _stub_rss(triton)
+    start = time.perf_counter()
+    out = _as_outputs(_grpc_infer(grpc, PH, image=[base64.b64encode(solid_png(9000, 9000))]))
+    took = time.perf_counter() - start
+    check_outputs(out, [(9000, 9000)])
+    assert grid_for_size(9000, 9000, PreprocessConfig()) == (1, 258, 258)  # what the tower got: 66564 patches
+    after_one = _stub_rss(triton)
+    for side in (2400, 2600):
+        check_outputs(_as_outputs(_grpc_infer(grpc, PH, image=[base64.b64encode(solid_png(side, side))])),
+                      [(side, side)])
+    after = _stub_rss(triton)
+    print(f"\nk3_vision stubs RSS: {before / 2**20:.0f} MiB before, {after_one / 2**20:.0f} MiB after the "
+          f"9000x9000 image ({took:.1f} s), {after / 2**20:.0f} MiB after two more large images")
+    assert after - before < 64 << 20, f"RSS grew from {before / 2**20:.0f} to {after / 2**20:.0f} MiB"
+
+
+def test_e2e_too_many_image_tokens_is_invalid_arg_naming_the_limit(grpc) -> None:
+    """Three 9000x9000 images: each passes the per-image limits, together they need more tokens than
+    max_image_tokens_per_request; refused from the headers, before any pixel is decoded."""
+    from tritonclient.utils import InferenceServerException
+
+    image = base64.b64encode(solid_png(9000, 9000))
+    need = 3 * image_num_tokens(9000, 9000, PreprocessConfig())
+    with pytest.raises(InferenceServerException) as e:
+        _grpc_infer(grpc, PH * 3, image=[image] * 3)
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert e.value.message() == (f"k3_vision: INVALID_ARG: the images need {need} tokens, more than "
+                                 f"max_image_tokens_per_request 32768")
+
