@@ -94,6 +94,7 @@ def test_config_pbtxt_declares_the_contract() -> None:
         "image_url_input": ("TYPE_STRING", [-1], True, True),
         "image": ("TYPE_STRING", [-1], True, True),
         "image_bytes_input": ("TYPE_UINT8", [-1, -1, -1, -1], True, True),
+        "stop": ("TYPE_BOOL", [1], True, False),  # [CAN-3]: declared as k3_lm's, mapped by the ensemble
     }
     outputs = {o["name"]: (o["data_type"], [int(d) for d in o["dims"]]) for o in cfg["output"]}
     assert outputs == {
@@ -225,6 +226,13 @@ def test_token_limit_checked_before_the_tower(checkpoint: Path, monkeypatch: pyt
     assert need > 20
     assert str(err) == f"the images need {need} tokens, more than max_image_tokens_per_request 20"
     assert calls == []
+
+
+def test_stop_request_has_no_outputs_whatever_its_other_inputs(server: VisionServer) -> None:  # [CAN-3]
+    stop = VisionRequest(text_input=b"\xff not UTF-8", messages=b"{not json", image=[b"not base64!"],
+                         image_url_input=[b"ftp://x"], batch_size=3, stop=True)
+    text = VisionRequest(text_input=b"hello")
+    assert server.execute([stop, text]) == [{}, {}]
 
 
 def test_decoded_images_are_released_one_by_one(server: VisionServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -415,6 +423,20 @@ def test_triton_execute_maps_every_outcome_and_never_raises(glue_server: VisionS
     assert responses[3].error.code == FakePbUtils.TritonError.INTERNAL
     assert responses[3].error.message == "k3_vision: INTERNAL: unexpected error (see server log, request id 'r-broken')"
     assert responses[4].error.message == "k3_vision: INVALID_ARG: one prompt per request: expected batch size 1, got 2"
+
+
+def test_triton_stop_request_reads_no_other_input(glue_server: VisionServer) -> None:  # [CAN-3]
+    from k3backend.serving.vision_adapter import triton_execute
+
+    def untouchable() -> np.ndarray:
+        raise AssertionError("a stop request's other inputs must not be read")
+
+    stop = FakePbUtils.Request({"stop": np.array([[True]]), "text_input": untouchable, "image": untouchable})
+    not_stop = FakePbUtils.Request({**_wire(PH, image=[b64(30, 20)]), "stop": np.array([[False]])})
+    responses = triton_execute(FakePbUtils, glue_server, [stop, not_stop])
+    assert responses[0].output_tensors == [] and responses[0].error is None
+    assert responses[1].error is None
+    check_outputs({t.name: t.value for t in responses[1].output_tensors}, [(30, 20)])
 
 
 def test_metric_families_and_updates(checkpoint: Path) -> None:  # SERVING.md §9, [MET-1], [MET-2]

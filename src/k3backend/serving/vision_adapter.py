@@ -18,6 +18,9 @@ Memory: images are decoded one at a time and each decoded frame is dropped once 
 preprocessed; the tower's attention memory is linear in the patches (`image_attention`). After a
 batch whose images made large transient allocations the freed heap goes back to the OS
 (`release_free_heap`), so the process's RSS does not ratchet up to the largest request seen.
+
+A stop request (`stop` = true) is answered at once with no outputs: its other inputs are ignored
+[CAN-3], so they are neither read nor validated; k3_lm, the next step, does the stopping.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class VisionRequest:
     image_bytes_input: np.ndarray | None = None  # [N, H, W, C] uint8
     request_id: str = ""
     batch_size: int = 1
+    stop: bool = False  # a stop request: answered with no outputs, nothing else read [CAN-3]
 
 
 VisionResult = dict[str, Any] | K3Error
@@ -242,12 +246,14 @@ class VisionServer:
         for i, result in enumerate(results):
             if isinstance(result, list):
                 held += sum(_host_bytes(p) for p in result)
-                # text-only requests have no images: no outputs [VIS-1]
+                # text-only and stop requests have no images: no outputs [VIS-1]
                 results[i] = self._outputs_or_error(result, requests[i].request_id) if result else {}
         return held
 
     def _prepare(self, request: VisionRequest) -> list[ProcessedImage]:
         """Validation, decoding and preprocessing of one request: [] when it has no images."""
+        if request.stop:  # nothing else is looked at [CAN-3]
+            return []
         if request.batch_size != 1:
             raise InvalidArgument(f"one prompt per request: expected batch size 1, got {request.batch_size}")
         text = decode_utf8(request.text_input or b"", "text_input")
@@ -405,6 +411,9 @@ def read_request(pb_utils: Any, request: Any) -> VisionRequest:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
 
+    stop = get("stop")
+    if stop is not None and stop.size == 1 and bool(stop.reshape(-1)[0]):  # [CAN-3]: nothing else is read
+        return VisionRequest(request_id=request.request_id(), stop=True)
     arrays = {name: get(name) for name in ("text_input", "messages", "image_url_input", "image", "image_bytes_input")}
     present = [a for a in arrays.values() if a is not None]
     batch = int(present[0].shape[0]) if present else 0
