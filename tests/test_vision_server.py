@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import shutil
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -720,3 +722,58 @@ def test_e2e_too_many_image_tokens_is_invalid_arg_naming_the_limit(grpc) -> None
     assert e.value.message() == (f"k3_vision: INVALID_ARG: the images need {need} tokens, more than "
                                  f"max_image_tokens_per_request 32768")
 
+
+# ---- HTTP/REST JSON: BF16 outputs come as binary data (KServe binary tensor extension) -------------
+
+
+def _http_json_infer(triton, body: dict) -> tuple[int, dict, bytes]:
+    """POST /v2/models/k3_vision/infer with a JSON body: (status, JSON header, binary tail)."""
+    req = urllib.request.Request(f"{triton.http_url}/v2/models/k3_vision/infer", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, raw, header_len = r.status, r.read(), r.headers.get("Inference-Header-Content-Length")
+    except urllib.error.HTTPError as err:
+        status, raw, header_len = err.code, err.read(), None
+    n = int(header_len) if header_len is not None else len(raw)
+    return status, json.loads(raw[:n]), raw[n:]
+
+
+def test_e2e_http_json_infer_with_binary_image_embeds(grpc, triton, server: VisionServer) -> None:  # [TOP-5]
+    image = b64(60, 40, 11).decode()
+    inputs = [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": [PH]},
+              {"name": "image", "shape": [1, 1], "datatype": "BYTES", "data": [image]}]
+    # Plain JSON cannot carry BF16 (Triton's rule): the request names the output it cannot send.
+    status, header, _ = _http_json_infer(triton, {"inputs": inputs})
+    assert status == 400 and "BF16" in header["error"], header
+    # The documented way: image_embeds as binary data, the small outputs as JSON.
+    outputs = [{"name": "image_embeds", "parameters": {"binary_data": True}}] + [{"name": n} for n in OUTPUTS[1:]]
+    status, header, tail = _http_json_infer(triton, {"inputs": inputs, "outputs": outputs})
+    assert status == 200, header
+    got = {o["name"]: o for o in header["outputs"]}
+    embeds = got["image_embeds"]
+    assert embeds["datatype"] == "BF16" and embeds["parameters"]["binary_data_size"] == len(tail)
+    rows = np.frombuffer(tail, dtype="<u2").reshape(embeds["shape"])  # BF16 bit patterns
+    want = _as_outputs(_grpc_infer(grpc, PH, image=[image.encode()]))
+    n = image_num_tokens(60, 40, PreprocessConfig())
+    assert rows.shape == want["image_embeds"].shape == (1, n, server.model.cfg.text_hidden_size)
+    assert np.array_equal(rows, _bits(want["image_embeds"]))  # the same rows as over gRPC, bit for bit
+    assert got["image_token_counts"]["data"] == want["image_token_counts"].reshape(-1).tolist() == [n]
+    assert got["image_grid_thw"]["data"] == want["image_grid_thw"].reshape(-1).tolist()
+    assert got["image_sizes"]["data"] == [60, 40]
+    assert got["image_hashes"]["data"] == [h.decode() for h in want["image_hashes"].reshape(-1)]
+    # A BF16 value is the top half of a float32: the rows as numbers match the in-process model's.
+    as_f32 = (rows.astype(np.uint32) << 16).view(np.float32)
+    (ref,) = server.execute([VisionRequest(text_input=PH.encode(), image=[image.encode()])])
+    torch.testing.assert_close(torch.from_numpy(as_f32), ref["image_embeds"].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_e2e_tritonclient_http_with_binary_outputs(http, grpc) -> None:
+    import tritonclient.http as httpclient
+
+    image = [b64(45, 45, 12)]
+    requested = [httpclient.InferRequestedOutput(n, binary_data=True) for n in OUTPUTS]
+    result = http.infer("k3_vision", _inputs(httpclient, PH, image=image), outputs=requested)
+    got, want = _as_outputs(result), _as_outputs(_grpc_infer(grpc, PH, image=image))
+    check_outputs(got, [(45, 45)])
+    assert np.array_equal(_bits(got["image_embeds"]), _bits(want["image_embeds"]))
