@@ -218,13 +218,17 @@ def test_CAN3_stop_through_the_ensemble_ignores_its_other_inputs(server):
     stop = stream_one(server.grpc_url, "k3_ensemble", {
         "text_input": b"\xff\xfe not UTF-8", "image": ["not base64 !"], "stop": True}, request_id="job-not-utf8")
     assert stop.error is None and stop.final and stop.text == "", stop.error
+
+    def final_responses() -> list:
+        return [r for r, _ in results
+                if r is not None and r.get_response().parameters["triton_final_response"].bool_param]
+
     deadline = time.time() + 10
-    while time.time() < deadline and not any(
-            r is not None and r.get_response().parameters["triton_final_response"].bool_param for r, _ in results):
+    while time.time() < deadline and not final_responses():
         time.sleep(0.05)
     client.stop_stream()
     client.close()
-    finals = [r for r, e in results if r is not None and r.get_response().parameters["triton_final_response"].bool_param]
+    finals = final_responses()
     assert finals, f"the target did not finish after the stop request: {[e for _, e in results if e]}"
     assert finals[-1].as_numpy("finish_reason").reshape(-1)[0] == b"cancelled"
 
