@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-TYPES = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32), str: ("BYTES", np.object_)}
+TYPES = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32), str: ("BYTES", np.object_),
+         bytes: ("BYTES", np.object_)}  # bytes: sent as they are (e.g. not UTF-8)
 UINT64 = {"seed", "random_seed", "prompt_table_extra_id"}
 
 

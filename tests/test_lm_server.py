@@ -203,6 +203,36 @@ def test_CMP5_stop_convention_through_the_ensemble(server):
     assert finals[-1].as_numpy("finish_reason").reshape(-1)[0] == b"cancelled"
 
 
+def test_CAN3_stop_through_the_ensemble_ignores_its_other_inputs(server):
+    """k3_vision answers a stop request without reading its other inputs: text that is not UTF-8 and
+    an undecodable image do not keep the stop from reaching k3_lm and stopping the target."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results = []
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    client.async_stream_infer("k3_ensemble", make_inputs({
+        "text_input": "Tell me a long story", "max_tokens": 4096, "ignore_eos": True, "stream": True,
+        "return_finish_reason": True}), request_id="job-not-utf8")
+    deadline = time.time() + 60
+    while not results and time.time() < deadline:
+        time.sleep(0.01)
+    stop = stream_one(server.grpc_url, "k3_ensemble", {
+        "text_input": b"\xff\xfe not UTF-8", "image": ["not base64 !"], "stop": True}, request_id="job-not-utf8")
+    assert stop.error is None and stop.final and stop.text == "", stop.error
+
+    def final_responses() -> list:
+        return [r for r, _ in results
+                if r is not None and r.get_response().parameters["triton_final_response"].bool_param]
+
+    deadline = time.time() + 10
+    while time.time() < deadline and not final_responses():
+        time.sleep(0.05)
+    client.stop_stream()
+    client.close()
+    finals = final_responses()
+    assert finals, f"the target did not finish after the stop request: {[e for _, e in results if e]}"
+    assert finals[-1].as_numpy("finish_reason").reshape(-1)[0] == b"cancelled"
+
+
 def test_CMP5_stop_over_http(server):
     out = {}
 
@@ -367,6 +397,11 @@ def test_CFG_E3_ensemble_lm_and_vision_declare_the_same_tensors(server):
         {k: v for k, v in lm_in.items() if k not in internal}
     assert all(t.get("optional") for t in ens["input"])
     assert all(ens_in[k] == v for k, v in vis_in.items())
+    # [ENS-1]: step 1 gets each of k3_vision's inputs from the ensemble input of the same name, `stop`
+    # included, declared as k3_lm declares it, so k3_vision can pass stop requests through [CAN-3].
+    steps = {s["model_name"]: s for s in ens["ensemble_scheduling"]["step"]}
+    assert steps["k3_vision"]["input_map"] == {k: k for k in vis_in}
+    assert vis_in["stop"] == lm_in["stop"] == ens_in["stop"]
     assert sig(ens["output"]) == sig(lm["output"])  # [TOP-2]: every ensemble output comes from k3_lm
     vis_out = sig(vis["output"])
     assert {k: lm_in[k] for k in internal} == vis_out  # [ENS-3]: same dtype for image_embeds

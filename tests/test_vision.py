@@ -6,14 +6,19 @@ formulas (explicit loops / einsum), sharing no code with `k3backend.model.vision
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3backend.config import K3Config, VisionConfig
 from k3backend.model import vision
@@ -459,15 +464,38 @@ def test_projector_matches_spec():
     torch.testing.assert_close(model.mm_projector(merged), ref_projector(merged, sd, cfg.projector_ln_eps), **F64_TOL)
 
 
-def test_full_model_matches_spec_transcription_float64():
+@contextlib.contextmanager
+def math_path_in_small_blocks(monkeypatch, scores: int):
+    """SDPA restricted to its math path (the one that materialises scores), with a block budget of
+    `scores`; yields the [H, rows, keys] of every SDPA call."""
+    calls: list[tuple[int, int, int]] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((q.shape[-3], q.shape[-2], k.shape[-2]))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(vision, "ATTENTION_BLOCK_SCORES", scores)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with sdpa_kernel(SDPBackend.MATH):
+        yield calls
+
+
+@pytest.mark.parametrize("path", ["fused", "math-blocked"])
+def test_full_model_matches_spec_transcription_float64(path, monkeypatch):
     cfg = tiny_cfg()
     model = random_model(cfg, seed=41)
     grids = [(1, 4, 6), (1, 16, 16), (2, 4, 4), (1, 2, 2)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), 3, 14, 14, dtype=torch.float64,
                          generator=torch.Generator().manual_seed(42))
-    with torch.inference_mode():
+    with contextlib.ExitStack() as stack, torch.inference_mode():
+        if path == "math-blocked":  # 256 patches x 2 heads: blocks of 9 query rows
+            calls = stack.enter_context(math_path_in_small_blocks(monkeypatch, scores=5000))
         got = model(pixels, grids)
         assert torch.equal(model(pixels, torch.tensor(grids)), got)  # grid_thws as int64 [B, 3] too
+    if path == "math-blocked":
+        assert max(h * rows * keys for h, rows, keys in calls) <= 5000
+        assert (cfg.vt_num_attention_heads, 9, 256) in calls and len(calls) > 2 * cfg.vt_num_hidden_layers * len(grids)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     want, off = [], 0
     for t, h, w in grids:
@@ -475,6 +503,44 @@ def test_full_model_matches_spec_transcription_float64():
         off += t * h * w
     assert got.shape == (6 + 64 + 4 + 1, cfg.text_hidden_size)
     torch.testing.assert_close(got, torch.cat(want), **F64_TOL)
+
+
+def test_attention_rows_do_not_depend_on_the_query_blocks(monkeypatch):
+    """Query blocks change where each SDPA call starts, not any row's softmax: the blocked math path
+    equals one unblocked call (float64), and the same image always gets the same blocks."""
+    g = torch.Generator().manual_seed(81)
+    q, k, v = (torch.randn(300, 2, 24, dtype=torch.float64, generator=g) for _ in range(3))
+    whole = vision.image_attention(q, k, v)
+    assert whole.shape == (300, 48)
+    with math_path_in_small_blocks(monkeypatch, scores=2 * 300 * 7) as calls:
+        blocked = vision.image_attention(q, k, v)
+        assert torch.equal(vision.image_attention(q, k, v), blocked)
+    assert calls[:43] == [(2, 7, 300)] * 42 + [(2, 6, 300)]  # 300 = 42 * 7 + 6
+    torch.testing.assert_close(blocked, whole, **F64_TOL)
+
+
+def test_large_image_tower_memory_is_linear_in_patches():
+    """A 16384-patch image (a 1792x1792 px one) through the tiny tower: its attention scores alone
+    would be 2 heads x 16384² x 4 bytes = 2 GiB per layer; the peak RSS must stay far below that.
+    Run in a fresh process so that the peak is this forward's."""
+    code = textwrap.dedent("""
+        import resource, torch
+        from k3backend.config import K3Config
+        from k3backend.model.vision import K3VisionModel
+        from k3backend.presets import preset_config
+        torch.set_num_threads(1)
+        model = K3VisionModel(K3Config.from_dict(preset_config("tiny")).vision).float()
+        pixels = torch.randn(128 * 128, 3, 14, 14)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with torch.inference_mode():
+            out = model(pixels, [(1, 128, 128)])
+        assert out.shape == (64 * 64, 64) and bool(torch.isfinite(out).all())
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grew = int(proc.stdout.split()[-1])
+    assert grew < 512 << 20, f"peak RSS grew by {grew / 2**20:.0f} MiB for 16384 patches"
 
 
 def test_tower_rmsnorm_matches_torch_rmsnorm_with_eps_unset():

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import shutil
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +34,7 @@ from k3backend.serving.vision_adapter import OUTPUTS, PARAMETERS, VisionParams, 
 
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "model_repository" / "k3_vision" / "config.pbtxt"
 PH = "<|kimi_image_placeholder|>"
+LOOPBACK = ("--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1")
 CANNOT_DECODE = "k3_vision: INVALID_ARG: image 0: cannot decode image data (PNG, JPEG, WebP, GIF or BMP expected)"
 
 
@@ -52,6 +55,13 @@ def png(w: int, h: int, seed: int = 0) -> bytes:
 
 def b64(w: int, h: int, seed: int = 0) -> bytes:
     return base64.b64encode(png(w, h, seed))
+
+
+def solid_png(w: int, h: int) -> bytes:
+    """A large image that compresses to a small file (a 9000x9000 one is about 250 kB)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 120, 40)).save(buf, "PNG")
+    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +97,7 @@ def test_config_pbtxt_declares_the_contract() -> None:
         "image_url_input": ("TYPE_STRING", [-1], True, True),
         "image": ("TYPE_STRING", [-1], True, True),
         "image_bytes_input": ("TYPE_UINT8", [-1, -1, -1, -1], True, True),
+        "stop": ("TYPE_BOOL", [1], True, False),  # [CAN-3]: declared as k3_lm's, mapped by the ensemble
     }
     outputs = {o["name"]: (o["data_type"], [int(d) for d in o["dims"]]) for o in cfg["output"]}
     assert outputs == {
@@ -218,6 +229,56 @@ def test_token_limit_checked_before_the_tower(checkpoint: Path, monkeypatch: pyt
     assert need > 20
     assert str(err) == f"the images need {need} tokens, more than max_image_tokens_per_request 20"
     assert calls == []
+
+
+def test_stop_request_has_no_outputs_whatever_its_other_inputs(server: VisionServer) -> None:  # [CAN-3]
+    stop = VisionRequest(text_input=b"\xff not UTF-8", messages=b"{not json", image=[b"not base64!"],
+                         image_url_input=[b"ftp://x"], batch_size=3, stop=True)
+    text = VisionRequest(text_input=b"hello")
+    assert server.execute([stop, text]) == [{}, {}]
+
+
+def test_decoded_images_are_released_one_by_one(server: VisionServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decoded frame is closed once preprocessed, before the next is decoded: a request holds
+    at most one decoded image at a time, not all of them."""
+    from k3backend.serving import vision_adapter
+
+    seen: list[Image.Image] = []
+    real = vision_adapter.preprocess_image
+
+    def spy(image: Image.Image, cfg: PreprocessConfig):
+        for earlier in seen:
+            with pytest.raises(ValueError, match="closed image"):
+                earlier.getpixel((0, 0))
+        seen.append(image)
+        return real(image, cfg)
+
+    monkeypatch.setattr(vision_adapter, "preprocess_image", spy)
+    (out,) = server.execute([VisionRequest(text_input=(PH * 3).encode(), image=[b64(30, 20, i) for i in range(3)])])
+    check_outputs(out, [(30, 20)] * 3)
+    assert len(seen) == 3
+    with pytest.raises(ValueError, match="closed image"):
+        seen[-1].getpixel((0, 0))
+
+
+def test_heap_is_trimmed_after_a_batch_with_large_images(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose images held >= TRIM_AFTER_BYTES on the host gives the freed heap back; small ones do not."""
+    from k3backend.serving import vision_adapter
+
+    threads = torch.get_num_threads()
+    s = VisionServer.from_model_config(model_config(model_path=str(checkpoint), in_patch_limit="256"))
+    torch.set_num_threads(threads)
+    trims: list[bool] = []
+    monkeypatch.setattr(vision_adapter, "release_free_heap", lambda: trims.append(True) or True)
+    side = 2 + int((vision_adapter.TRIM_AFTER_BYTES / 4) ** 0.5)  # its decoded frame alone is over the threshold
+    big = base64.b64encode(solid_png(side, side))
+    (out,) = s.execute([VisionRequest(text_input=PH.encode(), image=[b64(40, 40)])])
+    check_outputs(out, [(40, 40)])
+    assert trims == []
+    (out,) = s.execute([VisionRequest(text_input=PH.encode(), image=[big])])
+    check_outputs(out, [(side, side)], PreprocessConfig(in_patch_limit=256))
+    assert trims == [True]
+    s.close()
 
 
 def test_errors_are_per_request_and_defects_are_internal(server: VisionServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -367,6 +428,20 @@ def test_triton_execute_maps_every_outcome_and_never_raises(glue_server: VisionS
     assert responses[4].error.message == "k3_vision: INVALID_ARG: one prompt per request: expected batch size 1, got 2"
 
 
+def test_triton_stop_request_reads_no_other_input(glue_server: VisionServer) -> None:  # [CAN-3]
+    from k3backend.serving.vision_adapter import triton_execute
+
+    def untouchable() -> np.ndarray:
+        raise AssertionError("a stop request's other inputs must not be read")
+
+    stop = FakePbUtils.Request({"stop": np.array([[True]]), "text_input": untouchable, "image": untouchable})
+    not_stop = FakePbUtils.Request({**_wire(PH, image=[b64(30, 20)]), "stop": np.array([[False]])})
+    responses = triton_execute(FakePbUtils, glue_server, [stop, not_stop])
+    assert responses[0].output_tensors == [] and responses[0].error is None
+    assert responses[1].error is None
+    check_outputs({t.name: t.value for t in responses[1].output_tensors}, [(30, 20)])
+
+
 def test_metric_families_and_updates(checkpoint: Path) -> None:  # SERVING.md §9, [MET-1], [MET-2]
     from k3backend.serving.metrics import TTFT_BUCKETS, TritonMetrics
     from k3backend.serving.vision_adapter import triton_execute, triton_initialize
@@ -414,7 +489,7 @@ def triton(triton_server, checkpoint: Path, tmp_path_factory: pytest.TempPathFac
     text, n = re.subn(r'(key: "model_path" value: \{ string_value: )""', rf'\1"{checkpoint}"', config.read_text())
     assert n == 1
     config.write_text(text)
-    return triton_server(repo, ["k3_vision"])
+    return triton_server(repo, ["k3_vision"], LOOPBACK)
 
 
 @pytest.fixture(scope="module")
@@ -590,3 +665,116 @@ def test_e2e_metrics(grpc, triton) -> None:  # SERVING.md §9
     assert value(rf'k3:request_failure_total\{{code="INVALID_ARG",{labels}\}}') >= 1
     assert value(rf'k3:request_failure_total\{{code="INTERNAL",{labels}\}}') == 0
     assert "# TYPE k3:vision_encode_seconds histogram" in text
+
+
+# ---- large images: bounded memory, limits named ([ERR-3], SERVING.md §3.4) ------------------------
+
+
+def _stub_rss(triton) -> int:
+    """Summed RSS of the k3_vision Python-backend stubs (both instances) of this server."""
+    from k3backend.serving.heap import rss_bytes
+
+    total, found = 0, 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes()
+            if ppid == triton.pid and b"triton_python_backend_stub" in cmdline and b"k3_vision" in cmdline:
+                total, found = total + rss_bytes(proc.name), found + 1
+        except (OSError, IndexError, ValueError):  # the process went away meanwhile
+            continue
+    assert found == 2, f"expected the 2 k3_vision stubs of tritonserver pid {triton.pid}, found {found}"
+    return total
+
+
+def test_e2e_9000x9000_image_is_encoded_and_memory_returns(grpc, triton) -> None:  # [ERR-3]
+    """Under max_image_pixels, so it must be encoded (it was INTERNAL: attention asked for ~35 GB).
+    Afterwards, and after two more large images, the stubs' RSS is back near where it was."""
+    for _ in range(2):  # both instances have served an image: the baseline is warm
+        check_outputs(_as_outputs(_grpc_infer(grpc, PH, image=[b64(300, 200)])), [(300, 200)])
+    before = _stub_rss(triton)
+    start = time.perf_counter()
+    out = _as_outputs(_grpc_infer(grpc, PH, image=[base64.b64encode(solid_png(9000, 9000))]))
+    took = time.perf_counter() - start
+    check_outputs(out, [(9000, 9000)])
+    assert grid_for_size(9000, 9000, PreprocessConfig()) == (1, 258, 258)  # what the tower got: 66564 patches
+    after_one = _stub_rss(triton)
+    for side in (2400, 2600):
+        check_outputs(_as_outputs(_grpc_infer(grpc, PH, image=[base64.b64encode(solid_png(side, side))])),
+                      [(side, side)])
+    after = _stub_rss(triton)
+    print(f"\nk3_vision stubs RSS: {before / 2**20:.0f} MiB before, {after_one / 2**20:.0f} MiB after the "
+          f"9000x9000 image ({took:.1f} s), {after / 2**20:.0f} MiB after two more large images")
+    assert after - before < 64 << 20, f"RSS grew from {before / 2**20:.0f} to {after / 2**20:.0f} MiB"
+
+
+def test_e2e_too_many_image_tokens_is_invalid_arg_naming_the_limit(grpc) -> None:
+    """Three 9000x9000 images: each passes the per-image limits, together they need more tokens than
+    max_image_tokens_per_request; refused from the headers, before any pixel is decoded."""
+    from tritonclient.utils import InferenceServerException
+
+    image = base64.b64encode(solid_png(9000, 9000))
+    need = 3 * image_num_tokens(9000, 9000, PreprocessConfig())
+    with pytest.raises(InferenceServerException) as e:
+        _grpc_infer(grpc, PH * 3, image=[image] * 3)
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert e.value.message() == (f"k3_vision: INVALID_ARG: the images need {need} tokens, more than "
+                                 f"max_image_tokens_per_request 32768")
+
+
+# ---- HTTP/REST JSON: BF16 outputs come as binary data (KServe binary tensor extension) -------------
+
+
+def _http_json_infer(triton, body: dict) -> tuple[int, dict, bytes]:
+    """POST /v2/models/k3_vision/infer with a JSON body: (status, JSON header, binary tail)."""
+    req = urllib.request.Request(f"{triton.http_url}/v2/models/k3_vision/infer", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, raw, header_len = r.status, r.read(), r.headers.get("Inference-Header-Content-Length")
+    except urllib.error.HTTPError as err:
+        status, raw, header_len = err.code, err.read(), None
+    n = int(header_len) if header_len is not None else len(raw)
+    return status, json.loads(raw[:n]), raw[n:]
+
+
+def test_e2e_http_json_infer_with_binary_image_embeds(grpc, triton, server: VisionServer) -> None:  # [TOP-5]
+    image = b64(60, 40, 11).decode()
+    inputs = [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": [PH]},
+              {"name": "image", "shape": [1, 1], "datatype": "BYTES", "data": [image]}]
+    # Plain JSON cannot carry BF16 (Triton's rule): the request names the output it cannot send.
+    status, header, _ = _http_json_infer(triton, {"inputs": inputs})
+    assert status == 400 and "BF16" in header["error"], header
+    # The documented way: image_embeds as binary data, the small outputs as JSON.
+    outputs = [{"name": "image_embeds", "parameters": {"binary_data": True}}] + [{"name": n} for n in OUTPUTS[1:]]
+    status, header, tail = _http_json_infer(triton, {"inputs": inputs, "outputs": outputs})
+    assert status == 200, header
+    got = {o["name"]: o for o in header["outputs"]}
+    embeds = got["image_embeds"]
+    assert embeds["datatype"] == "BF16" and embeds["parameters"]["binary_data_size"] == len(tail)
+    rows = np.frombuffer(tail, dtype="<u2").reshape(embeds["shape"])  # BF16 bit patterns
+    want = _as_outputs(_grpc_infer(grpc, PH, image=[image.encode()]))
+    n = image_num_tokens(60, 40, PreprocessConfig())
+    assert rows.shape == want["image_embeds"].shape == (1, n, server.model.cfg.text_hidden_size)
+    assert np.array_equal(rows, _bits(want["image_embeds"]))  # the same rows as over gRPC, bit for bit
+    assert got["image_token_counts"]["data"] == want["image_token_counts"].reshape(-1).tolist() == [n]
+    assert got["image_grid_thw"]["data"] == want["image_grid_thw"].reshape(-1).tolist()
+    assert got["image_sizes"]["data"] == [60, 40]
+    assert got["image_hashes"]["data"] == [h.decode() for h in want["image_hashes"].reshape(-1)]
+    # A BF16 value is the top half of a float32: the rows as numbers match the in-process model's.
+    as_f32 = (rows.astype(np.uint32) << 16).view(np.float32)
+    (ref,) = server.execute([VisionRequest(text_input=PH.encode(), image=[image.encode()])])
+    torch.testing.assert_close(torch.from_numpy(as_f32), ref["image_embeds"].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_e2e_tritonclient_http_with_binary_outputs(http, grpc) -> None:
+    import tritonclient.http as httpclient
+
+    image = [b64(45, 45, 12)]
+    requested = [httpclient.InferRequestedOutput(n, binary_data=True) for n in OUTPUTS]
+    result = http.infer("k3_vision", _inputs(httpclient, PH, image=image), outputs=requested)
+    got, want = _as_outputs(result), _as_outputs(_grpc_infer(grpc, PH, image=image))
+    check_outputs(got, [(45, 45)])
+    assert np.array_equal(_bits(got["image_embeds"]), _bits(want["image_embeds"]))

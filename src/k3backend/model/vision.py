@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend
 
 from k3backend.config import VisionConfig
 
@@ -32,6 +33,8 @@ Grid = tuple[int, int, int]  # (t, h, w) in 14-px patches
 TOWER_NORM_EPS = torch.finfo(torch.float32).eps  # nn.RMSNorm(eps=None) on torch >= 2.7 (§4.5)
 ROPE_THETA = 10000  # hard-coded in SGLang and HF (§1.1)
 ROPE_MAX_SIDE = 512  # RoPE table is 512 x 512 patches (§4.7)
+# Scores ([heads, query rows, keys]) one math-path attention call may hold: 256 MiB in fp32.
+ATTENTION_BLOCK_SCORES = 1 << 26
 
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -187,12 +190,41 @@ class EncoderBlock(nn.Module):
         qkv = self.wqkv(x).unflatten(-1, (3, self.n_heads, self.head_dim))  # [L, 3, H, D]
         q, k, v = qkv.unbind(1)  # [L, H, D] each
         q, k = apply_rope_2d(q, freqs_cis), apply_rope_2d(k, freqs_cis)
-        o = [
-            F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))  # [H, n, D]
-            .transpose(0, 1).flatten(1)  # [n, H·D], heads in order
-            for qi, ki, vi in zip(q.split(seqlens), k.split(seqlens), v.split(seqlens))
-        ]
+        o = [image_attention(qi, ki, vi) for qi, ki, vi in zip(q.split(seqlens), k.split(seqlens), v.split(seqlens))]
         return self.wo(torch.cat(o))  # [L, d]
+
+
+def image_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """softmax(q·kᵀ/√D)·v over one image's patches: q, k, v [n, H, D] -> [n, H·D], heads in order (§4.6).
+
+    Memory stays linear in n (a 9000x9000 image resizes to n = 66564 patches; its scores alone
+    would be H·n² elements). SDPA gets the 4-D layout [1, H, n, D], the one its fused kernels accept (flash
+    on CPU for every float dtype; flash or memory-efficient on CUDA): they never hold the scores.
+    Only the math path, SDPA's fallback where no fused kernel applies (e.g. fp64 on CUDA, or with
+    fused kernels disabled), materialises them; there the queries go in blocks of at most
+    ATTENTION_BLOCK_SCORES scores. Every query row is still one softmax over all keys, and the
+    blocks depend only on this image's n, so an image's rows do not depend on the batch [VIS-8].
+    """
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, n, D]
+    heads, n = q.shape[1], q.shape[2]
+    rows = n if _fused_sdpa(q, k, v) else attention_block_rows(n, heads)
+    if rows >= n:
+        o = F.scaled_dot_product_attention(q, k, v)  # [1, H, n, D]
+    else:
+        o = torch.cat([F.scaled_dot_product_attention(qb, k, v) for qb in q.split(rows, dim=2)], dim=2)
+    return o[0].transpose(0, 1).flatten(1)  # [n, H·D]
+
+
+def attention_block_rows(n: int, heads: int) -> int:
+    """Query rows per math-path SDPA call: its [heads, rows, n] scores stay within ATTENTION_BLOCK_SCORES."""
+    return max(1, min(n, ATTENTION_BLOCK_SCORES // (heads * n)))
+
+
+def _fused_sdpa(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether SDPA runs a fused kernel on these inputs, i.e. not the math path. Asks SDPA's own
+    dispatcher (which honours `torch.nn.attention.sdpa_kernel`); without it, assume the math path."""
+    choice = getattr(torch, "_fused_sdp_choice", None)
+    return choice is not None and choice(q, k, v) != SDPBackend.MATH.value
 
 
 class Encoder(nn.Module):

@@ -13,6 +13,14 @@ images into one forward changes the GEMM shapes, and with them the kernels: meas
 projector does too for images of fewer than 4 tokens. Per-image runs cost about 20% throughput
 against packing at K3 size on an H200 (7 images, 17k patches); results are then bit-identical
 whatever the batch.
+
+Memory: images are decoded one at a time and each decoded frame is dropped once it is
+preprocessed; the tower's attention memory is linear in the patches (`image_attention`). After a
+batch whose images made large transient allocations the freed heap goes back to the OS
+(`release_free_heap`), so the process's RSS does not ratchet up to the largest request seen.
+
+A stop request (`stop` = true) is answered at once with no outputs: its other inputs are ignored
+[CAN-3], so they are neither read nor validated; k3_lm, the next step, does the stopping.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from k3backend.model.preprocess import (
     preprocess_image,
 )
 from k3backend.model.vision import ROPE_MAX_SIDE
+from k3backend.serving.heap import release_free_heap
 from k3backend.serving.images import (
     ImageLimits,
     ImageReader,
@@ -85,6 +94,9 @@ PARAMETERS = {
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 EMBED_DTYPES = {"TYPE_BF16": torch.bfloat16, "TYPE_FP32": torch.float32}
 _WARMUP_SIZE = (56, 42)  # W, H of the warm-up image [HLT-3]
+# A batch whose images held more than this on the host (decoded frames, patches) is followed by a
+# heap trim; below it, what glibc keeps is small and is reused by the next request.
+TRIM_AFTER_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -144,6 +156,7 @@ class VisionRequest:
     image_bytes_input: np.ndarray | None = None  # [N, H, W, C] uint8
     request_id: str = ""
     batch_size: int = 1
+    stop: bool = False  # a stop request: answered with no outputs, nothing else read [CAN-3]
 
 
 VisionResult = dict[str, Any] | K3Error
@@ -214,11 +227,8 @@ class VisionServer:
                 results.append(e)
             except Exception:
                 results.append(internal_error(request.request_id))
-        for i, result in enumerate(results):
-            if isinstance(result, list) and result:
-                results[i] = self._outputs_or_error(result, requests[i].request_id)
-            elif isinstance(result, list):
-                results[i] = {}  # text-only [VIS-1]
+        if self._encode_prepared(results, requests) >= TRIM_AFTER_BYTES:
+            release_free_heap()
         if self.device.type == "cuda":  # DLPack hands the outputs over without waiting for kernels
             torch.cuda.synchronize(self.device)
         for result in results:
@@ -229,8 +239,21 @@ class VisionServer:
                 self.metrics.observe("vision_encode_seconds", time.perf_counter() - start)
         return results
 
+    def _encode_prepared(self, results: list[Any], requests: Sequence[VisionRequest]) -> int:
+        """Replace each request's prepared images by its outputs, in place (each request's images
+        are freed as soon as they are encoded). Returns the host bytes those images held."""
+        held = 0
+        for i, result in enumerate(results):
+            if isinstance(result, list):
+                held += sum(_host_bytes(p) for p in result)
+                # text-only and stop requests have no images: no outputs [VIS-1]
+                results[i] = self._outputs_or_error(result, requests[i].request_id) if result else {}
+        return held
+
     def _prepare(self, request: VisionRequest) -> list[ProcessedImage]:
         """Validation, decoding and preprocessing of one request: [] when it has no images."""
+        if request.stop:  # nothing else is looked at [CAN-3]
+            return []
         if request.batch_size != 1:
             raise InvalidArgument(f"one prompt per request: expected batch size 1, got {request.batch_size}")
         text = decode_utf8(request.text_input or b"", "text_input")
@@ -253,12 +276,14 @@ class VisionServer:
         if tokens > limit:  # before the tower runs
             raise InvalidArgument(f"the images need {tokens} tokens, more than max_image_tokens_per_request {limit}")
         processed = []
-        for i, image in enumerate(images):
-            image = load_pixels(image, i)
+        for i in range(len(images)):  # one decoded frame at a time: each is dropped once preprocessed
+            image, images[i] = load_pixels(images[i], i), None
             try:
                 processed.append(preprocess_image(image, self.preprocess_cfg))
             except (ValueError, OSError) as e:  # e.g. a pixel mode Pillow cannot convert to RGB
                 raise InvalidArgument(f"image {i}: cannot preprocess {image.mode} image: {e}") from None
+            finally:
+                image.close()
         return processed
 
     def _outputs_or_error(self, processed: list[ProcessedImage], request_id: str) -> VisionResult:
@@ -284,6 +309,13 @@ class VisionServer:
     def _encode(self, processed: Sequence[ProcessedImage]) -> list[torch.Tensor]:
         """[N_i, E] per image in the declared dtype; one forward per image [VIS-8]."""
         return [self.model(p.pixel_values.to(self.device), [p.grid_thw]).to(self.embeds_dtype) for p in processed]
+
+
+def _host_bytes(image: ProcessedImage) -> int:
+    """Host memory one image went through: its decoded frame (Pillow keeps RGB as 4 bytes a pixel),
+    its resized uint8 copy and its float32 patches."""
+    w0, h0 = image.size
+    return 4 * w0 * h0 + image.resized_uint8.nbytes + image.pixel_values.nbytes
 
 
 def internal_error(request_id: str) -> K3Error:
@@ -379,6 +411,9 @@ def read_request(pb_utils: Any, request: Any) -> VisionRequest:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
 
+    stop = get("stop")
+    if stop is not None and stop.size == 1 and bool(stop.reshape(-1)[0]):  # [CAN-3]: nothing else is read
+        return VisionRequest(request_id=request.request_id(), stop=True)
     arrays = {name: get(name) for name in ("text_input", "messages", "image_url_input", "image", "image_bytes_input")}
     present = [a for a in arrays.values() if a is not None]
     batch = int(present[0].shape[0]) if present else 0
