@@ -113,8 +113,9 @@ def main() -> int:
         if server is not None:
             server.stop()
 
-    from k3backend.checkpoint import load_model
-    from k3backend.engine.engine import Engine, EngineConfig
+    from k3backend.engine.config import EngineConfig
+    from k3backend.engine.engine import Engine
+    from k3backend.engine.runner import InProcessExecutor
     from k3backend.presets import ensure_default_checkpoint
     from k3backend.tokenizer import Tokenizer
 
@@ -125,7 +126,8 @@ def main() -> int:
         torch.set_num_threads(1)  # as k3_lm does for toy models on CPU
     ckpt = ensure_default_checkpoint()
     tok = Tokenizer.from_dir(ckpt)
-    engine = Engine(load_model(ckpt, dtype=dtype, device=device, progress=False), tok, EngineConfig())
+    cfg = EngineConfig()  # k3_lm's defaults
+    engine = Engine(InProcessExecutor.load(ckpt, cfg, dtype=dtype, device=device), tok, cfg)
     print(f"engine in-process: {device} {dtype}")
     via_engine(engine, tok, prompts[0], 4)
     results["engine in-process"] = [via_engine(engine, tok, p, args.max_tokens) for p in prompts]

@@ -10,6 +10,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from k3backend import load_model
+from k3backend.generate import full_forward
 from k3backend.checkpoint import CheckpointError, dequant_mxfp4, iter_tensors, load_config, save_checkpoint
 from k3backend.config import ConfigError, K3Config
 from k3backend.model.k3 import K3Model
@@ -65,7 +66,7 @@ def test_activations_stay_sane(tiny_model):
     hidden = []
     hooks = [layer.register_forward_hook(lambda m, a, out: hidden.append(out))
              for layer in tiny_model.language_model.model.layers]
-    logits = tiny_model(ids)
+    logits = full_forward(tiny_model, ids)
     for h in hooks:
         h.remove()
     for i, h in enumerate(hidden):
@@ -80,7 +81,7 @@ def test_both_name_spellings_load_the_same_model(tmp_path, tiny, tiny_model):
 
     other = load_model(single_file_copy(tiny, tmp_path / "short", rename=short), progress=False)
     ids = torch.randint(0, 512, (20,))
-    assert torch.equal(other(ids), tiny_model(ids))
+    assert torch.equal(full_forward(other, ids), full_forward(tiny_model, ids))
 
 
 def test_mxfp4_dequantisation_matches_the_spec():
@@ -122,7 +123,7 @@ def test_mxfp4_experts_load_like_their_dequantised_values(tmp_path, tiny):
     mx = load_model(single_file_copy(tiny, tmp_path / "mx", transform=to_mxfp4), progress=False)
     bf = load_model(single_file_copy(tiny, tmp_path / "bf", transform=dequantised), progress=False)
     ids = torch.randint(0, 512, (16,))
-    assert torch.equal(mx(ids), bf(ids))
+    assert torch.equal(full_forward(mx, ids), full_forward(bf, ids))
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -174,7 +175,7 @@ def test_kda_value_head_size_follows_the_v_proj_shape(tmp_path, kda_v, expected)
     assert load_config(tmp_path / "ckpt").text.kda_v_head_dim == expected
     model = load_model(tmp_path / "ckpt", progress=False)
     assert model.language_model.model.layers[0].self_attn.V == expected
-    assert torch.isfinite(model(torch.arange(5))).all()
+    assert torch.isfinite(full_forward(model, torch.arange(5))).all()
 
 
 def test_kda_v_proj_of_neither_size_is_a_named_mis_shape(tmp_path):
@@ -197,9 +198,9 @@ def test_image_prompt_runs_through_the_model(tiny, tiny_model):
                           thinking=False).ids
     ids, spans = tok.expand_image_placeholders(ids, [(640, 480)], [414])
     assert spans[0][1] - spans[0][0] == 414
-    with_image = tiny_model(torch.tensor(ids), images=[image])
-    other = tiny_model(torch.tensor(ids), images=[Image.new("RGB", (640, 480), (0, 200, 0))])
+    with_image = full_forward(tiny_model, ids, tiny_model.encode_images([image]))
+    other = full_forward(tiny_model, ids, tiny_model.encode_images([Image.new("RGB", (640, 480), (0, 200, 0))]))
     assert with_image.shape == (len(ids), 512) and torch.isfinite(with_image).all()
     assert not torch.equal(with_image[-1], other[-1])  # the image reaches the logits
     with pytest.raises(ValueError, match="image pad positions"):
-        tiny_model(torch.tensor(ids))
+        full_forward(tiny_model, ids)

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
+from k3backend.checkpoint import RUNTIME_FP32_PARAMS
 from k3backend.config import K3Config
-from k3backend.model.cache import ForwardBatch
 from k3backend.model.lm import K3ForCausalLM
 from k3backend.presets import _init_tensor, preset_config
+from poolutil import full_logits, lm_streams, one_prefill
 from tolerances import PATH_FP32_ATOL, PATH_FP64_ATOL
 
 
@@ -30,48 +31,66 @@ def atol(model):
     return PATH_FP64_ATOL if model.lm_head.weight.dtype == torch.float64 else PATH_FP32_ATOL
 
 
+def run_chunks(model, ids: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """Logits of every position, computed chunk by chunk [bounds[k], bounds[k+1]) with the caches;
+    single-token chunks after the first run as decode rows."""
+    s = lm_streams(model, 1, len(ids))
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        decode = int(a > 0 and b - a == 1)
+        out.append(model(s.batch([b - a], [ids[a:b].tolist()], num_decode=decode, all_logits=True), s.pools))
+    assert s.pos == [len(ids)]
+    return torch.cat(out)
+
+
 @pytest.mark.parametrize("split", [1, 37, 64, 65])
 def test_prefill_then_decode_equals_full_forward(model, split):
     ids = torch.randint(0, model.cfg.vocab_size, (90,))
-    full = model(ids)
-    cache = model.new_cache()
-    steps = [model(ids[:split], ForwardBatch.single(split, cache))]
-    for t in range(split, len(ids)):
-        steps.append(model(ids[t:t + 1], ForwardBatch.single(1, cache)))
-    assert cache.num_tokens == len(ids)
-    torch.testing.assert_close(torch.cat(steps), full, atol=atol(model), rtol=0)
+    steps = run_chunks(model, ids, [0, split] + list(range(split + 1, len(ids) + 1)))
+    torch.testing.assert_close(steps, full_logits(model, ids), atol=atol(model), rtol=0)
 
 
 def test_chunked_prefill_equals_one_prefill(model):
     ids = torch.randint(0, model.cfg.vocab_size, (100,))
-    full = model(ids)
-    cache = model.new_cache()
-    parts = [model(ids[a:b], ForwardBatch.single(b - a, cache)) for a, b in [(0, 30), (30, 31), (31, 100)]]
-    torch.testing.assert_close(torch.cat(parts), full, atol=atol(model), rtol=0)
+    parts = run_chunks(model, ids, [0, 30, 31, 100])
+    torch.testing.assert_close(parts, full_logits(model, ids), atol=atol(model), rtol=0)
 
 
 def test_batched_sequences_are_independent(model):
-    """A flat batch of sequences with different lengths gives each sequence its own full-forward logits."""
+    """One flat step of sequences with different lengths (decode rows first, then prefill chunks)
+    gives each sequence its own full-forward logits."""
     seqs = [torch.randint(0, model.cfg.vocab_size, (n,)) for n in (23, 5, 40)]
-    caches = [model.new_cache() for _ in seqs]
-    prefill = model(torch.cat([s[:-1] for s in seqs]), ForwardBatch([len(s) - 1 for s in seqs], caches))
-    decode = model(torch.stack([s[-1] for s in seqs]), ForwardBatch([1] * len(seqs), caches))
+    s = lm_streams(model, 3, 40)
+    prefill = model(s.batch([len(q) - 1 for q in seqs], [q[:-1].tolist() for q in seqs], all_logits=True), s.pools)
+    mixed_ids = [seqs[0][-1:].tolist(), seqs[1][-1:].tolist(), seqs[2][-1:].tolist()]
+    decode = model(s.batch([1, 1, 1], mixed_ids, num_decode=3), s.pools)
     offset = 0
-    for i, s in enumerate(seqs):
-        full = model(s)
-        torch.testing.assert_close(prefill[offset:offset + len(s) - 1], full[:-1], atol=atol(model), rtol=0)
+    for i, q in enumerate(seqs):
+        full = full_logits(model, q)
+        torch.testing.assert_close(prefill[offset:offset + len(q) - 1], full[:-1], atol=atol(model), rtol=0)
         torch.testing.assert_close(decode[i], full[-1], atol=atol(model), rtol=0)
-        offset += len(s) - 1
+        offset += len(q) - 1
+
+
+def test_mixed_step_equals_the_two_run_separately(model):
+    """Decode rows and prefill chunks in one forward give the logits they give in separate forwards."""
+    a, b = (torch.randint(0, model.cfg.vocab_size, (n,)) for n in (12, 9))
+    together = lm_streams(model, 2, 12)
+    model(together.batch([11, 0], [a[:11].tolist(), []]), together.pools)
+    mixed = model(together.batch([1, 9], [a[11:].tolist(), b.tolist()], num_decode=1), together.pools)
+    apart = lm_streams(model, 2, 12)
+    model(apart.batch([11, 0], [a[:11].tolist(), []]), apart.pools)
+    dec = model(apart.batch([1, 0], [a[11:].tolist(), []], num_decode=1), apart.pools)
+    pre = model(apart.batch([0, 9], [[], b.tolist()]), apart.pools)
+    torch.testing.assert_close(mixed, torch.cat([dec, pre]), atol=atol(model), rtol=0)
 
 
 def test_plain_residual_path_decodes_like_full_forward():
     """attn_res_block_size absent: the standard pre-norm path (§4.11) also decodes exactly."""
     model = tiny_lm(torch.float64, seed=3, attn_res_block_size=None)
     ids = torch.randint(0, model.cfg.vocab_size, (40,))
-    cache = model.new_cache()
-    steps = [model(ids[:20], ForwardBatch.single(20, cache))] + [
-        model(ids[t:t + 1], ForwardBatch.single(1, cache)) for t in range(20, 40)]
-    torch.testing.assert_close(torch.cat(steps), model(ids), atol=PATH_FP64_ATOL, rtol=0)
+    steps = run_chunks(model, ids, [0, 20] + list(range(21, 41)))
+    torch.testing.assert_close(steps, full_logits(model, ids), atol=PATH_FP64_ATOL, rtol=0)
 
 
 def test_bfloat16_sublayers_stay_close_to_float32():
@@ -82,17 +101,16 @@ def test_bfloat16_sublayers_stay_close_to_float32():
     m32 = tiny_lm(torch.float32, seed=5)
     m16 = tiny_lm(torch.float32, seed=5).to(torch.bfloat16)
     fp32_params = dict(m32.named_parameters())
-    for name, p in m16.named_parameters():  # the spec keeps these parameters in fp32
-        if name.endswith(("conv1d.weight", "A_log", "dt_bias", "e_score_correction_bias")):
+    for name, p in m16.named_parameters():  # the runtime keeps these parameters in fp32
+        if name.endswith(RUNTIME_FP32_PARAMS):
             p.data = fp32_params[name].data.clone()
     x = torch.randn(32, m32.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    batch = ForwardBatch.single(32)
     rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa: E731
     for i, (l32, l16) in enumerate(zip(m32.model.layers, m16.model.layers)):
         xn = l32.input_layernorm(x)
-        a32 = l32.self_attn(xn, batch, [l32.self_attn.new_state(torch.float32, "cpu")])
-        a16 = l16.self_attn(xn.bfloat16(), batch, [l16.self_attn.new_state(torch.bfloat16, "cpu")])
+        a32 = one_prefill(l32.self_attn, xn)[0]
+        a16 = one_prefill(l16.self_attn, xn.bfloat16())[0]
         assert a16.dtype == torch.bfloat16 and rel(a16, a32) < 0.03, f"layer {i} attention: {rel(a16, a32)}"
         assert rel(l16.mlp(xn.bfloat16()), l32.mlp(xn)) < 0.03, f"layer {i} mlp"
-    out = m16(torch.randint(0, m16.cfg.vocab_size, (16,)))
+    out = full_logits(m16, torch.randint(0, m16.cfg.vocab_size, (16,)))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()

@@ -16,7 +16,9 @@ import torch
 
 from k3backend.checkpoint import load_model
 from k3backend.detokenizer import IncrementalDetokenizer, detokenize_all
-from k3backend.engine.engine import Engine, EngineConfig
+from k3backend.engine.config import EngineConfig
+from k3backend.engine.engine import Engine
+from k3backend.engine.runner import InProcessExecutor
 from k3backend.engine.request import FinishReason, Request, RequestOutput
 from k3backend.engine.sampling_params import SamplingParams
 from k3backend.errors import Cancelled, InvalidArgument, Unavailable
@@ -62,13 +64,18 @@ def make_engine():
     engines: list[Engine] = []
 
     def make(model, tok, **cfg) -> Engine:
-        engines.append(Engine(model, tok, EngineConfig(max_model_len=1024, **cfg)))
+        engines.append(new_engine(model, tok, **cfg))
         return engines[-1]
 
     yield make
     for e in engines:
         e.close()
         assert not any(t.is_alive() for t in e._threads)
+
+
+def new_engine(model, tok, **cfg) -> Engine:
+    c = EngineConfig(**{"max_model_len": 1024, "cpu_cache_gb": 0.25, **cfg})
+    return Engine(InProcessExecutor(model, c), tok, c)
 
 
 class Collector:
@@ -116,7 +123,7 @@ def run(engine: Engine, requests: list[Request]) -> dict[str, RequestOutput]:
 
 def reference(model, req: Request) -> list[int]:
     return [s.token for s in generate(model, req.prompt_ids, req.params, eos_ids=req.eos_ids,
-                                      image_embeds=req.image_embeds)]
+                                      image_embeds=req.image_embeds, bad_word_seqs=req.bad_word_seqs)]
 
 
 def assert_idle(engine: Engine) -> None:
@@ -431,7 +438,7 @@ def test_raising_callback_does_not_stop_the_engine(model32, tok, make_engine, gr
 
 def test_close_fails_in_flight_requests_and_is_idempotent(model32, tok, greedy_ref):
     req, _ = greedy_ref
-    engine = Engine(model32, tok, EngineConfig(max_model_len=1024, max_num_seqs=1))
+    engine = new_engine(model32, tok, max_num_seqs=1)
     col, started = Collector(), threading.Event()
     col.hook = lambda out: started.set()
     engine.submit(long_request(req, "a"), col)
@@ -450,7 +457,7 @@ def test_close_fails_in_flight_requests_and_is_idempotent(model32, tok, greedy_r
 def test_stuck_step_fails_its_requests_and_the_engine(model32, tok, greedy_ref, monkeypatch):
     """[HLT-7]: a step past step_timeout_s fails the engine and its requests within the watchdog period."""
     req, _ = greedy_ref
-    engine = Engine(model32, tok, EngineConfig(max_model_len=1024, step_timeout_s=0.05))
+    engine = new_engine(model32, tok, step_timeout_s=0.05)
     lm, entered, release = model32.language_model, threading.Event(), threading.Event()
 
     def forward(*args, **kwargs):
@@ -477,7 +484,7 @@ def test_stuck_step_fails_its_requests_and_the_engine(model32, tok, greedy_ref, 
 def test_close_drains_then_cuts(model32, tok, greedy_ref):
     """[HLT-9]: close(drain_s) lets a short request finish and ends a long one with UNAVAILABLE."""
     req, ref = greedy_ref
-    engine = Engine(model32, tok, EngineConfig(max_model_len=4096))
+    engine = new_engine(model32, tok, max_model_len=4096)
     col = Collector()
     engine.submit(req, col)  # 24 tokens
     engine.submit(replace(req, request_id="long", params=replace(req.params, max_tokens=3000)), col)

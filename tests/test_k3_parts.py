@@ -19,12 +19,12 @@ import torch.nn.functional as F
 
 from k3backend import kernels
 from k3backend.config import K3Config, TextConfig
-from k3backend.model.cache import ForwardBatch, SequenceCache
 from k3backend.model.lm import K3TextModel
 from k3backend.model.mla import MLA
 from k3backend.model.moe import MoE
 from k3backend.presets import preset_config
 from fla_naive import load_fla
+from poolutil import Streams, one_prefill, params
 from tolerances import tol
 
 F64 = torch.float64
@@ -228,7 +228,7 @@ def test_grouped_topk_group_ties_go_to_lowest_group_id():
 # ---------------------------------------------------------------- latent MoE (§7.2–7.6)
 def spec_moe_fp64(moe: MoE, h: torch.Tensor, cfg: TextConfig) -> torch.Tensor:
     """§7.3–7.5 in float64, one token and one expert at a time. Returns bf(up + shared) (no prefix add)."""
-    p = {n: t.detach() for n, t in moe.named_parameters()}
+    p = params(moe)
     I = cfg.moe_intermediate_size
     beta_routed = cfg.activation_situ_beta if cfg.activation_situ_beta is not None else 4.0
     beta_dense = cfg.activation_situ_beta if cfg.activation_situ_beta is not None else 1.0
@@ -266,7 +266,7 @@ def spec_moe_bf16(moe: MoE, h: torch.Tensor, cfg: TextConfig, hf_combine: bool =
     """
     bf = lambda x: x.to(BF16)  # noqa: E731
     f32 = torch.float32
-    p = {n: t.detach() for n, t in moe.named_parameters()}
+    p = params(moe)
     I = cfg.moe_intermediate_size
     lam = cfg.activation_situ_linear_beta
     logits = F.linear(h.to(f32), p["gate.weight"].to(f32))  # fp32 router logits
@@ -311,7 +311,7 @@ def test_latent_moe_bf16_rounds_where_the_spec_rounds():
 # ---------------------------------------------------------------- MLA (§6)
 def spec_mla(layer: MLA, x: torch.Tensor, cfg: TextConfig) -> torch.Tensor:
     """§6.1–6.4 for one fresh sequence, fp64, head by head (MHA form, NoPE, causal)."""
-    p = {n: t.detach() for n, t in layer.named_parameters()}
+    p = params(layer)
     N, dn, dr, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                         cfg.v_head_dim, cfg.kv_lora_rank)
     T = x.shape[0]
@@ -345,7 +345,7 @@ def test_mla_layer_matches_spec_transcription(dtype):
     """fp64: the same math. fp32: our fp32 layer against the float64 transcription of its own weights."""
     layer, cfg = mla_layer(41, dtype)
     x = randn(11, cfg.hidden_size, seed=42, dtype=dtype)
-    out = layer(x, ForwardBatch.single(11), [layer.new_state(dtype, x.device)])
+    out, _ = one_prefill(layer, x)
     want = spec_mla(copy.deepcopy(layer).double(), x.double(), cfg)
     torch.testing.assert_close(out, want.to(dtype), **tol(dtype))
 
@@ -353,15 +353,36 @@ def test_mla_layer_matches_spec_transcription(dtype):
 @pytest.mark.parametrize("split", [[6, 5], [7, 1, 1, 1, 1], [1, 10]],
                          ids=["two_prefills", "prefill_decode", "one_then_ten"])
 def test_mla_chunks_over_latent_cache_equal_one_prefill(split):
-    # Later chunks find a cached prefix and take the absorbed form (§6.3).
+    # Later chunks find a cached prefix and take the absorbed form (§6.3); 1-token chunks after the
+    # first go through the decode op.
     layer, cfg = mla_layer(43)
     T = sum(split)
     x = randn(T, cfg.hidden_size, seed=44)
-    state, outs = layer.new_state(F64, x.device), []
-    for part in x.split(split):
-        outs.append(layer(part, ForwardBatch.single(part.shape[0]), [state]))
+    streams, outs = Streams([layer], 1, T, dtype=F64), []
+    for k, part in enumerate(x.split(split)):
+        decode = int(k > 0 and part.shape[0] == 1)
+        outs.append(layer(part, streams.batch([part.shape[0]], num_decode=decode), streams.cache))
     torch.testing.assert_close(torch.cat(outs), spec_mla(layer, x, cfg), **tol(F64))
-    assert state.latent.shape == (T, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    assert streams.latent(0).shape == (T, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+
+
+def test_mla_batched_decode_and_prefill_equal_separate_calls():
+    """A varlen step with two decode rows and two prefill chunks (one with a cached prefix) equals each alone."""
+    layer, cfg = mla_layer(47)
+    D = cfg.hidden_size
+    first = [randn(n, D, seed=60 + i) for i, n in enumerate([5, 3, 0, 6])]
+    lens = [1, 1, 7, 4]
+    x = randn(sum(lens), D, seed=59)
+    batched = Streams([layer], 4, 16, dtype=F64)
+    layer(torch.cat([f for f in first if len(f)]), batched.batch([len(f) for f in first]), batched.cache)
+    out = layer(x, batched.batch(lens, num_decode=2), batched.cache)
+    for i, part in enumerate(x.split(lens)):
+        alone = Streams([layer], 1, 16, dtype=F64)
+        if len(first[i]):
+            layer(first[i], alone.batch([len(first[i])]), alone.cache)
+        want = layer(part, alone.batch([len(part)], num_decode=int(i < 2)), alone.cache)
+        torch.testing.assert_close(out[sum(lens[:i]):sum(lens[:i + 1])], want, **tol(F64))
+        torch.testing.assert_close(batched.latent(i), alone.latent(0), **tol(F64))
 
 
 def test_mla_absorbed_equals_mha():
@@ -405,7 +426,7 @@ def spec_stack(model: K3TextModel, x: torch.Tensor) -> torch.Tensor:
     """§4.10 reference algorithm. Attention and MLP sub-layers are our modules, called as black boxes
     with fresh state; the stream, bank, mixes and norms are transcribed here."""
     cfg = model.cfg
-    S, eps, T = cfg.attn_res_block_size, cfg.rms_norm_eps, x.shape[0]
+    S, eps = cfg.attn_res_block_size, cfg.rms_norm_eps
     w = lambda m: m.weight.detach()  # noqa: E731
     bank: list[torch.Tensor] = []
     X = x  # running prefix: the embedding at the start
@@ -420,7 +441,7 @@ def spec_stack(model: K3TextModel, x: torch.Tensor) -> torch.Tensor:
             P = None
         else:
             P = X
-        A = layer.self_attn(a_in, ForwardBatch.single(T), [layer.self_attn.new_state(x.dtype, x.device)])
+        A = one_prefill(layer.self_attn, a_in)[0]
         Q = A if P is None else P + A
         mixed = spec_mix(bank + [Q], w(layer.mlp_res.norm), w(layer.mlp_res.proj), eps)
         m_in = spec_rms_norm(mixed, w(layer.post_attention_layernorm), eps)
@@ -435,8 +456,8 @@ def tiny_stack(seed: int) -> K3TextModel:
 
 
 def run_stack(model: K3TextModel, x: torch.Tensor) -> torch.Tensor:
-    cache = SequenceCache([layer.self_attn.new_state(x.dtype, x.device) for layer in model.layers])
-    return model(x, ForwardBatch.single(x.shape[0]), [cache])
+    streams = Streams([layer.self_attn for layer in model.layers], 1, x.shape[0], dtype=x.dtype)
+    return model(x, streams.batch([x.shape[0]]), streams.pools)
 
 
 def test_decoder_stack_matches_attn_res_reference_algorithm():

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 
 from k3backend import kernels
 from k3backend.config import K3Config, TextConfig
-from k3backend.model.cache import ForwardBatch
 from k3backend.model.kda import KDA
 from k3backend.presets import preset_config
 from fla_naive import FLA, load_fla
+from poolutil import Streams, one_prefill, params
 from tolerances import SCALAR_FP64, tol
 
 DTYPES = [pytest.param(torch.float64, id="fp64"), pytest.param(torch.float32, id="fp32")]
@@ -224,7 +224,7 @@ def test_short_conv_matches_spec_formula(with_history, dtype):
     w = w if dtype == torch.float64 else w.float()  # conv weights are fp32 parameters (§5.2)
     hist = (torch.randn(W - 1, C, generator=g, dtype=torch.float64) if with_history
             else torch.zeros(W - 1, C, dtype=torch.float64)).to(dtype)
-    y, new_hist = kernels.short_conv(x, w, hist)
+    y, new_hist = kernels.short_conv_seq(x, w, hist)
     torch.testing.assert_close(y, spec_short_conv(x, w, hist), **tol(dtype))
     assert torch.equal(new_hist, x[-(W - 1):]), "the conv cache holds the last W−1 raw (pre-conv) rows (§5.2)"
 
@@ -237,10 +237,10 @@ def test_short_conv_last_tap_multiplies_current_token():
     w_now[:, 3] = 1.0
     w_oldest = torch.zeros(C, 4, dtype=torch.float64)
     w_oldest[:, 0] = 1.0
-    torch.testing.assert_close(kernels.short_conv(x, w_now, zeros)[0], F.silu(x), **tol(torch.float64),
+    torch.testing.assert_close(kernels.short_conv_seq(x, w_now, zeros)[0], F.silu(x), **tol(torch.float64),
                                msg="w[:, 3] must multiply the current token x_t (§2.5)")
     shifted = torch.cat([zeros, x])[:T]  # x_{t−3}, zeros before the sequence start
-    torch.testing.assert_close(kernels.short_conv(x, w_oldest, zeros)[0], F.silu(shifted), **tol(torch.float64),
+    torch.testing.assert_close(kernels.short_conv_seq(x, w_oldest, zeros)[0], F.silu(shifted), **tol(torch.float64),
                                msg="w[:, 0] must multiply x_{t−3} (§2.5)")
 
 
@@ -252,10 +252,10 @@ def test_short_conv_in_chunks_carrying_history_equals_one_call(dtype):
     w = torch.randn(C, W, generator=g, dtype=torch.float64)
     w = w if dtype == torch.float64 else w.float()  # conv weights are fp32 parameters (§5.2)
     zeros = torch.zeros(W - 1, C, dtype=dtype)
-    y_full, h_full = kernels.short_conv(x, w, zeros)
+    y_full, h_full = kernels.short_conv_seq(x, w, zeros)
     hist, outs = zeros, []
     for part in x.split([1, 2, 5, 3]):  # chunks shorter than W−1 included
-        y, hist = kernels.short_conv(part, w, hist)
+        y, hist = kernels.short_conv_seq(part, w, hist)
         outs.append(y)
     torch.testing.assert_close(torch.cat(outs), y_full, **tol(dtype))  # fp64: SIMD tails may differ by an ulp
     assert torch.equal(hist, h_full)
@@ -303,7 +303,7 @@ def spec_kda_layer(layer: KDA, x: torch.Tensor, lb: float | None, full_rank_gate
     """§5.11 (recurrent form, one sequence, fresh state), fp64.
 
     Returns (out [T, D], S [H, K, V], conv rows [3, 3P])."""
-    p = {n: t.detach() for n, t in layer.named_parameters()}
+    p = params(layer)
     H, K = layer.H, layer.K
     V = p["v_proj.weight"].shape[0] // H
     T = x.shape[0]
@@ -351,41 +351,49 @@ def test_kda_layer_matches_spec_pseudocode(variant, dtype):
     cfg = kda_config(variant)
     layer = randomize_(KDA(cfg).to(dtype), seed=21)
     x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(22), dtype=torch.float64).to(dtype)
-    state = layer.new_state(dtype, x.device)
-    out = layer(x, ForwardBatch.single(37), [state])
+    out, streams = one_prefill(layer, x)
     lac = cfg.linear_attn_config
     ref, S_ref, conv_ref = spec_kda_layer(copy.deepcopy(layer).double(), x.double(), lac.gate_lower_bound,
                                           lac.use_full_rank_gate)
     torch.testing.assert_close(out, ref.to(dtype), **tol(dtype))
-    torch.testing.assert_close(state.S, S_ref.to(dtype), **tol(dtype))
-    torch.testing.assert_close(state.conv, conv_ref.to(dtype), **tol(dtype))
+    torch.testing.assert_close(streams.state(0), S_ref.to(streams.state(0).dtype), **tol(dtype))
+    torch.testing.assert_close(streams.conv(0), conv_ref.to(dtype), **tol(dtype))
 
 
 @pytest.mark.parametrize("variant", ["k3_full_rank_lower_bound", "low_rank_softplus"])
 @pytest.mark.parametrize("split", [[20, 17], [13] + [1] * 7 + [17]], ids=["two_prefills", "prefill_decode_prefill"])
 def test_kda_prefill_in_chunks_with_state_equals_one_prefill(variant, split):
+    """Single-token chunks after the first go through the decode op, longer ones through prefill."""
     cfg = kda_config(variant)
     layer = randomize_(KDA(cfg).to(torch.float64), seed=23)
     T = sum(split)
     x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(24), dtype=torch.float64)
-    whole = layer.new_state(torch.float64, x.device)
-    ref = layer(x, ForwardBatch.single(T), [whole])
-    state, outs = layer.new_state(torch.float64, x.device), []
-    for part in x.split(split):
-        outs.append(layer(part, ForwardBatch.single(part.shape[0]), [state]))
+    ref, whole = one_prefill(layer, x)
+    streams, outs = Streams([layer], 1, T, dtype=torch.float64), []
+    for k, part in enumerate(x.split(split)):
+        decode = int(k > 0 and part.shape[0] == 1)
+        outs.append(layer(part, streams.batch([part.shape[0]], num_decode=decode), streams.cache))
     torch.testing.assert_close(torch.cat(outs), ref, **tol(torch.float64))
-    torch.testing.assert_close(state.S, whole.S, **tol(torch.float64))
-    assert torch.equal(state.conv, whole.conv)
+    torch.testing.assert_close(streams.state(0), whole.state(0), **tol(torch.float64))
+    assert torch.equal(streams.conv(0), whole.conv(0))
 
 
 def test_kda_batched_sequences_equal_separate_calls():
+    """One varlen step over a decode row and two prefill chunks equals each sequence alone."""
     cfg = kda_config("k3_full_rank_lower_bound")
     layer = randomize_(KDA(cfg).to(torch.float64), seed=25)
-    lens = [5, 1, 9]
-    x = torch.randn(sum(lens), cfg.hidden_size, generator=torch.Generator().manual_seed(26), dtype=torch.float64)
-    states = [layer.new_state(torch.float64, x.device) for _ in lens]
-    batched = layer(x, ForwardBatch(lens), states)
-    for part, st, out in zip(x.split(lens), states, batched.split(lens)):
-        alone = layer.new_state(torch.float64, x.device)
-        torch.testing.assert_close(out, layer(part, ForwardBatch.single(part.shape[0]), [alone]), **tol(torch.float64))
-        torch.testing.assert_close(st.S, alone.S, **tol(torch.float64))
+    D = cfg.hidden_size
+    first = torch.randn(4, D, generator=torch.Generator().manual_seed(27), dtype=torch.float64)
+    lens = [1, 5, 9]  # sequence 0 decodes (after a 4-token prefill), 1 and 2 prefill
+    x = torch.randn(sum(lens), D, generator=torch.Generator().manual_seed(26), dtype=torch.float64)
+    batched = Streams([layer], 3, 16, dtype=torch.float64)
+    layer(first, batched.batch([4, 0, 0]), batched.cache)
+    out = layer(x, batched.batch(lens, num_decode=1), batched.cache)
+    for i, part in enumerate(x.split(lens)):
+        alone = Streams([layer], 1, 16, dtype=torch.float64)
+        if i == 0:
+            layer(first, alone.batch([4]), alone.cache)
+        want = layer(part, alone.batch([part.shape[0]], num_decode=int(i == 0)), alone.cache)
+        torch.testing.assert_close(out[sum(lens[:i]):sum(lens[:i + 1])], want, **tol(torch.float64))
+        torch.testing.assert_close(batched.state(i), alone.state(0), **tol(torch.float64))
+        torch.testing.assert_close(batched.conv(i), alone.conv(0), **tol(torch.float64))  # GEMM shapes differ

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from k3backend import load_model
+from k3backend.generate import full_forward
 from tolerances import PARITY_FP32_ATOL, PARITY_FP64_ATOL
 
 REFERENCE = Path(__file__).parent / "reference" / "hf_kimi_linear.py"
@@ -41,7 +42,7 @@ def test_float64_logits_match_transformers(reference):
     out, ref = reference
     model = load_model(out / "ckpt", dtype=torch.float64, progress=False)
     for i, prompt in enumerate(ref["prompts"]):
-        err = (model(prompt) - ref["fp64"][i]).abs().max().item()
+        err = (full_forward(model, prompt) - ref["fp64"][i]).abs().max().item()
         print(f"seed {SEED} prompt {i}: float64 max |Δlogit| = {err:.3e}")
         assert err < PARITY_FP64_ATOL, f"seed {SEED} prompt {i}: {err}"
 
@@ -50,7 +51,7 @@ def test_float32_logits_match_transformers(reference):
     out, ref = reference
     model = load_model(out / "ckpt", dtype=torch.float32, progress=False)
     for i, prompt in enumerate(ref["prompts"]):
-        ours = model(prompt)
+        ours = full_forward(model, prompt)
         err = (ours - ref["fp32"][i]).abs().max().item()
         err64 = (ours.double() - ref["fp64"][i]).abs().max().item()
         print(f"seed {SEED} prompt {i}: float32 max |Δlogit| vs transformers fp32 {err:.3e}, vs fp64 {err64:.3e}")
@@ -66,6 +67,6 @@ def test_kda_value_head_size_comes_from_v_proj(tmp_path):
         text = model.cfg.text
         assert (text.v_head_dim, text.linear_attn_config.head_dim, text.kda_v_head_dim) == (24, 16, 16)
         for i, prompt in enumerate(ref["prompts"]):
-            err = (model(prompt) - ref[key][i]).abs().max().item()
+            err = (full_forward(model, prompt) - ref[key][i]).abs().max().item()
             print(f"seed {SEED} v_head_dim 24 prompt {i}: {dtype} max |Δlogit| = {err:.3e}")
             assert err < atol, f"seed {SEED} prompt {i} {dtype}: {err}"

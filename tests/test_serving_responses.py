@@ -141,11 +141,13 @@ def test_finish_reason_empty_until_the_final_response(reason: FinishReason):
     assert [text_of(r, "finish_reason") for r in stream] == [""] * (len(stream) - 1) + [reason.value]
 
 
-def test_engine_error_event_raises_unavailable():
+def test_engine_error_event_raises_its_error():
+    """A final event with an error becomes that error: the request's error response, not data (§5.8)."""
     builder = ResponseBuilder(parsed(stream=True))
     builder.on_event(event("a", [1]))
     with pytest.raises(Unavailable, match="engine failed: worker rank 3 exited"):
-        builder.on_event(event(finished=True, reason=FinishReason.ERROR, error="worker rank 3 exited"))
+        builder.on_event(event(finished=True, reason=FinishReason.ERROR,
+                               error=Unavailable("engine failed: worker rank 3 exited")))
     assert builder.finished
 
 

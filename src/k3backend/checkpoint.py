@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Parameters SGLang keeps in fp32 whatever the model dtype (§8.1).
+# Parameters SGLang keeps in fp32 whatever the model dtype (§8.1), in the checkpoint and at run time.
 FP32_PARAMS = ("conv1d.weight", "A_log", "dt_bias", "e_score_correction_bias")
+# ... and those only the runtime layout keeps in fp32: the router weight, used only in fp32 (§7.3).
+RUNTIME_FP32_PARAMS = FP32_PARAMS + ("conv1d_weight", ".mlp.gate.weight")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _RES = re.compile(r"\.(self_attention_res|mlp_res|output_attn_res)_(norm|proj)\.weight$")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -41,7 +43,8 @@ class CheckpointError(ValueError):
 
 
 def param_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    if name.endswith(FP32_PARAMS):
+    """The runtime dtype of our parameter `name`."""
+    if name.endswith(RUNTIME_FP32_PARAMS):
         return torch.float64 if model_dtype == torch.float64 else torch.float32
     return model_dtype
 
@@ -149,6 +152,21 @@ def count_tensors(path: Path) -> int:
     return n
 
 
+def packed_params(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
+    """Our unpacked names (as `canonical_name` gives them) -> (packed parameter, first row, end row).
+
+    Modules whose runtime layout packs several checkpoint tensors into one parameter (q/k/v
+    projections, gate/up) say so in `packing()`; the loader writes each tensor into its rows.
+    """
+    out = {}
+    for prefix, module in model.named_modules():
+        packing = getattr(module, "packing", None)
+        if packing is not None:
+            base = f"{prefix}." if prefix else ""
+            out.update({base + k: (base + p, a, b) for k, (p, a, b) in packing().items()})
+    return out
+
+
 def load_state_dict_into(model: torch.nn.Module, path: Path, model_type: str, *, progress: bool = True,
                          only_prefix: str | None = None) -> None:
     """Copy every checkpoint tensor into `model`'s parameters (already allocated, final dtypes).
@@ -157,6 +175,7 @@ def load_state_dict_into(model: torch.nn.Module, path: Path, model_type: str, *,
     vision tower alone. Collects all problems and raises one `CheckpointError` listing them.
     """
     params = dict(model.named_parameters())
+    packed = packed_params(model)
     filled: dict[str, torch.Tensor] = {}  # param name -> bool mask of filled expert rows (or scalar True)
     unexpected, bad_shape = [], []
     mx_parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
@@ -183,21 +202,28 @@ def load_state_dict_into(model: torch.nn.Module, path: Path, model_type: str, *,
             continue
         if name.endswith(".self_attn.A_log") and name in params:
             t = t.reshape(-1)[: params[name].numel()]  # first num_heads entries (§13)
-        if name not in params:
+        if name in packed:
+            pname, a, b = packed[name]
+            dst, key = params[pname][a:b], name
+        elif name in params:
+            dst, key = params[name], name
+        else:
             unexpected.append(ckpt_name)
             continue
-        p = params[name]
-        if tuple(t.shape) != tuple(p.shape):
-            bad_shape.append(f"{ckpt_name}: expected {list(p.shape)}, got {list(t.shape)}")
+        if tuple(t.shape) != tuple(dst.shape):
+            bad_shape.append(f"{ckpt_name}: expected {list(dst.shape)}, got {list(t.shape)}")
             continue
         with torch.no_grad():
-            p.copy_(t.to(p.dtype))
-        filled[name] = torch.tensor(True)
+            dst.copy_(t.to(dst.dtype))
+        filled[key] = torch.tensor(True)
     bar.close()
     unexpected += [f"{k}.{kind}" for k, parts in mx_parts.items() for kind in parts]  # unpaired MXFP4 halves
-    missing = []
+    packed_into = {p for p, _, _ in packed.values()}
+    missing = [name for name in packed if name not in filled]
     for name in params:
         f = filled.get(name)
+        if name in packed_into:
+            continue
         if f is None:
             missing.append(name)
         elif f.dim() and not bool(f.all()):
@@ -243,7 +269,12 @@ def _short(items: list[str], n: int = 8) -> str:
 
 
 def expected_checkpoint_tensors(model: torch.nn.Module, model_type: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our parameters under their checkpoint names, experts unstacked (the inverse of loading)."""
+    """Our parameters under their checkpoint names, experts and packed tensors unpacked (the inverse
+    of loading)."""
+    packed = packed_params(model)
+    parts: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
+    for name, (pname, a, b) in packed.items():
+        parts[pname].append((name, a, b))
     for name, p in model.named_parameters():
         if name.endswith((".experts.w13", ".experts.w2")):
             base = checkpoint_name(name.rsplit(".", 1)[0] + ".x", model_type)[:-2]
@@ -254,6 +285,9 @@ def expected_checkpoint_tensors(model: torch.nn.Module, model_type: str) -> Iter
                     yield f"{base}.{e}.w3.weight", p[e, half:]
                 else:
                     yield f"{base}.{e}.w2.weight", p[e]
+        elif name in parts:
+            for part, a, b in parts[name]:
+                yield checkpoint_name(part, model_type), p[a:b]
         else:
             yield checkpoint_name(name, model_type), p
 

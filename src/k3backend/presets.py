@@ -179,7 +179,7 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, num_shards: 
 
 
 # Bump when the tiny preset or the files make_checkpoint writes change, so a cached copy is rebuilt.
-DEFAULT_CHECKPOINT_VERSION = 2
+DEFAULT_CHECKPOINT_VERSION = 3
 
 
 def default_checkpoint_dir() -> Path:

@@ -26,42 +26,20 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
+from k3backend.engine.config import EngineConfig
 from k3backend.engine.output import Closed, Message, Opened, OutputProcessor, Progress, Rejected
-from k3backend.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
-from k3backend.engine.sampler import make_generator, sample
-from k3backend.engine.scheduler import Cancel, Scheduler, Sequence, StepPlan
+from k3backend.engine.plan import StepPlan
+from k3backend.engine.request import FinishReason, Request, RequestOutput
+from k3backend.engine.runner import Executor
+from k3backend.engine.sampler import Sampled
+from k3backend.engine.scheduler import Cancel, Scheduler, SchedulerConfig, Sequence
 from k3backend.errors import Cancelled, InvalidArgument, Unavailable
-from k3backend.model.cache import ForwardBatch
-from k3backend.model.k3 import K3Model
 from k3backend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_ERROR = "server shutting down"
 WATCHDOG_PERIOD_S = 0.5  # how often the admission thread checks for a stuck step
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_num_seqs: int = 256  # most sequences in one step
-    max_model_len: int = 131072  # prompt + output
-    max_num_batched_tokens: int = 8192  # prefill token budget per step (chunked prefill beyond it)
-    max_queued_requests: int = 0  # 0 = no limit; beyond it add() raises Unavailable
-    step_timeout_s: float = 300.0  # a step running longer fails the engine ([HLT-7])
-    stop_tombstone_ttl_s: float = 30.0  # how long an unmatched stop id is remembered ([CAN-7])
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queued_requests < 0:
-            raise ValueError(f"EngineConfig.max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        if not self.step_timeout_s > 0:
-            raise ValueError(f"EngineConfig.step_timeout_s must be > 0, got {self.step_timeout_s}")
-        if not self.stop_tombstone_ttl_s >= 0:
-            raise ValueError(f"EngineConfig.stop_tombstone_ttl_s must be >= 0, got {self.stop_tombstone_ttl_s}")
 
 
 @dataclass(frozen=True)
@@ -72,33 +50,22 @@ class EngineStats:
     num_waiting: int  # being prepared or queued
     healthy: bool
     steps: int
-    prompt_tokens_total: int  # prompt tokens of admitted requests ([TOK-3])
-    generation_tokens_total: int  # sampled tokens ([TOK-2])
+    kv_cache_usage: float = 0.0  # fraction of MLA blocks held by running sequences
+    state_slots_usage: float = 0.0  # fraction of KDA slots held by running sequences
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens served from the cache
     unhealthy_reason: str | None = None
 
 
-def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
-    """[LP-1]..[LP-3] from the raw fp32 logits [V] (before penalties): rank 1-based, ties to the lower id."""
-    lp = torch.log_softmax(logits, dim=-1)
-    v = lp[token]
-    rank = 1 + int((lp > v).sum()) + int((lp[:token] == v).sum())
-    top: list[tuple[int, float]] = []
-    if k > 0:
-        vals, ids = torch.sort(lp, descending=True, stable=True)  # stable: ties keep the lower id first
-        top = list(zip(ids[:k].tolist(), vals[:k].tolist()))
-    return TokenLogprob(token, float(v), rank, top)
-
-
 class Engine:
-    """Continuous batching over a `K3Model` on one device. `close()` is idempotent."""
+    """Continuous batching over an `Executor` (the model on one or several ranks). `close()` is idempotent."""
 
-    def __init__(self, model: K3Model, tokenizer: Tokenizer, cfg: EngineConfig) -> None:
-        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
-        self.device = model.language_model.lm_head.weight.device
-        self._vocab_size = model.cfg.text.vocab_size
-        self._hidden_size = model.cfg.text.hidden_size
-        self._pad_id = model.cfg.media_placeholder_token_id
-        self._sched = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    def __init__(self, executor: Executor, tokenizer: Tokenizer, cfg: EngineConfig) -> None:
+        self.executor, self.tokenizer, self.cfg = executor, tokenizer, cfg
+        self._info = executor.info
+        self._sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching,
+                                                cfg.snapshot_interval), executor.capacity)
         self._cond = threading.Condition()  # guards the registry, the scheduler, the flags below
         self._by_key: dict[str, Sequence] = {}  # every request from add() until it leaves the engine
         self._by_client: dict[str, list[Sequence]] = {}
@@ -112,15 +79,15 @@ class Engine:
         self._unhealthy: str | None = None
         self._abandoned = False  # the loop's requests were answered elsewhere: it must emit nothing
         self._step_started: float | None = None  # monotonic start of the step in progress
-        self._steps = self._prompt_tokens = self._generation_tokens = 0
+        self._steps = 0
         self._out = OutputProcessor(tokenizer, self._finished_by_output)
         self._admit_q: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._admit_loop, name="k3-engine-admit", daemon=True),
                          threading.Thread(target=self._loop, name="k3-engine", daemon=True)]
         for t in self._threads:
             t.start()
-        log.info("engine started: max_num_seqs=%d max_model_len=%d max_num_batched_tokens=%d device=%s",
-                 cfg.max_num_seqs, cfg.max_model_len, cfg.max_num_batched_tokens, self.device)
+        log.info("engine started: max_num_seqs=%d max_model_len=%d max_num_batched_tokens=%d prefix_caching=%s",
+                 cfg.max_num_seqs, cfg.max_model_len, cfg.max_num_batched_tokens, cfg.prefix_caching)
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -182,8 +149,9 @@ class Engine:
         with self._cond:
             reason = self._health_reason()
             running = len(self._sched.running)
-            return EngineStats(running, len(self._by_key) - running, reason is None, self._steps,
-                               self._prompt_tokens, self._generation_tokens, reason)
+            s = self._sched
+            return EngineStats(running, len(self._by_key) - running, reason is None, self._steps, s.blocks.usage,
+                               s.slots.usage, s.num_preemptions, s.prefix_queries, s.prefix_hits, reason)
 
     def close(self, timeout: float = 20.0, drain_s: float = 0.0) -> None:
         """Refuse new requests; let in-flight ones run up to `drain_s`; end the rest with
@@ -274,7 +242,7 @@ class Engine:
                                    Cancelled("request cancelled by client") if seq.cancel is Cancel.ABORT else None)
                 self._out.put([msg])
                 return
-            seq.bind(request)
+            seq.bind(request, self._info.media_pad_id)
             self._out.put([Opened(seq.key, request, seq.on_output)])  # before the loop can see it
             self._sched.add(seq)
             self._cond.notify()
@@ -286,17 +254,21 @@ class Engine:
         if len(ids) + p.max_tokens > self.cfg.max_model_len:
             raise InvalidArgument(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds "
                                   f"max_model_len {self.cfg.max_model_len}")
+        if not self._sched.can_ever_fit(len(ids) + p.max_tokens):
+            raise InvalidArgument(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) does not fit in the "
+                                  f"cache ({self._sched.blocks.capacity * self._sched.bs} tokens)")
+        info = self._info
         lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= self._vocab_size:
+        if lo < 0 or hi >= info.vocab_size:
             bad = lo if lo < 0 else hi
-            raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary 0..{self._vocab_size - 1}")
-        pads = ids.count(self._pad_id)
+            raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary 0..{info.vocab_size - 1}")
+        pads = ids.count(info.media_pad_id)
         emb = request.image_embeds
         rows = 0 if emb is None else emb.shape[0]
         if pads != rows:
             raise InvalidArgument(f"the prompt has {pads} image pad positions but image_embeds has {rows} rows")
-        if emb is not None and (emb.dim() != 2 or emb.shape[1] != self._hidden_size):
-            raise InvalidArgument(f"image_embeds: expected [{rows}, {self._hidden_size}], got {list(emb.shape)}")
+        if emb is not None and (emb.dim() != 2 or emb.shape[1] != info.hidden_size):
+            raise InvalidArgument(f"image_embeds: expected [{rows}, {info.hidden_size}], got {list(emb.shape)}")
         try:
             OutputProcessor.detokenizer(request, self.tokenizer)
         except ValueError as e:
@@ -363,85 +335,42 @@ class Engine:
         that raises leaves every request it had in hand for `_abandon` to answer."""
         with self._cond:
             cancelled = self._sched.pop_cancelled()
-            plan = self._sched.schedule()
+            plan, seqs = self._sched.schedule()
             self._step_started = time.monotonic()
         messages: list[Message] = [self._cancel_message(s) for s in cancelled if s.cancel is not Cancel.DONE]
-        for seq in cancelled:
-            seq.free()
-        if not plan.empty:
-            messages += self._run(plan)
+        now = time.time_ns()
+        for seq in seqs:
+            seq.first_scheduled_time_ns = seq.first_scheduled_time_ns or now
+        sampled = self.executor.execute(plan) if not plan.empty else Sampled([], [])
         with self._cond:
             self._step_started = None
             if self._abandoned:
                 return
+            self._sched.update(plan, seqs)
+            messages += self._progress(plan, seqs, sampled)
             for seq in cancelled + self._sched.remove_finished():
                 self._forget(seq)
-                seq.free()
             self._steps += not plan.empty
             self._out.put(messages)
+
+    def _progress(self, plan: StepPlan, seqs: list[Sequence], sampled: Sampled) -> list[Message]:
+        """The id-level checks of [STP-1] for every sampled token, as output messages."""
+        now = time.time_ns()
+        rows = [seq for sch, seq in zip(plan.seqs, seqs) if sch.sample]
+        messages: list[Message] = []
+        for seq, token, lp in zip(rows, sampled.token_ids, sampled.logprobs):
+            finish = seq.append_token(token)
+            messages.append(Progress(seq.key, [token], None if lp is None else [lp], now,
+                                     first_scheduled_time_ns=seq.first_scheduled_time_ns,
+                                     num_cached_tokens=seq.num_cached_tokens, finish=finish,
+                                     terminal=finish is FinishReason.STOP))
+        return messages
 
     @staticmethod
     def _cancel_message(seq: Sequence) -> Closed:
         if seq.cancel is Cancel.ABORT:
             return Closed(seq.key, FinishReason.CANCELLED, Cancelled("request cancelled by client"), flush=False)
         return Closed(seq.key, FinishReason.CANCELLED)  # [CAN-5]: held text flushed
-
-    def _run(self, plan: StepPlan) -> list[Message]:
-        """Forward the plan and sample one token for every sequence that has logits this step."""
-        now = time.time_ns()
-        for seq in plan.admitted:
-            seq.cache = self.model.new_cache()
-            seq.generator = make_generator(seq.request.params.seed)  # at admission ([SMP-7])
-            seq.first_scheduled_time_ns = now
-        sampled = [c.seq for c in plan.prefill if c.last] + plan.decode
-        logits = self._forward(plan)  # [len(sampled), V] fp32 on the host: the step's one sync
-        now = time.time_ns()
-        messages: list[Message] = [self._sample(seq, row, now) for row, seq in zip(logits, sampled)]
-        with self._cond:
-            self._prompt_tokens += sum(s.num_prompt_tokens for s in plan.admitted)
-            self._generation_tokens += len(sampled)
-        return messages
-
-    @torch.inference_mode()
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
-        """Prefill chunks in one flat forward, then one decode forward; logits rows in `sampled` order."""
-        lm = self.model.language_model
-        parts = []
-        if plan.prefill:
-            lens = [c.end - c.start for c in plan.prefill]
-            ids = torch.tensor([t for c in plan.prefill for t in c.seq.request.prompt_ids[c.start:c.end]],
-                               dtype=torch.long, device=self.device)
-            embeds = [self.model.embed(chunk_ids, self._image_rows(c.seq, c.start, c.end))
-                      for c, chunk_ids in zip(plan.prefill, ids.split(lens))]
-            ends = torch.tensor(lens).cumsum(0) - 1
-            rows = ends[torch.tensor([c.last for c in plan.prefill])].to(self.device)
-            batch = ForwardBatch(lens, [c.seq.cache for c in plan.prefill])
-            parts.append(lm(batch=batch, inputs_embeds=torch.cat(embeds), logits_rows=rows))
-        if plan.decode:
-            # Output tokens are embedded as plain tokens: a sampled <|media_pad|> has no image row.
-            ids = torch.tensor([s.output_ids[-1] for s in plan.decode], dtype=torch.long, device=self.device)
-            parts.append(lm(ids, ForwardBatch([1] * len(plan.decode), [s.cache for s in plan.decode])))
-        return torch.cat(parts).float().cpu()
-
-    def _image_rows(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
-        """The image rows of the media-pad positions in prompt[start:end], in order."""
-        n = seq.request.prompt_ids[start:end].count(self._pad_id)
-        if not n:
-            return None
-        first = seq.num_pads_computed
-        seq.num_pads_computed += n
-        return seq.request.image_embeds[first:first + n].to(self.device)
-
-    def _sample(self, seq: Sequence, logits: torch.Tensor, now: int) -> Progress:
-        """[SMP-6] with the request's generator, then the id-level checks of [STP-1]."""
-        p, req = seq.request.params, seq.request
-        token = sample(logits, p, seq.generator, prompt_ids=req.prompt_ids, output_ids=seq.output_ids,
-                       eos_ids=seq.mask_eos, bad_word_seqs=req.bad_word_seqs)
-        lp = token_logprob(logits, token, p.logprobs) if p.logprobs is not None else None  # [LP-4]
-        finish = seq.append_token(token)
-        return Progress(seq.key, [token], None if lp is None else [lp], now,
-                        first_scheduled_time_ns=seq.first_scheduled_time_ns, finish=finish,
-                        terminal=finish is FinishReason.STOP)
 
     # ---- registry ------------------------------------------------------------------------------
 

@@ -38,6 +38,8 @@ class Request:
     params: SamplingParams
     eos_ids: tuple[int, ...] = ()
     image_embeds: torch.Tensor | None = None
+    image_token_counts: tuple[int, ...] = ()  # N_i per image, in prompt order
+    image_hashes: tuple[str, ...] = ()  # 32 hex characters per image: its prefix-cache identity ([IMG-4])
     bad_word_seqs: tuple[tuple[int, ...], ...] = ()
     split_reasoning: bool = False  # route think-element text to `reasoning` ([TXT-3])
     in_think: bool = False  # the prompt ended inside an open think element

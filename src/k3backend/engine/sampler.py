@@ -1,90 +1,160 @@
-"""Reference sampler (SERVING.md [SMP-6]): masks, penalties, temperature, top-k, top-p, min-p, draw.
+"""Batched sampling on the device (SERVING.md §5.4, §5.10): one pass over the step's [S, V] logits.
 
-The definition of sampling for the project: a fused path must pick the same token for the same
-uniform draw. The draw is inverse-CDF over token ids in ascending order with one `torch.rand`
-from the request's own generator, so a request's tokens never depend on other requests.
+Every step of [SMP-6] runs for all rows at once (masks, penalties, temperature, top-k, top-p,
+min-p, the exponential-race draw), with per-row parameters as tensors; `engine/sampler_ref.py`
+defines the same function for one row, and the tests hold the two to the same tokens. The draw's
+uniforms are a counter-based hash of (seed, output position, token id), so a seeded request's
+tokens do not depend on what else is in the batch ([SMP-7]). Log-probabilities are computed only
+for rows that ask ([LP-4]); ids and log-probs reach the host in one copy, the step's one sync.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from k3backend.engine.request import TokenLogprob
+from k3backend.engine.sampler_ref import counter_uniform
 from k3backend.engine.sampling_params import SamplingParams
 
-
-def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
-                    output_ids: Sequence[int]) -> torch.Tensor:
-    """Repetition over prompt+output tokens; frequency and presence over output tokens only."""
-    logits = logits.clone()
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
-        if len(seen):
-            v = logits[seen]
-            logits[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and output_ids:
-        counts = Counter(output_ids)
-        ids = torch.tensor(list(counts), dtype=torch.long)
-        c = torch.tensor([counts[i] for i in counts], dtype=logits.dtype)
-        logits[ids] -= p.frequency_penalty * c + p.presence_penalty
-    return logits
+DRAW_ROWS = 32  # rows drawn together: bounds the [rows, V] float64 temporaries of the draw
 
 
-def banned_ids(p: SamplingParams, output_ids: Sequence[int], eos_ids: Sequence[int],
-               bad_word_seqs: Sequence[Sequence[int]]) -> list[int]:
-    """Token ids masked at this step: bad-word completions ([STP-6]) and, below min_tokens, EOS and stop ids."""
-    banned = []
-    for seq in bad_word_seqs:
-        prefix = list(seq[:-1])
-        if not prefix or list(output_ids[len(output_ids) - len(prefix):]) == prefix:
-            banned.append(seq[-1])
-    if len(output_ids) < p.min_tokens:
-        banned += list(eos_ids) + list(p.stop_token_ids)
-    return banned
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs of one request this step.
+
+    seed: int64 draw seed; step: the output position of the token being drawn; banned: ids masked
+    this step ([STP-6], min_tokens); prompt_ids/output_ids: only needed by penalties.
+    """
+
+    params: SamplingParams
+    seed: int
+    step: int
+    banned: tuple[int, ...] = ()
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or bool(self.output_ids and (p.frequency_penalty or p.presence_penalty))
 
 
-def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Steps 4–7: temperature, top-k, top-p (ties to the lower id), min-p. Returns unnormalised probs [V]."""
-    probs = torch.softmax(logits / p.temperature, dim=-1)
-    order = torch.sort(probs, descending=True, stable=True).indices  # ties: lower id first
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    k = p.top_k if 0 < p.top_k < probs.numel() else probs.numel()
-    keep[order[:k]] = True
-    if p.top_p < 1.0:
-        top = probs[order[:k]]
-        mass = torch.cumsum(top / top.sum(), dim=0)
-        n = int(torch.searchsorted(mass, torch.tensor(p.top_p, dtype=mass.dtype)).item()) + 1
-        keep[order[min(n, k):]] = False
-    probs = torch.where(keep, probs, torch.zeros_like(probs))
-    if p.min_p > 0:
-        probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
-    return probs
+@dataclass
+class Sampled:
+    """A step's sampled ids (and the log-probs the rows asked for), on the host."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator, *, prompt_ids: Sequence[int] = (),
-           output_ids: Sequence[int] = (), eos_ids: Sequence[int] = (),
-           bad_word_seqs: Sequence[Sequence[int]] = ()) -> int:
-    """One token from fp32 logits [V] for one request ([SMP-6] steps 1–8)."""
-    logits = logits.float()
-    ban = banned_ids(p, output_ids, eos_ids, bad_word_seqs)
-    if ban:
-        logits = logits.index_fill(0, torch.tensor(ban, dtype=torch.long), float("-inf"))
-    logits = apply_penalties(logits, p, prompt_ids, output_ids)
-    if p.greedy:
-        return int(torch.argmax(logits))  # first maximum: ties to the lowest id
-    probs = filter_probs(logits, p)
-    cdf = torch.cumsum(probs.double(), dim=0)
-    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    return int(torch.searchsorted(cdf, u, right=True).clamp(max=probs.numel() - 1))
+class Sampler:
+    """Stateless apart from the device; `__call__` is the whole of [SMP-6] for a batch."""
 
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampled:
+        """logits: [S, V] (any float dtype, on the device) for the S rows in order."""
+        raw = logits.float()
+        x = self._mask(raw, rows)
+        x = self._penalize(x, rows)
+        ids = torch.argmax(x, dim=-1)  # greedy rows: the first maximum, ties to the lowest id
+        drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        for start in range(0, len(drawn), DRAW_ROWS):
+            idx = drawn[start:start + DRAW_ROWS]
+            ids[idx] = self._draw(x[idx], [rows[i] for i in idx])
+        return self._to_host(raw, ids, rows)
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """The request's own generator: from its seed, else from OS entropy at admission ([SMP-7])."""
-    g = torch.Generator()
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed % 2**64)
-    return g
+    # ---- [SMP-6] steps --------------------------------------------------------------------------
+
+    @staticmethod
+    def _mask(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Step 1: -inf at every (row, banned id)."""
+        pairs = [(i, t) for i, r in enumerate(rows) for t in r.banned]
+        if not pairs:
+            return x
+        r, t = torch.tensor(pairs, dtype=torch.long, device=x.device).unbind(1)
+        return x.index_put((r, t), torch.tensor(float("-inf"), device=x.device))
+
+    @staticmethod
+    def _penalize(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Step 2: repetition over prompt + output ids, frequency and presence over output ids."""
+        pen = [i for i, r in enumerate(rows) if r.has_penalties]
+        if not pen:
+            return x
+        x = x.clone()
+        dev, V = x.device, x.shape[1]
+        sub = x[pen]
+        rep = [r.params.repetition_penalty for r in (rows[i] for i in pen)]
+        if any(v != 1.0 for v in rep):
+            seen = torch.zeros_like(sub, dtype=torch.bool)
+            for j, i in enumerate(pen):
+                seen[j, torch.tensor(list(rows[i].prompt_ids) + list(rows[i].output_ids), dtype=torch.long,
+                                     device=dev)] = True
+            r = torch.tensor(rep, dtype=sub.dtype, device=dev)[:, None]
+            sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+        counts = torch.zeros_like(sub)
+        for j, i in enumerate(pen):
+            out = torch.tensor(list(rows[i].output_ids), dtype=torch.long, device=dev)
+            counts[j].index_add_(0, out, torch.ones(len(out), dtype=sub.dtype, device=dev))
+        f = torch.tensor([rows[i].params.frequency_penalty for i in pen], dtype=sub.dtype, device=dev)[:, None]
+        q = torch.tensor([rows[i].params.presence_penalty for i in pen], dtype=sub.dtype, device=dev)[:, None]
+        sub = torch.where(counts > 0, sub - (f * counts + q), sub)
+        x[pen] = sub
+        assert x.shape[1] == V
+        return x
+
+    @staticmethod
+    def _draw(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Steps 4-8 for sampled rows: filtered probabilities, then argmax_i p_i / E_i."""
+        dev, V = x.device, x.shape[1]
+        p = [r.params for r in rows]
+        temp = torch.tensor([q.temperature for q in p], dtype=x.dtype, device=dev)[:, None]
+        probs = torch.softmax(x / temp, dim=-1)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        pos = torch.arange(V, device=dev)[None, :]
+        k = torch.tensor([q.top_k if 0 < q.top_k < V else V for q in p], device=dev)[:, None]
+        keep = pos < k
+        if any(q.top_p < 1.0 for q in p):
+            top = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+            mass = torch.cumsum(top / top.sum(-1, keepdim=True), dim=-1)
+            top_p = torch.tensor([q.top_p for q in p], dtype=mass.dtype, device=dev)[:, None]
+            cut = (mass < top_p).sum(-1, keepdim=True) + 1
+            keep = keep & ((pos < cut) | (top_p >= 1.0))
+        filtered = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        probs = torch.zeros_like(probs).scatter(1, order, filtered)
+        min_p = torch.tensor([q.min_p for q in p], dtype=probs.dtype, device=dev)[:, None]
+        probs = torch.where(probs < min_p * probs.max(-1, keepdim=True).values, torch.zeros_like(probs), probs)
+        seeds = torch.tensor([r.seed for r in rows], dtype=torch.int64, device=dev)
+        steps = torch.tensor([r.step for r in rows], dtype=torch.int64, device=dev)
+        u = counter_uniform(seeds, steps, V)
+        return torch.argmax(probs.double() / -torch.log(u), dim=-1)
+
+    # ---- log-probs and the one host copy --------------------------------------------------------
+
+    @staticmethod
+    def _to_host(raw: torch.Tensor, ids: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampled:
+        """[LP-1]..[LP-3] for the rows that ask, packed with the ids into one float64 tensor."""
+        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not lp_rows:
+            return Sampled(ids.tolist(), [None] * len(rows))
+        kmax = max(rows[i].params.logprobs for i in lp_rows)
+        lp = torch.log_softmax(raw[lp_rows], dim=-1)  # raw logits: before penalties ([LP-1])
+        tok = ids[lp_rows][:, None]
+        v = lp.gather(1, tok)
+        lower = torch.arange(lp.shape[1], device=lp.device)[None, :] < tok
+        rank = 1 + (lp > v).sum(1, keepdim=True) + ((lp == v) & lower).sum(1, keepdim=True)
+        top_v, top_i = torch.sort(lp, dim=-1, descending=True, stable=True)
+        packed = torch.cat([v.double(), rank.double(), top_i[:, :kmax].double(), top_v[:, :kmax].double()], dim=1)
+        flat = torch.cat([ids.double(), packed.flatten()]).tolist()  # ids < 2**53: exact in float64
+        host_ids, host = [int(t) for t in flat[:len(rows)]], flat[len(rows):]
+        out: list[TokenLogprob | None] = [None] * len(rows)
+        width = 2 + 2 * kmax
+        for j, i in enumerate(lp_rows):
+            vals = host[j * width:(j + 1) * width]
+            k = rows[i].params.logprobs
+            top = [(int(t), float(lv)) for t, lv in zip(vals[2:2 + kmax][:k], vals[2 + kmax:][:k])]
+            out[i] = TokenLogprob(host_ids[i], vals[0], int(vals[1]), top)
+        return Sampled(host_ids, out)

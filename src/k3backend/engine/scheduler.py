@@ -1,21 +1,38 @@
-"""Who runs this step: per-request bookkeeping (`Sequence`) and the FIFO scheduler with chunked prefill.
+"""Who runs this step: per-request bookkeeping (`Sequence`) and the scheduler that builds a `StepPlan`.
 
-Spec: SERVING.md §5.5 (termination STP-1..STP-5), §5.6–5.7 (text deltas, hold-back, STR-3),
-§5.9 (token accounting), §6.3 (stop convention). The scheduler decides only who runs and how many
-prompt tokens each prefills; it builds no tensors (the engine turns a `StepPlan` into forwards).
+Spec: SERVING.md §5.5 (termination), §6 (cancellation); the engine contract's step rules:
+continuous batching with every decoding sequence first and prefill chunks after them, all in one
+forward, under `max_num_batched_tokens` (decode tokens count) and `max_num_seqs`. A sequence is
+admitted only when a KDA slot and MLA blocks for its first chunk are free; when a decoding
+sequence needs a block and none is free, the newest running sequence is preempted: it gives up
+its blocks and slot and is recomputed later from prompt + output so far, which changes none of
+its output ([STR-7]).
+
+Prefix caching (`prefix_caching`): prompt blocks are shared by content key
+(`block_manager.chain_keys`); KDA state is reusable only where a snapshot was taken, so chunk
+ends are aligned to snapshot points (every `snapshot_interval` tokens and the last block
+boundary before the prompt's last token) and the state is copied into a snapshot slot there.
+A hit is the longest prefix whose blocks and snapshot both survive; at least the prompt's last
+token is always computed (its logits start generation).
+
+The scheduler decides who runs and which tokens; it builds no tensors. Not thread-safe: the
+engine calls it under its lock.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-import torch
-
+from k3backend.engine.batch import blocks_for
+from k3backend.engine.block_manager import BlockManager, chain_keys
+from k3backend.engine.plan import CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
 from k3backend.engine.request import FinishReason, Request, RequestOutput
-from k3backend.model.cache import SequenceCache
+from k3backend.engine.sampler_ref import request_seed
+from k3backend.engine.state_slots import StateSlots
 
 
 class Cancel(str, Enum):
@@ -30,8 +47,9 @@ class Sequence:
 
     Until `bind()` the request is still being prepared (tokenized) and only `key`, `client_id`
     and `cancel` matter: a stop or abort can already reach it ([CAN-5] at every interleaving).
-    `num_computed`: prompt tokens already scheduled for prefill. After prefill the sequence always
-    has exactly one sampled token not yet fed to the model (the last of `output_ids`), until it finishes.
+    Its token stream is prompt + output; `num_computed` of them are in the caches. After the
+    prompt it always has exactly one sampled token not yet fed to the model (the last output),
+    until it finishes.
     """
 
     key: str  # the engine's unique id of this request
@@ -41,34 +59,51 @@ class Sequence:
     request: Request | None = None
     mask_eos: tuple[int, ...] = ()  # masked below min_tokens ([SMP-6] step 1): end_id, else the EOS set
     stop_eos: tuple[int, ...] = ()  # ends generation ([STP-1] check 1): mask_eos unless ignore_eos
+    seed: int = 0  # int64 draw seed, fixed at bind ([SMP-7])
     cancel: Cancel | None = None
-    num_computed: int = 0
-    num_pads_computed: int = 0  # media-pad positions already prefilled: the next image row to use
     output_ids: list[int] = field(default_factory=list)
-    cache: SequenceCache | None = None
-    generator: torch.Generator | None = None
     finished: bool = False
     first_scheduled_time_ns: int = 0
+    num_computed: int = 0
+    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    keys: list[bytes] = field(default_factory=list)  # chain keys of the prompt's full blocks
+    num_registered: int = 0  # prompt blocks whose keys are registered with the block manager
+    pads: list[int] = field(default_factory=list)  # prompt positions of image pads
+    counted: bool = False  # prefix-cache queries counted (first admission only)
 
-    def bind(self, request: Request) -> None:
-        """The prepared request; derives the EOS sets once ([STP-2])."""
+    def bind(self, request: Request, pad_id: int) -> None:
+        """The prepared request: EOS sets ([STP-2]), draw seed, image pad positions."""
         p = request.params
         self.request, self.prepare = request, None
         self.mask_eos = (p.end_id,) if p.end_id is not None else tuple(request.eos_ids)
         self.stop_eos = () if p.ignore_eos else self.mask_eos
+        self.seed = request_seed(p.seed)
+        self.pads = [i for i, t in enumerate(request.prompt_ids) if t == pad_id] if request.image_embeds is not None \
+            else []
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_ids)
 
     @property
+    def target(self) -> int:
+        """Stream tokens to compute before decoding: the prompt, or all but the last output after a preemption."""
+        return self.num_prompt_tokens + max(0, len(self.output_ids) - 1)
+
+    @property
     def prefilling(self) -> bool:
-        return self.num_computed < self.num_prompt_tokens
+        return self.num_computed < self.target
 
     @property
     def decoding(self) -> bool:
-        """Prefill done and a sampled token waits to be fed ([STP-1] has not ended it)."""
         return not self.prefilling and bool(self.output_ids) and not self.finished
+
+    def tokens(self, start: int, end: int) -> tuple[int, ...]:
+        n = self.num_prompt_tokens
+        prompt = self.request.prompt_ids
+        return tuple(prompt[start:min(end, n)]) + tuple(self.output_ids[max(0, start - n):max(0, end - n)])
 
     def append_token(self, token: int) -> FinishReason | None:
         """Record a sampled token and run the id-level checks of [STP-1] (1: stop ids / EOS, 3: length).
@@ -86,48 +121,32 @@ class Sequence:
             return FinishReason.LENGTH
         return None
 
-    def free(self) -> None:
-        self.cache = None
-        self.generator = None
-
 
 @dataclass(frozen=True)
-class PrefillChunk:
-    """Prompt positions [start, end) of `seq` to prefill this step; `last` when it completes the prompt."""
-
-    seq: Sequence
-    start: int
-    end: int
-
-    @property
-    def last(self) -> bool:
-        return self.end == self.seq.num_prompt_tokens
-
-
-@dataclass
-class StepPlan:
-    admitted: list[Sequence]  # newly running: need a cache and a generator before the forward
-    prefill: list[PrefillChunk]
-    decode: list[Sequence]  # one pending token each
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefix_caching: bool = True
+    snapshot_interval: int = 1024  # tokens between KDA prefix snapshots; a multiple of the block size
 
 
 class Scheduler:
-    """FIFO admission up to `max_num_seqs` running; prompts prefilled within a per-step token budget.
+    """Waiting (FIFO) and running sequences, the block manager and the state slots."""
 
-    Sequences still prefilling get the budget first (oldest first), then new ones are admitted while
-    budget is left, so an admitted request always starts prefilling in the step that admits it.
-    Not thread-safe: the engine calls it under its lock.
-    """
-
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+    def __init__(self, cfg: SchedulerConfig, capacity: CacheCapacity) -> None:
+        self.cfg = cfg
+        self.bs = capacity.block_size
+        if cfg.snapshot_interval % self.bs:
+            raise ValueError(f"snapshot_interval {cfg.snapshot_interval} must be a multiple of the block size {self.bs}")
+        self.blocks = BlockManager(capacity.num_blocks, self.bs)
+        self.slots = StateSlots(capacity.num_slots)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
+        self._freed: list[int] = []  # slots released since the last plan
+        self._snapshots: list[tuple[bytes, int]] = []  # taken by the plan in flight
+
+    # ---- membership ----------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -136,15 +155,19 @@ class Scheduler:
         return [*self.running, *self.waiting]
 
     def pop_cancelled(self) -> list[Sequence]:
-        """Remove and return every sequence marked for cancellation (queued or running)."""
+        """Remove every sequence marked for cancellation (queued or running), its resources freed."""
         cancelled = [s for s in self.all() if s.cancel is not None]
         if cancelled:
             self.waiting = deque(s for s in self.waiting if s.cancel is None)
             self.running = [s for s in self.running if s.cancel is None]
+            for seq in cancelled:
+                self._release(seq)
         return cancelled
 
     def pop_all(self) -> list[Sequence]:
         seqs = self.all()
+        for seq in seqs:
+            self._release(seq)
         self.waiting.clear()
         self.running = []
         return seqs
@@ -153,27 +176,188 @@ class Scheduler:
         done = [s for s in self.running if s.finished]
         if done:
             self.running = [s for s in self.running if not s.finished]
+            for seq in done:
+                self._release(seq)
         return done
 
-    def schedule(self) -> StepPlan:
-        budget = self.max_num_batched_tokens
-        chunks: list[PrefillChunk] = []
-        decode = [s for s in self.running if s.decoding]
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return blocks_for(num_tokens, self.bs) <= self.blocks.capacity
 
-        def take(seq: Sequence) -> None:
-            nonlocal budget
-            n = min(budget, seq.num_prompt_tokens - seq.num_computed)
-            chunks.append(PrefillChunk(seq, seq.num_computed, seq.num_computed + n))
-            seq.num_computed += n
-            budget -= n
+    # ---- the step ------------------------------------------------------------------------------
 
-        for seq in self.running:
+    def schedule(self) -> tuple[StepPlan, list[Sequence]]:
+        """The next step's plan and, in the plan's order, the sequence of each scheduled row."""
+        plan = StepPlan(freed=self._freed)
+        self._freed = []
+        seqs: list[Sequence] = []
+        budget = self.cfg.max_num_batched_tokens
+        for seq in list(self.running):  # decodes first, oldest first
+            if budget <= 0:
+                break
+            if seq.decoding and seq in self.running and self._grow_or_preempt(seq, plan):
+                self._add(plan, seqs, seq, seq.num_computed, seq.num_computed + 1, sample=True)
+                budget -= 1
+        plan.num_decode = len(seqs)
+        for seq in self.running:  # prefills in progress (fresh or recompute)
             if seq.prefilling and budget > 0:
-                take(seq)
-        admitted = []
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting.popleft()
-            self.running.append(seq)
-            admitted.append(seq)
-            take(seq)
-        return StepPlan(admitted, chunks, decode)
+                budget -= self._prefill(plan, seqs, seq, budget)
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
+            n = self._admit(plan, seqs, self.waiting[0], budget)
+            if not n:
+                break
+            budget -= n
+        return plan, seqs
+
+    def update(self, plan: StepPlan, seqs: list[Sequence]) -> None:
+        """After the step ran: count computed tokens, publish computed prompt blocks and snapshots."""
+        for sch, seq in zip(plan.seqs, seqs):
+            seq.num_computed = sch.start + len(sch.token_ids)
+            if self.cfg.prefix_caching:
+                done = min(seq.num_computed, seq.num_prompt_tokens) // self.bs
+                for i in range(seq.num_registered, min(done, len(seq.keys))):
+                    self.blocks.register(seq.blocks[i], seq.keys[i])
+                seq.num_registered = max(seq.num_registered, min(done, len(seq.keys)))
+        for key, slot in self._snapshots:
+            self.slots.add_snapshot(key, slot)
+        self._snapshots = []
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _add(self, plan: StepPlan, seqs: list[Sequence], seq: Sequence, start: int, end: int, sample: bool) -> None:
+        first = bisect.bisect_left(seq.pads, start)
+        last = bisect.bisect_left(seq.pads, min(end, seq.num_prompt_tokens))
+        plan.seqs.append(ScheduledSeq(seq.slot, seq.tokens(start, end), start, start > 0, tuple(seq.blocks), sample,
+                                      mm_first_row=first, mm_offsets=tuple(p - start for p in seq.pads[first:last])))
+        seqs.append(seq)
+
+    def _prefill(self, plan: StepPlan, seqs: list[Sequence], seq: Sequence, budget: int) -> int:
+        """Schedule the next chunk of `seq`; returns its token count (0 when blocks ran out)."""
+        start = seq.num_computed
+        end = self._chunk_end(seq, start, min(seq.target, start + budget))
+        if not self._grow(seq, end):
+            return 0
+        self._take_snapshot(plan, seq, end)
+        # the prompt's last token samples the first output; a recompute's chunk samples nothing
+        self._add(plan, seqs, seq, start, end, sample=end == seq.target and not seq.output_ids)
+        return end - start
+
+    def _admit(self, plan: StepPlan, seqs: list[Sequence], seq: Sequence, budget: int) -> int:
+        """Start `seq` in a free slot, from its longest cached prefix; 0 when no slot or blocks are free."""
+        slot = self.slots.allocate()
+        if slot is None:
+            return 0
+        seq.slot = slot
+        hit, snapshot = self._prefix_hit(seq)
+        seq.num_computed = hit
+        n = self._prefill(plan, seqs, seq, budget)
+        if not n:  # no blocks for its first chunk: it waits
+            self._release(seq)
+            seq.num_computed = 0
+            return 0
+        if hit:
+            plan.copies.append((snapshot, slot))  # before the forward: the slot starts from the snapshot
+        if not seq.counted:
+            seq.counted, seq.num_cached_tokens = True, hit
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += hit
+        self.waiting.popleft()
+        self.running.append(seq)
+        r = seq.request
+        penalties = r.params.repetition_penalty != 1.0
+        plan.new.append(SlotRequest(slot, r.params, seq.seed, seq.mask_eos, r.bad_word_seqs,
+                                    tuple(r.prompt_ids) if penalties else (), tuple(seq.output_ids), r.image_embeds))
+        return n
+
+    def _prefix_hit(self, seq: Sequence) -> tuple[int, int]:
+        """(cached prompt tokens, snapshot slot) of the longest reusable prefix, its blocks taken;
+        (0, 0) for none."""
+        if not self.cfg.prefix_caching:
+            return 0, 0
+        if not seq.keys:
+            usable = (seq.num_prompt_tokens - 1) // self.bs  # the last prompt token is always computed
+            seq.keys = chain_keys(seq.request.prompt_ids, self.bs, usable, _image_keys(seq))
+        cached = self.blocks.cached(seq.keys)
+        for j in range(len(cached), 0, -1):
+            snapshot = self.slots.snapshot(seq.keys[j - 1])
+            if snapshot is not None:
+                self.blocks.take(cached[:j])
+                seq.blocks, seq.num_registered = cached[:j], j
+                return j * self.bs, snapshot
+        return 0, 0
+
+    def _snapshot_points(self, seq: Sequence) -> tuple[int, int]:
+        """(interval, last) of the snapshot points of `seq`: multiples of `interval` up to `last`."""
+        return self.cfg.snapshot_interval, len(seq.keys) * self.bs
+
+    def _chunk_end(self, seq: Sequence, start: int, end: int) -> int:
+        """Cut the chunk [start, end) at the first snapshot point inside it (prefix caching only)."""
+        if not self.cfg.prefix_caching or not seq.keys:
+            return end
+        interval, last = self._snapshot_points(seq)
+        nxt = (start // interval + 1) * interval
+        point = min(nxt, last) if start < last else end
+        return point if start < point < end else end
+
+    def _take_snapshot(self, plan: StepPlan, seq: Sequence, end: int) -> None:
+        if not self.cfg.prefix_caching or not seq.keys or end == 0 or end % self.bs:
+            return
+        interval, last = self._snapshot_points(seq)
+        if end > last or (end % interval and end != last):
+            return
+        key = seq.keys[end // self.bs - 1]
+        if self.slots.snapshot(key) is not None or any(k == key for k, _ in self._snapshots):
+            return
+        dst = self.slots.reserve_snapshot()
+        if dst is not None:
+            plan.snapshots.append((seq.slot, dst))
+            self._snapshots.append((key, dst))
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` stream tokens; False (nothing taken) if not enough are free."""
+        need = blocks_for(num_tokens, self.bs) - len(seq.blocks)
+        if need <= 0:
+            return True
+        new = self.blocks.allocate(need)
+        if new is None:
+            return False
+        seq.blocks.extend(new)
+        return True
+
+    def _grow_or_preempt(self, seq: Sequence, plan: StepPlan) -> bool:
+        """A block for the decode token of `seq`, preempting the newest running sequences for it."""
+        while not self._grow(seq, seq.num_computed + 1):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give up blocks and slot; recompute prompt + output later ([STR-7]: output unchanged)."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.release(seq.blocks)
+        seq.blocks = []
+        seq.num_registered = 0
+        if seq.slot is not None:
+            self.slots.release(seq.slot)
+            self._freed.append(seq.slot)
+            seq.slot = None
+
+
+def _image_keys(seq: Sequence) -> dict[int, bytes] | None:
+    """Prompt position -> identity of the image row there ([IMG-4]): the image's hash and the row
+    within it. Without hashes (an in-process caller) each request's images count as unique."""
+    if not seq.pads:
+        return None
+    r = seq.request
+    if len(r.image_hashes) != len(r.image_token_counts) or sum(r.image_token_counts) != len(seq.pads):
+        return {pos: seq.key.encode() + pos.to_bytes(8, "little") for pos in seq.pads}
+    keys = [bytes.fromhex(h) + i.to_bytes(4, "little") for h, n in zip(r.image_hashes, r.image_token_counts)
+            for i in range(n)]
+    return dict(zip(seq.pads, keys))

@@ -5,9 +5,18 @@ the definition of the op); fused Triton kernels will register here beside them, 
 `K3_KERNELS=ref|triton|auto`, read once in this module.
 """
 
-from k3backend.kernels.kda_ref import kda_chunked, kda_gate, kda_recurrent, short_conv
-from k3backend.kernels.mla_ref import mla_absorbed, mla_mha
-from k3backend.kernels.moe_ref import experts, route, silu_and_mul, situ_and_mul
+from k3backend.kernels.kda_ref import (
+    kda_chunked,
+    kda_decode,
+    kda_gate,
+    kda_prefill,
+    kda_recurrent,
+    short_conv,
+    short_conv_decode,
+    short_conv_seq,
+)
+from k3backend.kernels.mla_ref import mla_absorbed, mla_decode, mla_mha, mla_prefill, mla_write
+from k3backend.kernels.moe_ref import Activation, experts, glu, route, silu_and_mul, situ_and_mul
 from k3backend.kernels.norm_ref import (
     acc_dtype,
     attn_res_mix,
@@ -17,6 +26,8 @@ from k3backend.kernels.norm_ref import (
 )
 
 __all__ = [
-    "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "kda_chunked", "kda_gate", "kda_recurrent",
-    "l2_norm", "mla_absorbed", "mla_mha", "rms_norm", "route", "short_conv", "silu_and_mul", "situ_and_mul",
+    "Activation", "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "glu", "kda_chunked", "kda_decode",
+    "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
+    "mla_write", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
+    "situ_and_mul",
 ]

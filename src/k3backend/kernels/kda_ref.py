@@ -1,7 +1,16 @@
-"""Torch references of the KDA ops (K3_LM.md §2.5, §5.3, §5.6, §5.8). One sequence at a time.
+"""Torch references of the KDA ops (K3_LM.md §2.5, §5.3, §5.6, §5.8): the definition of each op.
 
-Shapes: T tokens, H heads, K key dim, V value dim, C conv channels, W conv width.
-State convention follows fla's naive reference: S [H, K, V], row d of S decays with α[d].
+Two levels. The math on one sequence (`short_conv_seq`, `kda_recurrent`, `kda_chunked`), and the
+ops the model calls, varlen over a flat batch and indexed into the state pools (the engine
+contract's signatures, like fla's `fused_recurrent_kda(..., cu_seqlens, ssm_state_indices)`):
+`short_conv` / `short_conv_decode` and `kda_prefill` / `kda_decode` read each sequence's state
+from its slot and write the new state back in place. Loops over sequences are fine here; the
+fused Triton ops of the same signatures do without them.
+
+Shapes: T tokens, B sequences, N pool slots, H heads, K key dim, V value dim, C conv channels,
+W conv width. State convention follows fla's naive reference: S [H, K, V], row d of S decays
+with α[d]. Pools: S_pool [N, H, K, V] (fp32, fp64 for exact tests), conv_pool [N, W-1, C] (model
+dtype, raw pre-conv rows). Slot 0 is the null slot that padding rows point at.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ import torch.nn.functional as F
 from k3backend.kernels.norm_ref import acc_dtype
 
 
-def short_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def short_conv_seq(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv + SiLU (§2.5), continuing from the cached raw rows.
 
     x: [T, C] raw projection rows (model dtype); weight: [C, W] (fp32 parameter);
@@ -95,3 +104,70 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         G_last = G[:, -1]  # [H, K]
         S = torch.exp(G_last)[..., None] * S + (torch.exp(G_last[:, None, :] - G) * kc).transpose(1, 2) @ v_new
     return o.transpose(0, 1), S
+
+
+# ---- the ops the model calls: varlen, pool-indexed, in place -------------------------------------
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, cu_seqlens: torch.Tensor,
+               state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    """Prefill chunks: causal conv + SiLU per sequence, continuing from and updating its conv slot.
+
+    x: [T, C] raw rows of B sequences laid end to end (`cu_seqlens` [B+1]); weight: [C, W] fp32;
+    conv_pool: [N, W-1, C]; state_indices: [B] slots; has_initial_state: [B] (false: zero history).
+    Returns [T, C] = bf(silu(conv)); conv_pool[slot] becomes the sequence's last W-1 raw rows.
+    """
+    out = torch.empty_like(x)
+    bounds, slots, init = cu_seqlens.tolist(), state_indices.tolist(), has_initial_state.tolist()
+    for b, (slot, has) in enumerate(zip(slots, init)):
+        sl = slice(bounds[b], bounds[b + 1])
+        history = conv_pool[slot] if has else torch.zeros_like(conv_pool[slot])
+        out[sl], conv_pool[slot] = short_conv_seq(x[sl], weight, history)
+    return out
+
+
+def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
+                      state_indices: torch.Tensor) -> torch.Tensor:
+    """One token per sequence: x [B, C] -> [B, C], with the same math as `short_conv_seq` (vectorized)."""
+    W = weight.shape[1]
+    a = acc_dtype(weight)
+    hist = conv_pool[state_indices.long()]  # [B, W-1, C]
+    full = torch.cat([hist, x[:, None].to(hist.dtype)], dim=1).to(a)  # [B, W, C]
+    y = torch.zeros(x.shape, dtype=a, device=x.device)
+    for j in range(W):
+        y = y + weight[:, j].to(a) * full[:, j]
+    if W > 1:
+        conv_pool[state_indices.long()] = full[:, 1:].to(conv_pool.dtype)
+    return F.silu(y).to(x.dtype)
+
+
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                S_pool: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+                has_initial_state: torch.Tensor) -> torch.Tensor:
+    """Chunked KDA (§5.8) over varlen prefill chunks; initial states from, final states into, `S_pool`.
+
+    q, k: [T, H, K] (l2-normalised, q scaled); v: [T, H, V]; g: [T, H, K] log-decay; beta: [T, H];
+    S_pool: [N, H, K, V]. Returns o [T, H, V] in the state's dtype.
+    """
+    o = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=S_pool.dtype, device=q.device)
+    bounds, slots, init = cu_seqlens.tolist(), state_indices.tolist(), has_initial_state.tolist()
+    for b, (slot, has) in enumerate(zip(slots, init)):
+        sl = slice(bounds[b], bounds[b + 1])
+        S0 = S_pool[slot] if has else torch.zeros_like(S_pool[slot])
+        o[sl], S_pool[slot] = kda_chunked(q[sl], k[sl], v[sl], g[sl], beta[sl], S0)
+    return o
+
+
+def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               S_pool: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor:
+    """One recurrent step (§5.6) for B sequences at once; q, k, g: [B, H, K]; v: [B, H, V]; beta: [B, H].
+
+    Reads and writes S_pool[state_indices] in place. Returns o [B, H, V] in the state's dtype.
+    """
+    a = S_pool.dtype
+    idx = state_indices.long()
+    q, k, v, g, beta = (t.to(a) for t in (q, k, v, g, beta))
+    S = S_pool[idx] * torch.exp(g)[..., None]  # diag(α)·S, [B, H, K, V]
+    u = beta[..., None] * (v - torch.einsum("bhk,bhkv->bhv", k, S))
+    S = S + k[..., None] * u[:, :, None, :]
+    S_pool[idx] = S
+    return torch.einsum("bhk,bhkv->bhv", q, S)

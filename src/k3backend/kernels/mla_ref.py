@@ -1,4 +1,12 @@
-"""Torch references of MLA attention over a latent cache (K3_LM.md §6.3), one sequence.
+"""Torch references of MLA attention over a latent cache (K3_LM.md §6.3, §6.5): the definition.
+
+`mla_mha` and `mla_absorbed` are the two forms on one sequence's latent rows. The ops the model
+calls work on the paged latent pool [num_blocks, block_size, r + dr] (one block table per
+sequence, shared by every MLA layer): `mla_write` stores this step's rows in place at
+`slot_mapping`; `mla_decode` (absorbed form, one query per sequence) and `mla_prefill` (a chunk
+per sequence; the expanded MHA form when the chunk is the whole context so far, as SGLang does
+for a fresh prefill, else the absorbed form over the cached prefix) read the pool through the
+block tables.
 
 Shapes: T new query tokens, S cached+new key tokens (the last T keys are the new tokens),
 N heads, dn/dr/dv head dims, r = kv_lora_rank.
@@ -52,3 +60,56 @@ def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k
     o_hat = torch.einsum("nts,sr->tnr", p, c_kv.to(a)).to(q_nope.dtype)  # [T, N, r]
     o = torch.einsum("tnr,nrd->tnd", o_hat.to(a), w_vc.to(a))
     return o.reshape(T, -1).to(q_nope.dtype)
+
+
+# ---- the ops the model calls: paged latent pool -------------------------------------------------
+
+def mla_write(rows: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """pool.view(-1, r+dr)[slot_mapping] = rows, in place. rows: [T, r+dr]; slot_mapping: [T] int64."""
+    pool.view(-1, pool.shape[-1])[slot_mapping] = rows.to(pool.dtype)
+
+
+def _gather(pool: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n latent rows of one sequence, in position order: [n, r+dr]."""
+    bs = pool.shape[1]
+    pos = torch.arange(n, device=pool.device)
+    return pool[block_table[pos // bs].long(), pos % bs]
+
+
+def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Absorbed attention of one new token per sequence over its whole context (its own row included).
+
+    q_nope: [B, N, dn]; q_pe: [B, N, dr]; block_tables: [B, max_blocks]; context_lens: [B].
+    Returns [B, N·dv] in the model dtype.
+    """
+    r = w_kc.shape[-1]
+    lens = context_lens.tolist()
+    out = [mla_absorbed(q_nope[b:b + 1], q_pe[b:b + 1], *_split(_gather(pool, block_tables[b], n), r), w_kc, w_vc,
+                        scale) for b, n in enumerate(lens)]
+    return torch.cat(out) if out else q_nope.new_zeros(0, q_nope.shape[1] * w_vc.shape[-1])
+
+
+def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, cu_seqlens: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, kv_b: torch.Tensor, w_kc: torch.Tensor,
+                w_vc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each prefill chunk over its sequence's context (cached prefix + chunk).
+
+    q_nope: [T, N, dn]; q_pe: [T, N, dr] for the chunks laid end to end (`cu_seqlens` [B+1]);
+    context_lens: [B] tokens in the cache after this step's writes. Returns [T, N·dv].
+    """
+    r = w_kc.shape[-1]
+    out = torch.empty(q_nope.shape[0], q_nope.shape[1] * w_vc.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+    bounds, lens = cu_seqlens.tolist(), context_lens.tolist()
+    for b, n in enumerate(lens):
+        sl = slice(bounds[b], bounds[b + 1])
+        c_kv, k_pe = _split(_gather(pool, block_tables[b], n), r)
+        if bounds[b + 1] - bounds[b] == n:  # no cached prefix: the expanded form
+            out[sl] = mla_mha(q_nope[sl], q_pe[sl], c_kv, k_pe, kv_b, scale)
+        else:
+            out[sl] = mla_absorbed(q_nope[sl], q_pe[sl], c_kv, k_pe, w_kc, w_vc, scale)
+    return out
+
+
+def _split(latent: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return latent[:, :r], latent[:, r:]

@@ -5,10 +5,28 @@ Shapes: T tokens, E experts, k = top-k, D expert input width (latent 3584 in K3,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from k3backend.kernels.norm_ref import acc_dtype
+
+
+@dataclass(frozen=True)
+class Activation:
+    """A GLU activation as data, so a kernel can fuse it: SiTU with (β, λ) (§2.4) or SiLU (§2.3)."""
+
+    kind: str  # "situ" | "silu"
+    beta: float = 0.0
+    linear_beta: float | None = None  # SiTU's cap on the up half; None: uncapped
+
+
+def glu(gu: torch.Tensor, act: Activation, out_dtype: torch.dtype) -> torch.Tensor:
+    """act-and-mul of [.., 2I] = [g | u] -> [.., I], one rounding to out_dtype."""
+    if act.kind == "silu":
+        return silu_and_mul(gu, out_dtype)
+    return situ_and_mul(gu, act.beta, act.linear_beta, out_dtype)
 
 
 def situ_and_mul(gu: torch.Tensor, beta: float, linear_beta: float | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -55,18 +73,21 @@ def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-            act, scaling: float = 1.0) -> torch.Tensor:
+            act: Activation, scaling: float = 1.0) -> torch.Tensor:
     """Routed experts with SGLang's rounding points (§7.4).
 
     x: [T, D] model dtype; weights, ids: [T, k]; w13: [E, 2I, D] = [w1; w3]; w2: [E, D, I];
-    act: bf16→bf16 activation of [.., 2I]. Per expert e: y_e = bf(w_e·(act(bf(x·w13ᵀ))·w2ᵀ));
-    returns bf(scaling·Σ_e fp32(y_e)) [T, D].
+    act: the GLU of [.., 2I]. Per expert e: y_e = bf(w_e·(act(bf(x·w13ᵀ))·w2ᵀ));
+    returns bf(scaling·Σ_e fp32(y_e)) [T, D]. Expert ids outside [0, E) are skipped (another
+    rank's experts under expert parallelism).
     """
     a = acc_dtype(x)
     T, k = ids.shape
     y = torch.zeros(T, k, w2.shape[1], dtype=x.dtype, device=x.device)  # y_e per (token, slot)
     for e in ids.unique().tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        h = act(F.linear(x[tok], w13[e]))  # [n, I]
+        h = glu(F.linear(x[tok], w13[e]), act, x.dtype)  # [n, I]
         y[tok, slot] = (F.linear(h.to(a), w2[e].to(a)) * weights[tok, slot, None].to(a)).to(x.dtype)
     return (scaling * y.to(a).sum(1)).to(x.dtype)

@@ -1,6 +1,7 @@
 """The whole K3 model: language model plus (for kimi_k3 checkpoints) vision tower and projector.
 
 Image embeddings overwrite the text embeddings at the `<|media_pad|>` positions (K3_VISION.md §6.4).
+`k3backend.generate.full_forward` runs one fresh sequence (prompt and images) without an engine.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import torch
 from torch import nn
 
 from k3backend.config import K3Config
-from k3backend.model.cache import ForwardBatch, SequenceCache
+from k3backend.model.cache import CachePools, ForwardBatch
 from k3backend.model.lm import K3ForCausalLM
 
 
 class K3Model(nn.Module):
-    """`model(input_ids)` → logits [T, V]; `model(input_ids, images=[PIL.Image, ...])` for prompts whose
-    placeholders are already expanded (one `<|media_pad|>` position per image token)."""
+    """`model(batch, pools)` -> logits [S, V] of the batch's logits rows; image rows (`batch.mm_embeds`,
+    from `encode_images` or k3_vision) replace the embeddings of their media-pad positions."""
 
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
@@ -30,9 +31,6 @@ class K3Model(nn.Module):
             self.vision = K3VisionModel(cfg.vision)
         self.preprocess_cfg = None  # set by the loader from preprocessor_config.json
 
-    def new_cache(self) -> SequenceCache:
-        return self.language_model.new_cache()
-
     def encode_images(self, images: Sequence) -> torch.Tensor:
         """PIL images → projector rows [Σ N_i, H], in image order then merged-token order."""
         if self.vision is None:
@@ -43,22 +41,12 @@ class K3Model(nn.Module):
         processed = [preprocess_image(im, cfg) for im in images]
         return torch.cat(self.vision.encode_images(processed), dim=0)
 
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings [T, H] with image rows written over the media-pad positions."""
-        x = self.language_model.model.embed_tokens(input_ids)
-        mask = input_ids == self.cfg.media_placeholder_token_id
-        n = int(mask.sum())
-        rows = 0 if image_embeds is None else image_embeds.shape[0]
-        if n != rows:
-            raise ValueError(f"the prompt has {n} image pad positions but the images give {rows} embeddings")
-        if rows:
-            x = x.clone()
-            x[mask] = image_embeds.to(x.dtype)
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """Token embeddings [T, H] with the batch's image rows written over their positions."""
+        x = self.language_model.model.embed_tokens(batch.input_ids)
+        if batch.mm_positions is not None:
+            x = x.index_copy(0, batch.mm_positions, batch.mm_embeds.to(x.dtype))
         return x
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch | None = None, *, images: Sequence | None = None,
-                image_embeds: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        if images:
-            image_embeds = self.encode_images(images)
-        x = self.embed(input_ids, image_embeds)
-        return self.language_model(batch=batch, inputs_embeds=x, logits_rows=logits_rows)
+    def forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
+        return self.language_model(batch, pools, inputs_embeds=self.embed(batch))

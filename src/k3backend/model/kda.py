@@ -7,18 +7,22 @@ from torch import nn
 
 from k3backend import kernels
 from k3backend.config import TextConfig
-from k3backend.model.cache import ForwardBatch, KDAState
+from k3backend.model.cache import ForwardBatch, KDACache, cat_parts
 from k3backend.model.norm import RMSNorm
 
 O_NORM_EPS = 1e-5  # hard-coded in SGLang whatever rms_norm_eps says (§5.7)
 
 
 class KDA(nn.Module):
-    """One KDA layer. Parameter names follow the checkpoint (`self_attn.*`, §8.1).
+    """One KDA layer. Parameter names follow the checkpoint (`self_attn.*`, §8.1), except that
+    q/k/v projections and their conv weights are packed into one tensor each, their runtime
+    layout (`packing()` tells the loader where each checkpoint tensor goes).
 
     Two output-gate variants: full rank (`g_proj`, K3) or low rank (`g_a_proj`/`g_b_proj`,
     Kimi-Linear); two forget gates: lower-bounded (K3) or softplus (Kimi-Linear).
     """
+
+    is_kda = True
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
@@ -28,13 +32,9 @@ class KDA(nn.Module):
         self.lower_bound = lac.gate_lower_bound
         self.full_rank_gate = lac.use_full_rank_gate
         D, P, PV = cfg.hidden_size, self.H * self.K, self.H * self.V
-        self.q_proj = nn.Linear(D, P, bias=False)
-        self.k_proj = nn.Linear(D, P, bias=False)
-        self.v_proj = nn.Linear(D, PV, bias=False)
-        # Depthwise conv weights [C, 1, W], fp32 on disk and in SGLang; nn.Conv1d only holds them.
-        self.q_conv1d = nn.Conv1d(P, P, self.W, groups=P, bias=False)
-        self.k_conv1d = nn.Conv1d(P, P, self.W, groups=P, bias=False)
-        self.v_conv1d = nn.Conv1d(PV, PV, self.W, groups=PV, bias=False)
+        self.qkv_proj = nn.Linear(D, 2 * P + PV, bias=False)  # [q_proj ; k_proj ; v_proj]
+        # Depthwise conv weights [C, 1, W] = [q_conv1d ; k_conv1d ; v_conv1d], fp32 on disk and in SGLang.
+        self.conv1d_weight = nn.Parameter(torch.zeros(2 * P + PV, 1, self.W))
         self.b_proj = nn.Linear(D, self.H, bias=False)
         self.f_a_proj = nn.Linear(D, self.K, bias=False)
         self.f_b_proj = nn.Linear(self.K, P, bias=False)
@@ -48,40 +48,41 @@ class KDA(nn.Module):
         self.o_norm = RMSNorm(self.V, O_NORM_EPS)  # weight shared by all heads; applied gated below
         self.o_proj = nn.Linear(PV, D, bias=False)
 
-    @property
-    def conv_channels(self) -> int:
-        return 2 * self.H * self.K + self.H * self.V
+    def packing(self) -> dict[str, tuple[str, int, int]]:
+        """Checkpoint name -> (packed parameter, first row, end row), names relative to this layer."""
+        P, PV = self.H * self.K, self.H * self.V
+        bounds = {"q": (0, P), "k": (P, 2 * P), "v": (2 * P, 2 * P + PV)}
+        return {**{f"{n}_proj.weight": ("qkv_proj.weight", *b) for n, b in bounds.items()},
+                **{f"{n}_conv1d.weight": ("conv1d_weight", *b) for n, b in bounds.items()}}
 
-    def new_state(self, dtype: torch.dtype, device: torch.device) -> KDAState:
-        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        return KDAState(conv=torch.zeros(self.W - 1, self.conv_channels, dtype=dtype, device=device),
-                        S=torch.zeros(self.H, self.K, self.V, dtype=state_dtype, device=device))
+    def cache_shapes(self) -> tuple[tuple[int, int, int], tuple[int, int]]:
+        """((H, K, V) of the recurrent state, (W-1, C) of the conv history) per slot."""
+        return (self.H, self.K, self.V), (self.W - 1, self.conv1d_weight.shape[0])
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, states: list[KDAState]) -> torch.Tensor:
-        """x: [T, D] normed attention input (flat over the batch). Returns [T, D]; updates `states`."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
+        """x: [T, D] normed attention input (flat over the batch). Returns [T, D]; updates the slots."""
         T = x.shape[0]
         H, K, V = self.H, self.K, self.V
-        xqkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P] raw rows
+        nd, si = batch.num_decode, batch.state_indices
+        xqkv = self.qkv_proj(x)  # [T, 2P+PV] raw rows
         z = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))  # [T, PV]
-        b = self.b_proj(x)  # [T, H]
         f = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)  # [T, H, K]
         g = kernels.kda_gate(f, self.dt_bias, self.A_log, self.lower_bound)  # [T, H, K] fp32
-        beta = torch.sigmoid(b.to(g.dtype))  # [T, H]
-        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)  # [3P, W]
-
-        outs = []
-        offsets = torch.tensor([0] + batch.seq_lens).cumsum(0).tolist()
-        for i, st in enumerate(states):
-            sl = slice(offsets[i], offsets[i + 1])
-            qkv, st.conv = kernels.short_conv(xqkv[sl], conv_w, st.conv)  # bf(silu(conv))
-            q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-            n = q.shape[0]
-            q = kernels.l2_norm(q.view(n, H, K)) * K ** -0.5
-            k = kernels.l2_norm(k.view(n, H, K))
-            v = v.view(n, H, V)
-            core = kernels.kda_recurrent if n == 1 else kernels.kda_chunked
-            o, st.S = core(q, k, v, g[sl], beta[sl], st.S)
-            outs.append(o.to(x.dtype))  # out_t = bf(o_t)
-        o = torch.cat(outs, dim=0)  # [T, H, V]
-        y = kernels.gated_rms_norm(o, z.view(T, H, V), self.o_norm.weight, O_NORM_EPS)
+        beta = torch.sigmoid(self.b_proj(x).to(g.dtype))  # [T, H]
+        w = self.conv1d_weight.squeeze(1)  # [C, W]
+        qkv = cat_parts(  # bf(silu(conv)), decode rows then prefill chunks
+            nd and kernels.short_conv_decode(xqkv[:nd], w, cache.conv, si[:nd]),
+            batch.has_prefill and kernels.short_conv(xqkv[nd:], w, cache.conv, batch.prefill_cu_seqlens, si[nd:],
+                                                     batch.has_initial_state[nd:]))
+        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
+        q = kernels.l2_norm(q.view(T, H, K)) * K ** -0.5
+        k = kernels.l2_norm(k.view(T, H, K))
+        v = v.view(T, H, V)
+        o = cat_parts(  # §5.6 recurrence for decode rows, §5.8 chunked form for prefill chunks
+            nd and kernels.kda_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], cache.state, si[:nd]),
+            batch.has_prefill and kernels.kda_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cache.state,
+                                                      batch.prefill_cu_seqlens, si[nd:],
+                                                      batch.has_initial_state[nd:]))
+        y = kernels.gated_rms_norm(o.to(x.dtype), z.view(T, H, V), self.o_norm.weight, O_NORM_EPS)  # out_t = bf(o_t)
         return self.o_proj(y.reshape(T, H * V))
+

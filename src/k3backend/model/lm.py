@@ -1,8 +1,12 @@
 """The K3 language model (K3_LM.md §3, §4, §10): decoder layers, Attention-Residual stream, head.
 
-Parameter names follow the checkpoint after `language_model.` (§8.1), with two exceptions that
-the loader maps: the AttnRes score weights live in `ResScore` modules (`self_attention_res`,
-`mlp_res`, `output_attn_res`) and routed experts are stacked (`experts.w13`, `experts.w2`).
+Parameter names follow the checkpoint after `language_model.` (§8.1), with exceptions that the
+loader maps: the AttnRes score weights live in `ResScore` modules (`self_attention_res`,
+`mlp_res`, `output_attn_res`), routed experts are stacked (`experts.w13`, `experts.w2`), and
+q/k/v and gate/up projections are packed (each module's `packing()`).
+
+Every forward takes one `ForwardBatch` and the cache pools (`model/cache.py`): the engine's
+varlen step over decode rows and prefill chunks, or one fresh sequence for a full forward.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from torch import nn
 from k3backend import kernels
 from k3backend.config import TextConfig
 from k3backend.model.attn_res import ResScore
-from k3backend.model.cache import ForwardBatch, SequenceCache
+from k3backend.model.cache import CachePools, ForwardBatch, LayerCache
 from k3backend.model.kda import KDA
 from k3backend.model.mla import MLA
 from k3backend.model.moe import MLP, MoE
@@ -34,22 +38,23 @@ class DecoderLayer(nn.Module):
             self.self_attention_res = ResScore(cfg.hidden_size, cfg.rms_norm_eps)
             self.mlp_res = ResScore(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, bank: list[torch.Tensor], batch: ForwardBatch, states: list) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bank: list[torch.Tensor], batch: ForwardBatch,
+                cache: LayerCache) -> torch.Tensor:
         """Attention-Residual layer (§4.4, §4.10). x: running prefix [T, H]; `bank` grows at block starts."""
         a_in = self.input_layernorm(self.self_attention_res.mix(bank + [x]) if bank else x)
         P = None if self.i % self.S == 0 else x
         if P is None:
             bank.append(x)  # freeze the old prefix; the running prefix restarts at this layer
-        A = self.self_attn(a_in, batch, states)
+        A = self.self_attn(a_in, batch, cache)
         Q = A if P is None else P + A  # bf(P + A), the pending add
         m_in = self.post_attention_layernorm(self.mlp_res.mix(bank + [Q]))
         return self.mlp(m_in) + Q  # bf(M + Q): dense bf(d + Q), MoE bf(bf(up + sh) + Q)
 
     def forward_plain(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                      states: list) -> tuple[torch.Tensor, torch.Tensor]:
+                      cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm path without AttnRes (§4.11): fused add-RMSNorm normalises the unrounded fp32 sum."""
         x, residual = _add_norm(h, residual, self.input_layernorm)
-        h = self.self_attn(x, batch, states)
+        h = self.self_attn(x, batch, cache)
         x, residual = _add_norm(h, residual, self.post_attention_layernorm)
         return self.mlp(x), residual
 
@@ -74,17 +79,16 @@ class K3TextModel(nn.Module):
         if cfg.attn_res_block_size is not None:
             self.output_attn_res = ResScore(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: list[SequenceCache]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
         """x: [T, H] input embeddings. Returns the final normed hidden states [T, H]."""
-        layer_states = lambda i: [c.layers[i] for c in caches]  # noqa: E731
         if self.cfg.attn_res_block_size is None:
             residual = None
-            for i, layer in enumerate(self.layers):
-                x, residual = layer.forward_plain(x, residual, batch, layer_states(i))
+            for layer, cache in zip(self.layers, pools.layers):
+                x, residual = layer.forward_plain(x, residual, batch, cache)
             return _add_norm(x, residual, self.norm)[0]
         bank: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, bank, batch, layer_states(i))
+        for layer, cache in zip(self.layers, pools.layers):
+            x = layer(x, bank, batch, cache)
         return self.norm(self.output_attn_res.mix(bank + [x]))  # §4.7
 
 
@@ -99,23 +103,12 @@ class K3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def new_cache(self) -> SequenceCache:
-        p = self.model.embed_tokens.weight
-        return SequenceCache([layer.self_attn.new_state(p.dtype, p.device) for layer in self.model.layers])
+    def forward(self, batch: ForwardBatch, pools: CachePools, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [S, V] of the rows `batch.logits_indices` (model dtype), after the step's cache writes.
 
-    def forward(self, input_ids: torch.Tensor | None = None, batch: ForwardBatch | None = None, *,
-                inputs_embeds: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids: [T] (flat over `batch`) or inputs_embeds [T, H]. Returns logits [T or len(logits_rows), V].
-
-        Without `batch`, the tokens are one fresh sequence and no state is kept (a full forward).
+        inputs_embeds [T, H] replaces the token embeddings (image rows already written in).
         """
-        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        batch = batch or ForwardBatch.single(x.shape[0])
-        caches = batch.caches if batch.caches is not None else [self.new_cache() for _ in batch.seq_lens]
-        h = self.model(x, batch, caches)
-        for c, n in zip(caches, batch.seq_lens):
-            c.num_tokens += n
-        if logits_rows is not None:
-            h = h[logits_rows]
+        x = self.model.embed_tokens(batch.input_ids) if inputs_embeds is None else inputs_embeds
+        h = self.model(x, batch, pools)[batch.logits_indices]
         logits = self.lm_head(h)
         return logits if self.cfg.logit_scale == 1.0 else logits * self.cfg.logit_scale

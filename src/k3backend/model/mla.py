@@ -7,7 +7,7 @@ from torch import nn
 
 from k3backend import kernels
 from k3backend.config import TextConfig
-from k3backend.model.cache import ForwardBatch, MLAState
+from k3backend.model.cache import ForwardBatch, MLACache, cat_parts
 from k3backend.model.norm import RMSNorm
 
 
@@ -15,8 +15,10 @@ class MLA(nn.Module):
     """One MLA layer. NoPE: q_pe/k_pe are used as computed (§6.2); scale (dn+dr)^−½.
 
     Prefill of a fresh sequence uses the expanded (MHA) form; a chunk with cached prefix, decode
-    included, uses the absorbed form over the latent cache (SGLang's choice with the triton backend).
+    included, uses the absorbed form over the latent pool (SGLang's choice with the triton backend).
     """
+
+    is_kda = False
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
@@ -25,7 +27,8 @@ class MLA(nn.Module):
         self.r = cfg.kv_lora_rank
         self.scale = (self.dn + self.dr) ** -0.5
         D, qd = cfg.hidden_size, self.N * (self.dn + self.dr)
-        if cfg.q_lora_rank is None:
+        self.q_lora = cfg.q_lora_rank is not None
+        if not self.q_lora:
             self.q_proj = nn.Linear(D, qd, bias=False)
         else:
             self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
@@ -37,40 +40,33 @@ class MLA(nn.Module):
         self.g_proj = nn.Linear(D, self.N * self.dv, bias=False) if cfg.mla_use_output_gate else None
         self.o_proj = nn.Linear(self.N * self.dv, D, bias=False)
 
-    def new_state(self, dtype: torch.dtype, device: torch.device) -> MLAState:
-        return MLAState(latent=torch.zeros(0, self.r + self.dr, dtype=dtype, device=device))
+    @property
+    def cache_width(self) -> int:
+        """Values per token per layer in the latent pool: r + dr (576 for K3)."""
+        return self.r + self.dr
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w_kc [N, dn, r], w_vc [N, r, dv]) sliced from kv_b_proj (§6.3); head h owns rows [h(dn+dv), ...)."""
+        """(w_kc [N, dn, r], w_vc [N, r, dv]) as views of kv_b_proj (§6.3); head h owns rows [h(dn+dv), ...)."""
         w = self.kv_b_proj.weight.view(self.N, self.dn + self.dv, self.r)
         return w[:, :self.dn], w[:, self.dn:].transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, states: list[MLAState]) -> torch.Tensor:
-        """x: [T, D] normed attention input (flat). Appends this chunk's latent rows to each state."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
+        """x: [T, D] normed attention input (flat). Writes this step's latent rows, then attends."""
         T = x.shape[0]
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(T, self.N, self.dn + self.dr)
         q_nope, q_pe = q[..., :self.dn], q[..., self.dn:]  # [T, N, dn], [T, N, dr]
         lat = self.kv_a_proj_with_mqa(x)  # [T, r + dr]
         rows = torch.cat([self.kv_a_layernorm(lat[:, :self.r]), lat[:, self.r:]], dim=-1)  # [c_kv ; k_pe raw]
-
-        outs = []
-        offsets = torch.tensor([0] + batch.seq_lens).cumsum(0).tolist()
-        for i, st in enumerate(states):
-            sl = slice(offsets[i], offsets[i + 1])
-            fresh = st.latent.shape[0] == 0
-            st.latent = torch.cat([st.latent, rows[sl].to(st.latent.dtype)], dim=0)  # append first, then attend
-            c_kv, k_pe = st.latent[:, :self.r], st.latent[:, self.r:]
-            if fresh:
-                o = kernels.mla_mha(q_nope[sl], q_pe[sl], c_kv, k_pe, self.kv_b_proj.weight, self.scale)
-            else:
-                w_kc, w_vc = self.absorbed_weights()
-                o = kernels.mla_absorbed(q_nope[sl], q_pe[sl], c_kv, k_pe, w_kc, w_vc, self.scale)
-            outs.append(o)
-        o = torch.cat(outs, dim=0)  # [T, N·dv]
+        kernels.mla_write(rows, cache.latent, batch.slot_mapping)  # append first, then attend
+        w_kc, w_vc = self.absorbed_weights()
+        nd = batch.num_decode
+        o = cat_parts(  # [T, N·dv]
+            nd and kernels.mla_decode(q_nope[:nd], q_pe[:nd], cache.latent, batch.block_tables[:nd],
+                                      batch.context_lens[:nd], w_kc, w_vc, self.scale),
+            batch.has_prefill and kernels.mla_prefill(q_nope[nd:], q_pe[nd:], cache.latent, batch.prefill_cu_seqlens,
+                                                      batch.block_tables[nd:], batch.context_lens[nd:],
+                                                      self.kv_b_proj.weight, w_kc, w_vc, self.scale))
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))  # bf(O ⊙ bf(σ(z))) (§6.4)
         return self.o_proj(o)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,37 +11,44 @@ from k3backend.config import TextConfig
 from k3backend.model.norm import RMSNorm
 
 
-def make_act(cfg: TextConfig, *, routed: bool):
-    """GLU activation of [.., 2I] -> [.., I]: SiTU with the config's (β, λ) or SiLU (§2.3, §2.4)."""
+def make_act(cfg: TextConfig, *, routed: bool) -> kernels.Activation:
+    """The GLU activation of [.., 2I] -> [.., I] as data: SiTU with the config's (β, λ), or SiLU (§2.3, §2.4)."""
     if cfg.hidden_act == "silu":
-        return lambda gu, out_dtype=None: kernels.silu_and_mul(gu, out_dtype or gu.dtype)
+        return kernels.Activation("silu")
     beta, lam = cfg.situ_betas(routed)
-    return lambda gu, out_dtype=None: kernels.situ_and_mul(gu, beta, lam, out_dtype or gu.dtype)
+    return kernels.Activation("situ", beta, lam)
 
 
 class MLP(nn.Module):
-    """GLU MLP: down(act(gate(x), up(x))). Dense layers and the shared experts (§7.1, §7.5)."""
+    """GLU MLP: down(act(gate(x), up(x))). Dense layers and the shared experts (§7.1, §7.5).
+
+    gate_proj and up_proj are packed into gate_up_proj = [gate ; up], their runtime layout.
+    """
 
     def __init__(self, cfg: TextConfig, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = make_act(cfg, routed=False)
 
+    def packing(self) -> dict[str, tuple[str, int, int]]:
+        """Checkpoint name -> (packed parameter, first row, end row), relative to this module."""
+        n = self.down_proj.in_features
+        return {"gate_proj.weight": ("gate_up_proj.weight", 0, n), "up_proj.weight": ("gate_up_proj.weight", n, 2 * n)}
+
     def forward(self, x: torch.Tensor, *, fp32_front: bool = False) -> torch.Tensor:
         """fp32_front: feed the activation the unrounded GEMM output (SGLang's fused MoE front, §7.6)."""
-        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])  # [gate ; up]
         if fp32_front:
             a = kernels.acc_dtype(x)
-            gu = F.linear(x.to(a), w.to(a))
+            gu = F.linear(x.to(a), self.gate_up_proj.weight.to(a))
         else:
-            gu = F.linear(x, w)
-        return self.down_proj(self.act(gu, x.dtype))
+            gu = self.gate_up_proj(x)
+        return self.down_proj(kernels.glu(gu, self.act, x.dtype))
 
 
 class Gate(nn.Module):
-    """Router weights: `gate.weight [E, D]` (model dtype) and `e_score_correction_bias [E]` (fp32)."""
+    """Router weights: `gate.weight [E, D]` and `e_score_correction_bias [E]`, both kept in fp32
+    (the router computes in fp32; a bf16 checkpoint's weights convert exactly)."""
 
     def __init__(self, num_experts: int, hidden: int) -> None:
         super().__init__()
@@ -90,12 +95,11 @@ class MoE(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: [T, D] normed MLP input. Returns [T, D]."""
         a = kernels.acc_dtype(h)
-        logits = F.linear(h.to(a), self.gate.weight.to(a))  # fp32 router logits [T, E]
+        logits = F.linear(h.to(a), self.gate.weight.to(a))  # fp32 router logits [T, E] (no copy: fp32 at load)
         w, ids = kernels.route(logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
                                self.topk_group, self.renormalize, 1.0)
-        act = partial(self.act, out_dtype=h.dtype)
         zl = self.routed_expert_down_proj(h) if self.latent else h  # [T, latent]
-        out = kernels.experts(zl, w, ids, self.experts.w13, self.experts.w2, act, self.scaling)
+        out = kernels.experts(zl, w, ids, self.experts.w13, self.experts.w2, self.act, self.scaling)
         if self.latent:
             if self.routed_expert_norm is not None:
                 out = self.routed_expert_norm(out)

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from k3backend.engine.engine import SHUTDOWN_ERROR, Engine, EngineConfig
+from k3backend.engine.config import EngineConfig
+from k3backend.engine.engine import SHUTDOWN_ERROR, Engine
 from k3backend.engine.request import FinishReason, RequestOutput
 from k3backend.errors import Cancelled, Unavailable
 from k3backend.serving import guardian, lifecycle
@@ -47,7 +48,7 @@ MODEL = "k3_lm"
 PARAMETERS = {  # SERVING.md §4.4 with defaults
     "model_path": "", "tokenizer_path": "", "device": "auto", "dtype": "auto", "gpu_device_ids": "",
     "tensor_parallel_size": "1", "expert_parallel_size": "1", "dist_backend": "auto", "max_model_len": "131072",
-    "max_num_seqs": "256", "max_num_batched_tokens": "8192", "gpu_memory_utilization": "0.90",
+    "max_num_seqs": "256", "max_num_batched_tokens": "8192", "gpu_memory_utilization": "0.90", "cpu_cache_gb": "4",
     "enable_prefix_caching": "true", "exclude_input_in_output": "true", "default_max_tokens": "16",
     "default_thinking": "false", "max_prompt_bytes": "8388608", "max_queued_requests": "0",
     "cancellation_check_period_ms": "100", "allow_stop_by_request_id": "true", "stop_tombstone_ttl_s": "30",
@@ -108,14 +109,15 @@ class LmServer:
         ckpt = self._checkpoint(p.str("model_path"))
         tok_dir = Path(p.str("tokenizer_path")) if p.str("tokenizer_path") else ckpt
         t0 = time.monotonic()
-        from k3backend.checkpoint import load_model
+        from k3backend.checkpoint import load_config
+        from k3backend.engine.runner import InProcessExecutor
         from k3backend.tokenizer import Tokenizer
 
-        model = load_model(ckpt, dtype=dtype, device=device, progress=False)
-        if device.type == "cpu" and model.cfg.text.hidden_size < 1024:
+        cfg = load_config(ckpt)
+        if device.type == "cpu" and cfg.text.hidden_size < 1024:
             torch.set_num_threads(1)  # toy models: one thread beats several fighting over small ops
         self.tokenizer = Tokenizer.from_dir(tok_dir)
-        text = model.cfg.text
+        text = cfg.text
         gen = load_generation_defaults(ckpt)
         log.info("%s: sampling defaults from generation_config.json: %s", MODEL, gen or "none")  # [CFG-L4]
         self.defaults = LmDefaults(
@@ -123,13 +125,18 @@ class LmServer:
             default_max_tokens=p.int("default_max_tokens", lo=1), exclude_input_in_output=p.bool("exclude_input_in_output"),
             default_thinking=p.bool("default_thinking"), max_prompt_bytes=p.int("max_prompt_bytes", lo=1),
             allow_stop_by_request_id=p.bool("allow_stop_by_request_id"), **gen)
-        self.eos_ids = tuple(model.cfg.eos_token_id) or (self.tokenizer.eos_id,)
+        self.eos_ids = tuple(cfg.eos_token_id) or (self.tokenizer.eos_id,)
         self.eos_ids = tuple(dict.fromkeys(self.eos_ids + tuple(_generation_eos(ckpt))))
-        self.engine = Engine(model, self.tokenizer, EngineConfig(
+        engine_cfg = EngineConfig(
             max_num_seqs=p.int("max_num_seqs", lo=1), max_model_len=self.max_model_len,
             max_num_batched_tokens=p.int("max_num_batched_tokens", lo=1),
             max_queued_requests=p.int("max_queued_requests", lo=0), step_timeout_s=p.float("step_timeout_s", lo=0.001),
-            stop_tombstone_ttl_s=p.float("stop_tombstone_ttl_s", lo=0)))
+            stop_tombstone_ttl_s=p.float("stop_tombstone_ttl_s", lo=0),
+            prefix_caching=p.bool("enable_prefix_caching"),
+            gpu_memory_utilization=p.float("gpu_memory_utilization", lo=0.01),
+            cpu_cache_gb=p.float("cpu_cache_gb", lo=0.001))
+        executor = InProcessExecutor.load(ckpt, engine_cfg, dtype=dtype, device=device)
+        self.engine = Engine(executor, self.tokenizer, engine_cfg)
         try:
             self._warm_up()
         except BaseException:
@@ -324,6 +331,7 @@ class LmServer:
         """Gauges; the server's shutdown ([HLT-9]); a dead parent ([HLT-10]); engine failure ([HLT-5])."""
         reported_failure = False
         gauges: dict[str, float] = {}
+        totals = {"num_preemptions_total": 0, "prefix_cache_queries_total": 0, "prefix_cache_hits_total": 0}
         while not self._closed.wait(LIFECYCLE_PERIOD_S):
             if not lifecycle.parent_alive(self._ppid):
                 log.error("%s: tritonserver (pid %d) is gone; exiting", MODEL, self._ppid)
@@ -334,10 +342,18 @@ class LmServer:
             stats = self.engine.stats()
             for name, value in (("num_requests_running", stats.num_running),
                                 ("num_requests_waiting", stats.num_waiting),
+                                ("kv_cache_usage_perc", stats.kv_cache_usage),
+                                ("state_slots_usage_perc", stats.state_slots_usage),
                                 ("engine_healthy", float(stats.healthy)), ("workers_alive", float(stats.healthy))):
                 if gauges.get(name) != value:
                     gauges[name] = value
                     self.metrics.set(name, value)
+            for name, value in (("num_preemptions_total", stats.num_preemptions),
+                                ("prefix_cache_queries_total", stats.prefix_cache_queries),
+                                ("prefix_cache_hits_total", stats.prefix_cache_hits)):
+                if value > totals[name]:
+                    self.metrics.inc(name, value - totals[name])
+                    totals[name] = value
             if not stats.healthy and not reported_failure:
                 reported_failure = True
                 log.error("%s: engine failed: %s", MODEL, stats.unhealthy_reason)

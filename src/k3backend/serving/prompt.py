@@ -275,6 +275,8 @@ def build_request(parsed: ParsedRequest, tokenizer: Tokenizer, *, eos_ids: Seque
         params=params,
         eos_ids=tuple(eos_ids),
         image_embeds=None if parsed.images is None else parsed.images.embeds,
+        image_token_counts=() if parsed.images is None else parsed.images.token_counts,
+        image_hashes=() if parsed.images is None else parsed.images.hashes,
         bad_word_seqs=bad_word_sequences(params.bad_words, tokenizer),
         split_reasoning=parsed.outputs.return_reasoning,
         in_think=ends_in_think(ids, tokenizer),

@@ -1,0 +1,69 @@
+"""Host-side description of a step's sequences -> the `ForwardBatch` tensors the layers read.
+
+The scheduler says, per sequence, which tokens it feeds this step and where its state lives (a
+`SeqChunk`); this builds the flat batch once per step: token ids, cu_seqlens, the KDA slot
+indices, the MLA slot mapping through the block tables, the logits rows. Everything is computed
+from host ints, so building a batch never waits for the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from k3backend.model.cache import ForwardBatch
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's part of a step: `token_ids` at positions start..start+n, its KDA slot and
+    MLA block table; `sample`: compute the logits of its last token."""
+
+    token_ids: Sequence[int]
+    start: int
+    slot: int
+    has_initial_state: bool
+    block_table: Sequence[int]
+    sample: bool = True
+
+
+def build_forward_batch(chunks: Sequence[SeqChunk], num_decode: int, block_size: int, device: torch.device,
+                        mm_positions: Sequence[int] = (), mm_embeds: torch.Tensor | None = None) -> ForwardBatch:
+    """The flat batch of `chunks` (the first `num_decode` have one token each); mm_positions are flat
+    token positions whose embeddings become the rows of mm_embeds [M, H]."""
+    assert all(len(c.token_ids) == 1 for c in chunks[:num_decode]), "decode chunks have one token"
+    ids: list[int] = []
+    cu = [0]
+    slot_mapping: list[int] = []
+    logits: list[int] = []
+    for c in chunks:
+        n = len(c.token_ids)
+        ids.extend(c.token_ids)
+        for pos in range(c.start, c.start + n):
+            slot_mapping.append(c.block_table[pos // block_size] * block_size + pos % block_size)
+        cu.append(cu[-1] + n)
+        if c.sample:
+            logits.append(cu[-1] - 1)
+    width = max((len(c.block_table) for c in chunks), default=0)
+    tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]  # block 0: null
+
+    def t(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    cu_t = t(cu, torch.int32)
+    return ForwardBatch(
+        input_ids=t(ids, torch.int64), cu_seqlens=cu_t, num_decode=num_decode,
+        state_indices=t([c.slot for c in chunks], torch.int32),
+        has_initial_state=t([c.has_initial_state for c in chunks], torch.bool),
+        slot_mapping=t(slot_mapping, torch.int64), block_tables=t(tables, torch.int32).view(len(chunks), width),
+        context_lens=t([c.start + len(c.token_ids) for c in chunks], torch.int32), logits_indices=t(logits, torch.int64),
+        prefill_cu_seqlens=t([x - num_decode for x in cu[num_decode:]], torch.int32),
+        mm_positions=t(list(mm_positions), torch.int64) if len(mm_positions) else None,
+        mm_embeds=mm_embeds if len(mm_positions) else None)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` latent rows."""
+    return -(-num_tokens // block_size)

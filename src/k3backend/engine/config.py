@@ -1,0 +1,40 @@
+"""The engine's settings (k3_lm parameters, SERVING.md §4.4), validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 256  # most sequences in one step
+    max_model_len: int = 131072  # prompt + output
+    max_num_batched_tokens: int = 8192  # tokens per step, decode tokens included (chunked prefill beyond it)
+    max_queued_requests: int = 0  # 0 = no limit; beyond it add() raises Unavailable
+    step_timeout_s: float = 300.0  # a step running longer fails the engine ([HLT-7])
+    stop_tombstone_ttl_s: float = 30.0  # how long an unmatched stop id is remembered ([CAN-7])
+    prefix_caching: bool = True
+    snapshot_interval: int = 1024  # tokens between KDA prefix snapshots (a multiple of block_size)
+    block_size: int = 64  # tokens per MLA latent block
+    gpu_memory_utilization: float = 0.90  # of the GPU's total memory, for weights, cache and workspace
+    cpu_cache_gb: float = 4.0  # MLA blocks + KDA slots on a CPU
+    num_blocks: int | None = None  # fixed pool sizes instead (tests): both or neither
+    num_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"EngineConfig.max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"EngineConfig.step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if not self.stop_tombstone_ttl_s >= 0:
+            raise ValueError(f"EngineConfig.stop_tombstone_ttl_s must be >= 0, got {self.stop_tombstone_ttl_s}")
+        if self.snapshot_interval < self.block_size or self.snapshot_interval % self.block_size:
+            raise ValueError(f"EngineConfig.snapshot_interval {self.snapshot_interval} must be a multiple of "
+                             f"block_size {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if (self.num_blocks is None) != (self.num_slots is None):
+            raise ValueError("EngineConfig.num_blocks and num_slots are set together")

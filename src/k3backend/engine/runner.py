@@ -1,0 +1,183 @@
+"""The model runner of one rank, and the in-process executor the engine talks to.
+
+`ModelRunner` owns the model, the cache pools and the sampler; `execute(plan)` turns a `StepPlan`
+into one `ForwardBatch`, runs one forward over all of the step's tokens (decode rows and prefill
+chunks together: the MoE reads its weights once), copies prefix snapshots, and samples on the
+device. The engine sees only the `Executor` interface: `InProcessExecutor` runs the runner in
+this process (TP = 1: tests, CPU, one GPU); a multi-process executor runs one per rank.
+
+Pool sizing (`size_cache`): on a GPU after the weights and a warm-up forward at the largest step,
+from `gpu_memory_utilization` of the device's total memory; on a CPU from `cpu_cache_gb`. Slots
+come first (`max_num_seqs` running sequences plus prefix snapshots), the rest becomes MLA
+blocks; the load fails, naming the numbers, when one `max_model_len` sequence cannot fit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch
+from k3backend.engine.config import EngineConfig
+from k3backend.engine.plan import CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
+from k3backend.engine.sampler import Sampled, Sampler, SamplingRow
+from k3backend.engine.sampler_ref import banned_ids
+from k3backend.model.cache import CachePools
+from k3backend.model.k3 import K3Model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine checks requests against."""
+
+    vocab_size: int
+    hidden_size: int
+    media_pad_id: int
+
+
+class Executor(Protocol):
+    info: ModelInfo
+    capacity: CacheCapacity
+
+    def execute(self, plan: StepPlan) -> Sampled: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Slot:
+    """What the runner keeps per occupied slot: the request's sampling state and token history."""
+
+    req: SlotRequest
+    output_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    """One rank: model, pools, sampler. `execute` is the whole step on this rank."""
+
+    def __init__(self, model: K3Model, pools: CachePools) -> None:
+        self.model, self.pools = model, pools
+        self.device = model.language_model.lm_head.weight.device
+        self.sampler = Sampler()
+        self._slots: dict[int, _Slot] = {}
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> Sampled:
+        for slot in plan.freed:
+            self._slots.pop(slot, None)
+        for r in plan.new:
+            self._slots[r.slot] = _Slot(r, list(r.output_ids))
+        self._copy(plan.copies)
+        logits = self.model(self._batch(plan), self.pools)
+        self._copy(plan.snapshots)
+        sampled = [s for s in plan.seqs if s.sample]
+        if not sampled:
+            return Sampled([], [])
+        out = self.sampler(logits, [self._row(s) for s in sampled])
+        for s, token in zip(sampled, out.token_ids):
+            self._slots[s.slot].output_ids.append(token)
+        return out
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in zip(*pairs))
+            self.pools.copy_slot(src, dst)
+
+    def _batch(self, plan: StepPlan):
+        chunks = [SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state, s.block_table, s.sample)
+                  for s in plan.seqs]
+        positions: list[int] = []
+        rows: list[torch.Tensor] = []
+        offset = 0
+        for s in plan.seqs:
+            if s.mm_offsets:
+                embeds = self._slots[s.slot].req.image_embeds
+                positions += [offset + o for o in s.mm_offsets]
+                rows.append(embeds[s.mm_first_row:s.mm_first_row + len(s.mm_offsets)])
+            offset += len(s.token_ids)
+        mm = torch.cat(rows).to(self.device) if rows else None
+        return build_forward_batch(chunks, plan.num_decode, self.pools.block_size, self.device, positions, mm)
+
+    def _row(self, s: ScheduledSeq) -> SamplingRow:
+        st = self._slots[s.slot]
+        r = st.req
+        return SamplingRow(r.params, r.seed, len(st.output_ids),
+                           tuple(banned_ids(r.params, st.output_ids, r.eos_ids, r.bad_word_seqs)),
+                           r.prompt_ids, st.output_ids)
+
+
+def size_cache(model: K3Model, cfg: EngineConfig) -> CacheCapacity:
+    """Slots and blocks for the pools (see the module docstring)."""
+    lm = model.language_model
+    bs = cfg.block_size
+    if cfg.num_blocks is not None and cfg.num_slots is not None:
+        capacity = CacheCapacity(cfg.num_blocks, cfg.num_slots, bs)
+    else:
+        slot_bytes = CachePools.bytes_per_slot(lm)
+        block_bytes = CachePools.bytes_per_token(lm) * bs
+        budget = _cache_budget(model, cfg)
+        one_seq = blocks_for(cfg.max_model_len, bs) + 1
+        need = 2 * slot_bytes + one_seq * block_bytes
+        if budget < need:
+            where = "gpu_memory_utilization" if lm.lm_head.weight.is_cuda else "cpu_cache_gb"
+            raise ValueError(f"the cache cannot hold one max_model_len {cfg.max_model_len} sequence: it needs "
+                             f"{need / 2**30:.2f} GiB ({one_seq} blocks of {block_bytes} bytes and 2 KDA slots of "
+                             f"{slot_bytes} bytes), {budget / 2**30:.2f} GiB are available; raise {where} or "
+                             f"lower max_model_len")
+        snapshots = max(4, cfg.max_num_seqs // 2) if cfg.prefix_caching else 0  # prefix snapshot slots
+        slots = min(1 + cfg.max_num_seqs + snapshots, (budget - one_seq * block_bytes) // slot_bytes)
+        capacity = CacheCapacity(int((budget - slots * slot_bytes) // block_bytes), int(slots), bs)
+    log.info("cache: %d KDA state slots (%d concurrent requests plus prefix snapshots), %d MLA blocks of %d "
+             "tokens (%d tokens cached at most)", capacity.num_slots - 1, min(cfg.max_num_seqs, capacity.num_slots - 1),
+             capacity.num_blocks - 1, bs, (capacity.num_blocks - 1) * bs)
+    return capacity
+
+
+def _cache_budget(model: K3Model, cfg: EngineConfig) -> int:
+    """Bytes the pools may take: what gpu_memory_utilization leaves after weights and a warm-up
+    forward at the largest step, or cpu_cache_gb."""
+    device = model.language_model.lm_head.weight.device
+    if device.type != "cuda":
+        return int(cfg.cpu_cache_gb * 2**30)
+    torch.cuda.reset_peak_memory_stats(device)
+    n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+    warm = CachePools.allocate(model.language_model, 2, blocks_for(n, cfg.block_size) + 1, cfg.block_size)
+    chunk = SeqChunk([0] * n, 0, 1, False, list(range(1, blocks_for(n, cfg.block_size) + 1)))
+    with torch.inference_mode():
+        model(build_forward_batch([chunk], 0, cfg.block_size, device), warm)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - sum(t.numel() * t.element_size() for c in warm.layers
+                                                         for t in vars(c).values())
+    del warm
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(0, int(cfg.gpu_memory_utilization * total - peak))
+
+
+class InProcessExecutor:
+    """TP = 1: the model runner in this process."""
+
+    def __init__(self, model: K3Model, cfg: EngineConfig) -> None:
+        text = model.cfg.text
+        self.info = ModelInfo(text.vocab_size, text.hidden_size, model.cfg.media_placeholder_token_id)
+        self.capacity = size_cache(model, cfg)
+        pools = CachePools.allocate(model.language_model, self.capacity.num_slots, self.capacity.num_blocks,
+                                    self.capacity.block_size)
+        self.runner = ModelRunner(model, pools)
+
+    @classmethod
+    def load(cls, path: str | Path, cfg: EngineConfig, *, dtype: torch.dtype, device: torch.device) -> InProcessExecutor:
+        from k3backend.checkpoint import load_model
+
+        return cls(load_model(path, dtype=dtype, device=device, progress=False), cfg)
+
+    def execute(self, plan: StepPlan) -> Sampled:
+        return self.runner.execute(plan)
+
+    def close(self) -> None:
+        self.runner = None  # type: ignore[assignment]

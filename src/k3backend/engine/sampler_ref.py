@@ -1,0 +1,122 @@
+"""Reference sampler (SERVING.md [SMP-6]): masks, penalties, temperature, top-k, top-p, min-p, draw.
+
+The definition of sampling for the project: the batched device sampler (`engine/sampler.py`)
+must pick the same token for the same request state. The draw is an exponential race over the
+filtered probabilities, argmax_i p_i / E_i with E_i = -log u_i (an exact sample of p), and the
+uniforms u_i come from a counter-based hash of (seed, output position, token id): a request's
+tokens depend only on its own seed and history, never on the batch it runs in ([SMP-7]).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import torch
+
+from k3backend.engine.sampling_params import SamplingParams
+
+# splitmix64 constants as signed int64 (torch has no uint64 arithmetic): multiplication wraps.
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+_STEP = 0x632BE59BD9B4E019  # a second odd multiplier for the output position
+
+
+def as_int64(seed: int) -> int:
+    """A uint64 seed (0 <= seed < 2**64) as the signed int64 with the same bits."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, n: int) -> torch.Tensor:
+    """u [S, n] float64 in (0, 1) for rows (seed, step) and columns 0..n-1: splitmix64 of the counter."""
+    col = torch.arange(n, dtype=torch.int64, device=seeds.device)
+    z = (seeds[:, None] + steps[:, None] * _STEP + col[None, :] * _GOLDEN) * _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 11).to(torch.float64) + 0.5) * 2.0 ** -53
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> torch.Tensor:
+    """Repetition over prompt+output tokens; frequency and presence over output tokens only."""
+    logits = logits.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        if len(seen):
+            v = logits[seen]
+            logits[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and output_ids:
+        counts = Counter(output_ids)
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        c = torch.tensor([counts[i] for i in counts], dtype=logits.dtype)
+        logits[ids] -= p.frequency_penalty * c + p.presence_penalty
+    return logits
+
+
+def banned_ids(p: SamplingParams, output_ids: Sequence[int], eos_ids: Sequence[int],
+               bad_word_seqs: Sequence[Sequence[int]]) -> list[int]:
+    """Token ids masked at this step: bad-word completions ([STP-6]) and, below min_tokens, EOS and stop ids."""
+    banned = []
+    for seq in bad_word_seqs:
+        prefix = list(seq[:-1])
+        if not prefix or list(output_ids[len(output_ids) - len(prefix):]) == prefix:
+            banned.append(seq[-1])
+    if len(output_ids) < p.min_tokens:
+        banned += list(eos_ids) + list(p.stop_token_ids)
+    return banned
+
+
+def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Steps 4–7: temperature, top-k, top-p (ties to the lower id), min-p. Returns unnormalised probs [V].
+
+    Written over the whole sorted vocabulary (zeros past top-k), as the batched sampler computes
+    it, so that both round the top-p mass identically.
+    """
+    probs = torch.softmax(logits / p.temperature, dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)  # ties: lower id first
+    V = probs.numel()
+    k = p.top_k if 0 < p.top_k < V else V
+    pos = torch.arange(V, device=probs.device)
+    keep = pos < k
+    if p.top_p < 1.0:
+        top = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        mass = torch.cumsum(top / top.sum(), dim=0)
+        n = int((mass < p.top_p).sum()) + 1  # the smallest prefix whose mass reaches top_p
+        keep = keep & (pos < n)
+    probs = torch.zeros_like(probs).scatter(0, order, torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)))
+    if p.min_p > 0:
+        probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
+    return probs
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, seed: int, step: int, *, prompt_ids: Sequence[int] = (),
+           output_ids: Sequence[int] = (), eos_ids: Sequence[int] = (),
+           bad_word_seqs: Sequence[Sequence[int]] = ()) -> int:
+    """One token from fp32 logits [V] for one request ([SMP-6] steps 1–8); `seed` an int64, `step`
+    the output position of the token (its draw's counter)."""
+    logits = logits.float()
+    ban = banned_ids(p, output_ids, eos_ids, bad_word_seqs)
+    if ban:
+        logits = logits.index_fill(0, torch.tensor(ban, dtype=torch.long), float("-inf"))
+    logits = apply_penalties(logits, p, prompt_ids, output_ids)
+    if p.greedy:
+        return int(torch.argmax(logits))  # first maximum: ties to the lowest id
+    probs = filter_probs(logits, p)
+    u = counter_uniform(torch.tensor([seed]), torch.tensor([step]), probs.numel())[0]
+    return int(torch.argmax(probs.double() / -torch.log(u)))
+
+
+def request_seed(seed: int | None) -> int:
+    """The request's int64 draw seed: its own, else one from OS entropy at admission ([SMP-7])."""
+    if seed is None:
+        import os
+
+        return as_int64(int.from_bytes(os.urandom(8), "little"))
+    return as_int64(seed % 2**64)
