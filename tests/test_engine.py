@@ -111,7 +111,8 @@ def check_events(events: list[RequestOutput]) -> RequestOutput:
         assert [lp.token for lp in logprobs] == ids
     last = events[-1]
     return RequestOutput(last.request_id, "".join(e.text for e in events), "".join(e.reasoning for e in events),
-                         ids, logprobs, True, last.finish_reason, last.error, last.num_input_tokens)
+                         ids, logprobs, True, last.finish_reason, last.error, last.num_input_tokens,
+                         last.num_cached_tokens)
 
 
 def run(engine: Engine, requests: list[Request]) -> dict[str, RequestOutput]:
@@ -382,6 +383,8 @@ def test_invalid_requests_end_with_invalid_arg(model32, tok, make_engine):
     cases = {
         "long": (Request("long", [65] * 1000, SamplingParams(max_tokens=100)),
                  r"^prompt \(1000 tokens\) \+ max_tokens \(100\) exceeds max_model_len 1024$"),
+        "no_room": (Request("no_room", [65] * 1024, SamplingParams(max_tokens=1)),
+                    r"^prompt \(1024 tokens\) leaves no room for output within max_model_len 1024$"),
         "empty": (Request("empty", [], ok), "prompt is empty"),
         "vocab": (Request("vocab", [65, 512], ok), "token id 512 is outside the vocabulary 0..511"),
         "pads": (Request("pads", [tok.media_pad_id] * 2, ok, image_embeds=torch.zeros(1, 64)),

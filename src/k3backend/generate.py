@@ -15,7 +15,7 @@ import torch
 
 from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch
 from k3backend.engine.sampler_ref import request_seed, sample
-from k3backend.engine.sampling_params import SamplingParams
+from k3backend.engine.sampling_params import SamplingParams, eos_sets
 from k3backend.model.cache import CachePools, ForwardBatch
 from k3backend.model.k3 import K3Model
 
@@ -67,8 +67,7 @@ def generate(model: K3Model, prompt_ids: Sequence[int], params: SamplingParams, 
 
     Stop strings are matched by the caller on detokenized text ([STP-3]).
     """
-    mask_eos = (params.end_id,) if params.end_id is not None else tuple(eos_ids)  # end_id replaces the set
-    stop_eos = () if params.ignore_eos else mask_eos
+    mask_eos, stop_eos = eos_sets(params, tuple(eos_ids))
     device = model.language_model.lm_head.weight.device
     pools, table = _pools(model, len(prompt_ids) + params.max_tokens)
     seed = request_seed(params.seed)

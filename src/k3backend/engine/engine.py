@@ -251,6 +251,9 @@ class Engine:
         ids, p = request.prompt_ids, request.params
         if not ids:
             raise InvalidArgument("prompt is empty")
+        if len(ids) >= self.cfg.max_model_len:
+            raise InvalidArgument(f"prompt ({len(ids)} tokens) leaves no room for output within "
+                                  f"max_model_len {self.cfg.max_model_len}")
         if len(ids) + p.max_tokens > self.cfg.max_model_len:
             raise InvalidArgument(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds "
                                   f"max_model_len {self.cfg.max_model_len}")

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from k3backend.engine.request import TokenLogprob
 from k3backend.engine.sampling_params import SamplingParams
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic): multiplication wraps.
@@ -111,6 +112,18 @@ def sample(logits: torch.Tensor, p: SamplingParams, seed: int, step: int, *, pro
     probs = filter_probs(logits, p)
     u = counter_uniform(torch.tensor([seed]), torch.tensor([step]), probs.numel())[0]
     return int(torch.argmax(probs.double() / -torch.log(u)))
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """[LP-1]..[LP-3] from the raw fp32 logits [V] (before penalties): rank 1-based, ties to the lower id."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    v = lp[token]
+    rank = 1 + int((lp > v).sum()) + int((lp[:token] == v).sum())
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        vals, ids = torch.sort(lp, descending=True, stable=True)  # stable: ties keep the lower id first
+        top = list(zip(ids[:k].tolist(), vals[:k].tolist()))
+    return TokenLogprob(token, float(v), rank, top)
 
 
 def request_seed(seed: int | None) -> int:

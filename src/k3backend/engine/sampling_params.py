@@ -60,3 +60,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def eos_sets(p: SamplingParams, eos_ids: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """([STP-2]) the ids masked below min_tokens (end_id replaces the EOS set) and the ids that end
+    generation (none with ignore_eos)."""
+    mask = (p.end_id,) if p.end_id is not None else tuple(eos_ids)
+    return mask, () if p.ignore_eos else mask

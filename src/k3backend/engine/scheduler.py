@@ -32,6 +32,7 @@ from k3backend.engine.block_manager import BlockManager, chain_keys
 from k3backend.engine.plan import CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
 from k3backend.engine.request import FinishReason, Request, RequestOutput
 from k3backend.engine.sampler_ref import request_seed
+from k3backend.engine.sampling_params import eos_sets
 from k3backend.engine.state_slots import StateSlots
 
 
@@ -75,11 +76,9 @@ class Sequence:
 
     def bind(self, request: Request, pad_id: int) -> None:
         """The prepared request: EOS sets ([STP-2]), draw seed, image pad positions."""
-        p = request.params
         self.request, self.prepare = request, None
-        self.mask_eos = (p.end_id,) if p.end_id is not None else tuple(request.eos_ids)
-        self.stop_eos = () if p.ignore_eos else self.mask_eos
-        self.seed = request_seed(p.seed)
+        self.mask_eos, self.stop_eos = eos_sets(request.params, request.eos_ids)
+        self.seed = request_seed(request.params.seed)
         self.pads = [i for i, t in enumerate(request.prompt_ids) if t == pad_id] if request.image_embeds is not None \
             else []
 

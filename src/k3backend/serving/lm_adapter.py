@@ -29,7 +29,13 @@ from k3backend.engine.request import FinishReason, RequestOutput
 from k3backend.errors import Cancelled, Unavailable
 from k3backend.serving import guardian, lifecycle
 from k3backend.serving import metrics as m
-from k3backend.serving.params import LmDefaults, ParsedRequest, load_generation_defaults, parse_request
+from k3backend.serving.params import (
+    LmDefaults,
+    ParsedRequest,
+    generation_eos_ids,
+    load_generation_defaults,
+    parse_request,
+)
 from k3backend.serving.prompt import build_request
 from k3backend.serving.responses import ResponseBuilder, error_message, stop_request_response
 from k3backend.serving.triton_io import (
@@ -125,8 +131,8 @@ class LmServer:
             default_max_tokens=p.int("default_max_tokens", lo=1), exclude_input_in_output=p.bool("exclude_input_in_output"),
             default_thinking=p.bool("default_thinking"), max_prompt_bytes=p.int("max_prompt_bytes", lo=1),
             allow_stop_by_request_id=p.bool("allow_stop_by_request_id"), **gen)
-        self.eos_ids = tuple(cfg.eos_token_id) or (self.tokenizer.eos_id,)
-        self.eos_ids = tuple(dict.fromkeys(self.eos_ids + tuple(_generation_eos(ckpt))))
+        own = tuple(cfg.eos_token_id) or (self.tokenizer.eos_id,)
+        self.eos_ids = tuple(dict.fromkeys(own + generation_eos_ids(ckpt)))
         engine_cfg = EngineConfig(
             max_num_seqs=p.int("max_num_seqs", lo=1), max_model_len=self.max_model_len,
             max_num_batched_tokens=p.int("max_num_batched_tokens", lo=1),
@@ -416,17 +422,6 @@ class LmServer:
         from k3backend.presets import ensure_default_checkpoint
 
         return ensure_default_checkpoint()
-
-
-def _generation_eos(ckpt: Path) -> list[int]:
-    """EOS ids from generation_config.json, joined to the config's ([STP-2])."""
-    import json
-
-    path = ckpt / "generation_config.json"
-    if not path.exists():
-        return []
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
 def _check_instance_config(cfg: dict) -> None:

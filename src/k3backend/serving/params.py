@@ -128,6 +128,15 @@ class ParsedRequest:
     arrival_time: float = field(default_factory=time.time)  # wall clock at parse, s since the epoch
 
 
+def generation_eos_ids(checkpoint_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids of `generation_config.json`, joined to the checkpoint's own ([STP-2])."""
+    path = Path(checkpoint_dir) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+
+
 def load_generation_defaults(checkpoint_dir: str | Path) -> dict[str, float | int]:
     """The [SMP-1] level-4 defaults from `generation_config.json` (only the five keys vLLM takes).
 

@@ -208,14 +208,10 @@ def _expand_images(ids: list[int], images: ImageInputs | None, tokenizer: Tokeni
 
 
 def _resolve_max_tokens(n_prompt: int, explicit: int | None, max_model_len: int, default_max_tokens: int) -> int:
-    """[SMP-5]: absent -> min(default, room left); explicit and too long -> INVALID_ARG."""
-    if n_prompt >= max_model_len:
-        raise InvalidArgument(f"prompt ({n_prompt} tokens) leaves no room for output within "
-                              f"max_model_len {max_model_len}")
+    """[SMP-5]: absent -> min(default, room left). An explicit value is taken as is: the engine
+    checks prompt + max_tokens against max_model_len, one place for direct and served requests."""
     if explicit is None:
-        return min(default_max_tokens, max_model_len - n_prompt)
-    if n_prompt + explicit > max_model_len:
-        raise InvalidArgument(f"prompt ({n_prompt} tokens) + max_tokens ({explicit}) exceeds max_model_len {max_model_len}")
+        return max(1, min(default_max_tokens, max_model_len - n_prompt))
     return explicit
 
 

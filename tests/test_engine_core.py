@@ -1,0 +1,147 @@
+"""The engine core on paged blocks and state slots: batching, preemption, prefix caching (float64).
+
+Every request's tokens must equal the single-request reference loop (`generate`), whatever else
+runs, whatever the pool sizes force (preemption by recompute) and whatever the prefix cache
+serves. float64 makes the chunking and batching differences (last bits) irrelevant to argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from k3backend.checkpoint import load_model
+from k3backend.engine.request import FinishReason, Request
+from k3backend.engine.sampling_params import SamplingParams
+from k3backend.errors import InvalidArgument
+from k3backend.presets import make_checkpoint
+from k3backend.tokenizer import Tokenizer
+from test_engine import Collector, check_events, new_engine, reference, run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny_core"))
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt) -> Tokenizer:
+    return Tokenizer.from_dir(ckpt)
+
+
+@pytest.fixture(scope="module")
+def model64(ckpt):
+    return load_model(ckpt, dtype=torch.float64, progress=False)
+
+
+PAGED = {"block_size": 4, "snapshot_interval": 8}
+
+
+def image_request(tok, rid: str, model, digest: str, seed: int, text: str = "look at this:") -> Request:
+    pad = tok.media_pad_id
+    ids = tok.encode(text, allow_special=True) + [pad] * 6 + tok.encode(" and say what you see.", allow_special=True)
+    embeds = torch.randn(6, model.cfg.text.hidden_size, generator=torch.Generator().manual_seed(seed),
+                         dtype=torch.float64)
+    return Request(rid, ids, SamplingParams(max_tokens=6, temperature=0.0), image_embeds=embeds,
+                   image_token_counts=(6,), image_hashes=(digest * 32,))
+
+
+def test_sixteen_mixed_requests_with_images_equal_each_alone(model64, tok):
+    """16 requests of mixed lengths, two with images, at most 5 running, a 24-token step budget:
+    admissions, chunked prefills and decodes share steps; every request equals its run alone."""
+    reqs = [Request(f"r{i}", tok.encode(f"request {i}: " + "xyz"[i % 3] * (3 + 5 * (i % 5)), allow_special=True),
+                    SamplingParams(max_tokens=4 + i % 5, temperature=0.0 if i % 2 else 0.8, seed=1000 + i,
+                                   top_k=0 if i % 3 else 20))
+            for i in range(14)]
+    reqs += [image_request(tok, "img-a", model64, "a", 1), image_request(tok, "img-b", model64, "b", 2)]
+    engine = new_engine(model64, tok, max_num_seqs=5, max_num_batched_tokens=24, **PAGED)
+    outs = run(engine, reqs)
+    for r in reqs:
+        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert engine.stats().steps > 5
+    engine.close()
+
+
+def test_preemption_under_a_tiny_pool_changes_no_output(model64, tok):
+    """12 blocks of 4 tokens for 4 requests of 2-block prompts that grow to 8 blocks each: all are
+    admitted, their decodes run out of blocks, the newest running request is preempted and
+    recomputed, and every output equals its run alone."""
+    reqs = [Request(f"p{i}", tok.encode(f"p{i}: go", allow_special=True),
+                    SamplingParams(max_tokens=24, temperature=0.7, seed=i, ignore_eos=True)) for i in range(4)]
+    engine = new_engine(model64, tok, block_size=4, snapshot_interval=8, num_blocks=13, num_slots=6,
+                        prefix_caching=False)
+    outs = run(engine, reqs)
+    for r in reqs:
+        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert (stats.kv_cache_usage, stats.state_slots_usage) == (0.0, 0.0)  # everything freed
+    engine.close()
+
+
+def test_prefix_hit_gives_the_same_output_and_counts_cached_tokens(model64, tok):
+    system = tok.encode("You are a helpful assistant. " * 3, allow_special=True)
+    first = Request("first", system + tok.encode("Q: one?", allow_special=True),
+                    SamplingParams(max_tokens=5, temperature=0.0))
+    second = Request("second", system + tok.encode("Q: two, please?", allow_special=True),
+                     SamplingParams(max_tokens=5, temperature=0.9, seed=3))
+    engine = new_engine(model64, tok, **PAGED)
+    out1 = run(engine, [first])["first"]
+    out2 = run(engine, [second])["second"]
+    assert out1.num_cached_tokens == 0
+    common = next(i for i, (x, y) in enumerate(zip(first.prompt_ids, second.prompt_ids)) if x != y)
+    assert common > len(system)
+    assert out2.num_cached_tokens == common // 8 * 8  # the last snapshot point inside the shared prefix
+    assert out1.token_ids == reference(model64, first) and out2.token_ids == reference(model64, second)
+    again = run(engine, [replace(first, request_id="again")])["again"]  # the whole prompt but its last token
+    assert again.num_cached_tokens == (len(first.prompt_ids) - 1) // 4 * 4
+    assert again.token_ids == out1.token_ids
+    s = engine.stats()
+    assert s.prefix_cache_queries == len(first.prompt_ids) * 2 + len(second.prompt_ids)
+    assert s.prefix_cache_hits == out2.num_cached_tokens + again.num_cached_tokens
+    engine.close()
+
+
+def test_same_text_with_another_image_reuses_nothing_past_the_image(model64, tok):
+    engine = new_engine(model64, tok, **PAGED)
+    a = image_request(tok, "a", model64, "a", 1)
+    b = replace(image_request(tok, "b", model64, "b", 2))  # same ids, other image and hash
+    first_pad = a.prompt_ids.index(tok.media_pad_id)
+    assert run(engine, [a])["a"].token_ids == reference(model64, a)
+    out_b = run(engine, [b])["b"]
+    assert out_b.num_cached_tokens <= first_pad and out_b.token_ids == reference(model64, b)
+    out_a = run(engine, [replace(a, request_id="a2")])["a2"]
+    assert out_a.num_cached_tokens > first_pad + 6  # past the image: same hash, same rows
+    assert out_a.token_ids == reference(model64, a)
+    engine.close()
+
+
+def test_prefix_caching_off_computes_everything(model64, tok):
+    prompt = tok.encode("the same prompt twice, long enough for blocks", allow_special=True)
+    engine = new_engine(model64, tok, prefix_caching=False, **PAGED)
+    outs = [run(engine, [Request(f"x{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0))])[f"x{i}"]
+            for i in range(2)]
+    assert [o.num_cached_tokens for o in outs] == [0, 0] and outs[0].token_ids == outs[1].token_ids
+    assert engine.stats().prefix_cache_hits == 0
+    engine.close()
+
+
+def test_a_request_that_can_never_fit_fails_fast(model64, tok):
+    engine = new_engine(model64, tok, block_size=4, num_blocks=9, num_slots=4, max_model_len=1024)
+    col = Collector()
+    engine.submit(Request("big", [65] * 20, SamplingParams(max_tokens=20)), col)
+    out = check_events(col.wait("big")["big"])
+    assert out.finish_reason is FinishReason.ERROR and isinstance(out.error, InvalidArgument)
+    assert "does not fit in the cache (32 tokens)" in str(out.error)
+    assert engine.stats().steps == 0
+    engine.close()
