@@ -115,7 +115,89 @@ def _tiny() -> dict[str, Any]:
     }
 
 
-PRESETS = {"tiny": _tiny}
+def _small() -> dict[str, Any]:
+    """The `small` benchmark shape: hidden 2048, 24 layers (18 KDA + 6 MLA), 64 experts top-6 at latent
+    1024, vocab 163840 (6.08 B parameters). Every single-GPU performance figure uses it, so figures
+    from different changes compare."""
+    return {
+        "model_type": "kimi_linear",
+        "vocab_size": 163840,
+        "hidden_size": 2048,
+        "num_hidden_layers": 24,
+        "intermediate_size": 8192,
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "rms_norm_eps": 1e-05,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 768,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "tie_word_embeddings": False,
+        "num_experts": 64,
+        "num_experts_per_token": 6,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": 1024,
+        "routed_expert_hidden_size": 1024,
+        "latent_moe_use_norm": True,
+        "moe_router_activation_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "moe_renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "attn_res_block_size": 6,
+        "linear_attn_config": {
+            "kda_layers": [
+                1,
+                2,
+                3,
+                5,
+                6,
+                7,
+                9,
+                10,
+                11,
+                13,
+                14,
+                15,
+                17,
+                18,
+                19,
+                21,
+                22,
+                23
+            ],
+            "full_attn_layers": [
+                4,
+                8,
+                12,
+                16,
+                20,
+                24
+            ],
+            "num_heads": 16,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+            "gate_lower_bound": -5.0
+        },
+        "bos_token_id": 163584,
+        "eos_token_id": 163585,
+        "pad_token_id": 163839,
+        "dtype": "bfloat16"
+    }
+
+
+PRESETS = {"tiny": _tiny, "small": _small}
 
 
 def preset_config(name: str) -> dict[str, Any]:
@@ -125,27 +207,49 @@ def preset_config(name: str) -> dict[str, Any]:
     return copy.deepcopy(PRESETS[name]())
 
 
-def _init_tensor(name: str, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
-    """Deterministic random value for one parameter, scaled so activations stay O(1) through all layers."""
-    randn = lambda: torch.randn(shape, generator=g, dtype=torch.float64)  # noqa: E731
+def _init_rule(name: str, shape: torch.Size) -> tuple[str, float, float]:
+    """(distribution, scale, offset) of one parameter's random value: scales that keep activations
+    O(1) through all layers. distribution: "normal", or "a_log" (log(1 + 15·U), exp(A) in [1, 16])."""
     if name.endswith("A_log"):
-        return torch.log(torch.rand(shape, generator=g, dtype=torch.float64) * 15 + 1)  # exp(A) in [1, 16]
+        return "a_log", 1.0, 0.0
     if name.endswith("dt_bias"):
-        return 0.5 * randn()
+        return "normal", 0.5, 0.0
     if name.endswith("e_score_correction_bias"):
-        return 0.01 * randn()
-    if name.endswith("conv1d.weight"):
-        return randn() / math.sqrt(shape[-1])
+        return "normal", 0.01, 0.0
+    if name.endswith(("conv1d.weight", "conv1d_weight")):
+        return "normal", 1 / math.sqrt(shape[-1]), 0.0
     if name.endswith(("norm.weight", "layernorm.weight")):
-        return 1.0 + 0.1 * randn()
+        return "normal", 0.1, 1.0
     if name.endswith("embed_tokens.weight"):
-        return randn()
+        return "normal", 1.0, 0.0
     if name.endswith("pos_emb.weight"):
-        return 0.5 * randn()
-    if name.endswith("experts.w13") or name.endswith("experts.w2"):
-        return randn() / math.sqrt(shape[-1])
+        return "normal", 0.5, 0.0
+    if name.endswith(("experts.w13", "experts.w2")):
+        return "normal", 1 / math.sqrt(shape[-1]), 0.0
     fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
-    return randn() / math.sqrt(fan_in)
+    return "normal", 1 / math.sqrt(fan_in), 0.0
+
+
+def _init_tensor(name: str, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
+    """Deterministic random value for one parameter (fp64 on the CPU: the checkpoint writer)."""
+    kind, scale, offset = _init_rule(name, shape)
+    if kind == "a_log":
+        return torch.log(torch.rand(shape, generator=g, dtype=torch.float64) * 15 + 1)
+    return offset + scale * torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+@torch.no_grad()
+def randomize_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights by the same rules, drawn on the model's device in its dtypes (benchmarks of
+    big presets without a checkpoint: `bench/engine.py --random-weights small`)."""
+    for i, (name, p) in enumerate(sorted(model.named_parameters())):
+        g = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
+        kind, scale, offset = _init_rule(name, p.shape)
+        if kind == "a_log":
+            p.copy_(torch.log(torch.rand(p.shape, generator=g, device=p.device, dtype=p.dtype) * 15 + 1))
+        else:
+            p.normal_(offset, scale, generator=g)
+    return model
 
 
 def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, num_shards: int = 2) -> Path:

@@ -1,0 +1,228 @@
+"""In-process engine throughput on a synthetic workload: output tokens/s, TTFT and inter-token latency.
+
+    python bench/engine.py --random-weights tiny --concurrency 16 --num-requests 64
+    python bench/engine.py --random-weights small --dtype bfloat16 --concurrency 64 --num-requests 256
+    python bench/engine.py --checkpoint /path/to/ckpt --shared-prefix-len 2048 --shared-prefix-fraction 1.0
+
+A closed loop keeps `--concurrency` requests in flight until `--num-requests` have finished (after
+a short warm-up). Prompt and output lengths are drawn around their means (`--*-std`); outputs are
+exact (`ignore_eos`, min_tokens = max_tokens). `--shared-prefix-*` makes a fraction of the prompts
+start with one common prefix (a system prompt), which the prefix cache should compute once.
+`--random-weights PRESET` builds `tiny` or `small` in memory, drawn on the device, without a
+checkpoint; `--expert-stats` reports how evenly the routers spread tokens over experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+from k3backend.engine.config import EngineConfig
+from k3backend.engine.engine import Engine
+from k3backend.engine.request import Request, RequestOutput
+from k3backend.engine.sampling_params import SamplingParams
+
+
+def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    if args.checkpoint:
+        from k3backend.checkpoint import load_model
+
+        return load_model(args.checkpoint, dtype=dtype, device=device, progress=True)
+    from k3backend.checkpoint import param_dtype
+    from k3backend.config import K3Config
+    from k3backend.model.k3 import K3Model
+    from k3backend.presets import preset_config, randomize_weights_
+
+    cfg = K3Config.from_dict(preset_config(args.random_weights))
+    with torch.device("meta"):
+        model = K3Model(cfg)
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        p.data = p.data.to(param_dtype(name, dtype))
+    return randomize_weights_(model, args.seed).eval().requires_grad_(False)
+
+
+class Tokenizerless:
+    """The engine needs a tokenizer only for detokenizing outputs: a byte-level stand-in will do."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def decode_bytes(self, ids):
+        return bytes(i % 256 for i in ids)
+
+    def is_special(self, token: int) -> bool:
+        return False
+
+    def id_of(self, name: str) -> int:
+        return -1  # no markup tokens: nothing is ever parsed as tags
+
+
+def workload(args: argparse.Namespace, vocab: int, pad_id: int) -> list[tuple[list[int], int]]:
+    """Random prompt ids (never the image pad, which would need image rows) and output lengths."""
+    rng = random.Random(args.seed)
+    draw = lambda: next(t for t in iter(lambda: rng.randrange(vocab), None) if t != pad_id)  # noqa: E731
+    prefix = [draw() for _ in range(args.shared_prefix_len)]
+    out = []
+    for _ in range(args.num_requests + args.warmup):
+        n_in = max(1, int(rng.gauss(args.prompt_len, args.prompt_len_std)))
+        n_out = max(1, int(rng.gauss(args.output_len, args.output_len_std)))
+        ids = [draw() for _ in range(n_in)]
+        if prefix and rng.random() < args.shared_prefix_fraction:
+            ids = prefix + ids
+        out.append((ids, n_out))
+    return out
+
+
+def run(engine: Engine, jobs: list[tuple[list[int], int]], concurrency: int) -> dict:
+    """Closed loop: returns per-request TTFT, inter-token intervals and token counts."""
+    lock, done = threading.Condition(), []
+    ttft, itl, tokens = [], [], 0
+    pending = list(enumerate(jobs))
+    in_flight = 0
+
+    def submit() -> None:
+        nonlocal in_flight
+        i, (ids, n_out) = pending.pop(0)
+        t0 = time.monotonic()
+        state = {"last": 0}
+
+        def on_output(ev: RequestOutput) -> None:
+            nonlocal tokens, in_flight
+            with lock:
+                if ev.token_ids:
+                    tokens += len(ev.token_ids)
+                    if not state["last"]:
+                        ttft.append(time.monotonic() - t0)
+                    elif ev.last_token_time_ns > state["last"]:
+                        itl.extend([(ev.last_token_time_ns - state["last"]) / 1e9 / len(ev.token_ids)]
+                                   * len(ev.token_ids))
+                    state["last"] = ev.last_token_time_ns or state["last"]
+                if ev.finished:
+                    if ev.error is not None:
+                        print(f"request {i} failed: {ev.error}", file=sys.stderr)
+                    done.append(i)
+                    in_flight -= 1
+                    lock.notify()
+
+        p = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=1.0, seed=i)
+        in_flight += 1
+        engine.submit(Request(f"bench-{i}", ids, p), on_output)
+
+    start = time.monotonic()
+    with lock:
+        while pending or in_flight:
+            while pending and in_flight < concurrency:
+                submit()
+            lock.wait()
+    wall = time.monotonic() - start
+    return {"wall": wall, "ttft": ttft, "itl": itl, "tokens": tokens, "n": len(done)}
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def count_experts(model) -> list[torch.Tensor]:
+    """Tokens per expert of every MoE layer, counted by forward hooks that re-run the router on the
+    layer's input (for --expert-stats only: one host sync per layer and step)."""
+    import torch.nn.functional as F
+
+    from k3backend import kernels
+    from k3backend.model.moe import MoE
+
+    counts = []
+    for module in model.modules():
+        if isinstance(module, MoE):
+            c = torch.zeros(module.experts.w13.shape[0], dtype=torch.long)
+            counts.append(c)
+
+            def hook(m, inputs, output, c=c):
+                logits = F.linear(inputs[0].float(), m.gate.weight.float())
+                _, ids = kernels.route(logits, m.gate.e_score_correction_bias, m.top_k, m.n_group, m.topk_group,
+                                       m.renormalize, 1.0)
+                c += torch.bincount(ids.flatten().cpu(), minlength=c.numel())
+
+            module.register_forward_hook(hook)
+    return counts
+
+
+def spread(counts: list[torch.Tensor]) -> str:
+    """max / mean tokens per expert, per MoE layer (1.0 is perfectly even)."""
+    ratios = [float(c.max() / c.float().mean()) for c in counts if c.sum() > 0]
+    return f"max/mean tokens per expert: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f} " \
+           f"over {len(ratios)} layers" if ratios else "n/a"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint")
+    src.add_argument("--random-weights", choices=["tiny", "small"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--prompt-len-std", type=float, default=0.0)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-len-std", type=float, default=0.0)
+    ap.add_argument("--shared-prefix-len", type=int, default=0)
+    ap.add_argument("--shared-prefix-fraction", type=float, default=0.0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=32768)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--expert-stats", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from k3backend.engine.runner import InProcessExecutor
+    from k3backend.serving.triton_io import resolve_device_dtype
+
+    device, dtype = resolve_device_dtype(args.device, args.dtype, "bench")
+    if device.type == "cpu":
+        torch.set_num_threads(1 if args.random_weights == "tiny" else torch.get_num_threads())
+    print("$ python bench/engine.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), dtype {dtype}, "
+          f"torch {torch.__version__}")
+    t0 = time.monotonic()
+    model = build_model(args, device, dtype)
+    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching)
+    engine = Engine(InProcessExecutor(model, cfg), Tokenizerless(model.cfg.text.vocab_size), cfg)
+    print(f"model ready in {time.monotonic() - t0:.1f} s")
+    counts = count_experts(model) if args.expert_stats else []
+    jobs = workload(args, model.cfg.text.vocab_size, model.cfg.media_placeholder_token_id)
+    run(engine, jobs[:args.warmup], min(args.concurrency, args.warmup))
+    before = engine.stats()
+    r = run(engine, jobs[args.warmup:], args.concurrency)
+    after = engine.stats()
+    engine.close()
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    print(f"\n{r['n']} requests, concurrency {args.concurrency}, prompt {args.prompt_len}±{args.prompt_len_std:g}, "
+          f"output {args.output_len}±{args.output_len_std:g}, shared prefix {args.shared_prefix_len} x "
+          f"{args.shared_prefix_fraction:g}, preemptions {after.num_preemptions - before.num_preemptions}")
+    if counts:
+        print(f"expert load: {spread(counts)}")
+    print(f"{'output tok/s':>12} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'ITL p50 ms':>11} {'ITL p99 ms':>11} "
+          f"{'prefix hit':>10}")
+    print(f"{r['tokens'] / r['wall']:>12.1f} {pct(r['ttft'], 50) * 1e3:>12.1f} {pct(r['ttft'], 99) * 1e3:>12.1f} "
+          f"{pct(r['itl'], 50) * 1e3:>11.2f} {pct(r['itl'], 99) * 1e3:>11.2f} "
+          f"{(hits / queries if queries else 0):>10.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
