@@ -1,9 +1,20 @@
 """The one place that chooses an implementation for each op.
 
-Model layers call only `kernels.<op>(...)`. Today every op is its torch reference (`*_ref.py`,
-the definition of the op); fused Triton kernels will register here beside them, selected by
-`K3_KERNELS=ref|triton|auto`, read once in this module.
+Model layers call only `kernels.<op>(...)`. Every op has its torch reference in `*_ref.py` (the
+definition of the op); a fused Triton implementation in `kernels/<family>.py` registers under the
+same name and signature with a verifier `(args) -> (ok, reason)`. `K3_KERNELS` (read once, here)
+selects: `ref` (references only), `triton` (the fast path wherever its verifier accepts the call),
+or `auto` (default: the fast path for CUDA tensors, the reference elsewhere). The choice of each op,
+and the first reason a fast path declines a call, is logged once.
 """
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
 
 from k3backend.kernels.kda_ref import (
     kda_chunked,
@@ -24,6 +35,59 @@ from k3backend.kernels.norm_ref import (
     l2_norm,
     rms_norm,
 )
+
+log = logging.getLogger(__name__)
+
+MODE = os.environ.get("K3_KERNELS", "auto").strip().lower()
+if MODE not in ("ref", "triton", "auto"):
+    raise ValueError(f"K3_KERNELS must be ref, triton or auto, got {MODE!r}")
+
+# Fast implementations: op name -> module that defines `<op>` and `<op>_supports(*args, **kwargs)`.
+FAST_OPS: dict[str, str] = {}
+
+Verifier = Callable[..., tuple[bool, str]]
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> Any:
+    import torch
+
+    return next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+
+
+def _dispatch(name: str, ref: Callable, module: str) -> Callable:
+    """ref, or a function that takes the fast path where its verifier accepts the call."""
+    try:
+        mod = importlib.import_module(module)
+        fast, supports = getattr(mod, name), getattr(mod, f"{name}_supports")
+    except ImportError as e:  # no triton on this machine
+        log.info("kernels: %s uses the torch reference (%s)", name, e)
+        return ref
+    seen: set[str] = set()  # what was logged: "ref", "triton", and each reason a call was declined
+
+    def once(key: str, message: str, *args: Any) -> None:
+        if key not in seen:
+            seen.add(key)
+            log.info(message, *args)
+
+    def op(*args: Any, **kwargs: Any) -> Any:
+        t = _first_tensor(args, kwargs)
+        if MODE == "auto" and (t is None or not t.is_cuda):
+            once("ref", "kernels: %s runs its torch reference (mode auto, tensors not on a GPU)", name)
+            return ref(*args, **kwargs)
+        ok, reason = supports(*args, **kwargs)
+        if ok:
+            once("triton", "kernels: %s runs its Triton kernel (%s, mode %s)", name, module, MODE)
+            return fast(*args, **kwargs)
+        once(reason, "kernels: the Triton %s declines a call (%s); the torch reference runs it", name, reason)
+        return ref(*args, **kwargs)
+
+    op.__name__, op.__doc__, op.__wrapped__ = name, ref.__doc__, ref  # type: ignore[attr-defined]
+    return op
+
+
+if MODE != "ref":
+    for _name, _module in FAST_OPS.items():
+        globals()[_name] = _dispatch(_name, globals()[_name], _module)
 
 __all__ = [
     "Activation", "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "glu", "kda_chunked", "kda_decode",
