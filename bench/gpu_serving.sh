@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serve model_repository/ on a GPU machine without Docker and check it end to end.
 #
-# Carried inputs, built by bench/make_gpu_bundle.sh (see PLATFORM.md): .dev/tritonserver.tar.xz (bin, backends/python with the
+# Carried inputs, built by bench/make_gpu_bundle.sh (see docs/benchmarking.md): .dev/tritonserver.tar.xz (bin, backends/python with the
 # 3.12 stub, libs) and .dev/whl/ (numpy 1.26.4 cp312 — the stub needs numpy<2 —, tritonclient,
 # python-rapidjson). Writes server.log, bench.txt and pytest.txt under $OUT (or /tmp/k3out).
 set -uo pipefail

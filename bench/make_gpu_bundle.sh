@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build what bench/gpu_serving.sh carries to a GPU machine without network (PLATFORM.md):
+# Build what bench/gpu_serving.sh carries to a GPU machine without network (docs/benchmarking.md):
 #   .dev/tritonserver.tar.xz  tritonserver 2.51 from the nvidia-pytriton wheel: bin/, backends/python with the
 #                             Python 3.12 stub, and its libraries as libs/ (libpython dropped), about 27 MB
 #   .dev/whl/                 numpy 1.26.4 (the stub needs numpy<2), tritonclient and python-rapidjson for cp312

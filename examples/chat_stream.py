@@ -3,8 +3,9 @@
     python examples/chat_stream.py --prompt "Describe the image." --image cat.png
     python examples/chat_stream.py --url localhost:8001 --prompt "Hello" --max-tokens 64 --temperature 0
 
-Images travel as data URIs inside the `messages` JSON (SERVING.md §5.2); `k3_vision` encodes them
-and `k3_lm` streams the answer. Ctrl-C sends the stop convention (§6.3) so the server frees the request.
+Images travel as data URIs inside the `messages` JSON; `k3_vision` encodes them and `k3_lm`
+streams the answer. Ctrl-C sends the stop convention so the server frees the request. Both are
+described in docs/client-api.md ("Images", "Cancellation").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""fla-core's plain-torch reference modules, loaded by file path (`import fla.ops` needs a GPU; PLATFORM.md)."""
+"""fla-core's plain-torch reference modules, loaded by file path (`import fla.ops` needs a GPU)."""
 
 import importlib.util
 from pathlib import Path

@@ -288,7 +288,7 @@ def test_ERR_client_mistakes_get_their_code_and_a_good_request_follows(server, v
 def test_ERR1_http_status_of_a_model_error_is_400_on_triton_2_51(server, model, endpoint):
     """SERVING.md §7.3 asks 501 for UNSUPPORTED, but Triton 2.51's generate endpoints answer 400 for
     every error a model sends (tests/test_triton_error_codes.py pins the whole table), so HTTP
-    clients read the code from the message. A Triton that fixes this fails here: update README."""
+    clients read the code from the message. A Triton that fixes this fails here: update docs/errors.md."""
     status, body = http_post(server.http_url, f"/v2/models/{model}/{endpoint}",
                              {"text_input": "hi", "max_tokens": 4, "beam_width": 2})
     error = json.loads(body.removeprefix("data: "))["error"]
@@ -297,8 +297,8 @@ def test_ERR1_http_status_of_a_model_error_is_400_on_triton_2_51(server, model, 
 
 
 def test_http_generate_number_conversion_is_triton_s_on_2_51(server):
-    """What Triton's /generate does with JSON numbers before k3_lm sees them (README "Error status
-    codes"): a wrong kind is 500 from Triton's parser, an integer beyond INT32 wraps around."""
+    """What Triton's /generate does with JSON numbers before k3_lm sees them (docs/errors.md, "What
+    each protocol shows"): a wrong kind is 500 from Triton's parser, an integer beyond INT32 wraps around."""
     status, body = http_post(server.http_url, "/v2/models/k3_ensemble/generate",
                              {"text_input": "hi", "max_tokens": 2.5})
     assert status == 500 and "Unable to parse 'data'" in body, (status, body)

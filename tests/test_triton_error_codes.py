@@ -1,11 +1,12 @@
 """What status a client sees for each error code a Python model sends, per endpoint, on the real
-tritonserver 2.51 (SERVING.md §7.3, [ERR-1], [ERR-6]). README "Error status codes" documents it.
+tritonserver 2.51 (SERVING.md §7.3, [ERR-1], [ERR-6]). docs/errors.md ("What each protocol shows")
+documents it.
 
 Three probe models send `k3backend.serving.triton_io.error_response(code)`, the call k3_lm and
 k3_vision use: `decoupled` (like k3_lm; the code is named in `text_input`, "data-then-<CODE>" first
 sends one data response), `unary` (not decoupled) and `ensemble` (one step, `decoupled`; like
 k3_ensemble). These tests pin Triton's behaviour, not ours: when one fails after a Triton upgrade,
-update the README table and this file together.
+update the table in docs/errors.md and this file together.
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ def test_cuda_visible_devices_can_hide_every_gpu(visible: str) -> None:
     assert not gpu_visible({"CUDA_VISIBLE_DEVICES": visible})
 
 
-# What tritonserver 2.51 still logs on a machine without a GPU, all harmless (README): its GPU
+# What tritonserver 2.51 still logs on a machine without a GPU, all harmless (docs/operations.md): its GPU
 # build's CUDA block manager and ensemble stream setup at start, and the first request that
 # prefers pinned memory; no flag skips them.
 NO_GPU_LEFTOVERS = ('"CudaDriverHelper has not been initialized."', '"unable to create stream for ',
