@@ -115,3 +115,20 @@ def test_mla_paged_ops_equal_the_two_forms_on_gathered_rows():
         c_kv, k_pe = rows[b][:, :r], rows[b][:, r:]
         want = kernels.mla_absorbed(q_nope[b:b + 1], q_pe[b:b + 1], c_kv, k_pe, w_kc, w_vc, scale)
         torch.testing.assert_close(dec[b:b + 1], want, **tol(F64))
+
+
+def test_mla_forms_in_query_blocks_equal_one_block(monkeypatch):
+    """Bounded score memory: queries in blocks give the one-block result (each row's softmax is its own)."""
+    from k3backend.kernels import mla_ref
+
+    T, N, dn, dr, dv, r, S = 37, 3, 8, 4, 6, 10, 50
+    qn, qp = randn(T, N, dn, seed=60), randn(T, N, dr, seed=61)
+    c_kv, k_pe = randn(S, r, seed=62), randn(S, dr, seed=63)
+    kv_b = randn(N * (dn + dv), r, seed=64, scale=r ** -0.5)
+    w = kv_b.view(N, dn + dv, r)
+    w_kc, w_vc = w[:, :dn], w[:, dn:].transpose(1, 2)
+    whole = (mla_ref.mla_mha(qn, qp, c_kv, k_pe, kv_b, 0.3), mla_ref.mla_absorbed(qn, qp, c_kv, k_pe, w_kc, w_vc, 0.3))
+    monkeypatch.setattr(mla_ref, "MAX_SCORES", N * S * 5)  # blocks of 5 query rows
+    assert len(mla_ref._query_blocks(T, N, S)) == 8
+    torch.testing.assert_close(mla_ref.mla_mha(qn, qp, c_kv, k_pe, kv_b, 0.3), whole[0], **tol(F64))
+    torch.testing.assert_close(mla_ref.mla_absorbed(qn, qp, c_kv, k_pe, w_kc, w_vc, 0.3), whole[1], **tol(F64))

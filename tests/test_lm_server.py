@@ -475,3 +475,26 @@ def test_messages_without_text_input_through_the_ensemble_answers(server):
     assert streamed.error is None and streamed.final and streamed.total("num_output_tokens") == 4
     with_empty = stream_one(server.grpc_url, "k3_ensemble", {**base, "text_input": ""})
     assert with_empty.text == json.loads(text)["text_output"] == streamed.text
+
+
+def test_repeated_long_prompt_is_served_from_the_prefix_cache(server):
+    """[IMG-4]/§9: the second identical long prompt reuses the first one's blocks and KDA snapshot:
+    num_cached_tokens (return_perf_metrics) and the prefix-cache counters show it; text is the same."""
+    body = {"text_input": "a long shared system prompt, " * 12, "max_tokens": 4, "temperature": 0,
+            "return_perf_metrics": True, "return_num_input_tokens": True}
+    before = metrics(server.metrics_url)
+    first = json.loads(http_post(server.http_url, "/v2/models/k3_lm/generate", body)[1])
+    second = json.loads(http_post(server.http_url, "/v2/models/k3_lm/generate", body)[1])
+    n = first["num_input_tokens"]
+    assert first["num_cached_tokens"] == 0 and n > 128
+    assert second["num_cached_tokens"] == (n - 1) // 64 * 64  # every full block before the last token
+    assert second["text_output"] == first["text_output"]
+    after = metrics(server.metrics_url)
+    deadline = time.time() + 5
+    while metric(after, "k3:prefix_cache_hits_total") == metric(before, "k3:prefix_cache_hits_total") \
+            and time.time() < deadline:  # gauges and counters follow the engine within a period
+        time.sleep(0.2)
+        after = metrics(server.metrics_url)
+    assert metric(after, "k3:prefix_cache_hits_total") - metric(before, "k3:prefix_cache_hits_total") \
+        == second["num_cached_tokens"]
+    assert metric(after, "k3:prefix_cache_queries_total") - metric(before, "k3:prefix_cache_queries_total") == 2 * n

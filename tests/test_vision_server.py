@@ -34,7 +34,6 @@ from k3backend.serving.vision_adapter import OUTPUTS, PARAMETERS, VisionParams, 
 
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "model_repository" / "k3_vision" / "config.pbtxt"
 PH = "<|kimi_image_placeholder|>"
-LOOPBACK = ("--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1")
 CANNOT_DECODE = "k3_vision: INVALID_ARG: image 0: cannot decode image data (PNG, JPEG, WebP, GIF or BMP expected)"
 
 
@@ -489,7 +488,7 @@ def triton(triton_server, checkpoint: Path, tmp_path_factory: pytest.TempPathFac
     text, n = re.subn(r'(key: "model_path" value: \{ string_value: )""', rf'\1"{checkpoint}"', config.read_text())
     assert n == 1
     config.write_text(text)
-    return triton_server(repo, ["k3_vision"], LOOPBACK)
+    return triton_server(repo, ["k3_vision"])
 
 
 @pytest.fixture(scope="module")

@@ -166,13 +166,16 @@ def server_command(
     extra_args: Sequence[str] = (),
     install: TritonInstall | None = None,
     gpu: bool | None = None,
+    address: str | None = None,
 ) -> list[str]:
     """argv for tritonserver; `extra_args` come last, so they can override the defaults.
 
     gpu: whether a GPU is visible (None: `gpu_visible()`); without one `NO_GPU_ARGS` are added.
+    address: bind the three endpoints to this address only (tests: 127.0.0.1); None: Triton's 0.0.0.0.
     """
     install = install or find_tritonserver()
     gpu = gpu_visible() if gpu is None else gpu
+    bind = () if address is None else tuple(f"--{e}-address={address}" for e in ("http", "grpc", "metrics"))
     return [
         str(install.binary),
         f"--model-repository={Path(model_repository).resolve()}",
@@ -180,6 +183,7 @@ def server_command(
         f"--http-port={http_port}",
         f"--grpc-port={grpc_port}",
         f"--metrics-port={metrics_port}",
+        *bind,
         *(() if gpu else NO_GPU_ARGS),
         *extra_args,
     ]
@@ -203,7 +207,8 @@ class TritonServer:
     """One tritonserver process: start, wait until ready, stop. Use as a context manager.
 
     The server runs in its own process group (so `stop()` can sweep the Python-backend stubs
-    too) and logs to `work_dir/tritonserver.log`. Ports left as None are picked with
+    too), listens on `address` only (loopback by default: tests and tools talk to it from this
+    host) and logs to `work_dir/tritonserver.log`. Ports left as None are picked with
     `free_port()`. Stopping it can take up to `--exit-timeout-secs` (default 30) while a client
     still holds an HTTP keep-alive connection: close clients first.
     """
@@ -220,12 +225,14 @@ class TritonServer:
         metrics_port: int | None = None,
         startup_timeout_s: float = 300.0,
         install: TritonInstall | None = None,
+        address: str = "127.0.0.1",
     ) -> None:
         self.model_repository = Path(model_repository)
         self.work_dir = Path(work_dir)
         self.models = tuple(models)
         self.extra_args = tuple(extra_args)
         self.startup_timeout_s = startup_timeout_s
+        self.address = address
         self.install = install or find_tritonserver()
         self.log_path = self.work_dir / "tritonserver.log"
         self._fixed_ports = (http_port, grpc_port, metrics_port)
@@ -287,7 +294,7 @@ class TritonServer:
     def _spawn(self, backend_dir: Path) -> None:
         cmd = server_command(
             self.model_repository, backend_dir, self.http_port, self.grpc_port, self.metrics_port,
-            self.extra_args, self.install,
+            self.extra_args, self.install, address=self.address,
         )
         self._log_file = open(self.log_path, "wb")
         self._log_file.write(f"$ {' '.join(cmd)}\n".encode())

@@ -19,12 +19,22 @@ import torch
 from k3backend.kernels.norm_ref import acc_dtype
 
 
-def _causal_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """Softmax over keys with query i (absolute position S−T+i) seeing keys j ≤ S−T+i. logits: [N, T, S]."""
-    N, T, S = logits.shape
-    qpos = torch.arange(S - T, S, device=logits.device)[:, None]
+MAX_SCORES = 1 << 26  # scores held at once: queries are taken in blocks so that N·block·S stays below
+
+
+def _causal_softmax(logits: torch.Tensor, first: int) -> torch.Tensor:
+    """Softmax over keys with query i (absolute position first + i) seeing keys j <= first + i. logits: [N, t, S]."""
+    N, t, S = logits.shape
+    qpos = torch.arange(first, first + t, device=logits.device)[:, None]
     kpos = torch.arange(S, device=logits.device)[None, :]
     return torch.softmax(logits.masked_fill(kpos > qpos, float("-inf")), dim=-1)
+
+
+def _query_blocks(T: int, N: int, S: int) -> list[slice]:
+    """Query rows in blocks of bounded score memory: each row's softmax is its own, so blocking
+    changes nothing but peak memory (a 16 K-token image prompt would otherwise hold N·T·S scores)."""
+    rows = max(1, MAX_SCORES // max(1, N * S))
+    return [slice(i, min(i + rows, T)) for i in range(0, T, rows)]
 
 
 def mla_mha(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
@@ -35,13 +45,17 @@ def mla_mha(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: 
     Returns O [T, N·dv] in the model dtype.
     """
     T, N, dn = q_nope.shape
+    S = c_kv.shape[0]
     a = acc_dtype(q_nope)
     kv = (c_kv @ kv_b.t()).view(-1, N, kv_b.shape[0] // N)  # bf(c_kv·W_kvbᵀ), [S, N, dn+dv]
     k_nope, v = kv[..., :dn].to(a), kv[..., dn:].to(a)
-    logits = (torch.einsum("tnd,snd->nts", q_nope.to(a), k_nope)
-              + torch.einsum("tnd,sd->nts", q_pe.to(a), k_pe.to(a))) * scale
-    p = _causal_softmax(logits)
-    return torch.einsum("nts,snd->tnd", p, v).reshape(T, -1).to(q_nope.dtype)
+    out = torch.empty(T, N * v.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+    for b in _query_blocks(T, N, S):
+        logits = (torch.einsum("tnd,snd->nts", q_nope[b].to(a), k_nope)
+                  + torch.einsum("tnd,sd->nts", q_pe[b].to(a), k_pe.to(a))) * scale
+        p = _causal_softmax(logits, S - T + b.start)
+        out[b] = torch.einsum("nts,snd->tnd", p, v).reshape(b.stop - b.start, -1).to(q_nope.dtype)
+    return out
 
 
 def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
@@ -52,14 +66,18 @@ def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k
     up to the two extra roundings. Returns O [T, N·dv].
     """
     T, N, _ = q_nope.shape
+    S = c_kv.shape[0]
     a = acc_dtype(q_nope)
     q_hat = torch.einsum("tnd,ndr->tnr", q_nope.to(a), w_kc.to(a)).to(q_nope.dtype)  # [T, N, r]
-    logits = (torch.einsum("tnr,sr->nts", q_hat.to(a), c_kv.to(a))
-              + torch.einsum("tnd,sd->nts", q_pe.to(a), k_pe.to(a))) * scale
-    p = _causal_softmax(logits)
-    o_hat = torch.einsum("nts,sr->tnr", p, c_kv.to(a)).to(q_nope.dtype)  # [T, N, r]
-    o = torch.einsum("tnr,nrd->tnd", o_hat.to(a), w_vc.to(a))
-    return o.reshape(T, -1).to(q_nope.dtype)
+    out = torch.empty(T, N * w_vc.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+    for b in _query_blocks(T, N, S):
+        logits = (torch.einsum("tnr,sr->nts", q_hat[b].to(a), c_kv.to(a))
+                  + torch.einsum("tnd,sd->nts", q_pe[b].to(a), k_pe.to(a))) * scale
+        p = _causal_softmax(logits, S - T + b.start)
+        o_hat = torch.einsum("nts,sr->tnr", p, c_kv.to(a)).to(q_nope.dtype)  # [t, N, r]
+        o = torch.einsum("tnr,nrd->tnd", o_hat.to(a), w_vc.to(a))
+        out[b] = o.reshape(b.stop - b.start, -1).to(q_nope.dtype)
+    return out
 
 
 # ---- the ops the model calls: paged latent pool -------------------------------------------------

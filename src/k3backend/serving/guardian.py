@@ -32,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from k3backend.serving.lifecycle import server_command_line, server_option
+from k3backend.serving.lifecycle import server_command_line, server_http_url
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +86,10 @@ def _log(message: str) -> None:
 
 
 def _unload(server_pid: int, model: str) -> str:
-    argv = server_command_line(server_pid)
-    if (server_option(argv, "allow-http") or "true").lower() in ("false", "0"):
+    url = server_http_url(server_command_line(server_pid))
+    if url is None:
         return "the server has no HTTP endpoint (--allow-http=false)"
-    port = server_option(argv, "http-port") or "8000"
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/repository/models/{model}/unload",
+    req = urllib.request.Request(f"{url}/v2/repository/models/{model}/unload",
                                  data=json.dumps({"parameters": {"unload_dependents": True}}).encode(),
                                  headers={"Content-Type": "application/json"})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

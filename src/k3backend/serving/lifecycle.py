@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -114,3 +116,19 @@ class ServerWatch:
             live = True  # a timeout: unknown
         self._seen_live = self._seen_live or live
         return self._seen_live and not live
+
+
+def watch_parent(model: str, period_s: float = 0.5) -> threading.Thread:
+    """A daemon thread that ends this stub when tritonserver is gone ([HLT-10]); for stubs without
+    a lifecycle loop of their own (k3_vision)."""
+    ppid = os.getppid()
+
+    def run() -> None:
+        while parent_alive(ppid):
+            time.sleep(period_s)
+        log.error("%s: tritonserver (pid %d) is gone; exiting", model, ppid)
+        os._exit(1)
+
+    t = threading.Thread(target=run, name=f"{model}-parent-watch", daemon=True)
+    t.start()
+    return t

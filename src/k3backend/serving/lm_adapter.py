@@ -155,6 +155,7 @@ class LmServer:
                                     version, self.max_model_len)
         self._ppid = os.getppid()
         self.server = lifecycle.ServerWatch(self._ppid)
+        lifecycle.watch_parent(MODEL)  # [HLT-10]: a server that died without finalize
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self._send_q: queue.SimpleQueue[_Send | _InFlight | None] = queue.SimpleQueue()
@@ -334,14 +335,13 @@ class LmServer:
     # ---- the lifecycle thread --------------------------------------------------------------
 
     def _lifecycle_loop(self) -> None:
-        """Gauges; the server's shutdown ([HLT-9]); a dead parent ([HLT-10]); engine failure ([HLT-5])."""
+        """Gauges; the server's shutdown ([HLT-9]); engine failure ([HLT-5])."""
         reported_failure = False
         gauges: dict[str, float] = {}
-        totals = {"num_preemptions_total": 0, "prefix_cache_queries_total": 0, "prefix_cache_hits_total": 0}
+        warm = self.engine.stats()  # the warm-up request is not traffic
+        totals = {"num_preemptions_total": warm.num_preemptions, "prefix_cache_queries_total": warm.prefix_cache_queries,
+                  "prefix_cache_hits_total": warm.prefix_cache_hits}
         while not self._closed.wait(LIFECYCLE_PERIOD_S):
-            if not lifecycle.parent_alive(self._ppid):
-                log.error("%s: tritonserver (pid %d) is gone; exiting", MODEL, self._ppid)
-                os._exit(1)
             if self.server.shutting_down():
                 self._drain_and_close()
                 return

@@ -61,6 +61,7 @@ from k3backend.serving.images import (
     message_image_parts,
     preprocess_digest,
 )
+from k3backend.serving import lifecycle
 from k3backend.serving.inputs import decode_utf8
 from k3backend.serving.metrics import (
     ERROR_CODES,
@@ -357,6 +358,7 @@ def triton_initialize(pb_utils: Any, args: dict[str, Any]) -> VisionServer:
     import json
 
     setup_logging()
+    lifecycle.watch_parent(MODEL)
     model_config = json.loads(args["model_config"])
     params = VisionParams.from_model_config(model_config)
     metrics: NullMetrics = NullMetrics()
