@@ -33,7 +33,13 @@ def log_pid(log_path: Path, pattern: str) -> int:
 
 
 def stub_pid(log_path: Path) -> int:
-    return log_pid(log_path, r"k3_lm: worker rank 0 pid (\d+) ")
+    return log_pid(log_path, r"k3_lm: stub pid (\d+)")
+
+
+def worker_pids(log_path: Path) -> dict[int, int]:
+    """rank -> pid from the [HLT-1] lines of the k3_lm workers."""
+    lines = re.findall(r"k3_lm: worker rank (\d+) pid (\d+) ", Path(log_path).read_text(errors="replace"))
+    return {int(r): int(p) for r, p in lines}
 
 
 def alive(pid: int) -> bool:

@@ -62,7 +62,7 @@ def test_tiny_checkpoint_is_sharded_in_k3_layout(tiny):
 
 
 def test_activations_stay_sane(tiny_model):
-    ids = torch.randint(0, tiny_model.cfg.text.vocab_size, (48,))
+    ids = torch.randint(0, tiny_model.cfg.media_placeholder_token_id, (48,))  # text ids: no image pads
     hidden = []
     hooks = [layer.register_forward_hook(lambda m, a, out: hidden.append(out))
              for layer in tiny_model.language_model.model.layers]

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from k3backend.config import K3Config
+from k3backend.model.parallel import SINGLE, Parallel
 
 if TYPE_CHECKING:
     from k3backend.model.preprocess import PreprocessConfig
@@ -167,55 +168,108 @@ def packed_params(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
     return out
 
 
+def shard_slices(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
+    """Our (unpacked) names -> (dim, start, end) of the checkpoint tensor this rank loads; absent: all of it.
+
+    Modules sharded by tensor parallelism say which slice in `shards()` (K3_LM.md §9.2).
+    """
+    out = {}
+    for prefix, module in model.named_modules():
+        shards = getattr(module, "shards", None)
+        if shards is not None:
+            base = f"{prefix}." if prefix else ""
+            out.update({base + k: v for k, v in shards().items()})
+    return out
+
+
+def _read(sf, ckpt_name: str, shard: tuple[int, int, int] | None, mx: str | None = None) -> torch.Tensor:
+    """The tensor, or this rank's slice of it, read from the file without the rest (`get_slice`).
+
+    mx: "weight_packed" / "weight_scale" of an MXFP4 pair: a column slice of the unpacked matrix
+    is a slice of 2 values per byte, or of 32 values per scale.
+    """
+    if shard is None:
+        return sf.get_tensor(ckpt_name)
+    dim, a, b = shard
+    if dim == 1 and mx is not None:
+        per = 2 if mx == "weight_packed" else 32
+        if a % per or b % per:
+            raise CheckpointError(f"{ckpt_name}: columns {a}..{b} do not fall on MXFP4 {per}-value boundaries")
+        a, b = a // per, b // per
+    sl = sf.get_slice(ckpt_name)
+    return sl[a:b] if dim == 0 else sl[:, a:b]
+
+
 def load_state_dict_into(model: torch.nn.Module, path: Path, model_type: str, *, progress: bool = True,
                          only_prefix: str | None = None) -> None:
-    """Copy every checkpoint tensor into `model`'s parameters (already allocated, final dtypes).
+    """Copy every checkpoint tensor this rank needs into `model`'s parameters (allocated, final dtypes).
 
-    only_prefix: load just the tensors whose mapped name starts with it (and strip it), e.g. the
-    vision tower alone. Collects all problems and raises one `CheckpointError` listing them.
+    Tensors are read lazily: under tensor / expert parallelism only this rank's slices and experts
+    (`shard_slices`, `Experts.local_expert`), and nothing of what `only_prefix` leaves out (the
+    vision tower alone, or everything but it). Collects all problems and raises one
+    `CheckpointError` listing them.
     """
+    from k3backend.model.moe import Experts
+
     params = dict(model.named_parameters())
-    packed = packed_params(model)
+    packed, shards = packed_params(model), shard_slices(model)
+    experts = {prefix: m for prefix, m in model.named_modules() if isinstance(m, Experts)}
+    skip_vision = only_prefix is None and getattr(model, "vision", "absent") is None
     filled: dict[str, torch.Tensor] = {}  # param name -> bool mask of filled expert rows (or scalar True)
     unexpected, bad_shape = [], []
     mx_parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     total = count_tensors(path) if only_prefix is None else 0
     bar = tqdm(total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress or total < 50)
-    for ckpt_name, t in iter_tensors(path):
-        bar.update(1)
-        name = canonical_name(ckpt_name, model_type)
-        if only_prefix is not None:
-            if not name.startswith(only_prefix):
-                continue
-            name = name[len(only_prefix):]
-        m = _EXPERT.match(name)
-        if m:
-            base, e, w, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
-            if kind != "weight":
-                mx_parts[f"{base}.{e}.{w}"][kind] = t
-                parts = mx_parts[f"{base}.{e}.{w}"]
-                if len(parts) < 2:
+    for f in checkpoint_files(path):
+        with safe_open(str(f), "pt") as sf:
+            for ckpt_name in sf.keys():
+                bar.update(1)
+                name = canonical_name(ckpt_name, model_type)
+                if only_prefix is not None:
+                    if not name.startswith(only_prefix):
+                        continue
+                    name = name[len(only_prefix):]
+                elif skip_vision and name.startswith("vision."):
+                    continue  # a kimi_k3 checkpoint read by a text-only rank
+                m = _EXPERT.match(name)
+                if m:
+                    base, e, w, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+                    module = experts.get(base)
+                    local = None if module is None else module.local_expert(e)
+                    if module is not None and local is None:
+                        continue  # another expert group's expert
+                    t = _read(sf, ckpt_name, None if module is None else module.shard(w),
+                              None if kind == "weight" else kind)
+                    if kind != "weight":
+                        mx_parts[f"{base}.{e}.{w}"][kind] = t
+                        parts = mx_parts[f"{base}.{e}.{w}"]
+                        if len(parts) < 2:
+                            continue
+                        t = dequant_mxfp4(parts["weight_packed"], parts["weight_scale"])
+                        del mx_parts[f"{base}.{e}.{w}"]
+                    _load_expert(params, filled, base, e if local is None else local, w, t, ckpt_name,
+                                 unexpected, bad_shape)
                     continue
-                t = dequant_mxfp4(parts["weight_packed"], parts["weight_scale"])
-                del mx_parts[f"{base}.{e}.{w}"]
-            _load_expert(params, filled, base, e, w, t, ckpt_name, unexpected, bad_shape)
-            continue
-        if name.endswith(".self_attn.A_log") and name in params:
-            t = t.reshape(-1)[: params[name].numel()]  # first num_heads entries (§13)
-        if name in packed:
-            pname, a, b = packed[name]
-            dst, key = params[pname][a:b], name
-        elif name in params:
-            dst, key = params[name], name
-        else:
-            unexpected.append(ckpt_name)
-            continue
-        if tuple(t.shape) != tuple(dst.shape):
-            bad_shape.append(f"{ckpt_name}: expected {list(dst.shape)}, got {list(t.shape)}")
-            continue
-        with torch.no_grad():
-            dst.copy_(t.to(dst.dtype))
-        filled[key] = torch.tensor(True)
+                shard = shards.get(name)
+                t = None
+                if name.endswith(".self_attn.A_log") and name in params:  # padded on disk (§13): this rank's heads
+                    a = 0 if shard is None else shard[1]
+                    t = sf.get_tensor(ckpt_name).reshape(-1)[a:a + params[name].numel()]
+                if name in packed:
+                    pname, a, b = packed[name]
+                    dst, key = params[pname][a:b], name
+                elif name in params:
+                    dst, key = params[name], name
+                else:
+                    unexpected.append(ckpt_name)
+                    continue
+                t = _read(sf, ckpt_name, shard) if t is None else t
+                if tuple(t.shape) != tuple(dst.shape):
+                    bad_shape.append(f"{ckpt_name}: expected {list(dst.shape)}, got {list(t.shape)}")
+                    continue
+                with torch.no_grad():
+                    dst.copy_(t.to(dst.dtype))
+                filled[key] = torch.tensor(True)
     bar.close()
     unexpected += [f"{k}.{kind}" for k, parts in mx_parts.items() for kind in parts]  # unpaired MXFP4 halves
     packed_into = {p for p, _, _ in packed.values()}
@@ -319,20 +373,23 @@ def save_checkpoint(model: torch.nn.Module, out: Path, model_type: str, *, num_s
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-               progress: bool = True) -> torch.nn.Module:
-    """Build the model a checkpoint's config.json describes and load its weights. dtype defaults to fp32."""
+               progress: bool = True, par: Parallel = SINGLE, vision: bool = True) -> torch.nn.Module:
+    """Build the model a checkpoint's config.json describes and load its weights. dtype defaults to fp32.
+
+    par: this rank's shards (only they are read); vision=False leaves out the tower (a worker rank).
+    """
     from k3backend.model.k3 import K3Model
 
     path = Path(path)
     cfg = load_config(path)
     dtype = dtype or torch.float32
     with torch.device("meta"):
-        model = K3Model(cfg)
+        model = K3Model(cfg, par, vision=vision)
     model.to_empty(device=device)
     for name, p in model.named_parameters():
         p.data = p.data.to(param_dtype(name, dtype))
     load_state_dict_into(model, path, cfg.model_type, progress=progress)
-    if cfg.vision is not None and (path / "preprocessor_config.json").exists():
+    if model.vision is not None and (path / "preprocessor_config.json").exists():
         from k3backend.model.preprocess import PreprocessConfig
 
         model.preprocess_cfg = PreprocessConfig.from_json(path / "preprocessor_config.json")

@@ -33,6 +33,7 @@ from k3backend.engine.request import FinishReason, Request, RequestOutput
 from k3backend.engine.runner import Executor
 from k3backend.engine.sampler import Sampled
 from k3backend.engine.scheduler import Cancel, Scheduler, SchedulerConfig, Sequence
+from k3backend.engine.workers import WorkerFailure
 from k3backend.errors import Cancelled, InvalidArgument, Unavailable
 from k3backend.tokenizer import Tokenizer
 
@@ -55,6 +56,7 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # prompt tokens served from the cache
+    workers_alive: int = 1
     unhealthy_reason: str | None = None
 
 
@@ -151,7 +153,8 @@ class Engine:
             running = len(self._sched.running)
             s = self._sched
             return EngineStats(running, len(self._by_key) - running, reason is None, self._steps, s.blocks.usage,
-                               s.slots.usage, s.num_preemptions, s.prefix_queries, s.prefix_hits, reason)
+                               s.slots.usage, s.num_preemptions, s.prefix_queries, s.prefix_hits,
+                               self.executor.workers_alive, reason)
 
     def close(self, timeout: float = 20.0, drain_s: float = 0.0) -> None:
         """Refuse new requests; let in-flight ones run up to `drain_s`; end the rest with
@@ -184,6 +187,7 @@ class Engine:
             self._abandon(Unavailable(SHUTDOWN_ERROR))
         if not self._out.close(max(1.0, end - time.monotonic())):
             log.error("engine output thread is stuck in an on_output callback")
+        self.executor.close(timeout=max(1.0, end - time.monotonic()))
         log.info("engine closed after %d steps", self._steps)
 
     # ---- admission -----------------------------------------------------------------------------
@@ -289,16 +293,26 @@ class Engine:
         return None
 
     def _check_stuck(self) -> None:
-        """[HLT-7]: a step past step_timeout_s fails the engine; its requests are answered from here."""
+        """[HLT-7]: a step past step_timeout_s, or a dead worker while the engine idles, fails the
+        engine; its requests are answered from here."""
         with self._cond:
-            if self._unhealthy is not None or self._step_started is None:
+            if self._unhealthy is not None:
                 return
-            reason = self._health_reason()
-            if reason is None:
+            reason = self._health_reason() if self._step_started is not None else None
+        reason = reason or self.executor.health()
+        if reason is not None:
+            self._fail(reason)
+
+    def _fail(self, reason: str) -> None:
+        """The engine cannot serve: mark it, answer every request with UNAVAILABLE, stop the workers."""
+        with self._cond:
+            if self._unhealthy is not None:
                 return
             self._unhealthy = reason
+            self._step_started = None
         log.error("engine failed: %s", reason)
         self._abandon(Unavailable(f"engine failed: {reason}"))
+        self.executor.close(timeout=2.0)
 
     def _abandon(self, error: Exception) -> None:
         """End every request from this thread; the loop, if it ever returns, emits nothing more."""
@@ -326,12 +340,9 @@ class Engine:
                 seqs = [] if self._abandoned else self._take_all(prepared_only=True)
             self._out.put(self._fail_messages(seqs, Unavailable(SHUTDOWN_ERROR)))
         except BaseException as e:  # noqa: BLE001 - the loop must answer every request whatever failed
-            reason = f"engine step failed: {type(e).__name__}: {e}"
-            log.exception("engine failed; every in-flight request gets an error")
-            with self._cond:
-                self._unhealthy = reason
-                self._step_started = None
-            self._abandon(Unavailable(f"engine failed: {reason}"))
+            if not isinstance(e, WorkerFailure):
+                log.exception("engine step failed; every in-flight request gets an error")
+            self._fail(str(e) if isinstance(e, WorkerFailure) else f"engine step failed: {type(e).__name__}: {e}")
 
     def _step(self) -> None:
         """One step. Sequences leave the registry only once their messages are queued, so a step

@@ -42,11 +42,16 @@ class ModelInfo:
 
 
 class Executor(Protocol):
+    """The model on one or several ranks, as the engine sees it."""
+
     info: ModelInfo
     capacity: CacheCapacity
 
     def execute(self, plan: StepPlan) -> Sampled: ...
-    def close(self) -> None: ...
+    def health(self) -> str | None: ...  # why it cannot serve (a dead worker), or None
+    @property
+    def workers_alive(self) -> int: ...
+    def close(self, timeout: float = 20.0) -> None: ...
 
 
 @dataclass
@@ -58,23 +63,23 @@ class _Slot:
 
 
 class ModelRunner:
-    """One rank: model, pools, sampler. `execute` is the whole step on this rank."""
+    """One rank: model, pools, sampler. `execute` is the whole step on this rank.
 
-    def __init__(self, model: K3Model, pools: CachePools) -> None:
-        self.model, self.pools = model, pools
+    Every rank runs the same plans in the same order, so all meet in the same collectives; only
+    the rank that `samples` (rank 0) keeps sampling state and returns tokens.
+    """
+
+    def __init__(self, model: K3Model, pools: CachePools, samples: bool = True) -> None:
+        self.model, self.pools, self.samples = model, pools, samples
         self.device = model.language_model.lm_head.weight.device
         self.sampler = Sampler()
         self._slots: dict[int, _Slot] = {}
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> Sampled:
-        for slot in plan.freed:
-            self._slots.pop(slot, None)
-        for r in plan.new:
-            self._slots[r.slot] = _Slot(r, list(r.output_ids))
-        self._copy(plan.copies)
-        logits = self.model(self._batch(plan), self.pools)
-        self._copy(plan.snapshots)
+    def execute(self, plan: StepPlan) -> Sampled | None:
+        logits = self.logits(plan)
+        if not self.samples:
+            return None
         sampled = [s for s in plan.seqs if s.sample]
         if not sampled:
             return Sampled([], [])
@@ -82,6 +87,18 @@ class ModelRunner:
         for s, token in zip(sampled, out.token_ids):
             self._slots[s.slot].output_ids.append(token)
         return out
+
+    @torch.inference_mode()
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        """The step's forward: slot bookkeeping, snapshot copies, logits [S, V] of the sampling rows."""
+        for slot in plan.freed:
+            self._slots.pop(slot, None)
+        for r in plan.new:
+            self._slots[r.slot] = _Slot(r, list(r.output_ids))
+        self._copy(plan.copies)
+        logits = self.model(self._batch(plan), self.pools)
+        self._copy(plan.snapshots)
+        return logits
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -179,5 +196,12 @@ class InProcessExecutor:
     def execute(self, plan: StepPlan) -> Sampled:
         return self.runner.execute(plan)
 
-    def close(self) -> None:
-        self.runner = None  # type: ignore[assignment]
+    def health(self) -> str | None:
+        return None
+
+    @property
+    def workers_alive(self) -> int:
+        return 1
+
+    def close(self, timeout: float = 20.0) -> None:
+        pass

@@ -14,18 +14,20 @@ from torch import nn
 from k3backend.config import K3Config
 from k3backend.model.cache import CachePools, ForwardBatch
 from k3backend.model.lm import K3ForCausalLM
+from k3backend.model.parallel import SINGLE, Parallel
 
 
 class K3Model(nn.Module):
     """`model(batch, pools)` -> logits [S, V] of the batch's logits rows; image rows (`batch.mm_embeds`,
     from `encode_images` or k3_vision) replace the embeddings of their media-pad positions."""
 
-    def __init__(self, cfg: K3Config) -> None:
+    def __init__(self, cfg: K3Config, par: Parallel = SINGLE, *, vision: bool = True) -> None:
+        """par: this rank's shards of the language model; vision=False leaves the tower out (workers)."""
         super().__init__()
         self.cfg = cfg
-        self.language_model = K3ForCausalLM(cfg.text)
+        self.language_model = K3ForCausalLM(cfg.text, par)
         self.vision = None
-        if cfg.vision is not None:
+        if cfg.vision is not None and vision:
             from k3backend.model.vision import K3VisionModel
 
             self.vision = K3VisionModel(cfg.vision)

@@ -9,6 +9,7 @@ from k3backend import kernels
 from k3backend.config import TextConfig
 from k3backend.model.cache import ForwardBatch, KDACache, cat_parts
 from k3backend.model.norm import RMSNorm
+from k3backend.model.parallel import SINGLE, Parallel
 
 O_NORM_EPS = 1e-5  # hard-coded in SGLang whatever rms_norm_eps says (§5.7)
 
@@ -24,10 +25,13 @@ class KDA(nn.Module):
 
     is_kda = True
 
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, par: Parallel = SINGLE) -> None:
+        """Under TP this rank holds heads [r·H/tp, (r+1)·H/tp) of every head-parallel tensor (§9.2)."""
         super().__init__()
         lac = cfg.linear_attn_config
-        self.H, self.K, self.V = lac.num_heads, lac.head_dim, cfg.kda_v_head_dim
+        self.par = par
+        self.H = par.split(lac.num_heads, "linear_attn_config.num_heads")  # heads on this rank
+        self.K, self.V = lac.head_dim, cfg.kda_v_head_dim
         self.W = lac.short_conv_kernel_size
         self.lower_bound = lac.gate_lower_bound
         self.full_rank_gate = lac.use_full_rank_gate
@@ -54,6 +58,16 @@ class KDA(nn.Module):
         bounds = {"q": (0, P), "k": (P, 2 * P), "v": (2 * P, 2 * P + PV)}
         return {**{f"{n}_proj.weight": ("qkv_proj.weight", *b) for n, b in bounds.items()},
                 **{f"{n}_conv1d.weight": ("conv1d_weight", *b) for n, b in bounds.items()}}
+
+    def shards(self) -> dict[str, tuple[int, int, int]]:
+        """Checkpoint name -> (dim, start, end) of the full tensor this rank loads (head-parallel)."""
+        r, H, P, PV = self.par.tp_rank, self.H, self.H * self.K, self.H * self.V
+        rows = lambda n: (0, r * n, (r + 1) * n)  # noqa: E731
+        out = {f"{n}_proj.weight": rows(P) for n in "qk"} | {f"{n}_conv1d.weight": rows(P) for n in "qk"}
+        out |= {"v_proj.weight": rows(PV), "v_conv1d.weight": rows(PV), "b_proj.weight": rows(H),
+                "f_b_proj.weight": rows(P), "A_log": rows(H), "dt_bias": rows(P), "o_proj.weight": (1, r * PV, (r + 1) * PV)}
+        out["g_proj.weight" if self.full_rank_gate else "g_b_proj.weight"] = rows(PV)
+        return out
 
     def cache_shapes(self) -> tuple[tuple[int, int, int], tuple[int, int]]:
         """((H, K, V) of the recurrent state, (W-1, C) of the conv history) per slot."""
@@ -84,5 +98,5 @@ class KDA(nn.Module):
                                                       batch.prefill_cu_seqlens, si[nd:],
                                                       batch.has_initial_state[nd:]))
         y = kernels.gated_rms_norm(o.to(x.dtype), z.view(T, H, V), self.o_norm.weight, O_NORM_EPS)  # out_t = bf(o_t)
-        return self.o_proj(y.reshape(T, H * V))
+        return self.par.all_reduce(self.o_proj(y.reshape(T, H * V)))  # row-parallel o_proj (§9.3 item 2)
 

@@ -22,16 +22,17 @@ from k3backend.model.kda import KDA
 from k3backend.model.mla import MLA
 from k3backend.model.moe import MLP, MoE
 from k3backend.model.norm import RMSNorm
+from k3backend.model.parallel import SINGLE, Parallel, VocabParallelEmbedding
 
 
 class DecoderLayer(nn.Module):
     """Attention (KDA or MLA) then MLP/MoE, joined by Attention Residuals or a plain pre-norm residual."""
 
-    def __init__(self, cfg: TextConfig, i: int) -> None:
+    def __init__(self, cfg: TextConfig, i: int, par: Parallel = SINGLE) -> None:
         super().__init__()
         self.i, self.S = i, cfg.attn_res_block_size
-        self.self_attn = KDA(cfg) if cfg.is_kda_layer(i) else MLA(cfg)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg, cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = KDA(cfg, par) if cfg.is_kda_layer(i) else MLA(cfg, par)
+        self.mlp = MoE(cfg, par) if cfg.is_moe_layer(i) else MLP(cfg, cfg.hidden_size, cfg.intermediate_size, par)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.S is not None:
@@ -70,11 +71,11 @@ def _add_norm(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> 
 class K3TextModel(nn.Module):
     """`language_model.model`: embeddings, decoder layers, final aggregation and norm."""
 
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, par: Parallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, par) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attn_res_block_size is not None:
             self.output_attn_res = ResScore(cfg.hidden_size, cfg.rms_norm_eps)
@@ -93,15 +94,23 @@ class K3TextModel(nn.Module):
 
 
 class K3ForCausalLM(nn.Module):
-    """`language_model`: the text model plus an untied (or tied) LM head. Logits are in the model dtype."""
+    """`language_model`: the text model plus an untied (or tied) LM head. Logits are in the model dtype.
 
-    def __init__(self, cfg: TextConfig) -> None:
+    The head is vocab-parallel like the embedding: this rank's logit columns, then an all-gather (§9.3 item 5).
+    """
+
+    def __init__(self, cfg: TextConfig, par: Parallel = SINGLE) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.model = K3TextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cfg, self.par = cfg, par
+        self.model = K3TextModel(cfg, par)
+        v0, v1 = par.tp_range(cfg.vocab_size, "vocab_size")
+        self.lm_head = nn.Linear(cfg.hidden_size, v1 - v0, bias=False)
+        self._head_rows = (v0, v1)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def shards(self) -> dict[str, tuple[int, int, int]]:
+        return {"lm_head.weight": (0, *self._head_rows)}
 
     def forward(self, batch: ForwardBatch, pools: CachePools, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [S, V] of the rows `batch.logits_indices` (model dtype), after the step's cache writes.
@@ -110,5 +119,5 @@ class K3ForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(batch.input_ids) if inputs_embeds is None else inputs_embeds
         h = self.model(x, batch, pools)[batch.logits_indices]
-        logits = self.lm_head(h)
+        logits = self.par.all_gather(self.lm_head(h))
         return logits if self.cfg.logit_scale == 1.0 else logits * self.cfg.logit_scale

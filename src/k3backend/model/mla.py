@@ -9,6 +9,7 @@ from k3backend import kernels
 from k3backend.config import TextConfig
 from k3backend.model.cache import ForwardBatch, MLACache, cat_parts
 from k3backend.model.norm import RMSNorm
+from k3backend.model.parallel import SINGLE, Parallel
 
 
 class MLA(nn.Module):
@@ -20,9 +21,12 @@ class MLA(nn.Module):
 
     is_kda = False
 
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, par: Parallel = SINGLE) -> None:
+        """Under TP this rank holds heads [r·N/tp, (r+1)·N/tp) of q_b/kv_b/g/o; the latent projections
+        and norms, and so the latent cache, are replicated (§9.2)."""
         super().__init__()
-        self.N = cfg.num_attention_heads
+        self.par = par
+        self.N = par.split(cfg.num_attention_heads, "num_attention_heads")  # heads on this rank
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.r = cfg.kv_lora_rank
         self.scale = (self.dn + self.dr) ** -0.5
@@ -39,6 +43,17 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.r, self.N * (self.dn + self.dv), bias=False)
         self.g_proj = nn.Linear(D, self.N * self.dv, bias=False) if cfg.mla_use_output_gate else None
         self.o_proj = nn.Linear(self.N * self.dv, D, bias=False)
+
+    def shards(self) -> dict[str, tuple[int, int, int]]:
+        """Checkpoint name -> (dim, start, end) of the full tensor this rank loads (head-parallel)."""
+        r = self.par.tp_rank
+        rows = lambda per_head: (0, r * self.N * per_head, (r + 1) * self.N * per_head)  # noqa: E731
+        q = "q_b_proj.weight" if self.q_lora else "q_proj.weight"
+        out = {q: rows(self.dn + self.dr), "kv_b_proj.weight": rows(self.dn + self.dv),
+               "o_proj.weight": (1, r * self.N * self.dv, (r + 1) * self.N * self.dv)}
+        if self.g_proj is not None:
+            out["g_proj.weight"] = rows(self.dv)
+        return out
 
     @property
     def cache_width(self) -> int:
@@ -69,4 +84,4 @@ class MLA(nn.Module):
                                                       self.kv_b_proj.weight, w_kc, w_vc, self.scale))
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))  # bf(O ⊙ bf(σ(z))) (§6.4)
-        return self.o_proj(o)
+        return self.par.all_reduce(self.o_proj(o))  # row-parallel o_proj (§9.3 item 2)

@@ -9,6 +9,7 @@ from torch import nn
 from k3backend import kernels
 from k3backend.config import TextConfig
 from k3backend.model.norm import RMSNorm
+from k3backend.model.parallel import SINGLE, Parallel
 
 
 def make_act(cfg: TextConfig, *, routed: bool) -> kernels.Activation:
@@ -25,10 +26,15 @@ class MLP(nn.Module):
     gate_proj and up_proj are packed into gate_up_proj = [gate ; up], their runtime layout.
     """
 
-    def __init__(self, cfg: TextConfig, hidden: int, intermediate: int) -> None:
+    def __init__(self, cfg: TextConfig, hidden: int, intermediate: int, par: Parallel = SINGLE,
+                 what: str = "intermediate_size") -> None:
+        """Under TP gate and up are column-split (this rank's rows [gate_r ; up_r] keep SiTU pairs
+        aligned) and down row-split (§9.2)."""
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.par = par
+        n = par.split(intermediate, what)
+        self.gate_up_proj = nn.Linear(hidden, 2 * n, bias=False)
+        self.down_proj = nn.Linear(n, hidden, bias=False)
         self.act = make_act(cfg, routed=False)
 
     def packing(self) -> dict[str, tuple[str, int, int]]:
@@ -36,14 +42,21 @@ class MLP(nn.Module):
         n = self.down_proj.in_features
         return {"gate_proj.weight": ("gate_up_proj.weight", 0, n), "up_proj.weight": ("gate_up_proj.weight", n, 2 * n)}
 
-    def forward(self, x: torch.Tensor, *, fp32_front: bool = False) -> torch.Tensor:
-        """fp32_front: feed the activation the unrounded GEMM output (SGLang's fused MoE front, §7.6)."""
+    def shards(self) -> dict[str, tuple[int, int, int]]:
+        n, r = self.down_proj.in_features, self.par.tp_rank
+        return {"gate_proj.weight": (0, r * n, (r + 1) * n), "up_proj.weight": (0, r * n, (r + 1) * n),
+                "down_proj.weight": (1, r * n, (r + 1) * n)}
+
+    def forward(self, x: torch.Tensor, *, fp32_front: bool = False, reduce: bool = True) -> torch.Tensor:
+        """fp32_front: feed the activation the unrounded GEMM output (SGLang's fused MoE front, §7.6).
+        reduce=False leaves this rank's partial sum (the MoE reduces it with the routed latent)."""
         if fp32_front:
             a = kernels.acc_dtype(x)
             gu = F.linear(x.to(a), self.gate_up_proj.weight.to(a))
         else:
             gu = self.gate_up_proj(x)
-        return self.down_proj(kernels.glu(gu, self.act, x.dtype))
+        out = self.down_proj(kernels.glu(gu, self.act, x.dtype))
+        return self.par.all_reduce(out) if reduce else out  # row-parallel down_proj (§9.3 item 3)
 
 
 class Gate(nn.Module):
@@ -57,15 +70,31 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed expert weights stacked per layer: w13 [E, 2I, D] = [w1 ; w3], w2 [E, D, I].
+    """Routed expert weights stacked per layer: w13 [E_r, 2I_r, D] = [w1 ; w3], w2 [E_r, D, I_r].
 
-    The checkpoint's per-expert `experts.{e}.w1/w2/w3` tensors are stacked at load time.
+    The checkpoint's per-expert `experts.{e}.w1/w2/w3` tensors are stacked at load time. This rank
+    holds experts [e0, e0 + E_r) of its expert group (EP) and the intermediate slice of its moe-TP
+    rank in each (w1/w3 rows, w2 columns; §9.2, §9.4).
     """
 
-    def __init__(self, num_experts: int, dim: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, dim: int, intermediate: int, par: Parallel = SINGLE) -> None:
         super().__init__()
-        self.w13 = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, dim))
-        self.w2 = nn.Parameter(torch.zeros(num_experts, dim, intermediate))
+        self.par = par
+        n_local = par.split(num_experts, "num_experts", par.ep_size)
+        i_local = par.split(intermediate, "moe_intermediate_size", par.moe_tp_size)
+        self.e0 = par.ep_rank * n_local  # global id of the first local expert
+        self.w13 = nn.Parameter(torch.zeros(n_local, 2 * i_local, dim))
+        self.w2 = nn.Parameter(torch.zeros(n_local, dim, i_local))
+
+    def local_expert(self, e: int) -> int | None:
+        """This rank's index of global expert e, or None when another expert group holds it."""
+        return e - self.e0 if self.e0 <= e < self.e0 + self.w13.shape[0] else None
+
+    def shard(self, w: str) -> tuple[int, int, int]:
+        """(dim, start, end) of checkpoint tensor experts.{e}.{w} this rank loads: its intermediate slice."""
+        n = self.w2.shape[2]
+        r = self.par.moe_tp_rank
+        return (1 if w == "w2" else 0, r * n, (r + 1) * n)
 
 
 class MoE(nn.Module):
@@ -75,8 +104,9 @@ class MoE(nn.Module):
     Plain (Kimi-Linear): experts at the hidden size, output routed + shared.
     """
 
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, par: Parallel = SINGLE) -> None:
         super().__init__()
+        self.par = par
         D, E = cfg.hidden_size, cfg.num_experts
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_token, cfg.num_expert_group, cfg.topk_group
         self.renormalize, self.scaling = cfg.moe_renormalize, cfg.routed_scaling_factor
@@ -87,23 +117,33 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(latent, D, bias=False)
             self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
         self.latent = latent is not None
-        self.experts = Experts(E, latent or D, cfg.moe_intermediate_size)
-        self.shared_experts = (MLP(cfg, D, cfg.moe_intermediate_size * cfg.num_shared_experts)
-                               if cfg.num_shared_experts > 0 else None)
+        self.experts = Experts(E, latent or D, cfg.moe_intermediate_size, par)
+        self.shared_experts = (MLP(cfg, D, cfg.moe_intermediate_size * cfg.num_shared_experts, par,
+                                   "moe_intermediate_size * num_shared_experts") if cfg.num_shared_experts > 0 else None)
         self.act = make_act(cfg, routed=True)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [T, D] normed MLP input. Returns [T, D]."""
+        """h: [T, D] normed MLP input. Returns [T, D].
+
+        Routing runs identically on every rank; each rank's experts see global ids shifted to its
+        own (others' fall outside and are skipped); the partial sums are reduced before the latent
+        norm, together with the shared experts' partials, in one all-reduce (§9.3 item 4).
+        """
         a = kernels.acc_dtype(h)
         logits = F.linear(h.to(a), self.gate.weight.to(a))  # fp32 router logits [T, E] (no copy: fp32 at load)
         w, ids = kernels.route(logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
                                self.topk_group, self.renormalize, 1.0)
+        local_ids = ids - self.experts.e0 if self.experts.e0 else ids
         zl = self.routed_expert_down_proj(h) if self.latent else h  # [T, latent]
-        out = kernels.experts(zl, w, ids, self.experts.w13, self.experts.w2, self.act, self.scaling)
-        if self.latent:
-            if self.routed_expert_norm is not None:
-                out = self.routed_expert_norm(out)
-            out = self.routed_expert_up_proj(out)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(h, fp32_front=self.latent)
-        return out
+        out = kernels.experts(zl, w, local_ids, self.experts.w13, self.experts.w2, self.act, self.scaling)
+        shared = None if self.shared_experts is None else self.shared_experts(h, fp32_front=self.latent, reduce=False)
+        if not self.latent:
+            return self.par.all_reduce(out if shared is None else out + shared)
+        if shared is None:
+            out = self.par.all_reduce(out)
+        else:
+            out, shared = self.par.all_reduce_pair(out, shared)
+        if self.routed_expert_norm is not None:
+            out = self.routed_expert_norm(out)
+        out = self.routed_expert_up_proj(out)
+        return out if shared is None else out + shared

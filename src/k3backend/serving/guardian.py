@@ -32,6 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from k3backend.interpreter import python_executable
 from k3backend.serving.lifecycle import server_command_line, server_http_url
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def spawn(model: str, action: str) -> int:
         raise ValueError(f"stub_failure_action must be one of {list(ACTIONS)}, got {action!r}")
     read_fd, write_fd = os.pipe()
     os.set_inheritable(read_fd, True)
-    cmd = [_python(), "-m", "k3backend.serving.guardian", "--fd", str(read_fd), "--stub-pid", str(os.getpid()),
+    cmd = [python_executable(), "-m", "k3backend.serving.guardian", "--fd", str(read_fd), "--stub-pid", str(os.getpid()),
            "--server-pid", str(os.getppid()), "--model", model, "--action", action]
     proc = subprocess.Popen(cmd, pass_fds=(read_fd,), stdin=subprocess.DEVNULL, close_fds=True)
     os.close(read_fd)
@@ -62,14 +63,6 @@ def say_goodbye(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
-
-
-def _python() -> str:
-    """The interpreter of this environment: the stub embeds Python, so sys.executable can be the stub."""
-    exe = Path(sys.executable)
-    if exe.name.startswith("python"):
-        return str(exe)
-    return str(Path(sys.prefix) / "bin" / "python3")
 
 
 def _alive(pid: int) -> bool:

@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
+from k3backend.config import ConfigError
 from k3backend.engine.config import EngineConfig
 from k3backend.engine.engine import SHUTDOWN_ERROR, Engine
+from k3backend.engine.runner import InProcessExecutor
 from k3backend.engine.request import FinishReason, RequestOutput
 from k3backend.errors import Cancelled, Unavailable
 from k3backend.serving import guardian, lifecycle
@@ -101,9 +103,9 @@ class LmServer:
         setup_logging()
         _check_instance_config(model_config)
         p = ModelParams(model_config, PARAMETERS, MODEL)
-        if p.int("tensor_parallel_size", lo=1) != 1 or p.int("expert_parallel_size", lo=1) != 1:
-            raise ValueError(f"{MODEL}: tensor_parallel_size/expert_parallel_size > 1 are not implemented yet "
-                             "(the engine runs in one process)")
+        tp, ep = p.int("tensor_parallel_size", lo=1), p.int("expert_parallel_size", lo=1)
+        if tp % ep:
+            raise ConfigError(f"{MODEL}: expert_parallel_size {ep} must divide tensor_parallel_size {tp}")
         self.period_s = p.int("cancellation_check_period_ms", lo=1) / 1000
         self.shutdown_timeout_s = p.float("shutdown_timeout_s", lo=0)
         self.unload_on_failure = p.bool("unload_on_engine_failure")
@@ -116,7 +118,6 @@ class LmServer:
         tok_dir = Path(p.str("tokenizer_path")) if p.str("tokenizer_path") else ckpt
         t0 = time.monotonic()
         from k3backend.checkpoint import load_config
-        from k3backend.engine.runner import InProcessExecutor
         from k3backend.tokenizer import Tokenizer
 
         cfg = load_config(ckpt)
@@ -141,14 +142,15 @@ class LmServer:
             prefix_caching=p.bool("enable_prefix_caching"),
             gpu_memory_utilization=p.float("gpu_memory_utilization", lo=0.01),
             cpu_cache_gb=p.float("cpu_cache_gb", lo=0.001))
-        executor = InProcessExecutor.load(ckpt, engine_cfg, dtype=dtype, device=device)
-        self.engine = Engine(executor, self.tokenizer, engine_cfg)
+        self.engine = Engine(self._executor(p, ckpt, engine_cfg, device, dtype, tp, ep), self.tokenizer, engine_cfg)
         try:
             self._warm_up()
         except BaseException:
             self.engine.close(timeout=5)
             raise
-        log.info("%s: worker rank 0 pid %d device %s", MODEL, os.getpid(), device)  # [HLT-1]
+        log.info("%s: stub pid %d", MODEL, os.getpid())
+        if isinstance(self.engine.executor, InProcessExecutor):
+            log.info("%s: worker rank 0 pid %d device %s (in process)", MODEL, os.getpid(), device)  # [HLT-1]
         log.info("%s: loaded %s (%s) in %.1f s", MODEL, ckpt, dtype, time.monotonic() - t0)
 
         self.metrics = m.lm_metrics(pb_utils, p.bool("REPORT_CUSTOM_METRICS"), p.str("metrics_prefix"), MODEL,
@@ -350,7 +352,7 @@ class LmServer:
                                 ("num_requests_waiting", stats.num_waiting),
                                 ("kv_cache_usage_perc", stats.kv_cache_usage),
                                 ("state_slots_usage_perc", stats.state_slots_usage),
-                                ("engine_healthy", float(stats.healthy)), ("workers_alive", float(stats.healthy))):
+                                ("engine_healthy", float(stats.healthy)), ("workers_alive", stats.workers_alive)):
                 if gauges.get(name) != value:
                     gauges[name] = value
                     self.metrics.set(name, value)
@@ -411,6 +413,30 @@ class LmServer:
                            on_output)
         if not done.wait(600) or events[-1].finish_reason is FinishReason.ERROR:
             raise RuntimeError(f"{MODEL}: warm-up failed: {events[-1].error if events else 'timed out'}")
+
+    @staticmethod
+    def _executor(p: ModelParams, ckpt: Path, cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp: int,
+                  ep: int):
+        """Worker processes (one per rank) on GPUs and for TP > 1 ([HLT-1]); the engine in this
+        process only for one CPU rank (tests, laptops)."""
+        from k3backend.engine.runner import InProcessExecutor
+        from k3backend.engine.workers import MultiProcessExecutor
+
+        if device.type == "cpu" and tp == 1:
+            return InProcessExecutor.load(ckpt, cfg, dtype=dtype, device=device)
+        gpus = None
+        if device.type == "cuda":
+            listed = [g.strip() for g in p.str("gpu_device_ids").split(",") if g.strip()]
+            gpus = [int(g) for g in listed] if listed else list(range(tp))
+            if len(gpus) != tp or len(set(gpus)) != tp or min(gpus) < 0 or max(gpus) >= torch.cuda.device_count():
+                raise ConfigError(f"{MODEL}: gpu_device_ids {p.str('gpu_device_ids')!r}: expected {tp} distinct "
+                                  f"GPU ids below {torch.cuda.device_count()} (tensor_parallel_size {tp})")
+        backend = p.choice("dist_backend", ("auto", "nccl", "gloo"))
+        if backend == "nccl" and gpus is None:
+            raise ConfigError(f"{MODEL}: dist_backend nccl needs GPUs (device is cpu)")
+        return MultiProcessExecutor(str(ckpt), cfg, dtype=str(dtype).removeprefix("torch."), gpus=gpus, world_size=tp,
+                                    ep_size=ep, backend=backend, startup_timeout_s=p.float("startup_timeout_s", lo=1),
+                                    step_timeout_s=cfg.step_timeout_s)
 
     @staticmethod
     def _checkpoint(model_path: str) -> Path:

@@ -1,0 +1,367 @@
+"""Worker processes: one per tensor-parallel rank, each a `ModelRunner` on its own device.
+
+The engine talks to `MultiProcessExecutor` exactly as to the in-process one. Each step the
+coordinator pickles the `StepPlan` (small: ints and the step's new sampling settings) into every
+rank's pipe; every rank runs the same forward and meets the others in its collectives; rank 0
+samples and sends the ids back. Image embedding rows travel once, with the plan that admits
+their request.
+
+Lifecycle (SERVING.md §8, [HLT-1], [HLT-2], [HLT-7], [HLT-9], [HLT-10]):
+- workers are spawned (never forked) from a thread that lives until `close()`, because the
+  parent-death signal each worker sets fires when the thread that created it exits; they are
+  non-daemonic, each in its own process group, with `CUDA_VISIBLE_DEVICES` set before torch is
+  imported, and they also exit on EOF of their control pipe;
+- rendezvous on a free loopback port through torch.distributed's TCP store (NCCL on GPUs, gloo
+  on CPUs); a failure or timeout of any rank during start-up kills every worker and raises one
+  error naming the rank, its exit status and its last log lines;
+- every wait of the coordinator is bounded and watches every worker: a rank that exits, closes
+  its pipe, reports an error, or a step that outlasts `step_timeout_s` raises `WorkerFailure`,
+  which fails the engine; `close()` stops the workers, then SIGTERMs and SIGKILLs what is left.
+
+This module imports no torch at the top: the spawned child sets its device before the import.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from k3backend.engine.config import EngineConfig
+from k3backend.engine.plan import CacheCapacity, StepPlan
+from k3backend.interpreter import python_executable
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+LOG_TAIL_LINES = 20
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died, reported an error, or did not answer in time; the message names the rank."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs to build its runner (picklable)."""
+
+    rank: int
+    world_size: int
+    ep_size: int
+    gpu: int | None  # physical GPU id, or None on CPU
+    backend: str  # "nccl" | "gloo"
+    init_method: str  # tcp://127.0.0.1:port
+    checkpoint: str
+    dtype: str  # torch dtype name
+    cfg: EngineConfig
+    timeout_s: float  # collectives and start-up
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank reports once it is ready."""
+
+    rank: int
+    pid: int
+    device: str
+    weight_bytes: int
+    capacity: CacheCapacity
+    info: Any  # runner.ModelInfo (rank 0's is the engine's)
+
+
+# ---- the worker process ---------------------------------------------------------------------------
+
+class _Tail(logging.Handler):
+    """The last log lines of this rank, sent with an error report."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+def _guard_against_orphaning(parent: int) -> None:
+    """Own process group; SIGKILL when the spawning thread's process dies ([HLT-10])."""
+    os.setpgid(0, 0)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's; the coordinator stops us
+
+
+def worker_main(spec: WorkerSpec, conn: Connection, parent: int) -> None:
+    """One rank: build the runner, report, then run every message of the pipe until "stop" or EOF."""
+    _guard_against_orphaning(parent)
+    if spec.gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)  # before torch is imported
+    tail = _Tail()
+    handler = logging.StreamHandler()
+    for h in (tail, handler):
+        h.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s rank {spec.rank}: %(message)s"))
+    root = logging.getLogger("k3backend")
+    root.handlers[:] = [handler, tail]
+    root.setLevel(logging.INFO)
+    try:
+        runner = _build(spec, conn)
+    except BaseException as e:  # noqa: BLE001 - every start-up failure is reported, then this rank exits
+        conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=8), list(tail.lines)))
+        return
+    _serve(runner, conn, spec, tail)
+
+
+def _build(spec: WorkerSpec, conn: Connection):
+    import torch
+    import torch.distributed as dist
+
+    from k3backend.checkpoint import load_model
+    from k3backend.engine.runner import ModelInfo, ModelRunner, size_cache
+    from k3backend.model.cache import CachePools
+    from k3backend.model.parallel import Parallel
+
+    device = torch.device("cuda", 0) if spec.gpu is not None else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # CPU ranks (tests, gloo) share the host's cores
+    import datetime
+
+    dist.init_process_group(spec.backend, init_method=spec.init_method, world_size=spec.world_size,
+                            rank=spec.rank, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    par = Parallel(spec.world_size, spec.rank, spec.ep_size, dist.group.WORLD)
+    model = load_model(spec.checkpoint, dtype=getattr(torch, spec.dtype), device=device, progress=False, par=par,
+                       vision=False)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cap = size_cache(model, spec.cfg)
+    sizes = torch.tensor([cap.num_blocks, cap.num_slots], device=device if spec.backend == "nccl" else "cpu")
+    dist.all_reduce(sizes, op=dist.ReduceOp.MIN)  # every rank schedules against the same pools
+    cap = CacheCapacity(int(sizes[0]), int(sizes[1]), cap.block_size)
+    pools = CachePools.allocate(model.language_model, cap.num_slots, cap.num_blocks, cap.block_size)
+    text = model.cfg.text
+    info = ModelInfo(text.vocab_size, text.hidden_size, model.cfg.media_placeholder_token_id)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    conn.send(("ready", RankInfo(spec.rank, os.getpid(), f"{device} ({name}, physical {spec.gpu})"
+                                 if spec.gpu is not None else "cpu", weight_bytes, cap, info)))
+    return ModelRunner(model, pools, samples=spec.rank == 0)
+
+
+def _serve(runner, conn: Connection, spec: WorkerSpec, tail: _Tail) -> None:
+    import torch.distributed as dist
+
+    try:
+        while True:
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                return  # the coordinator is gone
+            if kind == "stop":
+                return
+            start = time.perf_counter()
+            result = getattr(runner, kind)(payload)  # "execute" or "logits"
+            if spec.rank == 0:
+                if kind == "logits":
+                    result = result.cpu()
+                conn.send(("ok", result, time.perf_counter() - start))
+    except BaseException as e:  # noqa: BLE001
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=8), list(tail.lines)))
+        except OSError:
+            pass
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# ---- the coordinator ------------------------------------------------------------------------------
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiProcessExecutor:
+    """Ranks 0..world-1 as worker processes; the engine's `Executor` (see module docstring)."""
+
+    def __init__(self, checkpoint: str, cfg: EngineConfig, *, dtype: str, gpus: list[int] | None, world_size: int,
+                 ep_size: int = 1, backend: str = "auto", startup_timeout_s: float = 3600.0,
+                 step_timeout_s: float = 300.0) -> None:
+        if gpus is not None and len(gpus) != world_size:
+            raise ValueError(f"{world_size} ranks need {world_size} GPUs, got gpu ids {gpus}")
+        backend = ("nccl" if gpus is not None else "gloo") if backend == "auto" else backend
+        self.world_size, self.step_timeout_s = world_size, step_timeout_s
+        init = f"tcp://127.0.0.1:{free_loopback_port()}"  # unique per k3_lm instance
+        self._specs = [WorkerSpec(r, world_size, ep_size, None if gpus is None else gpus[r], backend, init,
+                                  str(checkpoint), dtype, cfg, max(startup_timeout_s, step_timeout_s))
+                       for r in range(world_size)]
+        self._ctx = mp.get_context("spawn")
+        self._ctx.set_executable(python_executable())
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        self._started = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one call at a time over the pipes
+        self._failure: str | None = None
+        self.coordination_s = 0.0  # time in execute() not spent computing on rank 0 (plan out, ids back)
+        self._spawner = threading.Thread(target=self._spawn_and_wait, name="k3-workers", daemon=True)
+        self._spawner.start()
+        self._started.wait()
+        try:
+            self.ranks = self._await_ready(startup_timeout_s)
+        except BaseException:
+            self.close(timeout=2.0)
+            raise
+        self.info = self.ranks[0].info
+        self.capacity = self.ranks[0].capacity
+        for r in self.ranks:
+            log.info("k3_lm: worker rank %d pid %d device %s", r.rank, r.pid, r.device)  # [HLT-1]
+            log.info("worker rank %d: %.2f GiB of weights", r.rank, r.weight_bytes / 2**30)
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def _spawn_and_wait(self) -> None:
+        """Runs for the executor's life: the spawning thread must outlive its workers ([HLT-10])."""
+        try:
+            for spec in self._specs:
+                parent, child = self._ctx.Pipe()
+                p = self._ctx.Process(target=worker_main, args=(spec, child, os.getpid()), name=f"k3-rank{spec.rank}",
+                                      daemon=False)
+                p.start()
+                child.close()
+                self._procs.append(p)
+                self._conns.append(parent)
+        finally:
+            self._started.set()
+        self._stop.wait()
+
+    def _await_ready(self, timeout_s: float) -> list[RankInfo]:
+        ready: dict[int, RankInfo] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < self.world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [r for r in range(self.world_size) if r not in ready]
+                raise WorkerFailure(f"worker ranks {missing} did not start within startup_timeout_s {timeout_s:g}")
+            for rank, msg in self._wait_any(left):
+                if msg[0] == "ready":
+                    ready[rank] = msg[1]
+        return [ready[r] for r in range(self.world_size)]
+
+    def _wait_any(self, timeout_s: float) -> list[tuple[int, tuple]]:
+        """Messages of ranks that sent one; raises WorkerFailure for an error, an exit or EOF."""
+        objs = {c: r for r, c in enumerate(self._conns)} | {p.sentinel: r for r, p in enumerate(self._procs)}
+        out = []
+        for obj in wait(list(objs), timeout_s):
+            rank = objs[obj]
+            if isinstance(obj, Connection):
+                try:
+                    msg = obj.recv()
+                except (EOFError, OSError):
+                    raise WorkerFailure(self._death(rank, "closed its pipe")) from None
+                if msg[0] == "error":
+                    _, err, tb, lines = msg
+                    raise WorkerFailure(f"worker rank {rank} failed: {err}\n--- its last log lines ---\n"
+                                        + "\n".join(lines) + f"\n--- traceback ---\n{tb}")
+                out.append((rank, msg))
+            else:
+                raise WorkerFailure(self._death(rank, "exited"))
+        return out
+
+    def _death(self, rank: int, what: str) -> str:
+        p = self._procs[rank]
+        p.join(0.5)
+        code = p.exitcode
+        how = "still running" if code is None else f"signal {-code}" if code < 0 else f"exit code {code}"
+        return f"worker rank {rank} pid {p.pid} {what} ({how})"
+
+    # ---- the Executor interface ----------------------------------------------------------------
+
+    def execute(self, plan: StepPlan):
+        return self._call("execute", plan)
+
+    def logits(self, plan: StepPlan):
+        """Rank 0's logits of a plan (tests: parity of the parallel layers)."""
+        return self._call("logits", plan)
+
+    def _call(self, kind: str, plan: StepPlan):
+        with self._lock:
+            if self._failure is not None:
+                raise WorkerFailure(self._failure)
+            start = time.perf_counter()
+            plan = _host_plan(plan)
+            try:
+                for conn in self._conns:
+                    conn.send((kind, plan))
+                deadline = time.monotonic() + self.step_timeout_s
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise WorkerFailure(f"worker rank 0 did not finish a step within step_timeout_s "
+                                            f"{self.step_timeout_s:g}")
+                    for rank, msg in self._wait_any(left):
+                        if rank == 0 and msg[0] == "ok":
+                            self.coordination_s += time.perf_counter() - start - msg[2]
+                            return msg[1]
+            except (WorkerFailure, OSError) as e:
+                self._failure = str(e)
+                raise WorkerFailure(str(e)) from None
+
+    def health(self) -> str | None:
+        """Why the workers cannot serve, or None ([HLT-7]: a dead rank fails the engine while it idles)."""
+        if self._failure is None:
+            for rank, p in enumerate(self._procs):
+                if not p.is_alive():
+                    self._failure = self._death(rank, "exited")
+                    break
+        return self._failure
+
+    @property
+    def workers_alive(self) -> int:
+        return sum(p.is_alive() for p in self._procs)
+
+    def close(self, timeout: float = 20.0) -> None:
+        """Stop message, join; then SIGTERM each worker's group, SIGKILL 2 s later ([HLT-9])."""
+        for conn in self._conns:
+            try:
+                conn.send(("stop", None))
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+            alive = [p for p in self._procs if p.is_alive()]
+            for p in alive:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            for p in alive:
+                p.join(grace)
+        for conn in self._conns:
+            conn.close()
+        self._stop.set()
+
+
+def _host_plan(plan: StepPlan) -> StepPlan:
+    """Image rows go to the ranks as CPU tensors (each rank moves them to its device)."""
+    if not any(r.image_embeds is not None and r.image_embeds.device.type != "cpu" for r in plan.new):
+        return plan
+    new = [r if r.image_embeds is None else replace(r, image_embeds=r.image_embeds.cpu()) for r in plan.new]
+    return replace(plan, new=new)

@@ -1,0 +1,118 @@
+"""Tensor and expert parallelism of the K3 layers (K3_LM.md §9): who holds which shard, and the
+collectives, which layers call explicitly in their `forward`.
+
+One TP group of `tp_size` ranks shards attention heads, the dense MLP, the shared experts and the
+vocabulary; the MoE splits the same ranks into `ep_size` expert groups of `tp_size / ep_size`
+ranks (moe-TP) each: rank r holds experts [ep_rank·E/ep, (ep_rank+1)·E/ep) and the
+intermediate slice moe_tp_rank of each. Replicated modules (norms, routers, MLA's latent
+projections, the latent down/up projections) compute the same values on every rank. The
+reductions are exactly §9.3's: after the embedding, after every o_proj, after the dense
+down_proj, one for [routed latent | shared] per MoE layer, and an all-gather of the logits.
+
+With one rank every collective is a no-op, so the single-process model is the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class ParallelConfigError(ValueError):
+    """A config whose heads, experts or widths do not divide over the ranks: the load fails, naming them."""
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This rank's place in the TP group. `group` is the torch.distributed group (None: one rank)."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ParallelConfigError(f"tensor parallel rank {self.tp_rank} of size {self.tp_size}")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ParallelConfigError(f"expert_parallel_size {self.ep_size} must divide tensor_parallel_size "
+                                      f"{self.tp_size}")
+
+    @property
+    def moe_tp_size(self) -> int:
+        return self.tp_size // self.ep_size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.tp_rank % self.moe_tp_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.tp_rank // self.moe_tp_size
+
+    # ---- shard arithmetic (construction and loading) ---------------------------------------------
+
+    def split(self, n: int, what: str, ways: int | None = None) -> int:
+        """n / ways (default tp_size), or ParallelConfigError naming `what` when it does not divide."""
+        ways = self.tp_size if ways is None else ways
+        if n % ways:
+            raise ParallelConfigError(f"{what} = {n} is not divisible by {ways} "
+                                      f"(tensor_parallel_size {self.tp_size}, expert_parallel_size {self.ep_size})")
+        return n // ways
+
+    def tp_range(self, n: int, what: str) -> tuple[int, int]:
+        """This rank's [start, end) of n items split over the TP group."""
+        m = self.split(n, what)
+        return self.tp_rank * m, (self.tp_rank + 1) * m
+
+    # ---- collectives (called in forward) ---------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's x, in place (the partial outputs of a row-parallel layer)."""
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_reduce_pair(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both sums in ONE all-reduce of [a | b] (the MoE's routed latent and shared partials, §9.3 item 4)."""
+        if self.tp_size == 1:
+            return a, b
+        both = self.all_reduce(torch.cat([a, b], dim=-1))
+        return both[..., :a.shape[-1]], both[..., a.shape[-1]:]
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x concatenated along the last dim (vocab-parallel logits)."""
+        if self.tp_size == 1:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = Parallel()
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Rows [v0, v1) of the embedding table on this rank; a masked lookup and an all-reduce."""
+
+    def __init__(self, vocab: int, dim: int, par: Parallel) -> None:
+        super().__init__()
+        self.par = par
+        self.v0, self.v1 = par.tp_range(vocab, "vocab_size")
+        self.weight = torch.nn.Parameter(torch.zeros(self.v1 - self.v0, dim))
+
+    def shards(self) -> dict[str, tuple[int, int, int]]:
+        return {"weight": (0, self.v0, self.v1)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.par.tp_size == 1:
+            return torch.nn.functional.embedding(ids, self.weight)
+        mine = (ids >= self.v0) & (ids < self.v1)
+        x = torch.nn.functional.embedding((ids - self.v0) * mine, self.weight) * mine[:, None]
+        return self.par.all_reduce(x)  # disjoint shards: the sum is exact (§9.3 item 1)

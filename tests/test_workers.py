@@ -1,0 +1,143 @@
+"""Tensor/expert-parallel worker processes on the CPU with gloo: real processes, real process groups.
+
+Parity: TP=2, EP=2 and TP=2 x EP=2 give the logits of one rank (float64 to ~1e-12); the engine on
+workers gives the in-process engine's tokens. Faults: a corrupt shard only rank 1 reads fails
+start-up naming rank 1 and leaves no process; a worker killed mid-generation ends the in-flight
+requests with UNAVAILABLE naming the rank, within seconds. Memory: each rank holds about 1/TP of
+the split weights plus the replicated ones.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import shutil
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from k3backend.checkpoint import checkpoint_files, load_model
+from k3backend.engine.config import EngineConfig
+from k3backend.engine.engine import Engine
+from k3backend.engine.plan import ScheduledSeq, SlotRequest, StepPlan
+from k3backend.engine.request import FinishReason, Request
+from k3backend.engine.runner import InProcessExecutor
+from k3backend.engine.sampling_params import SamplingParams
+from k3backend.engine.workers import MultiProcessExecutor, WorkerFailure
+from k3backend.errors import Unavailable
+from k3backend.generate import full_forward
+from k3backend.presets import make_checkpoint
+from k3backend.tokenizer import Tokenizer
+from serverutil import alive, wait_until
+from test_engine import Collector, check_events
+
+CFG = EngineConfig(max_model_len=512, cpu_cache_gb=0.05, block_size=16, snapshot_interval=32)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny_workers"))
+
+
+def prefill_plan(ids: list[int]) -> StepPlan:
+    blocks = tuple(range(1, -(-len(ids) // CFG.block_size) + 1))
+    return StepPlan(seqs=[ScheduledSeq(1, tuple(ids), 0, False, blocks, True)],
+                    new=[SlotRequest(1, SamplingParams(max_tokens=1, temperature=0.0), 0, (), (), (), ())])
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2), (4, 2)], ids=["tp2", "tp2-ep2", "tp4-ep2"])
+def test_parallel_logits_equal_one_rank(ckpt, tp, ep):
+    """tp4-ep2 is TP=2 x EP=2 in the MoE: 2 expert groups of 2 moe-TP ranks each."""
+    ids = list(range(10, 47))
+    ref = full_forward(load_model(ckpt, dtype=torch.float64, progress=False), ids)[-1]
+    ex = MultiProcessExecutor(str(ckpt), CFG, dtype="float64", gpus=None, world_size=tp, ep_size=ep)
+    try:
+        got = ex.logits(prefill_plan(ids))[0]
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
+        single = sum(p.numel() * p.element_size() for p in load_model(ckpt, dtype=torch.float64, progress=False,
+                                                                       vision=False).parameters())
+        for r in ex.ranks:  # split weights / tp + replicated ones: well below one rank's full copy
+            assert r.weight_bytes < single * (0.5 + 1.0 / tp)
+        assert sum(r.weight_bytes for r in ex.ranks) > single  # replicated parts are counted on every rank
+    finally:
+        ex.close()
+    assert all(p.exitcode == 0 for p in ex._procs)
+
+
+def test_parallel_logits_fp32_within_the_reference_noise(ckpt):
+    ids = list(range(5, 40))
+    ref = full_forward(load_model(ckpt, dtype=torch.float32, progress=False), ids)[-1]
+    ex = MultiProcessExecutor(str(ckpt), CFG, dtype="float32", gpus=None, world_size=2)
+    try:
+        got = ex.logits(prefill_plan(ids))[0]
+    finally:
+        ex.close()
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=0)  # reduction order: fp32 rounding noise only
+
+
+def test_engine_on_workers_gives_the_in_process_tokens_and_a_killed_worker_fails_it(ckpt):
+    tok = Tokenizer.from_dir(ckpt)
+    reqs = [Request(f"w{i}", tok.encode(f"worker test {i}: hello", allow_special=True),
+                    SamplingParams(max_tokens=10, temperature=0.0 if i % 2 else 0.9, seed=i)) for i in range(4)]
+    inproc = Engine(InProcessExecutor(load_model(ckpt, dtype=torch.float64, progress=False), CFG), tok, CFG)
+    ex = MultiProcessExecutor(str(ckpt), CFG, dtype="float64", gpus=None, world_size=2)
+    workers = Engine(ex, tok, CFG)
+    try:
+        for eng in (inproc, workers):
+            col = Collector()
+            for r in reqs:
+                eng.submit(r, col)
+            outs = {r.request_id: check_events(col.wait(r.request_id)[r.request_id]) for r in reqs}
+            eng.outs = outs  # type: ignore[attr-defined]
+        assert {k: v.token_ids for k, v in workers.outs.items()} == {k: v.token_ids for k, v in inproc.outs.items()}
+        assert ex.coordination_s >= 0
+
+        long = Request("long", tok.encode("run until killed", allow_special=True),
+                       SamplingParams(max_tokens=400, min_tokens=400, ignore_eos=True))
+        col = Collector()
+        first = []
+        col.hook = lambda ev: first.append(time.monotonic())
+        workers.submit(long, col)
+        wait_until(lambda: first, 30, "the first token")
+        victim = ex._procs[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        out = check_events(col.wait("long")["long"])
+        assert time.monotonic() - killed < 5
+        assert out.finish_reason is FinishReason.ERROR and isinstance(out.error, Unavailable)
+        assert "worker rank 1" in str(out.error) and "signal 9" in str(out.error)
+        assert not workers.is_healthy()
+        with pytest.raises(Unavailable, match="worker rank 1"):
+            workers.submit(long, Collector())
+        wait_until(lambda: not any(alive(p.pid) for p in ex._procs), 10, "every worker to be gone")
+    finally:
+        inproc.close()
+        workers.close()
+
+
+def test_corrupt_shard_seen_only_by_rank_1_fails_start_up_naming_it(ckpt, tmp_path):
+    """Expert 7's w1 is read only by expert group 1 (EP=2): a mis-shaped copy of it fails rank 1 alone."""
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    victim = "language_model.model.layers.1.block_sparse_moe.experts.7.w1.weight"
+    for f in checkpoint_files(bad):
+        with safe_open(str(f), "pt") as sf:
+            tensors = {k: sf.get_tensor(k) for k in sf.keys()}
+        if victim in tensors:
+            tensors[victim] = tensors[victim][:-1]
+            save_file(tensors, str(f), metadata={"format": "pt"})
+            break
+    else:
+        pytest.fail(f"{victim} not in the checkpoint: {json.dumps([str(f) for f in checkpoint_files(bad)])}")
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"worker rank 1 failed: CheckpointError.*experts\.7\.w1") as info:
+        MultiProcessExecutor(str(bad), CFG, dtype="float32", gpus=None, world_size=2, ep_size=2)
+    assert "its last log lines" in str(info.value)
+    assert time.monotonic() - start < 60
+    wait_until(lambda: not mp.active_children(), 10, "every worker of the failed start-up to be gone")
