@@ -25,15 +25,16 @@ def repo_copy(dest: Path, **params: dict[str, str]) -> Path:
     return dest
 
 
-def log_pid(log_path: Path, pattern: str) -> int:
-    """The pid in the first server-log line matching `pattern`, whose group 1 is the pid."""
-    m = re.search(pattern, Path(log_path).read_text(errors="replace"))
-    assert m, f"no line matching {pattern!r} in {log_path}"
-    return int(m.group(1))
+def log_pid(log_path: Path, pattern: str, last: bool = False) -> int:
+    """The pid in the first (or last) server-log line matching `pattern`, whose group 1 is the pid."""
+    found = re.findall(pattern, Path(log_path).read_text(errors="replace"))
+    assert found, f"no line matching {pattern!r} in {log_path}"
+    return int(found[-1] if last else found[0])
 
 
-def stub_pid(log_path: Path) -> int:
-    return log_pid(log_path, r"k3_lm: stub pid (\d+)")
+def stub_pid(log_path: Path, last: bool = False) -> int:
+    """The k3_lm stub's pid (the last one after a reload with last=True)."""
+    return log_pid(log_path, r"k3_lm: stub pid (\d+)", last)
 
 
 def worker_pids(log_path: Path) -> dict[int, int]:
