@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--expert-stats", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="> 1: worker processes (one per rank; needs --checkpoint); reports the coordination time")
+    ap.add_argument("--expert-parallel-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -197,18 +200,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), dtype {dtype}, "
           f"torch {torch.__version__}")
     t0 = time.monotonic()
-    model = build_model(args, device, dtype)
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching)
-    engine = Engine(InProcessExecutor(model, cfg), Tokenizerless(model.cfg.text.vocab_size), cfg)
+    counts = []
+    if args.tensor_parallel_size > 1:
+        from k3backend.engine.workers import MultiProcessExecutor
+
+        if not args.checkpoint:
+            ap.error("--tensor-parallel-size > 1 loads its shards from --checkpoint")
+        gpus = list(range(args.tensor_parallel_size)) if device.type == "cuda" else None
+        executor = MultiProcessExecutor(args.checkpoint, cfg, dtype=str(dtype).removeprefix("torch."), gpus=gpus,
+                                        world_size=args.tensor_parallel_size, ep_size=args.expert_parallel_size)
+    else:
+        model = build_model(args, device, dtype)
+        executor = InProcessExecutor(model, cfg)
+        counts = count_experts(model) if args.expert_stats else []
+    info = executor.info
+    engine = Engine(executor, Tokenizerless(info.vocab_size), cfg)
     print(f"model ready in {time.monotonic() - t0:.1f} s")
-    counts = count_experts(model) if args.expert_stats else []
-    jobs = workload(args, model.cfg.text.vocab_size, model.cfg.media_placeholder_token_id)
+    jobs = workload(args, info.vocab_size, info.media_pad_id)
     run(engine, jobs[:args.warmup], min(args.concurrency, args.warmup))
-    before = engine.stats()
+    before, coord0 = engine.stats(), getattr(executor, "coordination_s", 0.0)
     r = run(engine, jobs[args.warmup:], args.concurrency)
-    after = engine.stats()
-    engine.close()
+    after, coord = engine.stats(), getattr(executor, "coordination_s", 0.0) - coord0
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
     print(f"\n{r['n']} requests, concurrency {args.concurrency}, prompt {args.prompt_len}±{args.prompt_len_std:g}, "
@@ -216,11 +230,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.shared_prefix_fraction:g}, preemptions {after.num_preemptions - before.num_preemptions}")
     if counts:
         print(f"expert load: {spread(counts)}")
+    steps = after.steps - before.steps
+    if args.tensor_parallel_size > 1 and steps:
+        ping = statistics.median(executor.ping() for _ in range(20))
+        print(f"coordination (plan out to {args.tensor_parallel_size} ranks, ids back, not computing): "
+              f"{coord / steps * 1e3:.3f} ms per step of {r['wall'] / steps * 1e3:.2f} ms ({steps} steps); "
+              f"empty round trip {ping * 1e3:.3f} ms")
     print(f"{'output tok/s':>12} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'ITL p50 ms':>11} {'ITL p99 ms':>11} "
           f"{'prefix hit':>10}")
     print(f"{r['tokens'] / r['wall']:>12.1f} {pct(r['ttft'], 50) * 1e3:>12.1f} {pct(r['ttft'], 99) * 1e3:>12.1f} "
           f"{pct(r['itl'], 50) * 1e3:>11.2f} {pct(r['itl'], 99) * 1e3:>11.2f} "
           f"{(hits / queries if queries else 0):>10.1%}")
+    engine.close()
     return 0
 
 

@@ -28,6 +28,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import threading
@@ -165,13 +166,13 @@ def _serve(runner, conn: Connection, spec: WorkerSpec, tail: _Tail) -> None:
     try:
         while True:
             try:
-                kind, payload = conn.recv()
+                kind, payload = pickle.loads(conn.recv_bytes())
             except EOFError:
                 return  # the coordinator is gone
             if kind == "stop":
                 return
             start = time.perf_counter()
-            result = getattr(runner, kind)(payload)  # "execute" or "logits"
+            result = None if kind == "ping" else getattr(runner, kind)(payload)  # "execute" or "logits"
             if spec.rank == 0:
                 if kind == "logits":
                     result = result.cpu()
@@ -299,15 +300,21 @@ class MultiProcessExecutor:
         """Rank 0's logits of a plan (tests: parity of the parallel layers)."""
         return self._call("logits", plan)
 
+    def ping(self) -> float:
+        """Seconds of one empty round trip to every rank and back from rank 0: the coordination floor."""
+        start = time.perf_counter()
+        self._call("ping", StepPlan())
+        return time.perf_counter() - start
+
     def _call(self, kind: str, plan: StepPlan):
         with self._lock:
             if self._failure is not None:
                 raise WorkerFailure(self._failure)
             start = time.perf_counter()
-            plan = _host_plan(plan)
+            message = pickle.dumps((kind, _host_plan(plan)), protocol=pickle.HIGHEST_PROTOCOL)  # once for all ranks
             try:
                 for conn in self._conns:
-                    conn.send((kind, plan))
+                    conn.send_bytes(message)
                 deadline = time.monotonic() + self.step_timeout_s
                 while True:
                     left = deadline - time.monotonic()
@@ -339,7 +346,7 @@ class MultiProcessExecutor:
         """Stop message, join; then SIGTERM each worker's group, SIGKILL 2 s later ([HLT-9])."""
         for conn in self._conns:
             try:
-                conn.send(("stop", None))
+                conn.send_bytes(pickle.dumps(("stop", None)))
             except OSError:
                 pass
         deadline = time.monotonic() + timeout
