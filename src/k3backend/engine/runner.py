@@ -172,8 +172,9 @@ def _cache_budget(model: K3Model, cfg: EngineConfig) -> int:
                                                          for t in vars(c).values())
     del warm
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    return max(0, int(cfg.gpu_memory_utilization * total - peak))
+    free, total = torch.cuda.mem_get_info(device)
+    # What the fraction allows, but never more than is free now (other processes share the GPU).
+    return max(0, int(min(cfg.gpu_memory_utilization * total - peak, free - 2**30)))
 
 
 class InProcessExecutor:
