@@ -456,13 +456,19 @@ def experts_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             act: Activation, scaling: float = 1.0) -> torch.Tensor:
     """Routed experts with SGLang's rounding points (§7.4); see moe_ref.experts. Returns [T, D] in x.dtype."""
+    (T, D), k = x.shape, ids.shape[1]
+    return experts_with(x, weights, ids, w13, w2, act, scaling, experts_config(T, k, w13.shape[0], D, w13.shape[1] // 2))
+
+
+def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 act: Activation, scaling: float, cfg: ExpertsConfig) -> torch.Tensor:
+    """`experts` with explicit tiles (bench/kernels_moe.py --sweep compares configs with it)."""
     T, D = x.shape
     k = ids.shape[1]
     E, I = w13.shape[0], w13.shape[1] // 2
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0 or k == 0:
         return out.zero_()
-    cfg = experts_config(T, k, E, D, I)
     sorted_ids, block_expert = _align(ids, E, cfg.block_m)
     nb = block_expert.numel()
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
