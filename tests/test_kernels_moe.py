@@ -253,6 +253,28 @@ def check_experts_supports_declines_what_it_cannot_do():
         assert not ok and reason, what
 
 
+# ---------------------------------------------------------------- glu_linear (shared experts, dense MLP)
+def check_glu_linear_equals_reference_with_and_without_the_fp32_front():
+    from k3backend.kernels import moe, moe_ref
+    from k3backend.kernels.moe_ref import Activation
+
+    for T, D, I, act in [(1, 37, 23, Activation(**SITU)), (21, 64, 48, Activation("situ", 1.0, 25.0)),
+                         (75, 37, 23, Activation("silu")), (203, 40, 24, Activation(**SITU))]:
+        x = randn(T, D, seed=600 + T, dtype=BF16)
+        w_gu = randn(2 * I, D, seed=601 + T, scale=D ** -0.5, dtype=BF16)
+        for fp32_front in (False, True):
+            ok, reason = moe.glu_linear_supports(x, w_gu, act, fp32_front)
+            assert ok, reason
+            with poisoned_empty():
+                got = moe.glu_linear(x, w_gu, act, fp32_front)
+            want = moe_ref.glu_linear(x, w_gu, act, fp32_front)
+            scale = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3)
+            assert_bf16_close(got, want, scale, f"T={T} {act.kind} fp32_front={fp32_front}")
+    x, w_gu = randn(3, 16, seed=700, dtype=BF16), randn(32, 16, seed=701, dtype=BF16)
+    assert not moe.glu_linear_supports(x.float(), w_gu.float(), Activation("silu"))[0], "fp32 declined"
+    assert not moe.glu_linear_supports(x, w_gu[:31], Activation("silu"))[0], "odd 2I declined"
+
+
 def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
     """K3_KERNELS=triton (set for the child): the switch routes MoE.forward to kernels/moe.py."""
     import dataclasses
@@ -263,8 +285,9 @@ def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
     from k3backend.model.moe import MoE
     from k3backend.presets import preset_config
 
-    assert kernels.route.__wrapped__ is moe_ref.route and kernels.experts.__wrapped__ is moe_ref.experts, \
-        "route and experts must be registered in kernels.FAST_OPS"
+    ops = ("route", "experts", "glu_linear")
+    for op in ops:
+        assert getattr(kernels, op).__wrapped__ is getattr(moe_ref, op), f"{op} must be registered in kernels.FAST_OPS"
     cfg = dataclasses.replace(K3Config.from_dict(preset_config("tiny")).text, num_expert_group=2, topk_group=1)
     torch.manual_seed(0)
     layer = MoE(cfg)
@@ -275,10 +298,12 @@ def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
     layer.gate.float()  # the router's weights stay fp32 (model/moe.py Gate)
     h = randn(7, cfg.hidden_size, seed=500, dtype=BF16)
     got = layer(h)
-    fast = (kernels.route, kernels.experts)
-    kernels.route, kernels.experts = moe_ref.route, moe_ref.experts
+    fast = {op: getattr(kernels, op) for op in ops}
+    for op in ops:
+        setattr(kernels, op, getattr(moe_ref, op))
     try:
         want = layer(h)
     finally:
-        kernels.route, kernels.experts = fast
+        for op, fn in fast.items():
+            setattr(kernels, op, fn)
     assert torch.equal(got, want) or (got.float() - want.float()).abs().max() <= 2 ** -6 * want.float().abs().max()

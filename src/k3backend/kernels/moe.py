@@ -219,7 +219,7 @@ def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int
 
 
 # ----------------------------------------------------------------------------- experts: align
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _align_count_kernel(ids_ptr, counts_ptr, n, E, stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + (a // TOP_K) * stride_it + (a % TOP_K) * stride_ik, mask=a < n, other=-1)
@@ -227,7 +227,7 @@ def _align_count_kernel(ids_ptr, counts_ptr, n, E, stride_it, stride_ik, TOP_K: 
     tl.atomic_add(counts_ptr + tl.where(ok, e, 0), 1, mask=ok, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_blocks"])
 def _align_place_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, n, E, num_blocks,
                         stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
                         BLOCK_E: tl.constexpr, PAD_E: tl.constexpr):
@@ -284,25 +284,34 @@ def _align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch
 
 
 # ----------------------------------------------------------------------------- experts: GEMMs
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_blocks"])
 def _up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, n, D, I, num_blocks,
                stride_xt, stride_we, stride_wn, stride_hm, inv_beta, beta, inv_lam, lam,
-               TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, GPU: tl.constexpr,
-               EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUP_M: tl.constexpr):
-    """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert."""
+               TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
+               ROUND_GU: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
+
+    DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
+    activation reads the fp32 accumulator (the fused MoE front, §7.6).
+    """
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e < 0:
-        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    a_idx = tl.load(sorted_ptr + rows)
+    if DENSE:
+        a_idx = rows
+        w_ptr = w13_ptr
+    else:
+        e = tl.load(block_expert_ptr + pid_m)
+        if e < 0:
+            return
+        a_idx = tl.load(sorted_ptr + rows)
+        w_ptr = w13_ptr + e.to(tl.int64) * stride_we
     tok = tl.where(a_idx < n, a_idx // TOP_K, 0).to(tl.int64)  # padding rows read token 0, never stored
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    g_ptrs = (w13_ptr + e.to(tl.int64) * stride_we + (offs_n % I).to(tl.int64)[None, :] * stride_wn
-              + offs_k[:, None])  # [BK, BN] view of w1ᵀ; % I keeps the edge block in bounds
+    g_ptrs = w_ptr + (offs_n % I).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN] view of w1ᵀ;
+    # % I keeps the edge block in bounds
     u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -322,14 +331,15 @@ def _up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, n, D, I, num
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     dt = h_ptr.dtype.element_ty
-    g = _round(acc_g, dt, GPU).to(tl.float32)  # gu = bf(x·w13ᵀ): the reference's rounding point
-    u = _round(acc_u, dt, GPU).to(tl.float32)
-    h = _round(_glu(g, u, inv_beta, beta, inv_lam, lam, ACT, HAS_LAMBDA, GPU), dt, GPU)
+    if ROUND_GU:  # gu = bf(x·w13ᵀ): the reference's rounding point
+        acc_g = _round(acc_g, dt, GPU).to(tl.float32)
+        acc_u = _round(acc_u, dt, GPU).to(tl.float32)
+    h = _round(_glu(acc_g, acc_u, inv_beta, beta, inv_lam, lam, ACT, HAS_LAMBDA, GPU), dt, GPU)
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h, mask=(a_idx < n)[:, None] & (offs_n < I)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_blocks"])
 def _down_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, n, D, I, num_blocks,
                  stride_hm, stride_we, stride_wn, stride_yn, stride_pt, stride_pk,
                  TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -366,18 +376,20 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr
     tl.store(y_ptrs, y, mask=real[:, None] & (offs_n < D)[None, :])
 
 
-@triton.jit
-def _sum_kernel(y_ptr, ids_ptr, out_ptr, D, E, scaling, stride_yn, stride_it, stride_ik, stride_ot,
-                TOP_K: tl.constexpr, GPU: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["T"])
+def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it, stride_ik, stride_ot,
+                TOP_K: tl.constexpr, GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[t] = bf(scaling · Σ_j fp32(y[t·k + j])) in slot order; a skipped slot adds +0 as in the reference."""
-    t = tl.program_id(0).to(tl.int64)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    ok = (t < T)[:, None] & (d < D)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * stride_it + j * stride_ik + d * 0)  # broadcast: one id per slot
-        mine = (d < D) & (e >= 0) & (e < E)
-        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_yn + d, mask=mine, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + d, _round(scaling * acc, out_ptr.dtype.element_ty, GPU), mask=d < D)
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ik, mask=t < T, other=-1)
+        mine = ok & ((e >= 0) & (e < E))[:, None]
+        acc += tl.load(y_ptr + (t * TOP_K + j)[:, None] * stride_yn + d[None, :], mask=mine, other=0.0).to(tl.float32)
+    out = _round(scaling * acc, out_ptr.dtype.element_ty, GPU)
+    tl.store(out_ptr + t[:, None] * stride_ot + d[None, :], out, mask=ok)
 
 
 @dataclass(frozen=True)
@@ -394,8 +406,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int) -> ExpertsConfig:
     """Tiles keyed on the mean rows per expert m = T·k/E (a pure function of the shape: nothing is
     autotuned, so a captured graph replays the kernels it was captured with).
 
-    - m ≤ 16 (decode): weight-streaming. BM 16 (the smallest tl.dot); N split fine (BN 64, or 32 when
-      the touched experts alone would not fill ~2 waves of 132 SMs) instead of split-K, so the
+    - m ≤ 16 (decode): weight-streaming. BM 16 (the smallest tl.dot); N split fine (BN 64, or 32 / 16
+      when the touched experts alone would not fill 2 waves of 132 SMs) instead of split-K, so the
       activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
     - m ≤ 64: BM 32. m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger:
       BM 128 × BN 128, 8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why
@@ -404,9 +416,12 @@ def experts_config(T: int, k: int, E: int, D: int, I: int) -> ExpertsConfig:
     """
     m = T * k / max(E, 1)
     if m <= 16:
-        experts_hit = min(E, T * k)
-        bn = 64 if experts_hit * triton.cdiv(max(I, D), 64) >= 264 else 32
-        bm, up, down = 16, (bn, 128, 4, 4), (bn, 128, 4, 4)
+        blocks = min(E, T * k)  # ≈ the experts hit: one row block each
+
+        def bn(N: int) -> int:  # the widest N tile that still gives >= 2 waves of programs
+            return next((b for b in (64, 32) if blocks * triton.cdiv(N, b) >= 264), 16)
+
+        bm, up, down = 16, (bn(I), 128, 4, 4), (bn(D), 128, 4, 4)
     elif m <= 64:
         bm, up, down = 32, (64, 128, 4, 4), (64, 128, 4, 4)
     elif m <= 192:
@@ -419,6 +434,31 @@ def experts_config(T: int, k: int, E: int, D: int, I: int) -> ExpertsConfig:
         return min(bn, max(16, triton.next_power_of_2(N))), min(bk, max(16, triton.next_power_of_2(K))), warps, stages
 
     return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I))
+
+
+def _launch_up(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor, sorted_ids: torch.Tensor | None,
+               block_expert: torch.Tensor | None, n: int, k: int, act: Activation, cfg: ExpertsConfig, *,
+               dense: bool, round_gu: bool) -> None:
+    """The gate-up GEMM + activation over n rows: sorted expert blocks, or (dense) x's rows against one w."""
+    D, I = x.shape[1], w.shape[-2] // 2
+    nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
+    situ, lam = act.kind == "situ", act.linear_beta
+    bn, bk, warps, stages = cfg.up
+    _up_kernel[(nb * triton.cdiv(I, bn),)](
+        x_ptr=x, w13_ptr=w, h_ptr=h, sorted_ptr=x if dense else sorted_ids,
+        block_expert_ptr=x if dense else block_expert, n=n, D=D, I=I, num_blocks=nb, stride_xt=x.stride(0),
+        stride_we=0 if dense else w.stride(0), stride_wn=w.stride(-2), stride_hm=h.stride(0),
+        inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
+        inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
+        HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, GPU=_GPU, EVEN_K=D % bk == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
+    )
+
+
+def _act_supported(act: Activation) -> tuple[bool, str]:
+    if act.kind not in ("silu", "situ") or (act.kind == "situ" and act.beta == 0) or act.linear_beta == 0:
+        return False, f"activation {act}: expected silu, or situ with beta != 0 and linear_beta None or != 0"
+    return True, ""
 
 
 def experts_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
@@ -446,11 +486,7 @@ def experts_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
         return False, "x, w13, w2: expected unit stride in the last dimension"
     if len({t.device for t in (x, weights, ids, w13, w2)}) != 1:
         return False, "x, weights, ids, w13, w2 on different devices"
-    if act.kind not in ("silu", "situ") or (act.kind == "situ" and act.beta == 0):
-        return False, f"activation {act}: expected silu, or situ with beta != 0"
-    if act.linear_beta == 0:
-        return False, f"activation {act}: linear_beta 0"
-    return True, ""
+    return _act_supported(act)
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -473,17 +509,7 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     nb = block_expert.numel()
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
-    situ = act.kind == "situ"
-    lam = act.linear_beta
-    bn, bk, warps, stages = cfg.up
-    _up_kernel[(nb * triton.cdiv(I, bn),)](
-        x_ptr=x, w13_ptr=w13, h_ptr=h, sorted_ptr=sorted_ids, block_expert_ptr=block_expert, n=T * k, D=D, I=I,
-        num_blocks=nb, stride_xt=x.stride(0), stride_we=w13.stride(0), stride_wn=w13.stride(1),
-        stride_hm=h.stride(0), inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
-        inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
-        HAS_LAMBDA=situ and lam is not None, GPU=_GPU, EVEN_K=D % bk == 0, BLOCK_M=cfg.block_m,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
-    )
+    _launch_up(x, w13, h, sorted_ids, block_expert, T * k, k, act, cfg, dense=False, round_gu=True)
     bn, bk, warps, stages = cfg.down
     _down_kernel[(nb * triton.cdiv(D, bn),)](
         h_ptr=h, w2_ptr=w2, y_ptr=y, weights_ptr=weights, sorted_ptr=sorted_ids, block_expert_ptr=block_expert,
@@ -493,9 +519,42 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         num_stages=stages,
     )
     block_d = min(1024, triton.next_power_of_2(D))
-    _sum_kernel[(T, triton.cdiv(D, block_d))](
-        y_ptr=y, ids_ptr=ids, out_ptr=out, D=D, E=E, scaling=float(scaling), stride_yn=y.stride(0),
-        stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_ot=out.stride(0), TOP_K=k, GPU=_GPU, BLOCK_D=block_d,
-        num_warps=4,
+    block_t = max(1, 2048 // block_d)
+    _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
+        y_ptr=y, ids_ptr=ids, out_ptr=out, T=T, D=D, E=E, scaling=float(scaling), stride_yn=y.stride(0),
+        stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_ot=out.stride(0), TOP_K=k, GPU=_GPU,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=8,
     )
     return out
+
+
+# ----------------------------------------------------------------------------- dense GLU (shared experts)
+def glu_linear_supports(x: torch.Tensor, w_gu: torch.Tensor, act: Activation,
+                        fp32_front: bool = False) -> tuple[bool, str]:
+    """(ok, reason): bf16/fp16 x [T, D] and w_gu [2I, D] of one dtype on a GPU, unit inner strides."""
+    if not (x.is_cuda or not _GPU):
+        return False, "x not on a GPU"
+    if x.dtype not in (torch.bfloat16, torch.float16) or w_gu.dtype != x.dtype:
+        return False, f"x, w_gu: expected bfloat16 or float16, both, got {x.dtype}, {w_gu.dtype}"
+    if x.dim() != 2 or w_gu.dim() != 2 or w_gu.shape[1] != x.shape[1] or w_gu.shape[0] % 2:
+        return False, f"expected x [T, D], w_gu [2I, D], got {list(x.shape)}, {list(w_gu.shape)}"
+    if x.stride(1) != 1 or w_gu.stride(1) != 1 or w_gu.device != x.device:
+        return False, "x, w_gu: expected unit stride in the last dimension, one device"
+    return _act_supported(act)
+
+
+def glu_linear(x: torch.Tensor, w_gu: torch.Tensor, act: Activation, fp32_front: bool = False) -> torch.Tensor:
+    """act-and-mul of x·w_guᵀ in one kernel (§7.1, §7.5, §7.6); see moe_ref.glu_linear. Returns [T, I].
+
+    The shared experts are not folded into `experts`: in K3 they read h (7168 wide) while the routed
+    experts read the latent (3584), their width differs (6144 vs 3072) and their activation reads the
+    fp32 GEMM output (§7.6). They are one dense GEMM with the activation in its epilogue instead.
+    """
+    T, D = x.shape
+    I = w_gu.shape[0] // 2
+    h = torch.empty(T, I, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return h
+    cfg = experts_config(T, 1, 1, D, I)
+    _launch_up(x, w_gu, h, None, None, T, 1, act, cfg, dense=True, round_gu=not fp32_front)
+    return h

@@ -38,12 +38,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, *, fp32_front: bool = False) -> torch.Tensor:
         """fp32_front: feed the activation the unrounded GEMM output (SGLang's fused MoE front, §7.6)."""
-        if fp32_front:
-            a = kernels.acc_dtype(x)
-            gu = F.linear(x.to(a), self.gate_up_proj.weight.to(a))
-        else:
-            gu = self.gate_up_proj(x)
-        return self.down_proj(kernels.glu(gu, self.act, x.dtype))
+        return self.down_proj(kernels.glu_linear(x, self.gate_up_proj.weight, self.act, fp32_front))
 
 
 class Gate(nn.Module):
