@@ -1,10 +1,12 @@
-"""MoE kernels at real sizes for bench/kernels.py: the fused router and the fused latent experts, each
-beside its torch reference (kernels/moe_ref.py).
+"""MoE kernels at real sizes for bench/kernels.py: the fused router, the fused latent experts and the
+shared experts' fused gate-up, each beside its torch reference (kernels/moe_ref.py).
 
 Sizes: the `small` preset (hidden 2048, latent D 1024, E 64 experts top-6, I 1024) and K3 full width
 (K3_LM §0.1, §7.8: E 896 experts top-16, latent D 3584, I 3072; bf16 expert weights, 59 GB for one
 layer, allocated once and shared by the K3 cases), at T ∈ {1, 16, 64, 256, 512, 8192, 16384} tokens.
 `--smoke`: tiny sizes (E 7, k 3, D 37, I 23), for TRITON_INTERPRET=1 on a CPU.
+Tile sweep on a GPU: `python bench/kernels_moe.py --shape k3 --tokens 16 512 8192` times the tiles that
+kernels/moe.py `experts_config` picks against one-change-at-a-time alternatives (best row marked *).
 
 Routing: independent N(0, 1) logits spread tokens almost uniformly over the experts (busiest expert
 1.1-1.3× the mean load at 8 K tokens), which flatters the prefill tail. The logits here add a fixed
@@ -18,6 +20,8 @@ Figures:
 - experts: bytes = the expert weights actually touched (distinct experts hit × 3·I·D·2 bytes) + x read
   + out written; the intermediate h and per-slot y round trips are not counted. flops = 2·T·k·3·I·D
   (useful work; the padding rows of each expert's last block are not counted).
+- shared_glu: the shared experts' gate-up GEMM with SiTU reading the fp32 accumulator (§7.6), against
+  moe_ref.glu_linear (an fp32 GEMM on upcast weights, what model/moe.py ran before); bytes = w_gu + x + h.
 - check: route ids must equal the reference's exactly (same fp32 sigmoid), weights within fp32
   rounding; experts within CHECK_ULPS bf16 ulps of each row's largest |output|, and the share of
   elements that are not bit-equal is reported (cuBLAS and the Triton GEMMs accumulate in different
@@ -125,16 +129,44 @@ def _experts_case(layer: _Layer, T: int) -> Case:
                 flops=2.0 * T * s.k * 3 * s.I * s.D, check=check)
 
 
+def _glu_linear_case(D: int, I: int, T: int, label: str, device: str) -> Case:
+    """The shared experts' gate-up GEMM + SiTU with the fp32 front (§7.6): x [T, D], w_gu [2I, D]."""
+    from k3backend.kernels import moe
+
+    g = torch.Generator(device=device).manual_seed(T)
+    x = torch.randn(T, D, generator=g, device=device).bfloat16()
+    w_gu = (torch.randn(2 * I, D, generator=g, device=device) * D ** -0.5).bfloat16()
+    args = (x, w_gu, SITU, True)
+    ok, reason = moe.glu_linear_supports(*args)
+    assert ok, reason
+
+    def check() -> str:
+        got, want = moe.glu_linear(*args), moe_ref.glu_linear(*args)
+        assert not got.isnan().any(), "glu_linear: NaN in the output"
+        ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
+        worst = ((got.float() - want.float()).abs() / ulp).max().item()
+        differ = (got != want).float().mean().item()
+        assert worst <= CHECK_ULPS, f"glu_linear: max error {worst:.2f} bf16 ulps > {CHECK_ULPS} ({differ:.1%} differ)"
+        return f"max {worst:.2f} ulp <= {CHECK_ULPS}, {differ:.1%} not bit-equal"
+
+    return Case(family="moe", name=f"shared_glu_{label}", shape=f"T{T} D{D} 2I{2 * I}", run=lambda: moe.glu_linear(*args),
+                ref=lambda: moe_ref.glu_linear(*args), bytes=2 * I * D * 2 + T * (D + I) * 2, flops=2.0 * T * 2 * I * D,
+                check=check)
+
+
 def cases(args: argparse.Namespace) -> list[Case]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         layer = _Layer(SMOKE, device)
-        return [_route_case(layer, 5)] + [_experts_case(layer, T) for T in (1, 5, 61)]
+        return ([_route_case(layer, 5)] + [_experts_case(layer, T) for T in (1, 5, 61)]
+                + [_glu_linear_case(37, 23, 9, "smoke", device)])
     out = []
     for shape in (SMALL, K3):
         layer = _Layer(shape, device)
         out += [_route_case(layer, T) for T in (1, 256, 16384)]
         out += [_experts_case(layer, T) for T in TOKENS]
+    for D, I, label in ((2048, 1024, "small"), (7168, 6144, "k3")):  # hidden, shared width (K3: 2 × 3072)
+        out += [_glu_linear_case(D, I, T, label, device) for T in (16, 256, 8192)]
     return out
 
 
