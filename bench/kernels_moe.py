@@ -149,9 +149,9 @@ def _glu_linear_case(D: int, I: int, T: int, label: str, device: str) -> Case:
         assert worst <= CHECK_ULPS, f"glu_linear: max error {worst:.2f} bf16 ulps > {CHECK_ULPS} ({differ:.1%} differ)"
         return f"max {worst:.2f} ulp <= {CHECK_ULPS}, {differ:.1%} not bit-equal"
 
-    return Case(family="moe", name=f"shared_glu_{label}", shape=f"T{T} D{D} 2I{2 * I}", run=lambda: moe.glu_linear(*args),
-                ref=lambda: moe_ref.glu_linear(*args), bytes=2 * I * D * 2 + T * (D + I) * 2, flops=2.0 * T * 2 * I * D,
-                check=check)
+    return Case(family="moe", name=f"shared_glu_{label}", shape=f"T{T} D{D} 2I{2 * I}",
+                run=lambda: moe.glu_linear(*args), ref=lambda: moe_ref.glu_linear(*args),
+                bytes=2 * I * D * 2 + T * (D + I) * 2, flops=2.0 * T * 2 * I * D, check=check)
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
@@ -207,8 +207,9 @@ def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
         best = min(t for t, _ in rows)
         for t, cfg in rows:
             mark = "*" if t == best else " "
-            print(f"{mark} {shape.name} T{T:<6} {t * 1e3:9.3f} ms {byts / t / 1e12:5.2f} TB/s {flops / t / 1e12:6.1f} TFLOP/s"
-                  f"  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}", flush=True)
+            print(f"{mark} {shape.name} T{T:<6} {t * 1e3:9.3f} ms {byts / t / 1e12:5.2f} TB/s "
+                  f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -94,8 +94,8 @@ if MODE != "ref":
         globals()[_name] = _dispatch(_name, globals()[_name], _module)
 
 __all__ = [
-    "Activation", "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "glu", "glu_linear", "kda_chunked", "kda_decode",
+    "Activation", "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "glu", "kda_chunked", "kda_decode",
     "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
-    "situ_and_mul",
+    "situ_and_mul", "glu_linear",
 ]

@@ -493,7 +493,8 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torc
             act: Activation, scaling: float = 1.0) -> torch.Tensor:
     """Routed experts with SGLang's rounding points (§7.4); see moe_ref.experts. Returns [T, D] in x.dtype."""
     (T, D), k = x.shape, ids.shape[1]
-    return experts_with(x, weights, ids, w13, w2, act, scaling, experts_config(T, k, w13.shape[0], D, w13.shape[1] // 2))
+    cfg = experts_config(T, k, w13.shape[0], D, w13.shape[1] // 2)
+    return experts_with(x, weights, ids, w13, w2, act, scaling, cfg)
 
 
 def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
