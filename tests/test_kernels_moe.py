@@ -219,6 +219,7 @@ def check_align_places_every_assignment_once_in_its_experts_block():
     n = T * k
     flat = ids.view(-1)
     assert block_expert.numel() == -(-n // bm) + min(E, n)
+    assert ((block_expert >= 0) & (block_expert < E) | (block_expert == -1)).all(), "every block written"
     used = block_expert >= 0
     assert torch.equal(used, torch.arange(block_expert.numel()) < used.sum()), "used blocks first, then -1"
     rows = sorted_ids.view(-1, bm)[used]  # [used blocks, bm]
