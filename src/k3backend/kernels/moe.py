@@ -1,4 +1,5 @@
-"""Triton MoE ops: the fused router and the fused latent experts (K3_LM.md §2.3, §2.4, §7.3, §7.4).
+"""Triton MoE ops: the fused router, the fused latent experts and the shared experts' fused gate-up
+(K3_LM.md §2.3, §2.4, §7.3-7.6).
 
 Same names, signatures and semantics as `moe_ref.py` (the definition); `kernels/__init__.py`
 imports this module lazily, so the CPU path never needs triton. Wrappers validate (`*_supports`),
@@ -9,11 +10,13 @@ experts, shapes: T tokens, k slots, n = T·k assignments (a = t·k + j), E local
 width (the latent), I expert width, BM the block of rows that share one expert.
   1. align   ids [T, k] -> sorted [NB·BM] (assignment of each row, n = padding), block_expert [NB]
              (expert of each row block, -1 = unused); per expert, rows padded to a multiple of BM
-             (SGLang/vLLM's moe_align_block_size, written here with two small kernels).
+             (SGLang/vLLM's moe_align_block_size, written here with two small kernels; an atomic
+             cursor per expert places rows, and the row order inside an expert changes no result).
   2. up      h [NB·BM, I] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)), bf16, one rounding (§2.4).
   3. down    y [n, D] = bf(w_a · fp32(h·w2ᵀ)): the routed weight scales the fp32 accumulator (§7.4).
   4. sum     out [T, D] = bf(scaling · Σ_j fp32(y[t·k + j])), j in slot order; slots whose expert
              is outside [0, E) (another rank's, §9.4) are skipped. No atomics in the reduction.
+glu_linear: the up step over x's rows against one weight (DENSE), optionally on the fp32 accumulator.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from k3backend.kernels.moe_ref import Activation
 
 # GPU: compiled for a GPU rather than run by the interpreter (TRITON_INTERPRET=1, read by triton at
 # import). On a GPU, libdevice's expf/tanhf and IEEE division are what torch's CUDA sigmoid / tanh /
-# silu compile to, so scores match bit for bit. The interpreter has no libdevice (tl.exp and a tanh
+# silu compile to, so router scores and activations should match torch's CUDA ops bit for bit
+# (bench/kernels_moe.py --check compares on a GPU). The interpreter has no libdevice (tl.exp and a tanh
 # built on it stand in), its bf16 tl.dot multiplies the raw bits and its fp32 -> bf16 cast truncates
 # (triton 3.9): there the dot operands go to fp32 first (bf16 products are exact in fp32, the same
 # math) and `_round` rounds to nearest even by hand.
