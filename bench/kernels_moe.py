@@ -116,6 +116,7 @@ def _experts_case(layer: _Layer, T: int) -> Case:
     def check() -> str:
         got, want = moe.experts(*args), moe_ref.experts(*args)
         assert not got.isnan().any(), "experts: NaN in the output"
+        assert torch.equal(got, moe.experts(*args)), "experts: two runs differ (row placement must not matter)"
         ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
         worst = ((got.float() - want.float()).abs() / ulp).max().item()
         differ = (got != want).float().mean().item()
