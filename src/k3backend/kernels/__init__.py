@@ -27,7 +27,7 @@ from k3backend.kernels.kda_ref import (
     short_conv_seq,
 )
 from k3backend.kernels.mla_ref import mla_absorbed, mla_decode, mla_mha, mla_prefill, mla_write
-from k3backend.kernels.moe_ref import Activation, experts, glu, route, silu_and_mul, situ_and_mul
+from k3backend.kernels.moe_ref import Activation, experts, glu, glu_linear, route, silu_and_mul, situ_and_mul
 from k3backend.kernels.norm_ref import (
     acc_dtype,
     attn_res_mix,
@@ -43,7 +43,11 @@ if MODE not in ("ref", "triton", "auto"):
     raise ValueError(f"K3_KERNELS must be ref, triton or auto, got {MODE!r}")
 
 # Fast implementations: op name -> module that defines `<op>` and `<op>_supports(*args, **kwargs)`.
-FAST_OPS: dict[str, str] = {}
+FAST_OPS: dict[str, str] = {
+    "experts": "k3backend.kernels.moe",
+    "glu_linear": "k3backend.kernels.moe",
+    "route": "k3backend.kernels.moe",
+}
 
 Verifier = Callable[..., tuple[bool, str]]
 
@@ -93,5 +97,5 @@ __all__ = [
     "Activation", "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "glu", "kda_chunked", "kda_decode",
     "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
-    "situ_and_mul",
+    "situ_and_mul", "glu_linear",
 ]

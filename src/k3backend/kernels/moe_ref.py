@@ -29,6 +29,20 @@ def glu(gu: torch.Tensor, act: Activation, out_dtype: torch.dtype) -> torch.Tens
     return situ_and_mul(gu, act.beta, act.linear_beta, out_dtype)
 
 
+def glu_linear(x: torch.Tensor, w_gu: torch.Tensor, act: Activation, fp32_front: bool = False) -> torch.Tensor:
+    """A GLU MLP's first half: act-and-mul of x·w_guᵀ, x [T, D], w_gu [2I, D] = [gate ; up] -> [T, I] (§7.1, §7.5).
+
+    The GEMM output is rounded to x.dtype before the activation (a plain linear), except with
+    fp32_front: SGLang's fused MoE front feeds the shared experts' activation the fp32 GEMM output (§7.6).
+    """
+    if fp32_front:
+        a = acc_dtype(x)
+        gu = F.linear(x.to(a), w_gu.to(a))
+    else:
+        gu = F.linear(x, w_gu)
+    return glu(gu, act, x.dtype)
+
+
 def situ_and_mul(gu: torch.Tensor, beta: float, linear_beta: float | None, out_dtype: torch.dtype) -> torch.Tensor:
     """SiTU-and-mul (§2.4): β·tanh(g/β)·σ(g) · λ·tanh(u/λ), in fp32, one rounding. gu: [.., 2I] = [g | u]."""
     a = acc_dtype(gu)

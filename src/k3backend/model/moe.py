@@ -50,12 +50,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, *, fp32_front: bool = False, reduce: bool = True) -> torch.Tensor:
         """fp32_front: feed the activation the unrounded GEMM output (SGLang's fused MoE front, §7.6).
         reduce=False leaves this rank's partial sum (the MoE reduces it with the routed latent)."""
-        if fp32_front:
-            a = kernels.acc_dtype(x)
-            gu = F.linear(x.to(a), self.gate_up_proj.weight.to(a))
-        else:
-            gu = self.gate_up_proj(x)
-        out = self.down_proj(kernels.glu(gu, self.act, x.dtype))
+        out = self.down_proj(kernels.glu_linear(x, self.gate_up_proj.weight, self.act, fp32_front))
         return self.par.all_reduce(out) if reduce else out  # row-parallel down_proj (§9.3 item 3)
 
 

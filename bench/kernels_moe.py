@@ -1,0 +1,226 @@
+"""MoE kernels at real sizes for bench/kernels.py: the fused router, the fused latent experts and the
+shared experts' fused gate-up, each beside its torch reference (kernels/moe_ref.py).
+
+Sizes: the `small` preset (hidden 2048, latent D 1024, E 64 experts top-6, I 1024) and K3 full width
+(K3_LM §0.1, §7.8: E 896 experts top-16, latent D 3584, I 3072; bf16 expert weights, 59 GB for one
+layer, allocated once and shared by the K3 cases), at T ∈ {1, 16, 64, 256, 512, 8192, 16384} tokens.
+`--smoke`: tiny sizes (E 7, k 3, D 37, I 23), for TRITON_INTERPRET=1 on a CPU.
+Tile sweep on a GPU: `python bench/kernels_moe.py --shape k3 --tokens 16 512 8192` times the tiles that
+kernels/moe.py `experts_config` picks against one-change-at-a-time alternatives (best row marked *).
+
+Routing: independent N(0, 1) logits spread tokens almost uniformly over the experts (busiest expert
+1.1-1.3× the mean load at 8 K tokens), which flatters the prefill tail. The logits here add a fixed
+per-expert popularity N(0, 0.15²), the skew of a load-balanced (bias-corrected) router: at 8 K tokens
+the busiest expert gets ~2× (small) and ~4× (K3) the mean; a decode step of 16 tokens touches ~50 of
+64 and ~218 of 896 experts. Top-k over many experts amplifies logit offsets (σ 0.3 already gives 9×),
+so keep it small. The correction bias is N(0, 0.01²). The shape column gives the experts actually hit.
+
+Figures:
+- route: bytes = logits read + weights and ids written.
+- experts: bytes = the expert weights actually touched (distinct experts hit × 3·I·D·2 bytes) + x read
+  + out written; the intermediate h and per-slot y round trips are not counted. flops = 2·T·k·3·I·D
+  (useful work; the padding rows of each expert's last block are not counted).
+- shared_glu: the shared experts' gate-up GEMM with SiTU reading the fp32 accumulator (§7.6), against
+  moe_ref.glu_linear (an fp32 GEMM on upcast weights, what model/moe.py ran before); bytes = w_gu + x + h.
+- check: route ids must equal the reference's exactly (same fp32 sigmoid), weights within fp32
+  rounding; experts within CHECK_ULPS bf16 ulps of each row's largest |output|, and the share of
+  elements that are not bit-equal is reported (cuBLAS and the Triton GEMMs accumulate in different
+  orders, so some roundings of gu, h, y_e flip; tests/tolerances.py MOE_BF16_* explains the bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from kernels import Case
+
+from k3backend.kernels import moe_ref
+
+CHECK_ULPS = 2.0  # as tests/tolerances.py MOE_BF16_ULPS
+TOKENS = (1, 16, 64, 256, 512, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    E: int
+    k: int
+    D: int  # expert input width: the latent
+    I: int  # expert width
+
+
+SMALL = Shape("small", 64, 6, 1024, 1024)
+K3 = Shape("k3", 896, 16, 3584, 3072)
+SMOKE = Shape("smoke", 7, 3, 37, 23)
+SITU = moe_ref.Activation("situ", 4.0, 25.0)
+
+
+class _Layer:
+    """One MoE layer's routed experts and router statistics, on the device, seeded."""
+
+    def __init__(self, s: Shape, device: str) -> None:
+        g = torch.Generator(device=device).manual_seed(0)
+        self.s, self.device, self.gen = s, device, g
+        self.w13 = _randn_bf16((s.E, 2 * s.I, s.D), s.D ** -0.5, g, device)  # [E, 2I, D] = [w1 ; w3]
+        self.w2 = _randn_bf16((s.E, s.D, s.I), s.I ** -0.5, g, device)
+        self.popularity = torch.randn(s.E, generator=g, device=device) * 0.15
+        self.bias = torch.randn(s.E, generator=g, device=device) * 0.01
+
+    def logits(self, T: int) -> torch.Tensor:
+        return torch.randn(T, self.s.E, generator=self.gen, device=self.device) + self.popularity
+
+
+def _randn_bf16(shape: tuple[int, ...], scale: float, g: torch.Generator, device: str) -> torch.Tensor:
+    """bf16 N(0, scale²) filled one expert at a time (no fp32 copy of a 59 GB tensor)."""
+    out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    for e in range(shape[0]):
+        out[e] = (torch.randn(shape[1:], generator=g, device=device) * scale).bfloat16()
+    return out
+
+
+def _route_case(layer: _Layer, T: int) -> Case:
+    from k3backend.kernels import moe
+
+    s = layer.s
+    logits = layer.logits(T)
+    args = (logits, layer.bias, s.k, 1, 1, True, 1.0)
+    ok, reason = moe.route_supports(*args)
+    assert ok, reason
+
+    def check() -> str:
+        (w, ids), (w_ref, ids_ref) = moe.route(*args), moe_ref.route(*args)
+        same = (ids == ids_ref).all(-1)
+        assert bool(same.all()), f"route: ids differ in {int((~same).sum())} of {T} tokens"
+        torch.testing.assert_close(w, w_ref, rtol=2e-5, atol=2e-6)
+        return f"ids equal, weights max Δ {(w - w_ref).abs().max().item():.1e}"
+
+    return Case(family="moe", name=f"route_{s.name}", shape=f"T{T} E{s.E} k{s.k}", run=lambda: moe.route(*args),
+                ref=lambda: moe_ref.route(*args), bytes=T * s.E * 4 + T * s.k * 12, check=check)
+
+
+def _experts_case(layer: _Layer, T: int) -> Case:
+    from k3backend.kernels import moe
+
+    s = layer.s
+    w, ids = moe_ref.route(layer.logits(T), layer.bias, s.k, 1, 1, True, 1.0)
+    x = torch.randn(T, s.D, generator=layer.gen, device=layer.device).bfloat16()
+    args = (x, w, ids, layer.w13, layer.w2, SITU, 1.0)
+    ok, reason = moe.experts_supports(*args)
+    assert ok, reason
+    hit = int(torch.unique(ids).numel())  # host sync here, at set-up only
+    cfg = moe.experts_config(T, s.k, s.E, s.D, s.I)
+
+    def check() -> str:
+        got, want = moe.experts(*args), moe_ref.experts(*args)
+        assert not got.isnan().any(), "experts: NaN in the output"
+        assert torch.equal(got, moe.experts(*args)), "experts: two runs differ (row placement must not matter)"
+        ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
+        worst = ((got.float() - want.float()).abs() / ulp).max().item()
+        differ = (got != want).float().mean().item()
+        assert worst <= CHECK_ULPS, f"experts: max error {worst:.2f} bf16 ulps > {CHECK_ULPS} ({differ:.1%} differ)"
+        return f"max {worst:.2f} ulp <= {CHECK_ULPS}, {differ:.1%} not bit-equal"
+
+    expert_bytes = 3 * s.I * s.D * 2
+    return Case(family="moe", name=f"experts_{s.name}", shape=f"T{T} hit{hit}/{s.E} BM{cfg.block_m}",
+                run=lambda: moe.experts(*args), ref=lambda: moe_ref.experts(*args),
+                bytes=hit * expert_bytes + 2 * T * s.D * 2 + T * s.k * 12,
+                flops=2.0 * T * s.k * 3 * s.I * s.D, check=check)
+
+
+def _glu_linear_case(D: int, I: int, T: int, label: str, device: str) -> Case:
+    """The shared experts' gate-up GEMM + SiTU with the fp32 front (§7.6): x [T, D], w_gu [2I, D]."""
+    from k3backend.kernels import moe
+
+    g = torch.Generator(device=device).manual_seed(T)
+    x = torch.randn(T, D, generator=g, device=device).bfloat16()
+    w_gu = (torch.randn(2 * I, D, generator=g, device=device) * D ** -0.5).bfloat16()
+    args = (x, w_gu, SITU, True)
+    ok, reason = moe.glu_linear_supports(*args)
+    assert ok, reason
+
+    def check() -> str:
+        got, want = moe.glu_linear(*args), moe_ref.glu_linear(*args)
+        assert not got.isnan().any(), "glu_linear: NaN in the output"
+        ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
+        worst = ((got.float() - want.float()).abs() / ulp).max().item()
+        differ = (got != want).float().mean().item()
+        assert worst <= CHECK_ULPS, f"glu_linear: max error {worst:.2f} bf16 ulps > {CHECK_ULPS} ({differ:.1%} differ)"
+        return f"max {worst:.2f} ulp <= {CHECK_ULPS}, {differ:.1%} not bit-equal"
+
+    return Case(family="moe", name=f"shared_glu_{label}", shape=f"T{T} D{D} 2I{2 * I}",
+                run=lambda: moe.glu_linear(*args), ref=lambda: moe_ref.glu_linear(*args),
+                bytes=2 * I * D * 2 + T * (D + I) * 2, flops=2.0 * T * 2 * I * D, check=check)
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke:
+        layer = _Layer(SMOKE, device)
+        return ([_route_case(layer, 5)] + [_experts_case(layer, T) for T in (1, 5, 61)]
+                + [_glu_linear_case(37, 23, 9, "smoke", device)])
+    out = []
+    for shape in (SMALL, K3):
+        layer = _Layer(shape, device)
+        out += [_route_case(layer, T) for T in (1, 256, 16384)]
+        out += [_experts_case(layer, T) for T in TOKENS]
+    for D, I, label in ((2048, 1024, "small"), (7168, 6144, "k3")):  # hidden, shared width (K3: 2 × 3072)
+        out += [_glu_linear_case(D, I, T, label, device) for T in (16, 256, 8192)]
+    return out
+
+
+# ----------------------------------------------------------------------------- tile sweep (GPU, by hand)
+def _candidates(cfg) -> list:
+    """The chosen tiles, then one change at a time: up's tiles, down's tiles, BM, GROUP_M."""
+    from dataclasses import replace
+
+    tiles = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (64, 64, 4, 6),
+             (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 32, 4, 6)]
+    out = [cfg]
+    out += [replace(cfg, up=t) for t in tiles if t != cfg.up]
+    out += [replace(cfg, down=t) for t in tiles if t != cfg.down]
+    out += [replace(cfg, block_m=bm) for bm in (16, 32, 64, 128) if bm != cfg.block_m]
+    out += [replace(cfg, group_m=g) for g in (1, 4, 16) if g != cfg.group_m]
+    return out
+
+
+def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
+    """Time `experts_with` over tile candidates; print one line per candidate, the fastest marked."""
+    from k3backend.kernels import moe
+    from kernels import time_fn
+
+    layer = _Layer(shape, "cuda")
+    for T in tokens:
+        w, ids = moe_ref.route(layer.logits(T), layer.bias, shape.k, 1, 1, True, 1.0)
+        x = torch.randn(T, shape.D, generator=layer.gen, device="cuda").bfloat16()
+        hit = int(torch.unique(ids).numel())
+        byts, flops = hit * 3 * shape.I * shape.D * 2, 2.0 * T * shape.k * 3 * shape.I * shape.D
+        rows = []
+        for cfg in _candidates(moe.experts_config(T, shape.k, shape.E, shape.D, shape.I)):
+            try:
+                t = time_fn(lambda: moe.experts_with(x, w, ids, layer.w13, layer.w2, SITU, 1.0, cfg), True, iters)
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit: report, go on
+                print(f"{shape.name} T{T} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
+                continue
+            rows.append((t, cfg))
+        best = min(t for t, _ in rows)
+        for t, cfg in rows:
+            mark = "*" if t == best else " "
+            print(f"{mark} {shape.name} T{T:<6} {t * 1e3:9.3f} ms {byts / t / 1e12:5.2f} TB/s "
+                  f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    ap = argparse.ArgumentParser(description="sweep the experts tiles on a GPU (the first row is the current choice)")
+    ap.add_argument("--shape", choices=("small", "k3"), default="small")
+    ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args()
+    sweep(SMALL if a.shape == "small" else K3, a.tokens, a.iters)

@@ -1,0 +1,565 @@
+"""Triton MoE ops: the fused router, the fused latent experts and the shared experts' fused gate-up
+(K3_LM.md §2.3, §2.4, §7.3-7.6).
+
+Same names, signatures and semantics as `moe_ref.py` (the definition); `kernels/__init__.py`
+imports this module lazily, so the CPU path never needs triton. Wrappers validate (`*_supports`),
+kernels trust. No host syncs and no value-dependent shapes: every buffer size follows from
+(T, k, E, D, I), so a decode step can be captured in a CUDA graph (ENGINE.md §7).
+
+experts, shapes: T tokens, k slots, n = T·k assignments (a = t·k + j), E local experts, D expert input
+width (the latent), I expert width, BM the block of rows that share one expert.
+  1. align   ids [T, k] -> sorted [NB·BM] (assignment of each row, n = padding), block_expert [NB]
+             (expert of each row block, -1 = unused); per expert, rows padded to a multiple of BM
+             (SGLang/vLLM's moe_align_block_size, written here with two small kernels; an atomic
+             cursor per expert places rows, and the row order inside an expert changes no result).
+  2. up      h [NB·BM, I] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)), bf16, one rounding (§2.4).
+  3. down    y [n, D] = bf(w_a · fp32(h·w2ᵀ)): the routed weight scales the fp32 accumulator (§7.4).
+  4. sum     out [T, D] = bf(scaling · Σ_j fp32(y[t·k + j])), j in slot order; slots whose expert
+             is outside [0, E) (another rank's, §9.4) are skipped. No atomics in the reduction.
+glu_linear: the up step over x's rows against one weight (DENSE), optionally on the fp32 accumulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from k3backend.kernels.moe_ref import Activation
+
+# GPU: compiled for a GPU rather than run by the interpreter (TRITON_INTERPRET=1, read by triton at
+# import). On a GPU, libdevice's expf/tanhf and IEEE division are what torch's CUDA sigmoid / tanh /
+# silu compile to, so router scores and activations should match torch's CUDA ops bit for bit
+# (bench/kernels_moe.py --check compares on a GPU). The interpreter has no libdevice (tl.exp and a tanh
+# built on it stand in), its bf16 tl.dot multiplies the raw bits and its fp32 -> bf16 cast truncates
+# (triton 3.9): there the dot operands go to fp32 first (bf16 products are exact in fp32, the same
+# math) and `_round` rounds to nearest even by hand.
+_GPU = not triton.knobs.runtime.interpret
+
+_MAX_EXPERTS = 4096  # route: one program holds a token's E scores in registers
+
+
+# ----------------------------------------------------------------------------- scalar math
+@triton.jit
+def _exp(x, GPU: tl.constexpr):
+    if GPU:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _div(x, y, GPU: tl.constexpr):
+    if GPU:
+        return tl.math.div_rn(x, y)
+    else:
+        return x / y
+
+
+@triton.jit
+def _sigmoid(x, GPU: tl.constexpr):
+    """torch's CUDA sigmoid: 1 / (1 + exp(-x)) in fp32."""
+    return _div(1.0, 1.0 + _exp(-x, GPU), GPU)
+
+
+@triton.jit
+def _tanh(x, GPU: tl.constexpr):
+    if GPU:
+        return libdevice.tanh(x)
+    else:  # interpreter only: odd Taylor series near 0 (no cancellation), (1 - e^-2|x|)/(1 + e^-2|x|) elsewhere
+        ax = tl.abs(x)
+        t = tl.exp(-2.0 * ax)
+        big = (1.0 - t) / (1.0 + t)
+        x2 = x * x
+        small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+        r = tl.where(ax < 0.0625, small, big)
+        return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _glu(g, u, inv_beta, beta, inv_lam, lam, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, GPU: tl.constexpr):
+    """act(g)·up(u) in fp32 on bf16-rounded inputs, in the reference's order of operations.
+
+    SiTU (§2.4): (β·tanh(g·(1/β)))·σ(g) · λ·tanh(u·(1/λ)). torch's CUDA division by a Python scalar
+    multiplies by the fp32 reciprocal, as SGLang's SiTU kernel does (`tanhf(g·(1/β))`).
+    SiLU (§2.3): g / (1 + exp(-g)) · u (torch's CUDA silu).
+    """
+    if ACT == 0:
+        return _div(g, 1.0 + _exp(-g, GPU), GPU) * u
+    else:
+        gate = beta * _tanh(g * inv_beta, GPU) * _sigmoid(g, GPU)
+        if HAS_LAMBDA:
+            up = lam * _tanh(u * inv_lam, GPU)
+        else:
+            up = u
+        return gate * up
+
+
+@triton.jit
+def _round(x, dt: tl.constexpr, GPU: tl.constexpr):
+    """fp32 -> dt, round to nearest even (a GPU cast does; the interpreter's bf16 cast truncates)."""
+    if GPU or dt != tl.bfloat16:
+        return x.to(dt)
+    else:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True).to(dt)
+
+
+@triton.jit
+def _mma(a, b, acc, GPU: tl.constexpr):
+    if GPU:
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+
+
+@triton.jit
+def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped launch order: GROUP_M row blocks (≈ the same few experts) sweep N together, so an
+    expert's weight tile and the blocks' rows are reused from L2."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+# ----------------------------------------------------------------------------- route
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_lt, stride_wt, stride_it, E, per_group, scaling,
+                  TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GPU: tl.constexpr):
+    """One token per program: its E scores as a [group, member] tile; top-k by repeated argmax."""
+    t = tl.program_id(0).to(tl.int64)
+    gi = tl.arange(0, BLOCK_G)
+    pi = tl.arange(0, BLOCK_P)
+    ok = (gi[:, None] < N_GROUP) & (pi[None, :] < per_group)
+    e = gi[:, None] * per_group + pi[None, :]  # expert id [BLOCK_G, BLOCK_P]
+    s = _sigmoid(tl.load(logits_ptr + t * stride_lt + e, mask=ok, other=0.0), GPU)
+    c = s
+    if HAS_BIAS:
+        c = s + tl.load(bias_ptr + e, mask=ok, other=0.0)
+    c = tl.where(ok, c, float("-inf"))
+    if N_GROUP > 1:  # keep the TOPK_GROUP groups with the largest sum of their two best biased scores
+        m1 = tl.max(c, axis=1)
+        first = tl.min(tl.where(c == m1[:, None], pi[None, :], BLOCK_P), axis=1)
+        m2 = tl.max(tl.where(pi[None, :] == first[:, None], float("-inf"), c), axis=1)
+        score = tl.where(gi < N_GROUP, m1 + m2, float("-inf"))
+        keep = gi < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.min(tl.where(score == tl.max(score, axis=0), gi, BLOCK_G), axis=0)  # ties: lowest group
+            keep = keep | (gi == best)
+            score = tl.where(gi == best, float("-inf"), score)
+        c = tl.where(keep[:, None], c, float("-inf"))
+    kk = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    big = BLOCK_G * BLOCK_P
+    for j in tl.static_range(TOP_K):  # ids in descending biased score, ties to the lowest id
+        top = tl.max(tl.max(c, axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where(c == top, e, big), axis=1), axis=0)
+        hit = (e == pick) & ok  # padding members alias the next group's ids
+        w = tl.where(kk == j, tl.sum(tl.sum(tl.where(hit, s, 0.0), axis=1), axis=0), w)  # unbiased score
+        ids = tl.where(kk == j, pick.to(tl.int64), ids)
+        c = tl.where(hit, float("-inf"), c)
+    if RENORMALIZE:
+        w = _div(w, tl.sum(w, axis=0), GPU)
+    tl.store(w_ptr + t * stride_wt + kk, w * scaling, mask=kk < TOP_K)
+    tl.store(ids_ptr + t * stride_it + kk, ids, mask=kk < TOP_K)
+
+
+def route_supports(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, n_group: int,
+                   topk_group: int, renormalize: bool, scaling: float) -> tuple[bool, str]:
+    """(ok, reason): the kernel takes fp32 [T, E] logits, E ≤ 4096, and enough allowed experts for top_k."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        return False, f"logits: expected float32 [T, E], got {logits.dtype} {list(logits.shape)}"
+    if not (logits.is_cuda or not _GPU):
+        return False, "logits not on a GPU"
+    if logits.stride(1) != 1:
+        return False, f"logits: expected unit stride over experts, got strides {logits.stride()}"
+    T, E = logits.shape
+    if E > _MAX_EXPERTS:
+        return False, f"num_experts {E} > {_MAX_EXPERTS} (one program per token)"
+    if correction_bias is not None and (correction_bias.dtype != torch.float32 or correction_bias.shape != (E,)
+                                        or correction_bias.device != logits.device or correction_bias.stride(0) != 1):
+        return False, (f"correction_bias: expected float32 [{E}] on {logits.device}, got {correction_bias.dtype} "
+                       f"{list(correction_bias.shape)} on {correction_bias.device}")
+    if n_group < 1 or E % n_group:
+        return False, f"n_group {n_group} does not divide num_experts {E}"
+    if n_group > 1 and E // n_group < 2:
+        return False, f"grouped top-k needs >= 2 experts per group, got {E // n_group}"
+    if not 1 <= topk_group <= n_group:
+        return False, f"topk_group {topk_group} not in [1, n_group {n_group}]"
+    if not 1 <= top_k <= topk_group * (E // n_group):
+        return False, f"top_k {top_k} not in [1, {topk_group * (E // n_group)}] (topk_group · experts per group)"
+    return True, ""
+
+
+def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
+          renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with bias-for-selection and grouped top-k (§7.3, §13); see moe_ref.route.
+
+    logits: [T, E] fp32. Returns (weights [T, k] fp32, ids [T, k] int64), ids in descending biased score.
+    """
+    T, E = logits.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return w, ids
+    per = E // n_group
+    block_g, block_p = triton.next_power_of_2(n_group), triton.next_power_of_2(per)
+    _route_kernel[(T,)](
+        logits_ptr=logits, bias_ptr=logits if correction_bias is None else correction_bias, w_ptr=w, ids_ptr=ids,
+        stride_lt=logits.stride(0), stride_wt=w.stride(0), stride_it=ids.stride(0), E=E, per_group=per,
+        scaling=float(scaling), TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
+        HAS_BIAS=correction_bias is not None, RENORMALIZE=bool(renormalize), BLOCK_G=block_g, BLOCK_P=block_p,
+        BLOCK_K=triton.next_power_of_2(top_k), GPU=_GPU, num_warps=4 if block_g * block_p >= 512 else 1,
+    )
+    return w, ids
+
+
+# ----------------------------------------------------------------------------- experts: align
+@triton.jit(do_not_specialize=["n"])
+def _align_count_kernel(ids_ptr, counts_ptr, n, E, stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + (a // TOP_K) * stride_it + (a % TOP_K) * stride_ik, mask=a < n, other=-1)
+    ok = (e >= 0) & (e < E)
+    tl.atomic_add(counts_ptr + tl.where(ok, e, 0), 1, mask=ok, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["n", "num_blocks"])
+def _align_place_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, n, E, num_blocks,
+                        stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                        BLOCK_E: tl.constexpr, PAD_E: tl.constexpr):
+    """Every program derives the padded expert offsets from the counts, places its assignments
+    (a per-expert atomic cursor gives each a row; the row order inside an expert does not change
+    any result), and does its share of the padding rows and of the unused blocks."""
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    ev = tl.arange(0, BLOCK_E)
+    cnt = tl.load(counts_ptr + ev, mask=ev < E, other=0)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.cumsum(padded, axis=0) - padded
+    total = tl.sum(padded, axis=0)
+
+    a = pid * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + (a // TOP_K) * stride_it + (a % TOP_K) * stride_ik, mask=a < n, other=-1)
+    ok = (e >= 0) & (e < E)
+    e = tl.where(ok, e, 0).to(tl.int32)
+    row = tl.gather(start, e, 0) + tl.atomic_add(cursor_ptr + e, 1, mask=ok, sem="relaxed")
+    tl.store(sorted_ptr + row, a, mask=ok)
+    tl.store(block_expert_ptr + row // BLOCK_M, e, mask=ok)  # every used block holds >= 1 real row
+
+    r = tl.arange(0, BLOCK_M)
+    for e0 in range(pid * PAD_E, E, nprog * PAD_E):  # padding rows: [start + cnt, start + padded)
+        ec = e0 + tl.arange(0, PAD_E)
+        ecs = tl.where(ec < E, ec, 0)
+        c, s, p = tl.gather(cnt, ecs, 0), tl.gather(start, ecs, 0), tl.gather(padded, ecs, 0)
+        pad = (ec[:, None] < E) & (r[None, :] < (p - c)[:, None])
+        tl.store(sorted_ptr + (s + c)[:, None] + r[None, :], n, mask=pad)
+    for b0 in range(pid * BLOCK, num_blocks, nprog * BLOCK):  # blocks past the last expert's
+        b = b0 + tl.arange(0, BLOCK)
+        tl.store(block_expert_ptr + b, -1, mask=(b < num_blocks) & (b * BLOCK_M >= total))
+
+
+def _align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted [NB·BM] int32, block_expert [NB] int32) for ids [T, k]; NB = cdiv(n, BM) + min(E, n),
+    the most blocks any routing can need (each expert adds at most one partial block)."""
+    T, k = ids.shape
+    n = T * k
+    num_blocks = triton.cdiv(n, block_m) + min(E, n)
+    dev = ids.device
+    work = torch.zeros(2 * E, dtype=torch.int32, device=dev)  # counts, cursors
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    block = 1024 if n > 4096 else 256
+    grid = (triton.cdiv(n, block),)
+    _align_count_kernel[grid](ids_ptr=ids, counts_ptr=work, n=n, E=E, stride_it=ids.stride(0),
+                              stride_ik=ids.stride(1), TOP_K=k, BLOCK=block, num_warps=4)
+    _align_place_kernel[grid](
+        ids_ptr=ids, counts_ptr=work, cursor_ptr=work[E:], sorted_ptr=sorted_ids, block_expert_ptr=block_expert,
+        n=n, E=E, num_blocks=num_blocks, stride_it=ids.stride(0), stride_ik=ids.stride(1), TOP_K=k,
+        BLOCK_M=block_m, BLOCK=block, BLOCK_E=triton.next_power_of_2(E), PAD_E=max(1, 2048 // block_m), num_warps=4,
+    )
+    return sorted_ids, block_expert
+
+
+# ----------------------------------------------------------------------------- experts: GEMMs
+@triton.jit(do_not_specialize=["n", "num_blocks"])
+def _up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, n, D, I, num_blocks,
+               stride_xt, stride_we, stride_wn, stride_hm, inv_beta, beta, inv_lam, lam,
+               TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
+               ROUND_GU: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
+
+    DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
+    activation reads the fp32 accumulator (the fused MoE front, §7.6).
+    """
+    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if DENSE:
+        a_idx = rows
+        w_ptr = w13_ptr
+    else:
+        e = tl.load(block_expert_ptr + pid_m)
+        if e < 0:
+            return
+        a_idx = tl.load(sorted_ptr + rows)
+        w_ptr = w13_ptr + e.to(tl.int64) * stride_we
+    tok = tl.where(a_idx < n, a_idx // TOP_K, 0).to(tl.int64)  # padding rows read token 0, never stored
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    g_ptrs = w_ptr + (offs_n % I).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN] view of w1ᵀ;
+    # % I keeps the edge block in bounds
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(D, BLOCK_K)):
+        if EVEN_K:
+            xa = tl.load(x_ptrs)
+            wg = tl.load(g_ptrs)
+            wu = tl.load(u_ptrs)
+        else:
+            k_ok = offs_k < D - k0 * BLOCK_K
+            xa = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        acc_g = _mma(xa, wg, acc_g, GPU)
+        acc_u = _mma(xa, wu, acc_u, GPU)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    dt = h_ptr.dtype.element_ty
+    if ROUND_GU:  # gu = bf(x·w13ᵀ): the reference's rounding point
+        acc_g = _round(acc_g, dt, GPU).to(tl.float32)
+        acc_u = _round(acc_u, dt, GPU).to(tl.float32)
+    h = _round(_glu(acc_g, acc_u, inv_beta, beta, inv_lam, lam, ACT, HAS_LAMBDA, GPU), dt, GPU)
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, h, mask=(a_idx < n)[:, None] & (offs_n < I)[None, :])
+
+
+@triton.jit(do_not_specialize=["n", "num_blocks"])
+def _down_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, n, D, I, num_blocks,
+                 stride_hm, stride_we, stride_wn, stride_yn, stride_pt, stride_pk,
+                 TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """y[a, n-block] = bf(w_a · fp32(h[row]·w2ᵀ)) for the rows of one expert block."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(D, BLOCK_N), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_idx = tl.load(sorted_ptr + rows)
+    real = a_idx < n
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
+    w_ptrs = (w2_ptr + e.to(tl.int64) * stride_we + (offs_n % D).to(tl.int64)[None, :] * stride_wn
+              + offs_k[:, None])  # [BK, BN] view of w2ᵀ
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(I, BLOCK_K)):
+        if EVEN_K:
+            ha = tl.load(h_ptrs, mask=real[:, None], other=0.0)
+            wb = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < I - k0 * BLOCK_K
+            ha = tl.load(h_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
+            wb = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = _mma(ha, wb, acc, GPU)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    a_safe = tl.where(real, a_idx, 0)
+    wt = tl.load(weights_ptr + (a_safe // TOP_K) * stride_pt + (a_safe % TOP_K) * stride_pk, mask=real, other=0.0)
+    y = _round(acc * wt[:, None], y_ptr.dtype.element_ty, GPU)
+    y_ptrs = y_ptr + a_safe.to(tl.int64)[:, None] * stride_yn + offs_n[None, :]
+    tl.store(y_ptrs, y, mask=real[:, None] & (offs_n < D)[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it, stride_ik, stride_ot,
+                TOP_K: tl.constexpr, GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = bf(scaling · Σ_j fp32(y[t·k + j])) in slot order; a skipped slot adds +0 as in the reference."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = (t < T)[:, None] & (d < D)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ik, mask=t < T, other=-1)
+        mine = ok & ((e >= 0) & (e < E))[:, None]
+        acc += tl.load(y_ptr + (t * TOP_K + j)[:, None] * stride_yn + d[None, :], mask=mine, other=0.0).to(tl.float32)
+    out = _round(scaling * acc, out_ptr.dtype.element_ty, GPU)
+    tl.store(out_ptr + t[:, None] * stride_ot + d[None, :], out, mask=ok)
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """Tiles of the two grouped GEMMs; both share block_m (the align step's padding)."""
+
+    block_m: int
+    up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
+    down: tuple[int, int, int, int]
+    group_m: int = 8
+
+
+def experts_config(T: int, k: int, E: int, D: int, I: int) -> ExpertsConfig:
+    """Tiles keyed on the mean rows per expert m = T·k/E (a pure function of the shape: nothing is
+    autotuned, so a captured graph replays the kernels it was captured with).
+
+    - m ≤ 16 (decode): weight-streaming. BM 16 (the smallest tl.dot); N split fine (BN 64, or 32 / 16
+      when the touched experts alone would not fill 2 waves of 132 SMs) instead of split-K, so the
+      activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
+    - m ≤ 64: BM 32. m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger:
+      BM 128 × BN 128, 8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why
+      BM grows only with m (K3 at 8 K tokens: m ≈ 146).
+    Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 160 KB of 228.
+    """
+    m = T * k / max(E, 1)
+    if m <= 16:
+        blocks = min(E, T * k)  # ≈ the experts hit: one row block each
+
+        def bn(N: int) -> int:  # the widest N tile that still gives >= 2 waves of programs
+            return next((b for b in (64, 32) if blocks * triton.cdiv(N, b) >= 264), 16)
+
+        bm, up, down = 16, (bn(I), 128, 4, 4), (bn(D), 128, 4, 4)
+    elif m <= 64:
+        bm, up, down = 32, (64, 128, 4, 4), (64, 128, 4, 4)
+    elif m <= 192:
+        bm, up, down = 64, (128, 64, 4, 4), (128, 64, 4, 4)
+    else:
+        bm, up, down = 128, (128, 64, 8, 3), (128, 64, 8, 4)
+
+    def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
+        bn, bk, warps, stages = tiles  # tiny test sizes: no tile wider than the (padded) matrix
+        return min(bn, max(16, triton.next_power_of_2(N))), min(bk, max(16, triton.next_power_of_2(K))), warps, stages
+
+    return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I))
+
+
+def _launch_up(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor, sorted_ids: torch.Tensor | None,
+               block_expert: torch.Tensor | None, n: int, k: int, act: Activation, cfg: ExpertsConfig, *,
+               dense: bool, round_gu: bool) -> None:
+    """The gate-up GEMM + activation over n rows: sorted expert blocks, or (dense) x's rows against one w."""
+    D, I = x.shape[1], w.shape[-2] // 2
+    nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
+    situ, lam = act.kind == "situ", act.linear_beta
+    bn, bk, warps, stages = cfg.up
+    _up_kernel[(nb * triton.cdiv(I, bn),)](
+        x_ptr=x, w13_ptr=w, h_ptr=h, sorted_ptr=x if dense else sorted_ids,
+        block_expert_ptr=x if dense else block_expert, n=n, D=D, I=I, num_blocks=nb, stride_xt=x.stride(0),
+        stride_we=0 if dense else w.stride(0), stride_wn=w.stride(-2), stride_hm=h.stride(0),
+        inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
+        inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
+        HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, GPU=_GPU, EVEN_K=D % bk == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
+    )
+
+
+def _act_supported(act: Activation) -> tuple[bool, str]:
+    if act.kind not in ("silu", "situ") or (act.kind == "situ" and act.beta == 0) or act.linear_beta == 0:
+        return False, f"activation {act}: expected silu, or situ with beta != 0 and linear_beta None or != 0"
+    return True, ""
+
+
+def experts_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor, act: Activation, scaling: float = 1.0) -> tuple[bool, str]:
+    """(ok, reason): bf16/fp16 activations and weights of one dtype, fp32 routing weights, unit inner strides."""
+    if not (x.is_cuda or not _GPU):
+        return False, "x not on a GPU"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"x: expected bfloat16 or float16, got {x.dtype} (fp32 tl.dot would use tf32)"
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        return False, f"expected x [T, D], w13 [E, 2I, D], w2 [E, D, I], got {list(x.shape)}, " \
+                      f"{list(w13.shape)}, {list(w2.shape)}"
+    T, D = x.shape
+    E, two_i, Dw = w13.shape
+    I = two_i // 2
+    if two_i % 2 or Dw != D or tuple(w2.shape) != (E, D, I):
+        return False, f"expected w13 [E, 2I, {D}] and w2 [E, {D}, I], got {list(w13.shape)}, {list(w2.shape)}"
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        return False, f"weights: expected {x.dtype}, got w13 {w13.dtype}, w2 {w2.dtype}"
+    if ids.dim() != 2 or ids.shape[0] != T or ids.dtype not in (torch.int32, torch.int64):
+        return False, f"ids: expected int32/int64 [{T}, k], got {ids.dtype} {list(ids.shape)}"
+    if tuple(weights.shape) != tuple(ids.shape) or weights.dtype != torch.float32:
+        return False, f"weights: expected float32 {list(ids.shape)}, got {weights.dtype} {list(weights.shape)}"
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        return False, "x, w13, w2: expected unit stride in the last dimension"
+    if len({t.device for t in (x, weights, ids, w13, w2)}) != 1:
+        return False, "x, weights, ids, w13, w2 on different devices"
+    return _act_supported(act)
+
+
+def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            act: Activation, scaling: float = 1.0) -> torch.Tensor:
+    """Routed experts with SGLang's rounding points (§7.4); see moe_ref.experts. Returns [T, D] in x.dtype."""
+    (T, D), k = x.shape, ids.shape[1]
+    cfg = experts_config(T, k, w13.shape[0], D, w13.shape[1] // 2)
+    return experts_with(x, weights, ids, w13, w2, act, scaling, cfg)
+
+
+def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 act: Activation, scaling: float, cfg: ExpertsConfig) -> torch.Tensor:
+    """`experts` with explicit tiles (bench/kernels_moe.py --sweep compares configs with it)."""
+    T, D = x.shape
+    k = ids.shape[1]
+    E, I = w13.shape[0], w13.shape[1] // 2
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if T == 0 or k == 0:
+        return out.zero_()
+    sorted_ids, block_expert = _align(ids, E, cfg.block_m)
+    nb = block_expert.numel()
+    h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
+    y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
+    _launch_up(x, w13, h, sorted_ids, block_expert, T * k, k, act, cfg, dense=False, round_gu=True)
+    bn, bk, warps, stages = cfg.down
+    _down_kernel[(nb * triton.cdiv(D, bn),)](
+        h_ptr=h, w2_ptr=w2, y_ptr=y, weights_ptr=weights, sorted_ptr=sorted_ids, block_expert_ptr=block_expert,
+        n=T * k, D=D, I=I, num_blocks=nb, stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1),
+        stride_yn=y.stride(0), stride_pt=weights.stride(0), stride_pk=weights.stride(1), TOP_K=k,
+        GPU=_GPU, EVEN_K=I % bk == 0, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps,
+        num_stages=stages,
+    )
+    block_d = min(1024, triton.next_power_of_2(D))
+    block_t = max(1, 2048 // block_d)
+    _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
+        y_ptr=y, ids_ptr=ids, out_ptr=out, T=T, D=D, E=E, scaling=float(scaling), stride_yn=y.stride(0),
+        stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_ot=out.stride(0), TOP_K=k, GPU=_GPU,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=8,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- dense GLU (shared experts)
+def glu_linear_supports(x: torch.Tensor, w_gu: torch.Tensor, act: Activation,
+                        fp32_front: bool = False) -> tuple[bool, str]:
+    """(ok, reason): bf16/fp16 x [T, D] and w_gu [2I, D] of one dtype on a GPU, unit inner strides."""
+    if not (x.is_cuda or not _GPU):
+        return False, "x not on a GPU"
+    if x.dtype not in (torch.bfloat16, torch.float16) or w_gu.dtype != x.dtype:
+        return False, f"x, w_gu: expected bfloat16 or float16, both, got {x.dtype}, {w_gu.dtype}"
+    if x.dim() != 2 or w_gu.dim() != 2 or w_gu.shape[1] != x.shape[1] or w_gu.shape[0] % 2:
+        return False, f"expected x [T, D], w_gu [2I, D], got {list(x.shape)}, {list(w_gu.shape)}"
+    if x.stride(1) != 1 or w_gu.stride(1) != 1 or w_gu.device != x.device:
+        return False, "x, w_gu: expected unit stride in the last dimension, one device"
+    return _act_supported(act)
+
+
+def glu_linear(x: torch.Tensor, w_gu: torch.Tensor, act: Activation, fp32_front: bool = False) -> torch.Tensor:
+    """act-and-mul of x·w_guᵀ in one kernel (§7.1, §7.5, §7.6); see moe_ref.glu_linear. Returns [T, I].
+
+    The shared experts are not folded into `experts`: in K3 they read h (7168 wide) while the routed
+    experts read the latent (3584), their width differs (6144 vs 3072) and their activation reads the
+    fp32 GEMM output (§7.6). They are one dense GEMM with the activation in its epilogue instead.
+    """
+    T, D = x.shape
+    I = w_gu.shape[0] // 2
+    h = torch.empty(T, I, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return h
+    cfg = experts_config(T, 1, 1, D, I)
+    _launch_up(x, w_gu, h, None, None, T, 1, act, cfg, dense=True, round_gu=not fp32_front)
+    return h

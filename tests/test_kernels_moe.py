@@ -1,0 +1,311 @@
+"""The Triton MoE ops (kernels/moe.py) equal their torch references (kernels/moe_ref.py).
+
+Every `check_*` runs in a child process under TRITON_INTERPRET=1 (tests/interpret.py) on CPU
+tensors: small odd sizes (E = 7 experts, k = 3, odd T, D, I), experts with no tokens, ids of other
+ranks' experts (outside [0, E)) skipped, grouped top-k with several groups, ties. Every buffer the ops
+allocate with torch.empty is poisoned (NaN, or -7777 for integers), so an element that a kernel
+forgets to write, or a padding row that a kernel reads without masking, shows up; every output
+element is compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import interpret
+from tolerances import MOE_BF16_MISMATCH_FRACTION, MOE_BF16_ULPS, tol
+
+CHECKS = interpret.Checks(__file__, env={"K3_KERNELS": "triton"})
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("name", CHECKS.names)
+def test_under_interpreter(name):
+    CHECKS.assert_passed(name)
+
+
+# ---------------------------------------------------------------- helpers (run in the child)
+@contextlib.contextmanager
+def poisoned_empty() -> Iterator[None]:
+    """torch.empty returns NaN-filled floats and -7777-filled integers while active."""
+    real = torch.empty
+
+    def empty(*size, dtype=None, device=None, **kwargs):
+        t = real(*size, dtype=dtype, device=device, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -7777)
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = F32) -> torch.Tensor:
+    return (scale * torch.randn(*shape, generator=gen(seed))).to(dtype)
+
+
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, what: str) -> None:
+    """All elements within MOE_BF16_ULPS bf16 ulps of the row's magnitude `scale` [T, 1], and at most
+    MOE_BF16_MISMATCH_FRACTION of them not bit-equal: the same rounding points give the same bits except
+    where a different fp32 accumulation order (or exp/tanh last bit) flips a rounding (tolerances.py)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {got.shape} vs {want.shape}"
+    assert not got.isnan().any(), f"{what}: NaN in the output (an element not written, or poison read)"
+    ulp = scale.float() * 2.0 ** -7  # one bf16 ulp at the magnitude of the row's largest expert output
+    err = (got.float() - want.float()).abs()
+    worst = (err / ulp).max().item()
+    assert worst <= MOE_BF16_ULPS, f"{what}: max error {worst:.2f} bf16 ulps > {MOE_BF16_ULPS}"
+    frac = (got != want).float().mean().item()
+    assert frac <= MOE_BF16_MISMATCH_FRACTION, f"{what}: {frac:.2%} of elements differ from the reference"
+
+
+# ---------------------------------------------------------------- route
+def route_both(logits, bias, top_k, n_group, topk_group, renormalize=True, scaling=1.0):
+    from k3backend.kernels import moe, moe_ref
+
+    args = (logits, bias, top_k, n_group, topk_group, renormalize, scaling)
+    ok, reason = moe.route_supports(*args)
+    assert ok, reason
+    with poisoned_empty():
+        got = moe.route(*args)
+    return got, moe_ref.route(*args)
+
+
+def assert_route_equal(got, want, what: str) -> None:
+    assert got[1].dtype == torch.int64 and got[0].dtype == F32
+    assert torch.equal(got[1], want[1]), f"{what}: ids differ\n{got[1]}\n{want[1]}"
+    torch.testing.assert_close(got[0], want[0], **tol(F32), msg=f"{what}: weights")
+
+
+def check_route_ids_and_weights_equal_reference():
+    logits, bias = randn(11, 7, seed=1, scale=2.0), randn(7, seed=2, scale=0.3)
+    for renormalize, scaling in [(True, 1.0), (True, 2.5), (False, 2.5)]:
+        got, want = route_both(logits, bias, 3, 1, 1, renormalize, scaling)
+        assert_route_equal(got, want, f"renormalize={renormalize} scaling={scaling}")
+    got, want = route_both(logits, None, 3, 1, 1)
+    assert_route_equal(got, want, "no correction bias")
+    logits, bias = randn(3, 896, seed=3, scale=2.0), randn(896, seed=4, scale=0.05)  # K3: 896 experts, top-16
+    assert_route_equal(*route_both(logits, bias, 16, 1, 1), "K3 width")
+
+
+def check_grouped_route_equals_reference():
+    logits, bias = randn(13, 15, seed=5, scale=2.0), randn(15, seed=6, scale=0.3)
+    for n_group, topk_group, top_k in [(5, 3, 4), (5, 1, 2), (3, 2, 7)]:  # 3 or 5 experts per group
+        got, want = route_both(logits, bias, top_k, n_group, topk_group)
+        assert_route_equal(got, want, f"{n_group} groups keep {topk_group} top {top_k}")
+    logits, bias = randn(5, 256, seed=7), randn(256, seed=8, scale=0.1)  # DeepSeek-V3 shape: 8 groups keep 4
+    assert_route_equal(*route_both(logits, bias, 8, 8, 4), "8 groups of 32")
+
+
+def check_route_ties_go_to_the_lowest_id():
+    logits = torch.zeros(2, 12)  # σ = 0.5 exactly everywhere: the biases decide, with exact ties
+    bias = torch.tensor([0.0, 0.25, 0.125, 0.0, 0.125, 0.0, 0.0, 0.25, 0.25, 0.0, 0.125, 0.0])
+    got, want = route_both(logits, bias, 4, 1, 1)
+    assert_route_equal(got, want, "expert ties")
+    assert got[1][0].tolist() == [1, 7, 8, 2]
+    got, want = route_both(logits, bias, 3, 3, 2)  # groups {0..3}, {4..7}, {8..11}: top-2 sums tie 0.375
+    assert_route_equal(got, want, "group ties")
+    assert got[1][0].tolist() == [1, 7, 2], "groups 0 and 1 kept (tie with group 2 goes to the lower id)"
+
+
+def check_route_supports_declines_what_it_cannot_do():
+    from k3backend.kernels import moe
+
+    lg = torch.zeros(3, 16)
+    assert moe.route_supports(lg, None, 4, 4, 2, True, 1.0) == (True, "")
+    declined = {
+        "float64 logits": (lg.double(), None, 4, 1, 1),
+        "n_group does not divide": (lg, None, 4, 3, 1),
+        "one expert per group": (torch.zeros(3, 4), None, 1, 4, 1),
+        "top_k beyond the kept groups": (lg, None, 9, 4, 2),
+        "bias of another dtype": (lg, torch.zeros(16, dtype=torch.float64), 4, 1, 1),
+        "too many experts": (torch.zeros(1, 8192), None, 4, 1, 1),
+    }
+    for what, args in declined.items():
+        ok, reason = moe.route_supports(*args, True, 1.0)
+        assert not ok and reason, what
+
+
+# ---------------------------------------------------------------- experts
+def experts_case(T: int, E: int, k: int, D: int, I: int, seed: int, dtype=BF16, ids_dtype=torch.int64):
+    """Random routing with experts 2 and 5 unused and ~1/8 of the slots on other ranks' experts."""
+    x = randn(T, D, seed=seed, dtype=dtype)
+    w13 = randn(E, 2 * I, D, seed=seed + 1, scale=D ** -0.5, dtype=dtype)
+    w2 = randn(E, D, I, seed=seed + 2, scale=I ** -0.5, dtype=dtype)
+    local = torch.tensor([e for e in range(E) if e not in (2, 5)])
+    ids = local[torch.randperm(len(local) * ((T * k) // len(local) + 1), generator=gen(seed + 3)) % len(local)]
+    ids = ids[: T * k].view(T, k).clone()
+    other = torch.rand(T, k, generator=gen(seed + 4)) < 0.125
+    ids[other] = torch.tensor([-1, E, E + 3])[torch.arange(int(other.sum())) % 3]
+    weights = torch.rand(T, k, generator=gen(seed + 5)) + 0.05
+    weights = weights / weights.sum(-1, keepdim=True)
+    return x, weights, ids.to(ids_dtype), w13, w2
+
+
+def experts_both(x, weights, ids, w13, w2, act, scaling=1.0):
+    from k3backend.kernels import moe, moe_ref
+
+    ok, reason = moe.experts_supports(x, weights, ids, w13, w2, act, scaling)
+    assert ok, reason
+    with poisoned_empty():
+        got = moe.experts(x, weights, ids, w13, w2, act, scaling)
+    want = moe_ref.experts(x, weights, ids, w13, w2, act, scaling)
+    # magnitude of each row's expert outputs: the scale of one rounding step of the fp32 sum
+    scale = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3)
+    return got, want, scale
+
+
+SITU = dict(kind="situ", beta=4.0, linear_beta=25.0)
+
+
+def check_experts_equal_reference_in_each_block_tier():
+    """T chosen so that T·k/E lands in each tier of experts_config (BM 16, 32, 64, 128)."""
+    from k3backend.kernels import moe
+    from k3backend.kernels.moe_ref import Activation
+
+    E, k, D, I = 7, 3, 37, 23
+    for T, block_m in [(1, 16), (5, 16), (61, 32), (157, 64), (467, 128)]:
+        assert moe.experts_config(T, k, E, D, I).block_m == block_m
+        args = experts_case(T, E, k, D, I, seed=T)
+        got, want, scale = experts_both(*args, Activation(**SITU), 2.5 if T == 61 else 1.0)
+        assert_bf16_close(got, want, scale, f"T={T} BM={block_m}")
+
+
+def check_experts_activations_and_dtypes_equal_reference():
+    from k3backend.kernels.moe_ref import Activation
+
+    E, k = 7, 3
+    cases = [  # (T, D, I, act, dtype, ids dtype): even sizes take the unmasked K loop
+        (9, 64, 32, Activation(**SITU), BF16, torch.int64),
+        (9, 37, 23, Activation("situ", 4.0, None), BF16, torch.int32),
+        (13, 37, 23, Activation("silu"), BF16, torch.int64),
+        (13, 64, 32, Activation("silu"), torch.float16, torch.int64),
+    ]
+    for T, D, I, act, dtype, ids_dtype in cases:
+        got, want, scale = experts_both(*experts_case(T, E, k, D, I, seed=100 + T, dtype=dtype, ids_dtype=ids_dtype),
+                                        act)
+        if dtype == BF16:
+            assert_bf16_close(got, want, scale, f"{act} D={D} I={I}")
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * scale.max().item(), msg=f"{act} fp16")
+
+
+def check_experts_of_other_ranks_only_give_zero():
+    from k3backend.kernels.moe_ref import Activation
+
+    x, weights, ids, w13, w2 = experts_case(5, 7, 3, 37, 23, seed=200)
+    ids[:2] = torch.tensor([-1, 7, 9])  # tokens 0 and 1 route only to other ranks' experts
+    got, want, scale = experts_both(x, weights, ids, w13, w2, Activation(**SITU))
+    assert torch.equal(got[:2], torch.zeros_like(got[:2]))
+    assert_bf16_close(got, want, scale, "partially remote")
+
+
+def check_align_places_every_assignment_once_in_its_experts_block():
+    from k3backend.kernels import moe
+
+    T, k, E, bm = 29, 3, 7, 16
+    *_, ids, _, _ = experts_case(T, E, k, 16, 16, seed=300)
+    with poisoned_empty():
+        sorted_ids, block_expert = moe._align(ids, E, bm)
+    n = T * k
+    flat = ids.view(-1)
+    assert block_expert.numel() == -(-n // bm) + min(E, n)
+    assert ((block_expert >= 0) & (block_expert < E) | (block_expert == -1)).all(), "every block written"
+    used = block_expert >= 0
+    assert torch.equal(used, torch.arange(block_expert.numel()) < used.sum()), "used blocks first, then -1"
+    rows = sorted_ids.view(-1, bm)[used]  # [used blocks, bm]
+    real = rows < n
+    assert ((rows == n) | real).all(), "padding rows hold n"
+    placed = rows[real]
+    mine = ((flat >= 0) & (flat < E)).nonzero().view(-1)
+    assert torch.equal(placed.sort().values.long(), mine), "each local assignment exactly once, no remote one"
+    row_expert = block_expert[used].long()[:, None].expand_as(rows)
+    assert torch.equal(flat[rows.long().clamp_max(n - 1)][real], row_expert[real]), "rows sit in their expert's blocks"
+    counts = torch.bincount(flat[mine], minlength=E)
+    assert int(used.sum()) == int(((counts + bm - 1) // bm).sum()), "each expert padded to whole blocks only"
+
+
+def check_experts_supports_declines_what_it_cannot_do():
+    from k3backend.kernels import moe
+    from k3backend.kernels.moe_ref import Activation
+
+    x, weights, ids, w13, w2 = experts_case(3, 7, 3, 16, 16, seed=400)
+    act = Activation(**SITU)
+    assert moe.experts_supports(x, weights, ids, w13, w2, act) == (True, "")
+    declined = {
+        "float32 activations": (x.float(), weights, ids, w13.float(), w2.float(), act),
+        "weights of another dtype": (x, weights, ids, w13.half(), w2, act),
+        "bf16 routing weights": (x, weights.to(BF16), ids, w13, w2, act),
+        "float ids": (x, weights, ids.float(), w13, w2, act),
+        "w2 of the wrong shape": (x, weights, ids, w13, w2[:, :, :8], act),
+        "transposed w13": (x, weights, ids, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, act),
+        "unknown activation": (x, weights, ids, w13, w2, Activation("gelu")),
+    }
+    for what, args in declined.items():
+        ok, reason = moe.experts_supports(*args)
+        assert not ok and reason, what
+
+
+# ---------------------------------------------------------------- glu_linear (shared experts, dense MLP)
+def check_glu_linear_equals_reference_with_and_without_the_fp32_front():
+    from k3backend.kernels import moe, moe_ref
+    from k3backend.kernels.moe_ref import Activation
+
+    for T, D, I, act in [(1, 37, 23, Activation(**SITU)), (21, 64, 48, Activation("situ", 1.0, 25.0)),
+                         (75, 37, 23, Activation("silu")), (203, 40, 24, Activation(**SITU))]:
+        x = randn(T, D, seed=600 + T, dtype=BF16)
+        w_gu = randn(2 * I, D, seed=601 + T, scale=D ** -0.5, dtype=BF16)
+        for fp32_front in (False, True):
+            ok, reason = moe.glu_linear_supports(x, w_gu, act, fp32_front)
+            assert ok, reason
+            with poisoned_empty():
+                got = moe.glu_linear(x, w_gu, act, fp32_front)
+            want = moe_ref.glu_linear(x, w_gu, act, fp32_front)
+            scale = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3)
+            assert_bf16_close(got, want, scale, f"T={T} {act.kind} fp32_front={fp32_front}")
+    x, w_gu = randn(3, 16, seed=700, dtype=BF16), randn(32, 16, seed=701, dtype=BF16)
+    assert not moe.glu_linear_supports(x.float(), w_gu.float(), Activation("silu"))[0], "fp32 declined"
+    assert not moe.glu_linear_supports(x, w_gu[:31], Activation("silu"))[0], "odd 2I declined"
+
+
+def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
+    """K3_KERNELS=triton (set for the child): the switch routes MoE.forward to kernels/moe.py."""
+    import dataclasses
+
+    from k3backend import kernels
+    from k3backend.config import K3Config
+    from k3backend.kernels import moe_ref
+    from k3backend.model.moe import MoE
+    from k3backend.presets import preset_config
+
+    ops = ("route", "experts", "glu_linear")
+    for op in ops:
+        assert getattr(kernels, op).__wrapped__ is getattr(moe_ref, op), f"{op} must be registered in kernels.FAST_OPS"
+    cfg = dataclasses.replace(K3Config.from_dict(preset_config("tiny")).text, num_expert_group=2, topk_group=1)
+    torch.manual_seed(0)
+    layer = MoE(cfg)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(torch.randn(p.shape) * (0.1 if "bias" in name else p.shape[-1] ** -0.5))
+    layer = layer.to(BF16)
+    layer.gate.float()  # the router's weights stay fp32 (model/moe.py Gate)
+    h = randn(7, cfg.hidden_size, seed=500, dtype=BF16)
+    got = layer(h)
+    fast = {op: getattr(kernels, op) for op in ops}
+    for op in ops:
+        setattr(kernels, op, getattr(moe_ref, op))
+    try:
+        want = layer(h)
+    finally:
+        for op, fn in fast.items():
+            setattr(kernels, op, fn)
+    assert torch.equal(got, want) or (got.float() - want.float()).abs().max() <= 2 ** -6 * want.float().abs().max()
