@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--expert-stats", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="> 1: worker processes (one per rank; needs --checkpoint); reports the coordination time")
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {torch.__version__}")
     t0 = time.monotonic()
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching)
+                       max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching,
+                       enforce_eager=args.enforce_eager)
     counts = []
     if args.tensor_parallel_size > 1:
         from k3backend.engine.workers import MultiProcessExecutor

@@ -72,6 +72,28 @@ def test_sixteen_mixed_requests_with_images_equal_each_alone(model64, tok):
     engine.close()
 
 
+def test_padded_decode_steps_of_the_graph_buffers_change_no_output(model64, tok):
+    """Decode steps through the static buffers of the CUDA-graph path, run eagerly on the CPU:
+    B sequences padded to the next captured size with the null slot and block, and stale table
+    columns once the longest prompt (the widest block table) finishes first; every request
+    equals its run alone."""
+    reqs = [Request(f"g{i}", tok.encode(f"graph {i}: " + "ab" * (1 + 3 * i), allow_special=True),
+                    SamplingParams(max_tokens=17 - 3 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True))
+            for i in range(5)]
+    engine = new_engine(model64, tok, max_num_seqs=6, max_num_batched_tokens=32, **PAGED)
+    runner = engine.executor.runner
+    runner.graphs = runner.decode_graphs(engine.cfg, capture=False)
+    assert runner.graphs.sizes == (1, 2, 4, 8)
+    calls = []
+    run_graph = runner.graphs.run
+    runner.graphs.run = lambda chunks: calls.append(len(chunks)) or run_graph(chunks)
+    outs = run(engine, reqs)
+    for r in reqs:
+        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert {3, 1} <= set(calls), calls  # padded (3 -> 4) and exact-size steps both ran
+    engine.close()
+
+
 def test_preemption_under_a_tiny_pool_changes_no_output(model64, tok):
     """12 blocks of 4 tokens for 4 requests of 2-block prompts that grow to 8 blocks each: all are
     admitted, their decodes run out of blocks, the newest running request is preempted and

@@ -21,8 +21,10 @@ from typing import Protocol
 
 import torch
 
+from k3backend import kernels
 from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch
 from k3backend.engine.config import EngineConfig
+from k3backend.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from k3backend.engine.plan import CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
 from k3backend.engine.sampler import Sampled, Sampler, SamplingRow
 from k3backend.engine.sampler_ref import banned_ids
@@ -74,6 +76,21 @@ class ModelRunner:
         self.device = model.language_model.lm_head.weight.device
         self.sampler = Sampler()
         self._slots: dict[int, _Slot] = {}
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, cfg: EngineConfig) -> None:
+        """CUDA graphs for decode steps where `_wants_graphs`; a capture that fails leaves them off."""
+        if not _wants_graphs(self.device, cfg):
+            return
+        self.graphs = self.decode_graphs(cfg, capture=True)
+        if not self.graphs.graphs:
+            self.graphs = None
+
+    def decode_graphs(self, cfg: EngineConfig, capture: bool) -> DecodeGraphs:
+        """The static decode buffers for this runner's pools (capture=False: padded eager steps, for tests)."""
+        return DecodeGraphs(lambda batch: self.model(batch, self.pools), capture_sizes(cfg.max_num_seqs),
+                            blocks_for(cfg.max_model_len, self.pools.block_size), self.pools.block_size, self.device,
+                            capture)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Sampled | None:
@@ -96,9 +113,18 @@ class ModelRunner:
         for r in plan.new:
             self._slots[r.slot] = _Slot(r, list(r.output_ids))
         self._copy(plan.copies)
-        logits = self.model(self._batch(plan), self.pools)
+        if self._graphable(plan):
+            logits = self.graphs.run([SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state, s.block_table)
+                                      for s in plan.seqs])
+        else:
+            logits = self.model(self._batch(plan), self.pools)
         self._copy(plan.snapshots)
         return logits
+
+    def _graphable(self, plan: StepPlan) -> bool:
+        """A decode-only step (every row sampled, no image rows) that a captured size holds."""
+        return (self.graphs is not None and 0 < len(plan.seqs) <= self.graphs.max_batch
+                and plan.num_decode == len(plan.seqs) and all(s.sample and not s.mm_offsets for s in plan.seqs))
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -161,20 +187,39 @@ def _cache_budget(model: K3Model, cfg: EngineConfig) -> int:
     device = model.language_model.lm_head.weight.device
     if device.type != "cuda":
         return int(cfg.cpu_cache_gb * 2**30)
-    torch.cuda.reset_peak_memory_stats(device)
     n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-    warm = CachePools.allocate(model.language_model, 2, blocks_for(n, cfg.block_size) + 1, cfg.block_size)
     chunk = SeqChunk([0] * n, 0, 1, False, list(range(1, blocks_for(n, cfg.block_size) + 1)))
-    with torch.inference_mode():
-        model(build_forward_batch([chunk], 0, cfg.block_size, device), warm)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - sum(t.numel() * t.element_size() for c in warm.layers
-                                                         for t in vars(c).values())
-    del warm
-    torch.cuda.empty_cache()
+    used = torch.cuda.memory_allocated(device) + _activation_bytes(model, cfg, [chunk], 0)
+    if _wants_graphs(device, cfg):  # the graphs' pool keeps the largest decode step's activations for good
+        b = capture_sizes(cfg.max_num_seqs)[-1]
+        used += _activation_bytes(model, cfg, [SeqChunk([0], 0, 0, False, [0])] * b, b)
     free, total = torch.cuda.mem_get_info(device)
     # What the fraction allows, but never more than is free now (other processes share the GPU).
-    return max(0, int(min(cfg.gpu_memory_utilization * total - peak, free - 2**30)))
+    return max(0, int(min(cfg.gpu_memory_utilization * total - used, free - 2**30)))
+
+
+def _activation_bytes(model: K3Model, cfg: EngineConfig, chunks: list[SeqChunk], num_decode: int) -> int:
+    """Peak device memory of one warm-up forward over `chunks` beyond what was allocated before it
+    and the warm-up pools it writes."""
+    device = model.language_model.lm_head.weight.device
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    blocks = max(max(c.block_table) for c in chunks) + 1
+    warm = CachePools.allocate(model.language_model, 2, blocks, cfg.block_size)
+    with torch.inference_mode():
+        model(build_forward_batch(chunks, num_decode, cfg.block_size, device), warm)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base - sum(t.numel() * t.element_size() for c in warm.layers
+                                                                for t in vars(c).values())
+    del warm
+    torch.cuda.empty_cache()
+    return max(0, peak)
+
+
+def _wants_graphs(device: torch.device, cfg: EngineConfig) -> bool:
+    """Decode steps are captured on a GPU with the fused kernels (the torch references sync with the
+    host, so they cannot be), unless cfg.enforce_eager."""
+    return device.type == "cuda" and not cfg.enforce_eager and kernels.MODE != "ref"
 
 
 class InProcessExecutor:
@@ -187,6 +232,7 @@ class InProcessExecutor:
         pools = CachePools.allocate(model.language_model, self.capacity.num_slots, self.capacity.num_blocks,
                                     self.capacity.block_size)
         self.runner = ModelRunner(model, pools)
+        self.runner.capture_graphs(cfg)
 
     @classmethod
     def load(cls, path: str | Path, cfg: EngineConfig, *, dtype: torch.dtype, device: torch.device) -> InProcessExecutor:

@@ -152,12 +152,14 @@ def _build(spec: WorkerSpec, conn: Connection):
     dist.all_reduce(sizes, op=dist.ReduceOp.MIN)  # every rank schedules against the same pools
     cap = CacheCapacity(int(sizes[0]), int(sizes[1]), cap.block_size)
     pools = CachePools.allocate(model.language_model, cap.num_slots, cap.num_blocks, cap.block_size)
+    runner = ModelRunner(model, pools, samples=spec.rank == 0)
+    runner.capture_graphs(spec.cfg)  # every rank captures the same sizes, meeting in the same collectives
     text = model.cfg.text
     info = ModelInfo(text.vocab_size, text.hidden_size, model.cfg.media_placeholder_token_id)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     conn.send(("ready", RankInfo(spec.rank, os.getpid(), f"{device} ({name}, physical {spec.gpu})"
                                  if spec.gpu is not None else "cpu", weight_bytes, cap, info)))
-    return ModelRunner(model, pools, samples=spec.rank == 0)
+    return runner
 
 
 def _serve(runner, conn: Connection, spec: WorkerSpec, tail: _Tail) -> None:

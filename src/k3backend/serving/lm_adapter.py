@@ -57,7 +57,7 @@ PARAMETERS = {  # SERVING.md §4.4 with defaults
     "model_path": "", "tokenizer_path": "", "device": "auto", "dtype": "auto", "gpu_device_ids": "",
     "tensor_parallel_size": "1", "expert_parallel_size": "1", "dist_backend": "auto", "max_model_len": "131072",
     "max_num_seqs": "256", "max_num_batched_tokens": "8192", "gpu_memory_utilization": "0.90", "cpu_cache_gb": "4",
-    "enable_prefix_caching": "true", "exclude_input_in_output": "true", "default_max_tokens": "16",
+    "enable_prefix_caching": "true", "enforce_eager": "false", "exclude_input_in_output": "true", "default_max_tokens": "16",
     "default_thinking": "false", "max_prompt_bytes": "8388608", "max_queued_requests": "0",
     "cancellation_check_period_ms": "100", "allow_stop_by_request_id": "true", "stop_tombstone_ttl_s": "30",
     "startup_timeout_s": "3600", "shutdown_timeout_s": "20", "step_timeout_s": "300",
@@ -139,7 +139,7 @@ class LmServer:
             max_num_batched_tokens=p.int("max_num_batched_tokens", lo=1),
             max_queued_requests=p.int("max_queued_requests", lo=0), step_timeout_s=p.float("step_timeout_s", lo=0.001),
             stop_tombstone_ttl_s=p.float("stop_tombstone_ttl_s", lo=0),
-            prefix_caching=p.bool("enable_prefix_caching"),
+            prefix_caching=p.bool("enable_prefix_caching"), enforce_eager=p.bool("enforce_eager"),
             gpu_memory_utilization=p.float("gpu_memory_utilization", lo=0.01),
             cpu_cache_gb=p.float("cpu_cache_gb", lo=0.001))
         self.engine = Engine(self._executor(p, ckpt, engine_cfg, device, dtype, tp, ep), self.tokenizer, engine_cfg)
