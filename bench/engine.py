@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching,
                        enforce_eager=args.enforce_eager)
-    counts = []
+    counts, model = [], None
     if args.tensor_parallel_size > 1:
         from k3backend.engine.workers import MultiProcessExecutor
 
@@ -243,8 +243,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{r['tokens'] / r['wall']:>12.1f} {pct(r['ttft'], 50) * 1e3:>12.1f} {pct(r['ttft'], 99) * 1e3:>12.1f} "
           f"{pct(r['itl'], 50) * 1e3:>11.2f} {pct(r['itl'], 99) * 1e3:>11.2f} "
           f"{(hits / queries if queries else 0):>10.1%}")
+    if model is not None:
+        print(roofline(model, args, r))
     engine.close()
     return 0
+
+
+def roofline(model, args: argparse.Namespace, r: dict) -> str:
+    """The measured ITL and TTFT beside the roofline floors of a decode step at batch = concurrency
+    (mid-output context) and of one prompt's prefill (bench/roofline.py)."""
+    from roofline import step_floor
+
+    c, ctx = args.concurrency, args.prompt_len + args.output_len // 2
+    dec = step_floor(model, c, [ctx] * c).seconds
+    pre = step_floor(model, args.prompt_len, [args.prompt_len]).seconds
+    itl, ttft = pct(r["itl"], 50), pct(r["ttft"], 50)
+    return (f"roofline floor (4.27 TB/s, 788 TFLOP/s): decode step at batch {c}, context {ctx}: {dec * 1e3:.3f} ms "
+            f"({c / dec:.0f} tok/s), ITL p50 = {itl / dec:.1f}x floor; prefill of {args.prompt_len} tokens: "
+            f"{pre * 1e3:.2f} ms ({args.prompt_len / pre:.0f} tok/s), TTFT p50 = {ttft / pre:.1f}x floor")
 
 
 if __name__ == "__main__":
