@@ -19,6 +19,7 @@ from typing import Any
 from k3backend.kernels.kda_ref import (
     kda_chunked,
     kda_decode,
+    kda_decode_fused,
     kda_gate,
     kda_prefill,
     kda_recurrent,
@@ -93,5 +94,5 @@ __all__ = [
     "Activation", "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "glu", "kda_chunked", "kda_decode",
     "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
-    "situ_and_mul",
+    "situ_and_mul", "kda_decode_fused",
 ]
