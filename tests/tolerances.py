@@ -37,3 +37,19 @@ PATH_FP64_ATOL = 1e-10  # prefill (chunked KDA, MHA-form MLA) vs decode (recurre
 PATH_FP32_ATOL = 2e-3  # the same in float32; seen 4.1e-4 (errors compound over 10 random layers)
 PARITY_FP64_ATOL = 1e-10  # ours vs transformers' KimiLinearForCausalLM re-run in float64; seen 4e-14
 PARITY_FP32_ATOL = 1e-3  # ours vs transformers in float32 (the issue's bound); seen 4.6e-5
+
+
+# A Triton kernel against its torch reference (tests/test_kernels_*.py under TRITON_INTERPRET, and
+# bench/kernels.py --check on the GPU): the same formulas and rounding points, other reduction orders
+# and exp/rsqrt implementations. bf16 outputs: the interpreter gives the reference's bits (seen 0);
+# one ulp is allowed where a bf16 rounding inside an op (the conv output, o before the gated norm)
+# can flip on fp32 noise.
+KERNEL: dict[torch.dtype, dict[str, float]] = {
+    torch.float64: {"rtol": 1e-10, "atol": 1e-10},
+    torch.float32: {"rtol": 2e-5, "atol": 2e-5},  # seen 5e-7 (one decode step, K = 12)
+    torch.bfloat16: {"rtol": 8e-3, "atol": 1e-5},  # one bf16 ulp
+}
+# Real sizes on the GPU (bench --check): relative Frobenius error of a bf16 output or an fp32 state
+# after one op. fp32 accumulation orders differ (tl.sum trees, tensor-core tiles vs einsum), so a few
+# bf16 last bits flip; the state is fp32 but is fed bf16 conv outputs, so it inherits those flips.
+KERNEL_REL_BF16 = 8e-3

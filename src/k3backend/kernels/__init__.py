@@ -44,7 +44,9 @@ if MODE not in ("ref", "triton", "auto"):
     raise ValueError(f"K3_KERNELS must be ref, triton or auto, got {MODE!r}")
 
 # Fast implementations: op name -> module that defines `<op>` and `<op>_supports(*args, **kwargs)`.
-FAST_OPS: dict[str, str] = {}
+FAST_OPS: dict[str, str] = {
+    **dict.fromkeys(("kda_decode_fused", "kda_decode", "short_conv"), "k3backend.kernels.kda"),
+}
 
 Verifier = Callable[..., tuple[bool, str]]
 

@@ -1,0 +1,58 @@
+"""Run Triton kernel checks under the interpreter (`TRITON_INTERPRET=1`) on the CPU, in a child process.
+
+triton reads TRITON_INTERPRET when it is first imported, and another test module of the same pytest
+process may already have imported it (transformers and fla probe for it); so the checks of a kernel
+test module run in a fresh interpreter that sets the variable first. A kernel test module defines
+plain functions that raise on a mismatch and lists its cases as `{case id: (function name, kwargs)}`
+(kwargs of str, int, float, bool or None); `run_checks(__file__, cases)` imports that module in the
+child, runs every case and returns `{case id: None | the traceback}`. One child per module keeps the
+start-up cost (torch, triton) to once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+Cases = dict[str, tuple[str, dict[str, Any]]]
+
+_CHILD = r"""
+import importlib.util, json, sys, traceback
+import torch
+torch.set_num_threads(1)
+module_file, cases_file, results_file = sys.argv[1:4]
+sys.path.insert(0, str(__import__("pathlib").Path(module_file).parent))
+spec = importlib.util.spec_from_file_location("interpreted_checks", module_file)
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+results = {}
+for case, (fn, kwargs) in json.load(open(cases_file)).items():
+    try:
+        getattr(mod, fn)(**kwargs)
+        results[case] = None
+    except Exception:
+        results[case] = traceback.format_exc()
+    json.dump(results, open(results_file, "w"))
+"""
+
+
+def run_checks(module_file: str, cases: Cases, env: dict[str, str] | None = None,
+               timeout: float = 600.0) -> dict[str, str | None]:
+    """Run `cases` of `module_file` in a child with TRITON_INTERPRET=1 (plus `env`); one result per case.
+
+    A case the child did not reach (it crashed or timed out) gets the child's exit status and stderr.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        cases_file, results_file = Path(tmp, "cases.json"), Path(tmp, "results.json")
+        cases_file.write_text(json.dumps(cases))
+        child_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(module_file), str(cases_file), str(results_file)],
+                              env=child_env, capture_output=True, text=True, timeout=timeout)
+        results = json.loads(results_file.read_text()) if results_file.exists() else {}
+    missing = f"the interpreter child exited with {proc.returncode} before this case:\n{proc.stderr[-4000:]}"
+    return {case: results[case] if case in results else missing for case in cases}
