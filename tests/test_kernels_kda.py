@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from interpret import Cases, run_checks
-from tolerances import KERNEL
+from tolerances import KERNEL, KERNEL_PREFILL
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 H, K, V, W, N = 3, 12, 10, 4, 9  # heads, key dim, value dim, conv width, pool slots
@@ -141,23 +141,54 @@ def check_short_conv(dtype: str, seed: int) -> None:
     assert_slots(args[2], ref[2], before, slots, {"rtol": 0.0, "atol": 0.0}, "conv_pool")
 
 
+def check_kda_prefill(dtype: str, gate: str, seed: int) -> None:
+    """Varlen chunks: one over a chunk boundary with a short last chunk, a single token, a fresh one.
+    v is a strided view (the model's is a slice of the conv output). dtype is v's (the model's); q, k,
+    g, beta and the state are in its accumulation dtype. `steep`: a softplus-like gate whose Γ drops by
+    more than 80 within 16 rows, so the diagonal blocks take the elementwise path."""
+    from k3backend.kernels import kda, kda_ref, norm_ref
+
+    dt = DTYPES[dtype]
+    a = acc(dt)
+    gen = torch.Generator().manual_seed(seed)
+    H = 2
+    lens = [65, 1, 14]  # the first ends in a one-row chunk
+    T = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    slots, has = [7, 2, 5], torch.tensor([True, True, False])
+    q = (norm_ref.l2_norm(rand(gen, T, H, K)) * K ** -0.5).to(a)
+    k = norm_ref.l2_norm(rand(gen, T, H, K)).to(a)
+    rows = rand(gen, T, 2 * H * V + 3).to(dt)
+    v = rows[:, 3:3 + H * V].view(T, H, V)
+    g = -5 * torch.sigmoid(2 * rand(gen, T, H, K)) if gate == "lb5" else -8 * torch.exp(2 * rand(gen, T, H, K))
+    beta = torch.rand(T, H, generator=gen, dtype=torch.float64).to(a)
+    args = [q, k, v, g.to(a), beta, pool(gen, (N, H, K, V), a, fresh=[]), cu, torch.tensor(slots, dtype=torch.int32),
+            has]
+    ref = clone_all(args)
+    before = args[5].clone()
+    with poisoned_outputs():
+        o = kda.kda_prefill(*args)
+    torch.testing.assert_close(o, kda_ref.kda_prefill(*ref), **KERNEL_PREFILL[dt], msg=lambda m: f"o: {m}")
+    assert_slots(args[5], ref[5], before, slots, KERNEL_PREFILL[dt], "S_pool")
+
+
 def check_layer_steps(dtype: str) -> None:
-    """A KDA layer over prefill, decode and mixed steps: the model's calls through `kernels` (K3_KERNELS
-    =triton: every registered fast op) equal the same steps on the references."""
+    """A KDA layer over prefill, decode and mixed steps: with every registered fast op (each call must be
+    accepted by its verifier, and each op must run) it equals the same steps on the references."""
     from k3backend import kernels
     from k3backend.checkpoint import RUNTIME_FP32_PARAMS
     from k3backend.config import K3Config
+    from k3backend.kernels import kda
     from k3backend.model.kda import KDA
     from k3backend.presets import preset_config
     from poolutil import Streams
 
     dt = DTYPES[dtype]
-    cfg = K3Config.from_dict(preset_config("tiny")).text
-    cfg = dataclasses.replace(cfg, v_head_dim=12)
+    cfg = dataclasses.replace(K3Config.from_dict(preset_config("tiny")).text, v_head_dim=12)
     torch.manual_seed(5)
     layer = KDA(cfg)
     with torch.no_grad():
-        for name, p in layer.named_parameters():
+        for p in layer.parameters():
             p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]) if p.dim() > 1 else 0.5 * torch.randn(p.shape))
     layer = layer.to(dt)
     for name, p in layer.named_parameters():  # the loader keeps these fp32 (checkpoint.param_dtype)
@@ -165,24 +196,36 @@ def check_layer_steps(dtype: str) -> None:
             p.data = p.data.to(acc(dt))
     steps = [([5, 3, 0], 0), ([1, 1, 0], 2), ([1, 1, 7], 2), ([1, 1, 1], 3)]  # (lens, num_decode)
     x = torch.randn(sum(sum(lens) for lens, _ in steps), cfg.hidden_size, generator=torch.Generator().manual_seed(6))
-    x = x.to(dt)
-    fast = {name: getattr(kernels, name) for name in kernels.FAST_OPS}
-    outs = {}
+    calls = dict.fromkeys(kernels.FAST_OPS, 0)
+    refs = {name: getattr(kernels, name).__wrapped__ for name in kernels.FAST_OPS}
+
+    def accepted(name: str):
+        def op(*args, **kwargs):
+            ok, reason = getattr(kda, f"{name}_supports")(*args, **kwargs)
+            assert ok, f"{name} declines the model's call: {reason}"
+            calls[name] += 1
+            return getattr(kda, name)(*args, **kwargs)
+        return op
+
+    outs, dispatchers = {}, {name: getattr(kernels, name) for name in kernels.FAST_OPS}
     for mode in ("triton", "ref"):
-        for name, op in fast.items():
-            setattr(kernels, name, op if mode == "triton" else op.__wrapped__)
+        for name in kernels.FAST_OPS:
+            setattr(kernels, name, accepted(name) if mode == "triton" else refs[name])
         streams, ys, t = Streams([layer], 3, 16, dtype=dt), [], 0
         with torch.no_grad():
             for lens, nd in steps:
                 batch = streams.batch(lens, num_decode=nd)
-                ys.append(layer(x[t:t + batch.num_tokens], batch, streams.cache))
+                ys.append(layer(x[t:t + batch.num_tokens].to(dt), batch, streams.cache))
                 t += batch.num_tokens
-        outs[mode] = (torch.cat(ys), streams.cache.state.clone(), streams.cache.conv.clone())
-    for name, op in fast.items():
+        outs[mode] = (torch.cat(ys), streams.cache.state, streams.cache.conv)
+    for name, op in dispatchers.items():
         setattr(kernels, name, op)
-    for what, got, want in zip(("out", "state", "conv"), outs["triton"], outs["ref"]):
-        torch.testing.assert_close(got[1:] if what != "out" else got, want[1:] if what != "out" else want,
-                                   **KERNEL[dt if what != "state" else acc(dt)], msg=lambda m: f"{what}: {m}")
+    unused = [name for name in ("kda_decode_fused", "short_conv", "kda_prefill") if not calls[name]]
+    assert not unused, f"the layer never called {unused}"
+    (y, S, conv), (y_ref, S_ref, conv_ref) = outs["triton"], outs["ref"]
+    torch.testing.assert_close(y, y_ref, **KERNEL_PREFILL[dt], msg=lambda m: f"layer output: {m}")
+    torch.testing.assert_close(S[1:], S_ref[1:], **KERNEL_PREFILL[dt], msg=lambda m: f"S_pool: {m}")  # slot 0: null
+    assert torch.equal(conv[1:], conv_ref[1:]), "conv_pool differs"
 
 
 CASES: Cases = {
@@ -190,7 +233,9 @@ CASES: Cases = {
        for i, (d, (gate, lb)) in enumerate((d, g) for d in DTYPES for g in (("lb5", -5.0), ("softplus", None)))},
     **{f"decode-{d}": ("check_kda_decode", {"dtype": d, "seed": 20 + i}) for i, d in enumerate(("fp64", "fp32"))},
     **{f"short_conv-{d}": ("check_short_conv", {"dtype": d, "seed": 30 + i}) for i, d in enumerate(DTYPES)},
-    **{f"layer-{d}": ("check_layer_steps", {"dtype": d}) for d in ("fp32", "bf16")},
+    **{f"prefill-{d}-{gate}": ("check_kda_prefill", {"dtype": d, "gate": gate, "seed": 40 + i})
+       for i, (d, gate) in enumerate((("fp64", "lb5"), ("fp64", "steep"), ("bf16", "lb5")))},
+    "layer-fp32": ("check_layer_steps", {"dtype": "fp32"}),
 }
 
 
@@ -215,6 +260,11 @@ def test_kda_decode_matches_reference(case, interpreted):
 
 @pytest.mark.parametrize("case", _cases("short_conv"))
 def test_short_conv_matches_reference(case, interpreted):
+    assert interpreted[case] is None, interpreted[case]
+
+
+@pytest.mark.parametrize("case", _cases("prefill"))
+def test_kda_prefill_matches_reference(case, interpreted):
     assert interpreted[case] is None, interpreted[case]
 
 
