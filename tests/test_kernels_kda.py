@@ -127,7 +127,7 @@ def check_short_conv(dtype: str, seed: int) -> None:
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(seed)
     C = 37
-    lens = [5, 1, 30, 2]  # two token blocks of 32; chunks shorter than W−1 shift the history
+    lens = [5, 1, 30, 2]  # three token blocks of 16; chunks shorter than W−1 shift the history
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     has = torch.tensor([True, True, False, True])
     slots = [7, 2, 5, 3]
@@ -151,7 +151,7 @@ def check_kda_prefill(dtype: str, gate: str, seed: int) -> None:
     dt = DTYPES[dtype]
     a = acc(dt)
     gen = torch.Generator().manual_seed(seed)
-    H = 2
+    H, K = 2, 20  # K = 20: two channel slices of 16 in the intra kernel, the second ragged
     lens = [65, 1, 14]  # the first ends in a one-row chunk
     T = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)

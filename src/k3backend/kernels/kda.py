@@ -14,6 +14,7 @@ the spec's "fp32" is the references' `acc_dtype`.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -23,6 +24,12 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton itself does
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_TILE = 128 * 128  # K·V elements of one head's state held in registers by one program
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a GPU (a host-side property: no sync); 132 (H100/H200) elsewhere."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def _acc(state: torch.Tensor) -> tl.dtype:
@@ -399,7 +406,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, c
         return out
     seq_ids = torch.searchsorted(cu_seqlens[1:], torch.arange(T, dtype=cu_seqlens.dtype, device=x.device),
                                  right=True, out_int32=True)  # [T] sequence of each token
-    BT, BC = 32, min(128, triton.next_power_of_2(C))
+    BT, BC = 16, min(128, triton.next_power_of_2(C))  # 96 registers a thread: five programs per SM
     _short_conv_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
         x=x, weight=weight, conv_pool=conv_pool, seq_ids=seq_ids, cu_seqlens=cu_seqlens, state_indices=state_indices,
         has_initial_state=has_initial_state, out=out, T=T, C=C, W=W, BT=BT, BC=BC,
@@ -442,12 +449,36 @@ def _mm(a, b, ACC: tl.constexpr):
 
 
 @triton.jit
+def _gsum(g, t0, J, L, i_h, stride_g, o_k, m_k, K: tl.constexpr, ACC: tl.constexpr):
+    """s_J: Σ of g over the valid rows of block J, for channels o_k."""
+    r = J * 16 + tl.arange(0, 16)
+    g_J = tl.load(g + (t0 + r)[:, None] * stride_g + i_h * K + o_k[None, :], mask=(r < L)[:, None] & m_k[None, :],
+                  other=0).to(ACC)
+    return tl.sum(g_J, axis=0)
+
+
+@triton.jit
+def _acc_block(acc0, acc1, acc2, acc3, x, J: tl.constexpr):
+    """acc_J += x for a block index J known at compile time."""
+    if J == 0:
+        acc0 += x
+    elif J == 1:
+        acc1 += x
+    elif J == 2:
+        acc2 += x
+    else:
+        acc3 += x
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _kda_intra_kernel(q, k, g, beta, chunk_seq, chunk_start, cu_seqlens, Akk, Aqk, kb, qg, kg, gl, stride_q,
-                      stride_k, stride_g, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
+                      stride_k, stride_g, H: tl.constexpr, K: tl.constexpr, BKC: tl.constexpr, ACC: tl.constexpr,
                       DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
-    """Program (chunk c, head h, block I of 16 rows): row block I of A_kk and A_qk (columns 0..16I+15),
+    """Program (chunk c, head h, block I of 16 rows): row block I of A_kk and A_qk (column blocks J ≤ I),
     and its rows of kb = β e^Γ k, qg = q e^Γ, kg = k e^{Γ_last−Γ}; block 0 also writes gl = e^{Γ_last}.
-    Γ is relative to the chunk start; c_J = Γ at the end of block J−1 (c_0 = 0)."""
+    Γ is relative to the chunk start and c_J is Γ at the end of block J−1 (c_0 = 0). Channels go in
+    slices of BKC (A sums over them; everything else is per channel)."""
     i_c, i_h, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     seq = tl.load(chunk_seq + i_c)
     if seq < 0:
@@ -456,82 +487,99 @@ def _kda_intra_kernel(q, k, g, beta, chunk_seq, chunk_start, cu_seqlens, Akk, Aq
     L = tl.minimum(tl.load(cu_seqlens + seq + 1).to(tl.int64) - t0, 64)
     if i_s * 16 >= L:
         return
-    o16, o_k = tl.arange(0, 16), tl.arange(0, BK)
-    m_k = o_k < K
-
-    # block I and c_I = Σ_{J<I} s_J, s_J = Σ of g over block J
+    o16 = tl.arange(0, 16)
     r_I = i_s * 16 + o16
-    m_I = (r_I < L)[:, None] & m_k[None, :]
-    p_I = (t0 + r_I)[:, None]
-    g_I = tl.load(g + p_I * stride_g + i_h * K + o_k[None, :], mask=m_I, other=0).to(ACC)
-    k_I = tl.load(k + p_I * stride_k + i_h * K + o_k[None, :], mask=m_I, other=0).to(ACC)
-    q_I = tl.load(q + p_I * stride_q + i_h * K + o_k[None, :], mask=m_I, other=0).to(ACC)
-    b_I = tl.load(beta + (t0 + r_I) * H + i_h, mask=r_I < L, other=0).to(ACC)
-    cs_I = tl.cumsum(g_I, axis=0)  # Γ_i − c_I
-    s_I = tl.sum(g_I, axis=0)
-    ex_I = tl.exp(cs_I)  # ≤ 1
-    lk, lq = k_I * ex_I, q_I * ex_I
+    m_rI = r_I < L
+    b_I = tl.load(beta + (t0 + r_I) * H + i_h, mask=m_rI, other=0).to(ACC)
+    kk0 = tl.zeros([16, 16], dtype=ACC)  # A_kk block (I, J), before the −β_i factor
+    kk1, kk2, kk3 = kk0, kk0, kk0
+    qk0, qk1, qk2, qk3 = kk0, kk0, kk0, kk0
+    for k0 in range(0, K, BKC):
+        o_k = k0 + tl.arange(0, BKC)
+        m_k = o_k < K
+        m_I = m_rI[:, None] & m_k[None, :]
+        p_I = (t0 + r_I)[:, None]
+        g_I = tl.load(g + p_I * stride_g + i_h * K + o_k[None, :], mask=m_I, other=0).to(ACC)
+        k_I = tl.load(k + p_I * stride_k + i_h * K + o_k[None, :], mask=m_I, other=0).to(ACC)
+        q_I = tl.load(q + p_I * stride_q + i_h * K + o_k[None, :], mask=m_I, other=0).to(ACC)
+        cs_I = tl.cumsum(g_I, axis=0)  # Γ_i − c_I
+        s_I = tl.sum(g_I, axis=0)
+        ex_I = tl.exp(cs_I)  # ≤ 1
+        lk, lq = k_I * ex_I, q_I * ex_I
+        c_I = tl.zeros([BKC], dtype=ACC)
+        for jc in range(0, i_s):
+            c_I += _gsum(g, t0, jc, L, i_h, stride_g, o_k, m_k, K, ACC)
 
-    # off-diagonal blocks J < I, from J = I−1 down, with the reference point c_I between rows j and i:
-    # e^{Γ_i−Γ_j} = e^{Γ_i−c_I}·e^{c_{J+1}−Γ_j}·e^{c_I−c_{J+1}}, every factor ≤ 1
-    c_I = tl.zeros([BK], dtype=ACC)
-    for J in range(0, i_s):
-        g_J = tl.load(g + (t0 + J * 16 + o16)[:, None] * stride_g + i_h * K + o_k[None, :], mask=m_k[None, :],
-                      other=0).to(ACC)
-        c_I += tl.sum(g_J, axis=0)
-    between = tl.zeros([BK], dtype=ACC)  # c_I − c_{J+1} = Σ of s over blocks J+1..I−1 (≤ 0)
-    for jj in range(0, i_s):
-        J = i_s - 1 - jj
-        p_J = (t0 + J * 16 + o16)[:, None]
-        g_J = tl.load(g + p_J * stride_g + i_h * K + o_k[None, :], mask=m_k[None, :], other=0).to(ACC)
-        k_J = tl.load(k + p_J * stride_k + i_h * K + o_k[None, :], mask=m_k[None, :], other=0).to(ACC)
-        s_J = tl.sum(g_J, axis=0)
-        rk = k_J * tl.exp(s_J[None, :] - tl.cumsum(g_J, axis=0) + between[None, :])
-        a_kk = _dot(lk, tl.trans(rk), ACC, PREC, ACC, BITS)
-        a_qk = _dot(lq, tl.trans(rk), ACC, PREC, ACC, BITS)
-        p_A = (t0 + r_I)[:, None] * (H * 64) + i_h * 64 + J * 16 + o16[None, :]
-        m_A = (r_I < L)[:, None]
-        tl.store(p_A + Akk, -b_I[:, None] * a_kk, mask=m_A)
-        tl.store(p_A + Aqk, _round(a_qk, Aqk.dtype.element_ty, BITS), mask=m_A)
-        between += s_J
+        # blocks J < I, from J = I−1 down, with the reference point c_I between rows j and i:
+        # e^{Γ_i−Γ_j} = e^{Γ_i−c_I}·e^{c_{J+1}−Γ_j}·e^{c_I−c_{J+1}}, every factor ≤ 1
+        between = tl.zeros([BKC], dtype=ACC)  # c_I − c_{J+1}: Σ of s over blocks J+1..I−1 (≤ 0)
+        for JB in tl.static_range(2, -1, -1):
+            if JB < i_s:
+                p_J = (t0 + JB * 16 + o16)[:, None]
+                g_J = tl.load(g + p_J * stride_g + i_h * K + o_k[None, :], mask=m_k[None, :], other=0).to(ACC)
+                k_J = tl.load(k + p_J * stride_k + i_h * K + o_k[None, :], mask=m_k[None, :], other=0).to(ACC)
+                s_J = tl.sum(g_J, axis=0)
+                rk = tl.trans(k_J * tl.exp(s_J[None, :] - tl.cumsum(g_J, axis=0) + between[None, :]))
+                kk0, kk1, kk2, kk3 = _acc_block(kk0, kk1, kk2, kk3, _dot(lk, rk, ACC, PREC, ACC, BITS), JB)
+                qk0, qk1, qk2, qk3 = _acc_block(qk0, qk1, qk2, qk3, _dot(lq, rk, ACC, PREC, ACC, BITS), JB)
+                between += s_J
 
-    # diagonal block: e^{Γ_i−c_I}·e^{c_I−Γ_j}, safe while Γ drops by < 80 over the block (always with
-    # lb = −5); else exactly, column by column
+        # block I itself: e^{Γ_i−c_I}·e^{c_I−Γ_j}, safe while Γ drops by < 80 over the block (always with
+        # lb = −5); else exactly, column by column
+        if tl.max(-s_I, axis=0) < 80.0:
+            rk = tl.trans(k_I / ex_I)
+            d_kk = _dot(lk, rk, ACC, PREC, ACC, BITS)
+            d_qk = _dot(lq, rk, ACC, PREC, ACC, BITS)
+        else:
+            d_kk = tl.zeros([16, 16], dtype=ACC)
+            d_qk = tl.zeros([16, 16], dtype=ACC)
+            for j in range(16):
+                row = (o16 == j)[:, None]
+                k_j = tl.sum(tl.where(row, k_I, 0.0), axis=0)
+                e = tl.exp(tl.minimum(cs_I - tl.sum(tl.where(row, cs_I, 0.0), axis=0)[None, :], 0.0))
+                col = (o16 == j)[None, :]
+                d_kk = tl.where(col, tl.sum(k_I * k_j[None, :] * e, axis=1)[:, None], d_kk)
+                d_qk = tl.where(col, tl.sum(q_I * k_j[None, :] * e, axis=1)[:, None], d_qk)
+        for jd in tl.static_range(4):
+            if jd == i_s:
+                kk0, kk1, kk2, kk3 = _acc_block(kk0, kk1, kk2, kk3, d_kk, jd)
+                qk0, qk1, qk2, qk3 = _acc_block(qk0, qk1, qk2, qk3, d_qk, jd)
+
+        # rows of block I: kb = β e^{c_I}(e^{Γ−c_I} k), qg = e^{c_I}(e^{Γ−c_I} q), kg = k e^{(c_4−c_I)−(Γ−c_I)}
+        tail = tl.zeros([BKC], dtype=ACC)  # Σ of s over the blocks after I
+        for jt in range(i_s + 1, tl.cdiv(L, 16)):
+            tail += _gsum(g, t0, jt, L, i_h, stride_g, o_k, m_k, K, ACC)
+        e_c = tl.exp(c_I)[None, :]
+        p_r = (t0 + r_I)[:, None] * (H * K) + i_h * K + o_k[None, :]
+        tl.store(kb + p_r, _round(b_I[:, None] * lk * e_c, kb.dtype.element_ty, BITS), mask=m_I)
+        tl.store(qg + p_r, _round(lq * e_c, qg.dtype.element_ty, BITS), mask=m_I)
+        tl.store(kg + p_r, _round(k_I * tl.exp(s_I[None, :] - cs_I + tail[None, :]), kg.dtype.element_ty, BITS),
+                 mask=m_I)
+        if i_s == 0:
+            tl.store(gl + (i_c * H + i_h) * K + o_k, tl.exp(s_I + tail), mask=m_k)
+
+    # A_kk = −β_i·(…) strictly below the diagonal, A_qk on and below it
     strict = o16[:, None] > o16[None, :]
-    if tl.max(-s_I, axis=0) < 80.0:
-        rk = k_I / ex_I
-        a_kk = _dot(lk, tl.trans(rk), ACC, PREC, ACC, BITS)
-        a_qk = _dot(lq, tl.trans(rk), ACC, PREC, ACC, BITS)
-    else:
-        a_kk = tl.zeros([16, 16], dtype=ACC)
-        a_qk = tl.zeros([16, 16], dtype=ACC)
-        for j in tl.static_range(16):
-            row = (o16 == j)[:, None]
-            k_j = tl.sum(tl.where(row, k_I, 0.0), axis=0)
-            e = tl.exp(tl.minimum(cs_I - tl.sum(tl.where(row, cs_I, 0.0), axis=0)[None, :], 0.0))
-            col = (o16 == j)[None, :]
-            a_kk = tl.where(col, tl.sum(k_I * k_j[None, :] * e, axis=1)[:, None], a_kk)
-            a_qk = tl.where(col, tl.sum(q_I * k_j[None, :] * e, axis=1)[:, None], a_qk)
-    p_A = (t0 + r_I)[:, None] * (H * 64) + i_h * 64 + i_s * 16 + o16[None, :]
-    m_A = (r_I < L)[:, None] & (i_s * 16 + o16 < L)[None, :]
-    tl.store(p_A + Akk, tl.where(strict, -b_I[:, None] * a_kk, 0.0), mask=m_A)
-    tl.store(p_A + Aqk, _round(tl.where(strict | (o16[:, None] == o16[None, :]), a_qk, 0.0),
-                               Aqk.dtype.element_ty, BITS), mask=m_A)
-
-    # rows of block I: kb = β e^{c_I} (e^{Γ−c_I} k), qg = e^{c_I} (e^{Γ−c_I} q), kg = k e^{(c_4−c_I)−(Γ−c_I)}
-    tail = tl.zeros([BK], dtype=ACC)  # Σ of s over blocks after I
-    for J in range(i_s + 1, tl.cdiv(L, 16)):
-        g_J = tl.load(g + (t0 + J * 16 + o16)[:, None] * stride_g + i_h * K + o_k[None, :],
-                      mask=(J * 16 + o16 < L)[:, None] & m_k[None, :], other=0).to(ACC)
-        tail += tl.sum(g_J, axis=0)
-    e_c = tl.exp(c_I)[None, :]
-    p_r = (t0 + r_I)[:, None] * (H * K) + i_h * K + o_k[None, :]
-    tl.store(kb + p_r, _round(b_I[:, None] * lk * e_c, kb.dtype.element_ty, BITS), mask=m_I)
-    tl.store(qg + p_r, _round(lq * e_c, qg.dtype.element_ty, BITS), mask=m_I)
-    tl.store(kg + p_r, _round(k_I * tl.exp(s_I[None, :] - cs_I + tail[None, :]), kg.dtype.element_ty, BITS),
-             mask=m_I)
-    if i_s == 0:
-        tl.store(gl + (i_c * H + i_h) * K + o_k, tl.exp(s_I + tail), mask=m_k)
+    for js in tl.static_range(4):
+        if js <= i_s:
+            if js == 0:
+                a_kk, a_qk = kk0, qk0
+            elif js == 1:
+                a_kk, a_qk = kk1, qk1
+            elif js == 2:
+                a_kk, a_qk = kk2, qk2
+            else:
+                a_kk, a_qk = kk3, qk3
+            c_J = js * 16 + o16
+            p_A = (t0 + r_I)[:, None] * (H * 64) + i_h * 64 + c_J[None, :]
+            if js == i_s:  # the diagonal block: strictly lower for A_kk, lower for A_qk
+                m_A = m_rI[:, None] & (c_J < L)[None, :]
+                a_kk = tl.where(strict, a_kk, 0.0)
+                a_qk = tl.where(strict | (o16[:, None] == o16[None, :]), a_qk, 0.0)
+            else:
+                m_A = m_rI[:, None] & (c_J < 64)[None, :]
+            tl.store(p_A + Akk, -b_I[:, None] * a_kk, mask=m_A)
+            tl.store(p_A + Aqk, _round(a_qk, Aqk.dtype.element_ty, BITS), mask=m_A)
 
 
 @triton.jit
@@ -555,42 +603,50 @@ def _inv16(a, ACC: tl.constexpr):
 
 
 @triton.jit
+def _pick(x0, x1, x2, x3, J: tl.constexpr):
+    if J == 0:
+        x = x0
+    elif J == 1:
+        x = x1
+    elif J == 2:
+        x = x2
+    else:
+        x = x3
+    return x
+
+
+@triton.jit
 def _store_wu(kb, v, beta, w, u, t0, L, i_h, x0, x1, x2, x3, stride_v, I: tl.constexpr, H: tl.constexpr,
-              K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
-              DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
-    """Rows of block I: w = Σ_{J≤I} T_IJ kb_J and u = Σ_{J≤I} T_IJ (β v)_J (T_IJ = x_J)."""
-    o16, o_k, o_v = tl.arange(0, 16), tl.arange(0, BK), tl.arange(0, BV)
-    acc_w = tl.zeros([16, BK], dtype=ACC)
-    acc_u = tl.zeros([16, BV], dtype=ACC)
-    for J in tl.static_range(I + 1):
-        if J == 0:
-            x = x0
-        elif J == 1:
-            x = x1
-        elif J == 2:
-            x = x2
-        else:
-            x = x3
-        rows = J * 16 + o16
-        m_r = rows < L
-        kb_J = tl.load(kb + (t0 + rows)[:, None] * (H * K) + i_h * K + o_k[None, :],
-                       mask=m_r[:, None] & (o_k < K)[None, :], other=0)
-        v_J = tl.load(v + (t0 + rows)[:, None] * stride_v + i_h * V + o_v[None, :],
-                      mask=m_r[:, None] & (o_v < V)[None, :], other=0).to(ACC)
-        b_J = tl.load(beta + (t0 + rows) * H + i_h, mask=m_r, other=0).to(ACC)
-        acc_w += _dot(x, kb_J, DOT, PREC, ACC, BITS)
-        acc_u += _dot(x, b_J[:, None] * v_J, DOT, PREC, ACC, BITS)
-    rows = I * 16 + o16
-    m_r = (rows < L)[:, None]
-    tl.store(w + (t0 + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], _round(acc_w, w.dtype.element_ty, BITS),
-             mask=m_r & (o_k < K)[None, :])
-    tl.store(u + (t0 + rows)[:, None] * (H * V) + i_h * V + o_v[None, :], _round(acc_u, u.dtype.element_ty, BITS),
-             mask=m_r & (o_v < V)[None, :])
+              K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+              PREC: tl.constexpr, BITS: tl.constexpr):
+    """Rows of block I: w = Σ_{J≤I} T_IJ kb_J and u = Σ_{J≤I} T_IJ (β v)_J (T_IJ = x_J), BC columns at a time."""
+    o16, o_c = tl.arange(0, 16), tl.arange(0, BC)
+    m_I = (I * 16 + o16 < L)[:, None]
+    p_I = (t0 + I * 16 + o16)[:, None]
+    for c0 in range(0, K, BC):
+        m_c = (c0 + o_c < K)[None, :]
+        acc = tl.zeros([16, BC], dtype=ACC)
+        for J in tl.static_range(I + 1):
+            rows = J * 16 + o16
+            kb_J = tl.load(kb + (t0 + rows)[:, None] * (H * K) + i_h * K + c0 + o_c[None, :],
+                           mask=(rows < L)[:, None] & m_c, other=0)
+            acc += _dot(_pick(x0, x1, x2, x3, J), kb_J, DOT, PREC, ACC, BITS)
+        tl.store(w + p_I * (H * K) + i_h * K + c0 + o_c[None, :], _round(acc, w.dtype.element_ty, BITS), mask=m_I & m_c)
+    for c0 in range(0, V, BC):
+        m_c = (c0 + o_c < V)[None, :]
+        acc = tl.zeros([16, BC], dtype=ACC)
+        for J in tl.static_range(I + 1):
+            rows = J * 16 + o16
+            v_J = tl.load(v + (t0 + rows)[:, None] * stride_v + i_h * V + c0 + o_c[None, :],
+                          mask=(rows < L)[:, None] & m_c, other=0).to(ACC)
+            b_J = tl.load(beta + (t0 + rows) * H + i_h, mask=rows < L, other=0).to(ACC)
+            acc += _dot(_pick(x0, x1, x2, x3, J), b_J[:, None] * v_J, DOT, PREC, ACC, BITS)
+        tl.store(u + p_I * (H * V) + i_h * V + c0 + o_c[None, :], _round(acc, u.dtype.element_ty, BITS), mask=m_I & m_c)
 
 
 @triton.jit
 def _kda_solve_kernel(Akk, kb, v, beta, chunk_seq, chunk_start, cu_seqlens, w, u, stride_v, H: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
                       DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
     """Program (chunk, head): T = (I − A_kk)^{-1} from its 16×16 blocks (block forward substitution),
     then w and u. T·diag(β) is folded into the operands (kb already carries β)."""
@@ -616,10 +672,10 @@ def _kda_solve_kernel(Akk, kb, v, beta, chunk_seq, chunk_start, cu_seqlens, w, u
     x31 = _mm(x33, _mm(a31, x11, ACC) + _mm(a32, x21, ACC), ACC)
     a30 = _load_a(Akk, t0, L, i_h, 3, 0, H, ACC)
     x30 = _mm(x33, _mm(a30, x00, ACC) + _mm(a31, x10, ACC) + _mm(a32, x20, ACC), ACC)
-    _store_wu(kb, v, beta, w, u, t0, L, i_h, x00, x00, x00, x00, stride_v, 0, H, K, V, BK, BV, ACC, DOT, PREC, BITS)
-    _store_wu(kb, v, beta, w, u, t0, L, i_h, x10, x11, x11, x11, stride_v, 1, H, K, V, BK, BV, ACC, DOT, PREC, BITS)
-    _store_wu(kb, v, beta, w, u, t0, L, i_h, x20, x21, x22, x22, stride_v, 2, H, K, V, BK, BV, ACC, DOT, PREC, BITS)
-    _store_wu(kb, v, beta, w, u, t0, L, i_h, x30, x31, x32, x33, stride_v, 3, H, K, V, BK, BV, ACC, DOT, PREC, BITS)
+    _store_wu(kb, v, beta, w, u, t0, L, i_h, x00, x00, x00, x00, stride_v, 0, H, K, V, BC, ACC, DOT, PREC, BITS)
+    _store_wu(kb, v, beta, w, u, t0, L, i_h, x10, x11, x11, x11, stride_v, 1, H, K, V, BC, ACC, DOT, PREC, BITS)
+    _store_wu(kb, v, beta, w, u, t0, L, i_h, x20, x21, x22, x22, stride_v, 2, H, K, V, BC, ACC, DOT, PREC, BITS)
+    _store_wu(kb, v, beta, w, u, t0, L, i_h, x30, x31, x32, x33, stride_v, 3, H, K, V, BC, ACC, DOT, PREC, BITS)
 
 
 @triton.jit
@@ -737,13 +793,16 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     _kda_intra_kernel[(NC, H, BT // 16)](
         q=q, k=k, g=g, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, Akk=Akk,
         Aqk=Aqk, kb=kb, qg=qg, kg=kg, gl=gl, stride_q=q.stride(0), stride_k=k.stride(0), stride_g=g.stride(0),
-        H=H, K=K, BK=BK, num_warps=4, **flags)
+        H=H, K=K, BKC=16 if BK <= 32 else 32, num_warps=4, **flags)
     _kda_solve_kernel[(NC, H)](
         Akk=Akk, kb=kb, v=v, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, w=w,
-        u=u, stride_v=v.stride(0), H=H, K=K, V=V, BK=BK, BV=BV, num_warps=4, **flags)
+        u=u, stride_v=v.stride(0), H=H, K=K, V=V, BC=16 if max(BK, BV) <= 32 else 32, num_warps=4, **flags)
     BVS = min(32, BV)
+    programs = triton.cdiv(V, BVS) * B * H
+    # two stages of the chunk loads (122 KB smem, one program per SM) while the programs fit on the SMs;
+    # past that, one stage and three programs per SM hide the latency instead
     _kda_state_kernel[(triton.cdiv(V, BVS), B * H)](
         w=w, u=u, qg=qg, kg=kg, Aqk=Aqk, gl=gl, S_pool=S_pool, state_indices=state_indices,
         has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, first_chunk=first_chunk, o=o,
-        H=H, K=K, V=V, BK=BK, BV=BVS, num_warps=4, num_stages=2, **flags)
+        H=H, K=K, V=V, BK=BK, BV=BVS, num_warps=4, num_stages=2 if programs <= _num_sms(dev) else 1, **flags)
     return o
