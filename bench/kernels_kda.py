@@ -195,13 +195,49 @@ def _short_conv_case(T: int, H: int, device: str) -> Case:
                 graph=False)
 
 
+def _prefill_case(T: int, H: int, device: str) -> Case:
+    """q, k, g, beta as the model has them (fp32), v a bf16 view into the conv output rows."""
+    from k3backend.kernels import kda
+
+    q, k, _, g, beta = _prepared(T, H, KV, KV, device, seed=T + H)
+    rows = torch.randn(T, 3 * H * KV, generator=torch.Generator(device=device).manual_seed(1), device=device)
+    v = rows.bfloat16()[:, 2 * H * KV:].view(T, H, KV)
+    cu, slots, has = _varlen(T, device)
+    pool = torch.randn(5, H, KV, KV, generator=torch.Generator(device=device).manual_seed(2), device=device) * 0.1
+    args = [q, k, v, g, beta]
+    mine, ref = pool.clone(), pool.clone()
+
+    def check() -> str:
+        a, b = pool.clone(), pool.clone()
+        o, o_ref = kda.kda_prefill(*args, a, cu, slots, has), kda_ref.kda_prefill(*args, b, cu, slots, has)
+        return ", ".join((_assert_rel("o", o, o_ref, REL_PREFILL),
+                          _assert_rel("S", a[slots.long()], b[slots.long()], REL_PREFILL)))
+
+    fla = None
+    if device == "cuda":
+        from fla.ops.kda import chunk_kda
+
+        qb, kb, vb = q.bfloat16()[None], k.bfloat16()[None], v.contiguous()[None]  # fla's layer feeds bf16 q, k
+        h0 = torch.stack([pool[3], torch.zeros_like(pool[3])])
+        fla = lambda: chunk_kda(qb, kb, vb, g[None], beta[None], scale=1.0, initial_state=h0,  # noqa: E731
+                                output_final_state=True, cu_seqlens=cu.long())
+    # at least: q, k, g, o (fp32), v (bf16) and the two sequences' states read and written
+    bytes_ = T * H * KV * (4 * 4 + 2) + T * H * 4 + 2 * 2 * H * KV * KV * 4
+    flops = T * H * 2 * (64 * 2 * KV + 64 * 2 * KV + 3 * KV * KV + 64 * KV)  # A_kk + A_qk, w + u, state + output
+    return Case("kda", "prefill", f"T{T} H{H} K{KV} V{KV}", run=lambda: kda.kda_prefill(*args, mine, cu, slots, has),
+                ref=lambda: kda_ref.kda_prefill(*args, ref, cu, slots, has), fla=fla, bytes=bytes_, flops=flops,
+                check=check, graph=False)
+
+
 def cases(args: argparse.Namespace) -> list[Case]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
-        return [_decode_fused_case(3, 2, "", device), _decode_case(3, 2, device), _short_conv_case(40, 1, device)]
+        return [_decode_fused_case(3, 2, "", device), _decode_case(3, 2, device), _short_conv_case(40, 1, device),
+                _prefill_case(80, 1, device)]
     out = []
     for H, label in ((16, ""), (12, "_tp8"), (96, "")):
         out += [_decode_fused_case(B, H, label, device) for B in (1, 16, 64, 256)]
     out += [_decode_case(B, 16, device) for B in (16, 256)]
     out += [_short_conv_case(8192, H, device) for H in (16, 96)]
+    out += [_prefill_case(8192, H, device) for H in (16, 96)]
     return out
