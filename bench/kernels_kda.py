@@ -53,7 +53,10 @@ class _Decode:
     def __init__(self, B: int, H: int, K: int, V: int, device: str, seed: int) -> None:
         gen = torch.Generator(device=device).manual_seed(seed)
         bf, f32 = torch.bfloat16, torch.float32
-        r = lambda *s, dtype=bf, scale=1.0: (torch.randn(*s, generator=gen, device=device) * scale).to(dtype)  # noqa: E731
+
+        def r(*s: int, dtype: torch.dtype = bf, scale: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*s, generator=gen, device=device) * scale).to(dtype)
+
         self.B, self.H, self.K, self.V = B, H, K, V
         C = 2 * H * K + H * V
         N = B + 1 + max(1, B // 4)
@@ -188,8 +191,9 @@ def _short_conv_case(T: int, H: int, device: str) -> Case:
 
         h0 = torch.zeros(2, C, W, device=device, dtype=torch.bfloat16)  # fla's state: the last W inputs
         h0[0, :, 1:] = pool[3].T
-        fla = lambda: causal_conv1d(x[None], w, initial_state=h0, output_final_state=True, activation="silu",  # noqa: E731
-                                    cu_seqlens=cu.long())
+        cu_long = cu.long()
+        fla = lambda: causal_conv1d(x[None], w, initial_state=h0, output_final_state=True,  # noqa: E731
+                                    activation="silu", cu_seqlens=cu_long)
     return Case("kda", "short_conv", f"T{T} C{C} (H{H})", run=lambda: kda.short_conv(x, w, mine, cu, slots, has),
                 ref=lambda: kda_ref.short_conv(x, w, ref, cu, slots, has), fla=fla, bytes=2 * T * C * 2, check=check,
                 graph=False)

@@ -427,7 +427,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, c
 # S ← e^{Γ_last} S + (k e^{Γ_last−Γ})ᵀ v_new. Every exponent is ≤ 0 (or bounded by the drop of Γ over
 # 16 rows, checked per block, with an exact elementwise fallback), so no gate can overflow it.
 # With a bf16 model (v bf16) the intermediates and the state's dot operands are bf16 and the A blocks
-# tf32, as in fla / SGLang (§5.8 "Numerics"); with fp32 / fp64 everything stays in that dtype.
+# tf32, as in fla / SGLang (§5.8 "Numerics"); with fp32 / fp64 everything stays in that dtype (fp32
+# products as tf32x3).
 
 BT: int = 64  # chunk size (§5.8)
 
@@ -545,7 +546,8 @@ def _kda_intra_kernel(q, k, g, beta, chunk_seq, chunk_start, cu_seqlens, Akk, Aq
                 kk0, kk1, kk2, kk3 = _acc_block(kk0, kk1, kk2, kk3, d_kk, jd)
                 qk0, qk1, qk2, qk3 = _acc_block(qk0, qk1, qk2, qk3, d_qk, jd)
 
-        # rows of block I: kb = β e^{c_I}(e^{Γ−c_I} k), qg = e^{c_I}(e^{Γ−c_I} q), kg = k e^{(c_4−c_I)−(Γ−c_I)}
+        # rows of block I: kb = β e^{c_I}(e^{Γ−c_I} k), qg = e^{c_I}(e^{Γ−c_I} q),
+        # kg = k e^{(c_4−c_I)−(Γ−c_I)}
         tail = tl.zeros([BKC], dtype=ACC)  # Σ of s over the blocks after I
         for jt in range(i_s + 1, tl.cdiv(L, 16)):
             tail += _gsum(g, t0, jt, L, i_h, stride_g, o_k, m_k, K, ACC)
@@ -781,7 +783,9 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     low = v.dtype in (torch.bfloat16, torch.float16)
     mid = torch.bfloat16 if low else acc  # dtype of the intermediates and of the state's dot operands
     ACC, DOT = _acc(S_pool), tl.bfloat16 if low else _acc(S_pool)
-    PREC = "tf32" if low else "ieee"
+    # tensor-core precision of the big products: tf32 beside bf16 operands (fla's), tf32x3 for an fp32
+    # model (ieee fp32 dots spill badly on sm_90), exact for fp64; the 16×16 inverse is always exact
+    PREC = "tf32" if low else "tf32x3" if acc == torch.float32 else "ieee"
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     chunk_seq, chunk_start, first_chunk, NC = _chunk_table(cu_seqlens, T)
     Akk = torch.empty(T, H, BT, dtype=acc, device=dev)
