@@ -201,7 +201,7 @@ def _short_conv_case(T: int, H: int, device: str) -> Case:
 
 def _prefill_case(T: int, H: int, device: str) -> Case:
     """q, k, g, beta as the model has them (fp32), v a bf16 view into the conv output rows."""
-    from k3backend.kernels import kda
+    from k3backend.kernels import kda_chunk as kda
 
     q, k, _, g, beta = _prepared(T, H, KV, KV, device, seed=T + H)
     rows = torch.randn(T, 3 * H * KV, generator=torch.Generator(device=device).manual_seed(1), device=device)

@@ -1,4 +1,4 @@
-"""The Triton KDA kernels (kernels/kda.py) equal their torch references (kernels/kda_ref.py).
+"""The Triton KDA kernels (kernels/kda.py, kda_chunk.py) equal their torch references (kernels/kda_ref.py).
 
 Every check runs under TRITON_INTERPRET=1 in one child process (tests/interpret.py) with
 K3_KERNELS=triton, at small odd sizes (K = 12, V = 10 pad to 16-wide tiles): varlen batches, slots in
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import math
 
 import pytest
@@ -146,7 +147,7 @@ def check_kda_prefill(dtype: str, gate: str, seed: int) -> None:
     v is a strided view (the model's is a slice of the conv output). dtype is v's (the model's); q, k,
     g, beta and the state are in its accumulation dtype. `steep`: a softplus-like gate whose Γ drops by
     more than 80 within 16 rows, so the diagonal blocks take the elementwise path."""
-    from k3backend.kernels import kda, kda_ref, norm_ref
+    from k3backend.kernels import kda_chunk, kda_ref, norm_ref
 
     dt = DTYPES[dtype]
     a = acc(dt)
@@ -167,7 +168,7 @@ def check_kda_prefill(dtype: str, gate: str, seed: int) -> None:
     ref = clone_all(args)
     before = args[5].clone()
     with poisoned_outputs():
-        o = kda.kda_prefill(*args)
+        o = kda_chunk.kda_prefill(*args)
     torch.testing.assert_close(o, kda_ref.kda_prefill(*ref), **KERNEL_PREFILL[dt], msg=lambda m: f"o: {m}")
     assert_slots(args[5], ref[5], before, slots, KERNEL_PREFILL[dt], "S_pool")
 
@@ -178,7 +179,6 @@ def check_layer_steps(dtype: str) -> None:
     from k3backend import kernels
     from k3backend.checkpoint import RUNTIME_FP32_PARAMS
     from k3backend.config import K3Config
-    from k3backend.kernels import kda
     from k3backend.model.kda import KDA
     from k3backend.presets import preset_config
     from poolutil import Streams
@@ -200,11 +200,13 @@ def check_layer_steps(dtype: str) -> None:
     refs = {name: getattr(kernels, name).__wrapped__ for name in kernels.FAST_OPS}
 
     def accepted(name: str):
+        mod = importlib.import_module(kernels.FAST_OPS[name])
+
         def op(*args, **kwargs):
-            ok, reason = getattr(kda, f"{name}_supports")(*args, **kwargs)
+            ok, reason = getattr(mod, f"{name}_supports")(*args, **kwargs)
             assert ok, f"{name} declines the model's call: {reason}"
             calls[name] += 1
-            return getattr(kda, name)(*args, **kwargs)
+            return getattr(mod, name)(*args, **kwargs)
         return op
 
     outs, dispatchers = {}, {name: getattr(kernels, name) for name in kernels.FAST_OPS}

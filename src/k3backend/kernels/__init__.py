@@ -45,7 +45,8 @@ if MODE not in ("ref", "triton", "auto"):
 
 # Fast implementations: op name -> module that defines `<op>` and `<op>_supports(*args, **kwargs)`.
 FAST_OPS: dict[str, str] = {
-    **dict.fromkeys(("kda_decode_fused", "kda_decode", "short_conv", "kda_prefill"), "k3backend.kernels.kda"),
+    **dict.fromkeys(("kda_decode_fused", "kda_decode", "short_conv"), "k3backend.kernels.kda"),
+    "kda_prefill": "k3backend.kernels.kda_chunk",
 }
 
 Verifier = Callable[..., tuple[bool, str]]
