@@ -245,3 +245,69 @@ def cases(args: argparse.Namespace) -> list[Case]:
     out += [_short_conv_case(8192, H, device) for H in (16, 96)]
     out += [_prefill_case(8192, H, device) for H in (16, 96)]
     return out
+
+
+def compile_sm90() -> None:
+    """Compile every KDA kernel at the K3 shapes for sm_90a with triton's own ptxas and print its
+    registers, spills and shared memory: no GPU needed (the interpreter never compiles)."""
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from k3backend.kernels import kda, kda_chunk
+
+    def build(name: str, fn, sig: dict, const: dict, num_warps: int, num_stages: int = 3) -> None:
+        signature = {a: "constexpr" if a in const else sig[a] for a in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig.get(a, "").startswith("*")}
+        k = triton.compile(ASTSource(fn, signature, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": num_warps, "num_stages": num_stages})
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(k.asm["ptx"])
+            f.flush()
+            out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f.name, "-o", "/dev/null"],
+                                 capture_output=True, text=True).stderr
+        regs = next((m for m in out.split(",") if "registers" in m), out.strip()[-200:]).split(":")[-1].strip()
+        spill = next((m.strip() for m in out.splitlines() if "spill" in m), "?")
+        print(f"{name:<34} {num_warps} warps  {regs:<18} {spill:<52} smem {k.metadata.shared} B")
+
+    H, K = 16, KV
+    C = 3 * H * K
+    bf = dict(ACC=tl.float32, DOT=tl.bfloat16, PREC="tf32", BITS=False)
+    p = lambda names, t: dict.fromkeys(names.split(), t)  # noqa: E731
+    build("kda_decode_fused", kda._kda_decode_fused_kernel,
+          {**p("xqkv conv_pool f b z o_norm_weight y", "*bf16"), **p("conv_weight dt_bias A_log S_pool", "*fp32"),
+           "state_indices": "*i32"},
+          dict(H=H, K=K, V=K, W=W, BK=K, BV=K, BW=W, USE_LOWER_BOUND=True, LOWER_BOUND=LB, SCALE=K ** -0.5,
+               EPS=1e-5, ACC=tl.float32, BITS=False), 8)
+    build("kda_decode", kda._kda_decode_kernel, {**p("q k g beta S_pool o", "*fp32"), "v": "*bf16",
+                                                 "state_indices": "*i32"},
+          dict(H=H, K=K, V=K, BK=K, BV=32, ACC=tl.float32), 4)
+    conv = {**p("x conv_pool out", "*bf16"), "weight": "*fp32", **p("seq_ids cu_seqlens state_indices", "*i32"),
+            "has_initial_state": "*i1", "T": "i32"}
+    build("short_conv", kda._short_conv_kernel, conv, dict(C=C, W=W, BT=16, BC=128, ACC=tl.float32, BITS=False), 4)
+    build("short_conv history", kda._short_conv_history_kernel, conv, dict(C=C, W=W, BW=W, BC=128), 4)
+    idx = {"chunk_seq": "*i32", "chunk_start": "*i64", "cu_seqlens": "*i32"}
+    build("kda_prefill intra", kda_chunk._kda_intra_kernel,
+          {**p("q k g beta Akk gl", "*fp32"), **p("Aqk kb qg kg", "*bf16"), **idx,
+           **p("stride_q stride_k stride_g", "i32")}, dict(H=H, K=K, BKC=32, **bf), 4)
+    build("kda_prefill solve", kda_chunk._kda_solve_kernel,
+          {**p("Akk beta", "*fp32"), **p("kb v w u", "*bf16"), **idx, "stride_v": "i32"},
+          dict(H=H, K=K, V=K, BC=32, **bf), 4)
+    state = {**p("w u qg kg Aqk", "*bf16"), **p("gl S_pool o", "*fp32"), **p("state_indices cu_seqlens", "*i32"),
+             "has_initial_state": "*i1", "first_chunk": "*i64"}
+    for stages in (1, 2):
+        build(f"kda_prefill state ({stages} stage)", kda_chunk._kda_state_kernel, state,
+              dict(H=H, K=K, V=K, BK=K, BV=32, **bf), 4, stages)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--sm90"]:
+        sys.exit("usage: python bench/kernels_kda.py --sm90   (timings: python bench/kernels.py --families kda)")
+    compile_sm90()
