@@ -273,3 +273,47 @@ def test_kda_prefill_matches_reference(case, interpreted):
 @pytest.mark.parametrize("case", _cases("layer"))
 def test_kda_layer_steps_through_fast_ops_equal_reference(case, interpreted):
     assert interpreted[case] is None, interpreted[case]
+
+
+# ---------------------------------------------------------------- verifiers (this process, no kernel runs)
+def _decode_fused_args(K: int = 12, V: int = 10, conv_dtype: torch.dtype = torch.float32) -> list:
+    B, C = 2, 2 * H * K + H * V
+    bf, f32 = torch.bfloat16, torch.float32
+    return [torch.zeros(B, C, dtype=bf), torch.zeros(C, W, dtype=conv_dtype), torch.zeros(N, W - 1, C, dtype=bf),
+            torch.zeros(B, H, K, dtype=bf), torch.zeros(H * K), torch.zeros(H), -5.0, torch.zeros(B, H, dtype=bf),
+            torch.zeros(B, H, V, dtype=bf), torch.ones(V, dtype=bf), torch.zeros(N, H, K, V, dtype=f32),
+            torch.ones(B, dtype=torch.int32), 1e-5]
+
+
+@pytest.mark.parametrize("args, reason", [
+    pytest.param(_decode_fused_args(conv_dtype=torch.bfloat16), "conv_weight: expected float32 [102, 4], got bfloat16",
+                 id="bf16_conv_weight"),
+    pytest.param(_decode_fused_args(K=256, V=128), "state tile K×V = 256×128 is larger than one program holds",
+                 id="tile_too_large"),
+])
+def test_kda_decode_fused_declines_what_it_cannot_run_and_says_why(args, reason):
+    from k3backend.kernels import kda
+
+    ok, why = kda.kda_decode_fused_supports(*args)
+    assert not ok and reason in why, why
+    with pytest.raises(ValueError, match="kda_decode_fused: "):
+        kda.kda_decode_fused(*args)
+
+
+def test_cpu_tensors_are_declined_unless_interpreting():
+    from k3backend.kernels import kda
+
+    ok, why = kda.kda_decode_fused_supports(*_decode_fused_args())
+    assert ok if kda._INTERPRET else (not ok and "not a GPU (and TRITON_INTERPRET is not set)" in why), why
+
+
+def test_kda_prefill_declines_rows_that_are_not_contiguous_per_head():
+    from k3backend.kernels import kda_chunk
+
+    T = 5
+    q = torch.zeros(T, H, 2 * K)[:, :, :K]  # a strided last-but-one dimension
+    args = [q, torch.zeros(T, H, K), torch.zeros(T, H, V), torch.zeros(T, H, K), torch.zeros(T, H),
+            torch.zeros(N, H, K, V), torch.tensor([0, T], dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.bool)]
+    ok, why = kda_chunk.kda_prefill_supports(*args)
+    assert not ok and "contiguous [H, D] rows" in why, why
