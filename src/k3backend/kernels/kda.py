@@ -165,13 +165,13 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b,
     # §5.6: S ← diag(α)S; u = β(v − Sᵀk); S ← S + k uᵀ; o = Sᵀq after the update
     p_S = S_pool + slot * (H * K * V) + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
     m_S = m_k[:, None] & m_v[None, :]
-    S = tl.load(p_S, mask=m_S, other=0).to(ACC)
+    S = tl.load(p_S, mask=m_S, other=0, eviction_policy="evict_first").to(ACC)  # touched once a step
     S = S * tl.exp(g)[:, None]
     u = beta * (v - tl.sum(k[:, None] * S, axis=0))
     S = S + k[:, None] * u[None, :]
     o = tl.sum(q[:, None] * S, axis=0)
     if live:
-        tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S)
+        tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S, eviction_policy="evict_first")
 
     # out = bf(o); §5.7 y = bf(o·rsqrt(mean o² + eps)·w·σ(z))
     p_y = y + (i_b * H + i_h) * V + o_v
@@ -270,12 +270,12 @@ def _kda_decode_kernel(q, k, v, g, beta, S_pool, state_indices, o, H: tl.constex
     b_beta = tl.load(beta + i_b * H + i_h).to(ACC)
     p_S = S_pool + slot * (H * K * V) + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
     m_S = m_k[:, None] & m_v[None, :]
-    S = tl.load(p_S, mask=m_S, other=0).to(ACC) * tl.exp(b_g)[:, None]
+    S = tl.load(p_S, mask=m_S, other=0, eviction_policy="evict_first").to(ACC) * tl.exp(b_g)[:, None]
     u = b_beta * (b_v - tl.sum(b_k[:, None] * S, axis=0))
     S = S + b_k[:, None] * u[None, :]
     tl.store(o + row_v + o_v, tl.sum(b_q[:, None] * S, axis=0).to(o.dtype.element_ty), mask=m_v)
     if slot != 0:
-        tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S)
+        tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S, eviction_policy="evict_first")
 
 
 def _decode_problem(q, k, v, g, beta, S_pool, state_indices) -> str:
