@@ -47,3 +47,26 @@ PARITY_FP32_ATOL = 1e-3  # ours vs transformers in float32 (the issue's bound); 
 # 57% (gu not rounded) when the kernel was mutated so.
 MOE_BF16_ULPS = 2.0  # max |Δ| in bf16 ulps of the row's largest |output|; seen 0.18
 MOE_BF16_MISMATCH_FRACTION = 0.01  # elements allowed to differ at all; seen 1 in 37 K (interpreter vs CPU torch)
+# A Triton kernel against its torch reference (tests/test_kernels_*.py under TRITON_INTERPRET, and
+# bench/kernels.py --check on the GPU): the same formulas and rounding points, other reduction orders
+# and exp/rsqrt implementations. bf16 outputs: the interpreter gives the reference's bits (seen 0);
+# one ulp is allowed where a bf16 rounding inside an op (the conv output, o before the gated norm)
+# can flip on fp32 noise.
+KERNEL: dict[torch.dtype, dict[str, float]] = {
+    torch.float64: {"rtol": 1e-10, "atol": 1e-10},
+    torch.float32: {"rtol": 2e-5, "atol": 2e-5},  # seen 5e-7 (one decode step, K = 12)
+    torch.bfloat16: {"rtol": 8e-3, "atol": 1e-5},  # one bf16 ulp
+}
+# The chunked prefill kernel against the chunked reference. fp32: Γ is a cumulative sum up to ~320 whose
+# fp32 rounding moves e^{Γ_i−Γ_j} by ~1e-5 in both (seen 2e-5 with steep gates). bf16 model: the
+# intermediates (w, u, A_qk, q e^Γ, k e^{Γ_last−Γ}) and the state's dot operands are bf16, the A blocks
+# tf32 on the GPU (§5.8 "Numerics", as SGLang and fla); seen 2.4e-3 max abs on O(1) outputs.
+KERNEL_PREFILL: dict[torch.dtype, dict[str, float]] = {
+    torch.float64: {"rtol": 1e-10, "atol": 1e-10},
+    torch.float32: {"rtol": 1e-4, "atol": 1e-4},
+    torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2},
+}
+# Real sizes on the GPU (bench --check): relative Frobenius error of a bf16 output or an fp32 state
+# after one op. fp32 accumulation orders differ (tl.sum trees, tensor-core tiles vs einsum), so a few
+# bf16 last bits flip; the state is fp32 but is fed bf16 conv outputs, so it inherits those flips.
+KERNEL_REL_BF16 = 8e-3

@@ -19,6 +19,7 @@ from typing import Any
 from k3backend.kernels.kda_ref import (
     kda_chunked,
     kda_decode,
+    kda_decode_fused,
     kda_gate,
     kda_prefill,
     kda_recurrent,
@@ -44,6 +45,8 @@ if MODE not in ("ref", "triton", "auto"):
 
 # Fast implementations: op name -> module that defines `<op>` and `<op>_supports(*args, **kwargs)`.
 FAST_OPS: dict[str, str] = {
+    **dict.fromkeys(("kda_decode_fused", "kda_decode", "short_conv"), "k3backend.kernels.kda"),
+    "kda_prefill": "k3backend.kernels.kda_chunk",
     "experts": "k3backend.kernels.moe",
     "glu_linear": "k3backend.kernels.moe",
     "route": "k3backend.kernels.moe",
@@ -97,5 +100,5 @@ __all__ = [
     "Activation", "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "glu", "kda_chunked", "kda_decode",
     "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
-    "situ_and_mul", "glu_linear",
+    "situ_and_mul", "glu_linear", "kda_decode_fused",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3backend.kernels.norm_ref import acc_dtype
+from k3backend.kernels.norm_ref import acc_dtype, gated_rms_norm, l2_norm
 
 
 def short_conv_seq(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,3 +171,29 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     S = S + k[..., None] * u[:, :, None, :]
     S_pool[idx] = S
     return torch.einsum("bhk,bhkv->bhv", q, S)
+
+
+def kda_decode_fused(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
+                     dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None, b: torch.Tensor,
+                     z: torch.Tensor, o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
+                     eps: float = 1e-5) -> torch.Tensor:
+    """A KDA layer's decode rows from the raw projections to the gated-norm output (K3_LM §5.2-§5.7).
+
+    The composition of the unfused chain, with its rounding points: q̃k̃ṽ = bf(silu(conv)) (§5.2,
+    conv_pool updated in place), g in the accumulation dtype (§5.3), β = σ(b) (§5.4), q = l2(q̃)·K^-½ and
+    k = l2(k̃) kept unrounded (§5.5, §2.6), the §5.6 step in S_pool's dtype, out = bf(o), then the
+    sigmoid-gated RMSNorm (§5.7). xqkv: [B, C] raw conv input, C = 2·H·K + H·V ([q ; k ; v], head-major);
+    conv_weight: [C, W]; conv_pool: [N, W-1, C]; f: [B, H, K] gate pre-activation; dt_bias: [H·K];
+    A_log: [H]; b: [B, H] beta logits; z: [B, H, V] output gate; o_norm_weight: [V]; S_pool: [N, H, K, V];
+    state_indices: [B]. Returns y [B, H, V] in the model dtype (xqkv's).
+    """
+    B, H, K = f.shape
+    V = z.shape[-1]
+    g = kda_gate(f, dt_bias, A_log, lower_bound)  # [B, H, K], acc dtype
+    beta = torch.sigmoid(b.to(g.dtype))  # [B, H]
+    qkv = short_conv_decode(xqkv, conv_weight, conv_pool, state_indices)  # [B, C], bf(silu(conv))
+    q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
+    q = l2_norm(q.view(B, H, K)) * K ** -0.5
+    k = l2_norm(k.view(B, H, K))
+    o = kda_decode(q, k, v.view(B, H, V), g, beta, S_pool, state_indices)  # [B, H, V], S's dtype
+    return gated_rms_norm(o.to(xqkv.dtype), z, o_norm_weight, eps)  # out = bf(o), then §5.7

@@ -74,29 +74,39 @@ class KDA(nn.Module):
         return (self.H, self.K, self.V), (self.W - 1, self.conv1d_weight.shape[0])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
-        """x: [T, D] normed attention input (flat over the batch). Returns [T, D]; updates the slots."""
+        """x: [T, D] normed attention input (flat over the batch). Returns [T, D]; updates the slots.
+
+        Decode rows (the first `num_decode`) take the fused one-token op from the raw projections
+        to the gated norm; prefill chunks take the varlen conv and the chunked form (§5.8).
+        """
         T = x.shape[0]
         H, K, V = self.H, self.K, self.V
         nd, si = batch.num_decode, batch.state_indices
         xqkv = self.qkv_proj(x)  # [T, 2P+PV] raw rows
-        z = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))  # [T, PV]
+        z = (self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))).view(T, H, V)  # [T, H, V]
         f = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)  # [T, H, K]
-        g = kernels.kda_gate(f, self.dt_bias, self.A_log, self.lower_bound)  # [T, H, K] fp32
-        beta = torch.sigmoid(self.b_proj(x).to(g.dtype))  # [T, H]
+        b = self.b_proj(x)  # [T, H] beta logits
         w = self.conv1d_weight.squeeze(1)  # [C, W]
-        qkv = cat_parts(  # bf(silu(conv)), decode rows then prefill chunks
-            nd and kernels.short_conv_decode(xqkv[:nd], w, cache.conv, si[:nd]),
-            batch.has_prefill and kernels.short_conv(xqkv[nd:], w, cache.conv, batch.prefill_cu_seqlens, si[nd:],
-                                                     batch.has_initial_state[nd:]))
+        y = cat_parts(  # [T, H, V]: decode rows, then prefill chunks
+            nd and kernels.kda_decode_fused(xqkv[:nd], w, cache.conv, f[:nd], self.dt_bias, self.A_log,
+                                            self.lower_bound, b[:nd], z[:nd], self.o_norm.weight, cache.state,
+                                            si[:nd], O_NORM_EPS),
+            batch.has_prefill and self._prefill(xqkv[nd:], w, f[nd:], b[nd:], z[nd:], batch, cache))
+        return self.par.all_reduce(self.o_proj(y.reshape(T, H * V)))  # row-parallel o_proj (§9.3 item 2)
+
+    def _prefill(self, xqkv: torch.Tensor, w: torch.Tensor, f: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+                 batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
+        """The prefill chunks (rows num_decode..T, T' of them): §5.2 conv, §5.3-§5.5, §5.8, §5.7."""
+        T = xqkv.shape[0]
+        H, K, V = self.H, self.K, self.V
+        nd, si = batch.num_decode, batch.state_indices
+        g = kernels.kda_gate(f, self.dt_bias, self.A_log, self.lower_bound)  # [T', H, K] fp32
+        beta = torch.sigmoid(b.to(g.dtype))  # [T', H]
+        qkv = kernels.short_conv(xqkv, w, cache.conv, batch.prefill_cu_seqlens, si[nd:],
+                                 batch.has_initial_state[nd:])  # bf(silu(conv))
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         q = kernels.l2_norm(q.view(T, H, K)) * K ** -0.5
         k = kernels.l2_norm(k.view(T, H, K))
-        v = v.view(T, H, V)
-        o = cat_parts(  # §5.6 recurrence for decode rows, §5.8 chunked form for prefill chunks
-            nd and kernels.kda_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], cache.state, si[:nd]),
-            batch.has_prefill and kernels.kda_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cache.state,
-                                                      batch.prefill_cu_seqlens, si[nd:],
-                                                      batch.has_initial_state[nd:]))
-        y = kernels.gated_rms_norm(o.to(x.dtype), z.view(T, H, V), self.o_norm.weight, O_NORM_EPS)  # out_t = bf(o_t)
-        return self.par.all_reduce(self.o_proj(y.reshape(T, H * V)))  # row-parallel o_proj (§9.3 item 2)
-
+        o = kernels.kda_prefill(q, k, v.view(T, H, V), g, beta, cache.state, batch.prefill_cu_seqlens, si[nd:],
+                                batch.has_initial_state[nd:])
+        return kernels.gated_rms_norm(o.to(xqkv.dtype), z, self.o_norm.weight, O_NORM_EPS)  # out_t = bf(o_t)

@@ -1,0 +1,329 @@
+"""KDA kernels at real sizes for bench/kernels.py: the fused decode step, the plain recurrent step, the
+varlen conv and the chunked prefill, each beside its torch reference and fla-core.
+
+Sizes (K3_LM §0.1): K = V = 128, conv width 4, bf16 activations, fp32 state; heads 16 (the `small`
+preset), 12 (K3 at TP 8) and 96 (K3 full width). Decode at B ∈ {1, 16, 64, 256} sequences on permuted
+slots of a pool with spare slots; prefill T = 8192 tokens as 2 sequences (one carrying state).
+`--smoke`: tiny sizes, for TRITON_INTERPRET=1 on a CPU.
+
+fla baselines, converted to fla's conventions and never changing ours:
+- decode fused: fla's decode pipeline, five launches: `causal_conv1d_update` for q, k and v (fla's
+  per-projection conv caches [B, D, W]), `fused_recurrent_kda_fwd` (the pool-indexed in-place entry of
+  `fused_recurrent_kda`: ssm_state_indices, gate, l2 norms and beta sigmoid in its kernel), then the
+  sigmoid-gated RMSNorm `layer_norm_gated_fwd`.
+- decode: `fused_recurrent_kda_fwd` on the same prepared q, k, v, g, beta and pool.
+- short conv: fla's varlen `causal_conv1d` (initial states [N, D, W] gathered per sequence).
+- prefill: `chunk_kda` on prepared inputs (q, k l2-normalised in bf16, as fla's own layer feeds it).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from kernels import Case
+
+from k3backend.kernels import kda_ref
+from k3backend.kernels.norm_ref import l2_norm
+
+KV = 128
+W = 4
+LB = -5.0
+REL_BF16 = 8e-3  # tests/tolerances.py KERNEL_REL_BF16: a few bf16 last bits flip at real size
+REL_PREFILL = 2e-2  # chunked prefill: bf16 tensor-core products over 8192 tokens vs the fp32 reference
+
+
+def _tried(what: str, fn: Callable[[], object] | None) -> Callable[[], object] | None:
+    """fn, once it has run (our conversions to fla's conventions may not fit another fla version): a
+    baseline that raises is reported and left out rather than ending the run."""
+    if fn is None:
+        return None
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - any failure of the baseline: report it, time the rest
+        print(f"  kda/{what}: fla baseline left out ({type(e).__name__}: {e})")
+        return None
+    return fn
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def _assert_rel(what: str, got: torch.Tensor, want: torch.Tensor, bound: float) -> str:
+    assert not got.isnan().any(), f"{what}: NaN in the kernel's output"
+    r = _rel(got, want)
+    assert r <= bound, f"{what}: relative error {r:.2e} > {bound:.0e}"
+    return f"{what} rel {r:.1e}"
+
+
+class _Decode:
+    """Fresh random decode inputs for B sequences on permuted slots 1..N-1 of pools with spare slots."""
+
+    def __init__(self, B: int, H: int, K: int, V: int, device: str, seed: int) -> None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        bf, f32 = torch.bfloat16, torch.float32
+
+        def r(*s: int, dtype: torch.dtype = bf, scale: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*s, generator=gen, device=device) * scale).to(dtype)
+
+        self.B, self.H, self.K, self.V = B, H, K, V
+        C = 2 * H * K + H * V
+        N = B + 1 + max(1, B // 4)
+        self.slots = (torch.randperm(N - 1, generator=gen, device=device)[:B] + 1).to(torch.int32)
+        self.args = [r(B, C), r(C, W, dtype=f32, scale=0.5), r(N, W - 1, C), r(B, H, K, scale=3),
+                     r(H * K, dtype=f32, scale=0.5), torch.log(1 + 15 * torch.rand(H, generator=gen, device=device)),
+                     LB, r(B, H), r(B, H, V), 1 + r(V, scale=0.1), r(N, H, K, V, dtype=f32, scale=0.1), self.slots,
+                     1e-5]
+
+    def copy(self) -> list:
+        return [a.clone() if isinstance(a, torch.Tensor) else a for a in self.args]
+
+    @property
+    def state_bytes(self) -> float:
+        return self.B * self.H * self.K * self.V * 4 * 2  # read + write, fp32
+
+    @property
+    def io_bytes(self) -> float:
+        B, H, K, V = self.B, self.H, self.K, self.V
+        C = 2 * H * K + H * V
+        return 2 * (B * C + 2 * B * (W - 1) * C + B * H * K + B * H + 2 * B * H * V)  # bf16 rows, history r+w
+
+
+def _decode_fused_case(B: int, H: int, label: str, device: str) -> Case:
+    from k3backend.kernels import kda
+
+    d = _Decode(B, H, KV, KV, device, seed=B * 1000 + H)
+    mine, ref = d.copy(), d.copy()
+
+    def check() -> str:
+        a, b = d.copy(), d.copy()
+        y, y_ref = kda.kda_decode_fused(*a), kda_ref.kda_decode_fused(*b)
+        s = d.slots.long()
+        assert torch.equal(a[2][s], b[2][s]), "conv_pool: the rows' slots differ from the reference"
+        return ", ".join((_assert_rel("y", y, y_ref, REL_BF16), _assert_rel("S", a[10][s], b[10][s], REL_BF16)))
+
+    fla = _tried(f"decode_fused B{B} H{H}", _fla_decode_fused(d, device))
+    return Case("kda", f"decode_fused{label}", f"B{B} H{H} K{KV} V{KV}", run=lambda: kda.kda_decode_fused(*mine),
+                ref=lambda: kda_ref.kda_decode_fused(*ref), fla=fla,
+                bytes=d.state_bytes + d.io_bytes, check=check)
+
+
+def _fla_decode_fused(d: _Decode, device: str) -> Callable[[], object] | None:
+    """fla's five-launch decode on the same inputs (its own conv caches, our state pool layout)."""
+    if device != "cuda":
+        return None
+    from fla.modules.causal_conv1d import causal_conv1d_update
+    from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    xqkv, w, _, f, dt_bias, A_log, lb, b, z, w_o, S_pool, si, eps = d.copy()
+    B, H, K, V = d.B, d.H, d.K, d.V
+    xs = [t.contiguous() for t in xqkv.split([H * K, H * K, H * V], dim=-1)]
+    ws = [t.contiguous() for t in w.split([H * K, H * K, H * V], dim=0)]
+    caches = [torch.randn(B, t.shape[1], W, device=device).to(t.dtype) for t in xs]
+    cu = torch.arange(B + 1, device=device, dtype=torch.long)
+
+    def run() -> torch.Tensor:
+        q, k, v = (causal_conv1d_update(x, c, weight=wt, activation="silu")[0] for x, c, wt in zip(xs, caches, ws))
+        o, _ = fused_recurrent_kda_fwd(q=q.view(1, B, H, K), k=k.view(1, B, H, K), v=v.view(1, B, H, V),
+                                       g=f.view(1, B, H, K), beta=b.view(1, B, H), A_log=A_log, dt_bias=dt_bias,
+                                       initial_state=S_pool, inplace_final_state=True, cu_seqlens=cu,
+                                       ssm_state_indices=si, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                       use_beta_sigmoid_in_kernel=True, lower_bound=lb)
+        return layer_norm_gated_fwd(o.view(B * H, V), z.view(B * H, V), w_o, None, activation="sigmoid", eps=eps,
+                                    is_rms_norm=True)[0]
+
+    return run
+
+
+def _prepared(B: int, H: int, K: int, V: int, device: str, seed: int) -> list[torch.Tensor]:
+    """q, k (l2-normalised fp32, q scaled), v (bf16), g (lower-bounded log-decay), beta, as the model has them."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
+    q = l2_norm(r(B, H, K)) * K ** -0.5
+    k = l2_norm(r(B, H, K))
+    g = LB * torch.sigmoid(r(B, H, K) * 2 + 2)  # mostly slow decay, as trained gates are
+    return [q, k, r(B, H, V).bfloat16(), g, torch.sigmoid(r(B, H))]
+
+
+def _decode_case(B: int, H: int, device: str) -> Case:
+    from k3backend.kernels import kda
+
+    d = _Decode(B, H, KV, KV, device, seed=7 + B)
+    prep = _prepared(B, H, KV, KV, device, seed=B)
+    S_pool, si = d.args[10], d.slots
+    mine, ref, theirs = S_pool.clone(), S_pool.clone(), S_pool.clone()
+
+    def check() -> str:
+        a, b = S_pool.clone(), S_pool.clone()
+        o, o_ref = kda.kda_decode(*prep, a, si), kda_ref.kda_decode(*prep, b, si)
+        return ", ".join((_assert_rel("o", o, o_ref, 1e-5), _assert_rel("S", a[si.long()], b[si.long()], 1e-5)))
+
+    fla = None
+    if device == "cuda":
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        q, k, v, g, beta = (t[None] for t in prep)
+        cu = torch.arange(B + 1, device=device, dtype=torch.long)
+        fla = lambda: fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, initial_state=theirs,  # noqa: E731
+                                              inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=si)
+    bytes_ = d.state_bytes + B * H * (3 * KV * 4 + KV * 2 + KV * 4)
+    return Case("kda", "decode", f"B{B} H{H} K{KV} V{KV}", run=lambda: kda.kda_decode(*prep, mine, si),
+                ref=lambda: kda_ref.kda_decode(*prep, ref, si), fla=_tried(f"decode B{B} H{H}", fla), bytes=bytes_,
+                check=check)
+
+
+def _varlen(T: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two sequences, the first continuing from its slot, the second from zero: cu, slots, has_initial_state."""
+    cu = torch.tensor([0, T // 4 + 3, T], dtype=torch.int32, device=device)
+    return cu, torch.tensor([3, 1], dtype=torch.int32, device=device), torch.tensor([True, False], device=device)
+
+
+def _short_conv_case(T: int, H: int, device: str) -> Case:
+    from k3backend.kernels import kda
+
+    gen = torch.Generator(device=device).manual_seed(T + H)
+    C = 3 * H * KV
+    x = torch.randn(T, C, generator=gen, device=device).bfloat16()
+    w = torch.randn(C, W, generator=gen, device=device) * 0.5
+    pool = torch.randn(5, W - 1, C, generator=gen, device=device).bfloat16()
+    cu, slots, has = _varlen(T, device)
+    mine, ref = pool.clone(), pool.clone()
+
+    def check() -> str:
+        a, b = pool.clone(), pool.clone()
+        out, out_ref = kda.short_conv(x, w, a, cu, slots, has), kda_ref.short_conv(x, w, b, cu, slots, has)
+        assert torch.equal(a, b), "conv_pool differs from the reference"
+        return _assert_rel("out", out, out_ref, REL_BF16)
+
+    fla = None
+    if device == "cuda":
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        h0 = torch.zeros(2, C, W, device=device, dtype=torch.bfloat16)  # fla's state: the last W inputs
+        h0[0, :, 1:] = pool[3].T
+        cu_long = cu.long()
+        fla = lambda: causal_conv1d(x[None], w, initial_state=h0, output_final_state=True,  # noqa: E731
+                                    activation="silu", cu_seqlens=cu_long)
+    return Case("kda", "short_conv", f"T{T} C{C} (H{H})", run=lambda: kda.short_conv(x, w, mine, cu, slots, has),
+                ref=lambda: kda_ref.short_conv(x, w, ref, cu, slots, has), fla=_tried(f"short_conv T{T} H{H}", fla),
+                bytes=2 * T * C * 2, check=check, graph=False)
+
+
+def _prefill_case(T: int, H: int, device: str) -> Case:
+    """q, k, g, beta as the model has them (fp32), v a bf16 view into the conv output rows."""
+    from k3backend.kernels import kda_chunk as kda
+
+    q, k, _, g, beta = _prepared(T, H, KV, KV, device, seed=T + H)
+    rows = torch.randn(T, 3 * H * KV, generator=torch.Generator(device=device).manual_seed(1), device=device)
+    v = rows.bfloat16()[:, 2 * H * KV:].view(T, H, KV)
+    cu, slots, has = _varlen(T, device)
+    pool = torch.randn(5, H, KV, KV, generator=torch.Generator(device=device).manual_seed(2), device=device) * 0.1
+    args = [q, k, v, g, beta]
+    mine, ref = pool.clone(), pool.clone()
+
+    def check() -> str:
+        a, b = pool.clone(), pool.clone()
+        o, o_ref = kda.kda_prefill(*args, a, cu, slots, has), kda_ref.kda_prefill(*args, b, cu, slots, has)
+        return ", ".join((_assert_rel("o", o, o_ref, REL_PREFILL),
+                          _assert_rel("S", a[slots.long()], b[slots.long()], REL_PREFILL)))
+
+    fla = None
+    if device == "cuda":
+        from fla.ops.kda import chunk_kda
+
+        qb, kb, vb = q.bfloat16()[None], k.bfloat16()[None], v.contiguous()[None]  # fla's layer feeds bf16 q, k
+        h0 = torch.stack([pool[3], torch.zeros_like(pool[3])])
+        fla = lambda: chunk_kda(qb, kb, vb, g[None], beta[None], scale=1.0, initial_state=h0,  # noqa: E731
+                                output_final_state=True, cu_seqlens=cu.long())
+    # at least: q, k, g, o (fp32), v (bf16) and the two sequences' states read and written
+    bytes_ = T * H * KV * (4 * 4 + 2) + T * H * 4 + 2 * 2 * H * KV * KV * 4
+    flops = T * H * 2 * (64 * 2 * KV + 64 * 2 * KV + 3 * KV * KV + 64 * KV)  # A_kk + A_qk, w + u, state + output
+    return Case("kda", "prefill", f"T{T} H{H} K{KV} V{KV}", run=lambda: kda.kda_prefill(*args, mine, cu, slots, has),
+                ref=lambda: kda_ref.kda_prefill(*args, ref, cu, slots, has), fla=_tried(f"prefill T{T} H{H}", fla),
+                bytes=bytes_, flops=flops, check=check, graph=False)
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke:
+        return [_decode_fused_case(3, 2, "", device), _decode_case(3, 2, device), _short_conv_case(40, 1, device),
+                _prefill_case(80, 1, device)]
+    out = []
+    for H, label in ((16, ""), (12, "_tp8"), (96, "")):
+        out += [_decode_fused_case(B, H, label, device) for B in (1, 16, 64, 256)]
+    out += [_decode_case(B, 16, device) for B in (16, 256)]
+    out += [_short_conv_case(8192, H, device) for H in (16, 96)]
+    out += [_prefill_case(8192, H, device) for H in (16, 96)]
+    return out
+
+
+def compile_sm90() -> None:
+    """Compile every KDA kernel at the K3 shapes for sm_90a with triton's own ptxas and print its
+    registers, spills and shared memory: no GPU needed (the interpreter never compiles)."""
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from k3backend.kernels import kda, kda_chunk
+
+    def build(name: str, fn, sig: dict, const: dict, num_warps: int, num_stages: int = 3) -> None:
+        signature = {a: "constexpr" if a in const else sig[a] for a in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig.get(a, "").startswith("*")}
+        k = triton.compile(ASTSource(fn, signature, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": num_warps, "num_stages": num_stages})
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(k.asm["ptx"])
+            f.flush()
+            out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f.name, "-o", "/dev/null"],
+                                 capture_output=True, text=True).stderr
+        regs = next((m for m in out.split(",") if "registers" in m), out.strip()[-200:]).split(":")[-1].strip()
+        spill = next((m.strip() for m in out.splitlines() if "spill" in m), "?")
+        print(f"{name:<34} {num_warps} warps  {regs:<18} {spill:<52} smem {k.metadata.shared} B")
+
+    H, K = 16, KV
+    C = 3 * H * K
+    bf = dict(ACC=tl.float32, DOT=tl.bfloat16, PREC="tf32", BITS=False)
+    p = lambda names, t: dict.fromkeys(names.split(), t)  # noqa: E731
+    build("kda_decode_fused", kda._kda_decode_fused_kernel,
+          {**p("xqkv conv_pool f b z o_norm_weight y", "*bf16"), **p("conv_weight dt_bias A_log S_pool", "*fp32"),
+           "state_indices": "*i32"},
+          dict(H=H, K=K, V=K, W=W, BK=K, BV=K, BW=W, USE_LOWER_BOUND=True, LOWER_BOUND=LB, SCALE=K ** -0.5,
+               EPS=1e-5, ACC=tl.float32, BITS=False), 8)
+    build("kda_decode", kda._kda_decode_kernel, {**p("q k g beta S_pool o", "*fp32"), "v": "*bf16",
+                                                 "state_indices": "*i32"},
+          dict(H=H, K=K, V=K, BK=K, BV=32, ACC=tl.float32), 4)
+    conv = {**p("x conv_pool out", "*bf16"), "weight": "*fp32", **p("seq_ids cu_seqlens state_indices", "*i32"),
+            "has_initial_state": "*i1", "T": "i32"}
+    build("short_conv", kda._short_conv_kernel, conv, dict(C=C, W=W, BT=16, BC=128, ACC=tl.float32, BITS=False), 4)
+    build("short_conv history", kda._short_conv_history_kernel, conv, dict(C=C, W=W, BW=W, BC=128), 4)
+    idx = {"chunk_seq": "*i32", "chunk_start": "*i64", "cu_seqlens": "*i32"}
+    build("kda_prefill intra", kda_chunk._kda_intra_kernel,
+          {**p("q k g beta Akk gl", "*fp32"), **p("Aqk kb qg kg", "*bf16"), **idx,
+           **p("stride_q stride_k stride_g", "i32")}, dict(H=H, K=K, BKC=32, **bf), 4)
+    build("kda_prefill solve", kda_chunk._kda_solve_kernel,
+          {**p("Akk beta", "*fp32"), **p("kb v w u", "*bf16"), **idx, "stride_v": "i32"},
+          dict(H=H, K=K, V=K, BC=32, **bf), 4)
+    state = {**p("w u qg kg Aqk", "*bf16"), **p("gl S_pool o", "*fp32"), **p("state_indices cu_seqlens", "*i32"),
+             "has_initial_state": "*i1", "first_chunk": "*i64"}
+    for stages in (1, 2):
+        build(f"kda_prefill state ({stages} stage)", kda_chunk._kda_state_kernel, state,
+              dict(H=H, K=K, V=K, BK=K, BV=32, **bf), 4, stages)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--sm90"]:
+        sys.exit("usage: python bench/kernels_kda.py --sm90   (timings: python bench/kernels.py --families kda)")
+    compile_sm90()

@@ -1,0 +1,407 @@
+"""Triton kernels of the chunked KDA prefill (K3_LM §5.8): `kda_prefill`, mirroring `kda_ref.kda_prefill`.
+
+The decode ops and the helpers shared with them live in `kernels/kda.py`; the conventions there hold
+here (wrapper validates, kernel trusts; no host sync; int64 pool offsets; slot 0 never written).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3backend.kernels.kda import (
+    _FLOATS, _INTERPRET, _acc, _device_problem, _first, _num_sms, _raise_if, _round, _shape_problem,
+)
+
+# Three launches (fla's chunk_kda has the same split): `_kda_intra_kernel` per (chunk, head, 16-row block)
+# builds the blocks of A_kk = −β_i Σ_d k_i k_j e^{Γ_i−Γ_j} and A_qk and the rows β e^Γ k, q e^Γ and
+# k e^{Γ_last−Γ}; `_kda_solve_kernel` per (chunk, head) inverts I − A_kk blockwise and forms
+# w = T(β e^Γ k), u = T(β v); `_kda_state_kernel` per (sequence, head, V-block) walks the sequence's
+# chunks in order with the state in registers: v_new = u − wS, o = (q e^Γ)S + A_qk v_new,
+# S ← e^{Γ_last} S + (k e^{Γ_last−Γ})ᵀ v_new. Every exponent is ≤ 0 (or bounded by the drop of Γ over
+# 16 rows, checked per block, with an exact elementwise fallback), so no gate can overflow it.
+# With a bf16 model (v bf16) the intermediates and the state's dot operands are bf16 and the A blocks
+# tf32, as in fla / SGLang (§5.8 "Numerics"); with fp32 / fp64 everything stays in that dtype (fp32
+# products as tf32x3).
+
+BT: int = 64  # chunk size (§5.8)
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr, BITS: tl.constexpr):
+    """a @ b with both operands rounded to DOT, accumulated in ACC. Under the interpreter (BITS) bf16
+    operands multiply as fp32: its bf16 dot multiplies the raw bits (triton 3.9)."""
+    a, b = _round(a, DOT, BITS), _round(b, DOT, BITS)
+    if BITS and DOT == tl.bfloat16:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PREC, out_dtype=ACC)
+
+
+@triton.jit
+def _mm(a, b, ACC: tl.constexpr):
+    """A small exact product (the inverse of I − A_kk): ACC operands, no tensor-core rounding."""
+    return tl.dot(a.to(ACC), b.to(ACC), input_precision="ieee", out_dtype=ACC)
+
+
+@triton.jit
+def _gsum(g, t0, J, L, i_h, stride_g, o_k, m_k, K: tl.constexpr, ACC: tl.constexpr):
+    """s_J: Σ of g over the valid rows of block J, for channels o_k."""
+    r = J * 16 + tl.arange(0, 16)
+    g_J = tl.load(g + (t0 + r)[:, None] * stride_g + i_h * K + o_k[None, :], mask=(r < L)[:, None] & m_k[None, :],
+                  other=0).to(ACC)
+    return tl.sum(g_J, axis=0)
+
+
+@triton.jit
+def _acc_block(acc0, acc1, acc2, acc3, x, J: tl.constexpr):
+    """acc_J += x for a block index J known at compile time."""
+    if J == 0:
+        acc0 += x
+    elif J == 1:
+        acc1 += x
+    elif J == 2:
+        acc2 += x
+    else:
+        acc3 += x
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _kda_intra_kernel(q, k, g, beta, chunk_seq, chunk_start, cu_seqlens, Akk, Aqk, kb, qg, kg, gl, stride_q,
+                      stride_k, stride_g, H: tl.constexpr, K: tl.constexpr, BKC: tl.constexpr, ACC: tl.constexpr,
+                      DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
+    """Program (chunk c, head h, block I of 16 rows): row block I of A_kk and A_qk (column blocks J ≤ I),
+    and its rows of kb = β e^Γ k, qg = q e^Γ, kg = k e^{Γ_last−Γ}; block 0 also writes gl = e^{Γ_last}.
+    Γ is relative to the chunk start and c_J is Γ at the end of block J−1 (c_0 = 0). Channels go in
+    slices of BKC (A sums over them; everything else is per channel)."""
+    i_c, i_h, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    seq = tl.load(chunk_seq + i_c)
+    if seq < 0:
+        return
+    t0 = tl.load(chunk_start + i_c)
+    L = tl.minimum(tl.load(cu_seqlens + seq + 1).to(tl.int64) - t0, 64)
+    if i_s * 16 >= L:
+        return
+    o16 = tl.arange(0, 16)
+    r_I = i_s * 16 + o16
+    m_rI = r_I < L
+    b_I = tl.load(beta + (t0 + r_I) * H + i_h, mask=m_rI, other=0).to(ACC)
+    kk0 = tl.zeros([16, 16], dtype=ACC)  # A_kk block (I, J), before the −β_i factor
+    kk1, kk2, kk3 = kk0, kk0, kk0
+    qk0, qk1, qk2, qk3 = kk0, kk0, kk0, kk0
+    for k0 in range(0, K, BKC):
+        o_k = k0 + tl.arange(0, BKC)
+        m_k = o_k < K
+        m_I = m_rI[:, None] & m_k[None, :]
+        p_I = (t0 + r_I)[:, None]
+        g_I = tl.load(g + p_I * stride_g + i_h * K + o_k[None, :], mask=m_I, other=0).to(ACC)
+        k_I = tl.load(k + p_I * stride_k + i_h * K + o_k[None, :], mask=m_I, other=0).to(ACC)
+        q_I = tl.load(q + p_I * stride_q + i_h * K + o_k[None, :], mask=m_I, other=0).to(ACC)
+        cs_I = tl.cumsum(g_I, axis=0)  # Γ_i − c_I
+        s_I = tl.sum(g_I, axis=0)
+        ex_I = tl.exp(cs_I)  # ≤ 1
+        lk, lq = k_I * ex_I, q_I * ex_I
+        c_I = tl.zeros([BKC], dtype=ACC)
+        for jc in range(0, i_s):
+            c_I += _gsum(g, t0, jc, L, i_h, stride_g, o_k, m_k, K, ACC)
+
+        # blocks J < I, from J = I−1 down, with the reference point c_I between rows j and i:
+        # e^{Γ_i−Γ_j} = e^{Γ_i−c_I}·e^{c_{J+1}−Γ_j}·e^{c_I−c_{J+1}}, every factor ≤ 1
+        between = tl.zeros([BKC], dtype=ACC)  # c_I − c_{J+1}: Σ of s over blocks J+1..I−1 (≤ 0)
+        for JB in tl.static_range(2, -1, -1):
+            if JB < i_s:
+                p_J = (t0 + JB * 16 + o16)[:, None]
+                g_J = tl.load(g + p_J * stride_g + i_h * K + o_k[None, :], mask=m_k[None, :], other=0).to(ACC)
+                k_J = tl.load(k + p_J * stride_k + i_h * K + o_k[None, :], mask=m_k[None, :], other=0).to(ACC)
+                s_J = tl.sum(g_J, axis=0)
+                rk = tl.trans(k_J * tl.exp(s_J[None, :] - tl.cumsum(g_J, axis=0) + between[None, :]))
+                kk0, kk1, kk2, kk3 = _acc_block(kk0, kk1, kk2, kk3, _dot(lk, rk, ACC, PREC, ACC, BITS), JB)
+                qk0, qk1, qk2, qk3 = _acc_block(qk0, qk1, qk2, qk3, _dot(lq, rk, ACC, PREC, ACC, BITS), JB)
+                between += s_J
+
+        # block I itself: e^{Γ_i−c_I}·e^{c_I−Γ_j}, safe while Γ drops by < 80 over the block (always with
+        # lb = −5); else exactly, column by column
+        if tl.max(-s_I, axis=0) < 80.0:
+            rk = tl.trans(k_I / ex_I)
+            d_kk = _dot(lk, rk, ACC, PREC, ACC, BITS)
+            d_qk = _dot(lq, rk, ACC, PREC, ACC, BITS)
+        else:
+            d_kk = tl.zeros([16, 16], dtype=ACC)
+            d_qk = tl.zeros([16, 16], dtype=ACC)
+            for j in range(16):
+                row = (o16 == j)[:, None]
+                k_j = tl.sum(tl.where(row, k_I, 0.0), axis=0)
+                e = tl.exp(tl.minimum(cs_I - tl.sum(tl.where(row, cs_I, 0.0), axis=0)[None, :], 0.0))
+                col = (o16 == j)[None, :]
+                d_kk = tl.where(col, tl.sum(k_I * k_j[None, :] * e, axis=1)[:, None], d_kk)
+                d_qk = tl.where(col, tl.sum(q_I * k_j[None, :] * e, axis=1)[:, None], d_qk)
+        for jd in tl.static_range(4):
+            if jd == i_s:
+                kk0, kk1, kk2, kk3 = _acc_block(kk0, kk1, kk2, kk3, d_kk, jd)
+                qk0, qk1, qk2, qk3 = _acc_block(qk0, qk1, qk2, qk3, d_qk, jd)
+
+        # rows of block I: kb = β e^{c_I}(e^{Γ−c_I} k), qg = e^{c_I}(e^{Γ−c_I} q),
+        # kg = k e^{(c_4−c_I)−(Γ−c_I)}
+        tail = tl.zeros([BKC], dtype=ACC)  # Σ of s over the blocks after I
+        for jt in range(i_s + 1, tl.cdiv(L, 16)):
+            tail += _gsum(g, t0, jt, L, i_h, stride_g, o_k, m_k, K, ACC)
+        e_c = tl.exp(c_I)[None, :]
+        p_r = (t0 + r_I)[:, None] * (H * K) + i_h * K + o_k[None, :]
+        tl.store(kb + p_r, _round(b_I[:, None] * lk * e_c, kb.dtype.element_ty, BITS), mask=m_I)
+        tl.store(qg + p_r, _round(lq * e_c, qg.dtype.element_ty, BITS), mask=m_I)
+        tl.store(kg + p_r, _round(k_I * tl.exp(s_I[None, :] - cs_I + tail[None, :]), kg.dtype.element_ty, BITS),
+                 mask=m_I)
+        if i_s == 0:
+            tl.store(gl + (i_c * H + i_h) * K + o_k, tl.exp(s_I + tail), mask=m_k)
+
+    # A_kk = −β_i·(…) strictly below the diagonal, A_qk on and below it
+    strict = o16[:, None] > o16[None, :]
+    for js in tl.static_range(4):
+        if js <= i_s:
+            if js == 0:
+                a_kk, a_qk = kk0, qk0
+            elif js == 1:
+                a_kk, a_qk = kk1, qk1
+            elif js == 2:
+                a_kk, a_qk = kk2, qk2
+            else:
+                a_kk, a_qk = kk3, qk3
+            c_J = js * 16 + o16
+            p_A = (t0 + r_I)[:, None] * (H * 64) + i_h * 64 + c_J[None, :]
+            if js == i_s:  # the diagonal block: strictly lower for A_kk, lower for A_qk
+                m_A = m_rI[:, None] & (c_J < L)[None, :]
+                a_kk = tl.where(strict, a_kk, 0.0)
+                a_qk = tl.where(strict | (o16[:, None] == o16[None, :]), a_qk, 0.0)
+            else:
+                m_A = m_rI[:, None] & (c_J < 64)[None, :]
+            tl.store(p_A + Akk, -b_I[:, None] * a_kk, mask=m_A)
+            tl.store(p_A + Aqk, _round(a_qk, Aqk.dtype.element_ty, BITS), mask=m_A)
+
+
+@triton.jit
+def _load_a(Akk, t0, L, i_h, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr, ACC: tl.constexpr):
+    o16 = tl.arange(0, 16)
+    rows, cols = I * 16 + o16, J * 16 + o16
+    p = (t0 + rows)[:, None] * (H * 64) + i_h * 64 + cols[None, :]
+    return tl.load(Akk + p, mask=(rows < L)[:, None] & (cols < L)[None, :], other=0).to(ACC)
+
+
+@triton.jit
+def _inv16(a, ACC: tl.constexpr):
+    """(I − a)^{-1} for a strictly lower 16×16 a: (I + a)(I + a²)(I + a⁴)(I + a⁸), since a^16 = 0."""
+    o16 = tl.arange(0, 16)
+    eye = tl.where(o16[:, None] == o16[None, :], 1.0, 0.0).to(ACC)
+    a2 = _mm(a, a, ACC)
+    a4 = _mm(a2, a2, ACC)
+    p = _mm(eye + a, eye + a2, ACC)
+    p = _mm(p, eye + a4, ACC)
+    return _mm(p, eye + _mm(a4, a4, ACC), ACC)
+
+
+@triton.jit
+def _pick(x0, x1, x2, x3, J: tl.constexpr):
+    if J == 0:
+        x = x0
+    elif J == 1:
+        x = x1
+    elif J == 2:
+        x = x2
+    else:
+        x = x3
+    return x
+
+
+@triton.jit
+def _store_wu(kb, v, beta, w, u, t0, L, i_h, x0, x1, x2, x3, stride_v, I: tl.constexpr, H: tl.constexpr,
+              K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+              PREC: tl.constexpr, BITS: tl.constexpr):
+    """Rows of block I: w = Σ_{J≤I} T_IJ kb_J and u = Σ_{J≤I} T_IJ (β v)_J (T_IJ = x_J), BC columns at a time."""
+    o16, o_c = tl.arange(0, 16), tl.arange(0, BC)
+    m_I = (I * 16 + o16 < L)[:, None]
+    p_I = (t0 + I * 16 + o16)[:, None]
+    for c0 in range(0, K, BC):
+        m_c = (c0 + o_c < K)[None, :]
+        acc = tl.zeros([16, BC], dtype=ACC)
+        for J in tl.static_range(I + 1):
+            rows = J * 16 + o16
+            kb_J = tl.load(kb + (t0 + rows)[:, None] * (H * K) + i_h * K + c0 + o_c[None, :],
+                           mask=(rows < L)[:, None] & m_c, other=0)
+            acc += _dot(_pick(x0, x1, x2, x3, J), kb_J, DOT, PREC, ACC, BITS)
+        tl.store(w + p_I * (H * K) + i_h * K + c0 + o_c[None, :], _round(acc, w.dtype.element_ty, BITS), mask=m_I & m_c)
+    for c0 in range(0, V, BC):
+        m_c = (c0 + o_c < V)[None, :]
+        acc = tl.zeros([16, BC], dtype=ACC)
+        for J in tl.static_range(I + 1):
+            rows = J * 16 + o16
+            v_J = tl.load(v + (t0 + rows)[:, None] * stride_v + i_h * V + c0 + o_c[None, :],
+                          mask=(rows < L)[:, None] & m_c, other=0).to(ACC)
+            b_J = tl.load(beta + (t0 + rows) * H + i_h, mask=rows < L, other=0).to(ACC)
+            acc += _dot(_pick(x0, x1, x2, x3, J), b_J[:, None] * v_J, DOT, PREC, ACC, BITS)
+        tl.store(u + p_I * (H * V) + i_h * V + c0 + o_c[None, :], _round(acc, u.dtype.element_ty, BITS), mask=m_I & m_c)
+
+
+@triton.jit
+def _kda_solve_kernel(Akk, kb, v, beta, chunk_seq, chunk_start, cu_seqlens, w, u, stride_v, H: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
+                      DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
+    """Program (chunk, head): T = (I − A_kk)^{-1} from its 16×16 blocks (block forward substitution),
+    then w and u. T·diag(β) is folded into the operands (kb already carries β)."""
+    i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    seq = tl.load(chunk_seq + i_c)
+    if seq < 0:
+        return
+    t0 = tl.load(chunk_start + i_c)
+    L = tl.minimum(tl.load(cu_seqlens + seq + 1).to(tl.int64) - t0, 64)
+    x00 = _inv16(_load_a(Akk, t0, L, i_h, 0, 0, H, ACC), ACC)
+    x11 = _inv16(_load_a(Akk, t0, L, i_h, 1, 1, H, ACC), ACC)
+    x22 = _inv16(_load_a(Akk, t0, L, i_h, 2, 2, H, ACC), ACC)
+    x33 = _inv16(_load_a(Akk, t0, L, i_h, 3, 3, H, ACC), ACC)
+    a10 = _load_a(Akk, t0, L, i_h, 1, 0, H, ACC)
+    a21 = _load_a(Akk, t0, L, i_h, 2, 1, H, ACC)
+    a32 = _load_a(Akk, t0, L, i_h, 3, 2, H, ACC)
+    x10 = _mm(x11, _mm(a10, x00, ACC), ACC)  # T_IJ = T_II Σ_{J≤m<I} A_Im T_mJ
+    x21 = _mm(x22, _mm(a21, x11, ACC), ACC)
+    x32 = _mm(x33, _mm(a32, x22, ACC), ACC)
+    a20 = _load_a(Akk, t0, L, i_h, 2, 0, H, ACC)
+    a31 = _load_a(Akk, t0, L, i_h, 3, 1, H, ACC)
+    x20 = _mm(x22, _mm(a20, x00, ACC) + _mm(a21, x10, ACC), ACC)
+    x31 = _mm(x33, _mm(a31, x11, ACC) + _mm(a32, x21, ACC), ACC)
+    a30 = _load_a(Akk, t0, L, i_h, 3, 0, H, ACC)
+    x30 = _mm(x33, _mm(a30, x00, ACC) + _mm(a31, x10, ACC) + _mm(a32, x20, ACC), ACC)
+    _store_wu(kb, v, beta, w, u, t0, L, i_h, x00, x00, x00, x00, stride_v, 0, H, K, V, BC, ACC, DOT, PREC, BITS)
+    _store_wu(kb, v, beta, w, u, t0, L, i_h, x10, x11, x11, x11, stride_v, 1, H, K, V, BC, ACC, DOT, PREC, BITS)
+    _store_wu(kb, v, beta, w, u, t0, L, i_h, x20, x21, x22, x22, stride_v, 2, H, K, V, BC, ACC, DOT, PREC, BITS)
+    _store_wu(kb, v, beta, w, u, t0, L, i_h, x30, x31, x32, x33, stride_v, 3, H, K, V, BC, ACC, DOT, PREC, BITS)
+
+
+@triton.jit
+def _kda_state_kernel(w, u, qg, kg, Aqk, gl, S_pool, state_indices, has_initial_state, cu_seqlens, first_chunk,
+                      o, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
+    """Program (V-block, sequence·head): the sequence's chunks in order, its K×BV state in registers."""
+    i_v, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = pid // H, pid % H
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_b).to(tl.int64), tl.load(cu_seqlens + i_b + 1).to(tl.int64)
+    c0 = tl.load(first_chunk + i_b)
+    o64, o_k, o_v = tl.arange(0, 64), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    p_S = S_pool + slot * (H * K * V) + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
+    m_S = m_k[:, None] & m_v[None, :]
+    S = tl.zeros([BK, BV], dtype=ACC)
+    if tl.load(has_initial_state + i_b) != 0:
+        S = tl.load(p_S, mask=m_S, other=0).to(ACC)
+    causal = o64[:, None] >= o64[None, :]
+    for ic in range(0, tl.cdiv(eos - bos, 64)):
+        t0 = bos + ic * 64
+        m_r = (t0 + o64 < eos)[:, None]
+        p_k = (t0 + o64)[:, None] * (H * K) + i_h * K + o_k[None, :]
+        p_v = (t0 + o64)[:, None] * (H * V) + i_h * V + o_v[None, :]
+        w_c = tl.load(w + p_k, mask=m_r & m_k[None, :], other=0)
+        u_c = tl.load(u + p_v, mask=m_r & m_v[None, :], other=0).to(ACC)
+        v_new = u_c - _dot(w_c, S, DOT, PREC, ACC, BITS)  # [64, BV]
+        A = tl.load(Aqk + (t0 + o64)[:, None] * (H * 64) + i_h * 64 + o64[None, :], mask=m_r & causal, other=0)
+        q_c = tl.load(qg + p_k, mask=m_r & m_k[None, :], other=0)
+        o_c = _dot(q_c, S, DOT, PREC, ACC, BITS) + _dot(A, v_new, DOT, PREC, ACC, BITS)
+        tl.store(o + p_v, o_c.to(o.dtype.element_ty), mask=m_r & m_v[None, :])
+        k_c = tl.load(kg + p_k, mask=m_r & m_k[None, :], other=0)
+        decay = tl.load(gl + ((c0 + ic) * H + i_h) * K + o_k, mask=m_k, other=0).to(ACC)
+        S = S * decay[:, None] + _dot(tl.trans(k_c), v_new, DOT, PREC, ACC, BITS)
+    if slot != 0:
+        tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S)
+
+
+def _chunk_table(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Device-side chunk list (no host sync): (chunk_seq [NC] int32, −1 past the last chunk; chunk_start
+    [NC] int64; first_chunk [B] int64; NC = T/64 + B, an upper bound from shapes alone)."""
+    B = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.long()
+    n = (cu[1:] - cu[:-1] + BT - 1) // BT  # chunks per sequence
+    ends = n.cumsum(0)
+    NC = triton.cdiv(T, BT) + B
+    ids = torch.arange(NC, device=cu.device)
+    seq = torch.searchsorted(ends, ids, right=True)
+    valid = seq < B
+    seq = seq.clamp(max=B - 1)
+    first = ends - n
+    start = cu[seq] + BT * (ids - first[seq])
+    return torch.where(valid, seq, -1).to(torch.int32), start, first, NC
+
+
+def _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state) -> str:
+    if q.dim() != 3 or v.dim() != 3 or S_pool.dim() != 4:
+        return (f"expected q [T, H, K], v [T, H, V], S_pool [N, H, K, V]; got q {list(q.shape)}, "
+                f"v {list(v.shape)}, S_pool {list(S_pool.shape)}")
+    T, H, K = q.shape
+    V, B = v.shape[-1], state_indices.shape[0]
+    acc = S_pool.dtype
+    inner = [t for t in (q, k, v, g) if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]]
+    return _first(
+        _shape_problem("S_pool", S_pool, (S_pool.shape[0], H, K, V), (torch.float32, torch.float64)),
+        _shape_problem("q", q, (T, H, K), (acc,)),
+        _shape_problem("k", k, (T, H, K), (acc,)),
+        _shape_problem("g", g, (T, H, K), (acc,)),
+        _shape_problem("v", v, (T, H, V), _FLOATS),
+        _shape_problem("beta", beta, (T, H), (acc,)),
+        _shape_problem("cu_seqlens", cu_seqlens, (B + 1,), (torch.int32, torch.int64)),
+        _shape_problem("state_indices", state_indices, (B,), (torch.int32, torch.int64)),
+        _shape_problem("has_initial_state", has_initial_state, (B,), (torch.bool,)),
+        "" if K <= 128 and V <= 128 else f"head dims K = {K}, V = {V}: more than 128",
+        "" if not inner else "q, k, v, g need contiguous [H, D] rows (got strides "
+        + ", ".join(str(t.stride()) for t in inner) + ")",
+        _device_problem(beta, S_pool, cu_seqlens, state_indices, has_initial_state)
+        or _device_problem(q, k, v, g, beta, contiguous=False),
+    )
+
+
+def kda_prefill_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         S_pool: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+                         has_initial_state: torch.Tensor) -> tuple[bool, str]:
+    problem = _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state)
+    return not problem, problem
+
+
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                S_pool: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+                has_initial_state: torch.Tensor) -> torch.Tensor:
+    """`kda_ref.kda_prefill`: chunks of 64 (§5.8), three launches, no host sync. q, k, g and v may have
+    a token stride (v is a view of the conv output); their [H, D] rows must be contiguous."""
+    _raise_if(_prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state),
+              "kda_prefill")
+    T, H, K = q.shape
+    V, B = v.shape[-1], state_indices.shape[0]
+    dev, acc = q.device, S_pool.dtype
+    o = torch.empty(T, H, V, dtype=acc, device=dev)
+    if T == 0 or B == 0:
+        return o
+    low = v.dtype in (torch.bfloat16, torch.float16)
+    mid = torch.bfloat16 if low else acc  # dtype of the intermediates and of the state's dot operands
+    ACC, DOT = _acc(S_pool), tl.bfloat16 if low else _acc(S_pool)
+    # tensor-core precision of the big products: tf32 beside bf16 operands (fla's), tf32x3 for an fp32
+    # model (ieee fp32 dots spill badly on sm_90), exact for fp64; the 16×16 inverse is always exact
+    PREC = "tf32" if low else "tf32x3" if acc == torch.float32 else "ieee"
+    BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
+    chunk_seq, chunk_start, first_chunk, NC = _chunk_table(cu_seqlens, T)
+    Akk = torch.empty(T, H, BT, dtype=acc, device=dev)
+    Aqk = torch.empty(T, H, BT, dtype=mid, device=dev)
+    kb, qg, kg, w = (torch.empty(T, H, K, dtype=mid, device=dev) for _ in range(4))
+    u = torch.empty(T, H, V, dtype=mid, device=dev)
+    gl = torch.empty(NC, H, K, dtype=acc, device=dev)
+    flags = dict(ACC=ACC, DOT=DOT, PREC=PREC, BITS=_INTERPRET)
+    _kda_intra_kernel[(NC, H, BT // 16)](
+        q=q, k=k, g=g, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, Akk=Akk,
+        Aqk=Aqk, kb=kb, qg=qg, kg=kg, gl=gl, stride_q=q.stride(0), stride_k=k.stride(0), stride_g=g.stride(0),
+        H=H, K=K, BKC=16 if BK <= 32 else 32, num_warps=4, **flags)
+    _kda_solve_kernel[(NC, H)](
+        Akk=Akk, kb=kb, v=v, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, w=w,
+        u=u, stride_v=v.stride(0), H=H, K=K, V=V, BC=16 if max(BK, BV) <= 32 else 32, num_warps=4, **flags)
+    BVS = min(32, BV)
+    programs = triton.cdiv(V, BVS) * B * H
+    # two stages of the chunk loads (122 KB smem, one program per SM) while the programs fit on the SMs;
+    # past that, one stage and three programs per SM hide the latency instead
+    _kda_state_kernel[(triton.cdiv(V, BVS), B * H)](
+        w=w, u=u, qg=qg, kg=kg, Aqk=Aqk, gl=gl, S_pool=S_pool, state_indices=state_indices,
+        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, first_chunk=first_chunk, o=o,
+        H=H, K=K, V=V, BK=BK, BV=BVS, num_warps=4, num_stages=2 if programs <= _num_sms(dev) else 1, **flags)
+    return o

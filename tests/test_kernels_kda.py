@@ -1,0 +1,319 @@
+"""The Triton KDA kernels (kernels/kda.py, kda_chunk.py) equal their torch references (kernels/kda_ref.py).
+
+Every check runs under TRITON_INTERPRET=1 in one child process (tests/interpret.py) with
+K3_KERNELS=triton, at small odd sizes (K = 12, V = 10 pad to 16-wide tiles): varlen batches, slots in
+a permuted order, zero and carried state, padding rows pointing at the null slot 0. Outputs are
+poisoned (`torch.empty` returns NaN while a kernel runs), pool slots no row uses hold NaN, and every
+element is compared: the rows' slots against the reference, the other slots against their NaN
+sentinels. Slot 0 is not compared (rows pointing at it may scribble it, the contract allows that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import math
+
+import pytest
+import torch
+
+from interpret import Cases, run_checks
+from tolerances import KERNEL, KERNEL_PREFILL
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+H, K, V, W, N = 3, 12, 10, 4, 9  # heads, key dim, value dim, conv width, pool slots
+SLOTS = [7, 2, 5, 3]  # the real rows' slots, permuted; slot 5 starts from zero state and history
+UNUSED = [1, 4, 6, 8]  # slots no row points at: NaN sentinels
+
+
+# ---------------------------------------------------------------- helpers (run in the child)
+@contextlib.contextmanager
+def poisoned_outputs():
+    """While active, torch.empty / empty_like return NaN-filled float tensors, so an output element a
+    kernel forgot to write shows as NaN."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    torch.empty = lambda *a, **kw: nan(empty(*a, **kw))
+    torch.empty_like = lambda *a, **kw: nan(empty_like(*a, **kw))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
+
+
+def acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rand(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+
+def pool(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, fresh: list[int]) -> torch.Tensor:
+    """A pool with random carried slots, zeroed `fresh` slots and NaN in the UNUSED ones."""
+    p = rand(gen, *shape, scale=0.5).to(dtype)
+    p[fresh] = 0
+    p[UNUSED] = math.nan
+    return p
+
+
+def clone_all(args: list) -> list:
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def assert_slots(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor, slots: list[int], tol: dict,
+                 what: str) -> None:
+    """The rows' slots close to the reference; every slot no row uses unchanged (NaN sentinels)."""
+    torch.testing.assert_close(got[slots], want[slots], **tol, msg=lambda m: f"{what}, the rows' slots: {m}")
+    assert torch.equal(got[UNUSED].isnan(), before[UNUSED].isnan()), f"{what}: a slot no row uses was written"
+
+
+def row_slots(pad: int) -> torch.Tensor:
+    return torch.tensor(SLOTS + [0] * pad, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------- checks (run in the child)
+def check_kda_decode_fused(dtype: str, lower_bound: float | None, seed: int) -> None:
+    from k3backend.kernels import kda, kda_ref
+
+    dt = DTYPES[dtype]
+    a = acc(dt)
+    gen = torch.Generator().manual_seed(seed)
+    C = 2 * H * K + H * V
+    si = row_slots(pad=2)  # two padding rows on the null slot
+    B = si.shape[0]
+    args = [rand(gen, B, C).to(dt), rand(gen, C, W, scale=0.5).to(a), pool(gen, (N, W - 1, C), dt, fresh=[5]),
+            rand(gen, B, H, K, scale=3).to(dt), rand(gen, H * K, scale=0.5).to(a),
+            torch.log(1 + 15 * torch.rand(H, generator=gen, dtype=torch.float64)).to(a), lower_bound,
+            rand(gen, B, H).to(dt), rand(gen, B, H, V).to(dt), (1 + 0.1 * rand(gen, V)).to(dt),
+            pool(gen, (N, H, K, V), a, fresh=[5]), si, 1e-5]
+    ref = clone_all(args)
+    before_conv, before_S = args[2].clone(), args[10].clone()
+    with poisoned_outputs():
+        y = kda.kda_decode_fused(*args)
+    y_ref = kda_ref.kda_decode_fused(*ref)
+    torch.testing.assert_close(y, y_ref, **KERNEL[dt], msg=lambda m: f"y (every row, padding rows too): {m}")
+    assert_slots(args[10], ref[10], before_S, SLOTS, KERNEL[a], "S_pool")
+    assert_slots(args[2], ref[2], before_conv, SLOTS, {"rtol": 0.0, "atol": 0.0}, "conv_pool")
+
+
+def check_kda_decode(dtype: str, seed: int) -> None:
+    from k3backend.kernels import kda, kda_ref, norm_ref
+
+    a = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    si = row_slots(pad=1)
+    B = si.shape[0]
+    Vd = 37  # two V-blocks of 32, the second ragged
+    q = (norm_ref.l2_norm(rand(gen, B, H, K)) * K ** -0.5).to(a)
+    k = norm_ref.l2_norm(rand(gen, B, H, K)).to(a)
+    g = (-5 * torch.sigmoid(rand(gen, B, H, K))).to(a)
+    args = [q, k, rand(gen, B, H, Vd).to(a), g, torch.rand(B, H, generator=gen, dtype=torch.float64).to(a),
+            pool(gen, (N, H, K, Vd), a, fresh=[5]), si]
+    ref = clone_all(args)
+    before = args[5].clone()
+    with poisoned_outputs():
+        o = kda.kda_decode(*args)
+    torch.testing.assert_close(o, kda_ref.kda_decode(*ref), **KERNEL[a], msg=lambda m: f"o: {m}")
+    assert_slots(args[5], ref[5], before, SLOTS, KERNEL[a], "S_pool")
+
+
+def check_short_conv(dtype: str, seed: int) -> None:
+    from k3backend.kernels import kda, kda_ref
+
+    dt = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    C = 37
+    lens = [5, 1, 30, 2]  # three token blocks of 16; chunks shorter than W−1 shift the history
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    has = torch.tensor([True, True, False, True])
+    slots = [7, 2, 5, 3]
+    args = [rand(gen, sum(lens), C).to(dt), rand(gen, C, W, scale=0.5).to(acc(dt)),
+            pool(gen, (N, W - 1, C), dt, fresh=[]), cu, torch.tensor(slots, dtype=torch.int32), has]
+    ref = clone_all(args)
+    before = args[2].clone()
+    with poisoned_outputs():
+        out = kda.short_conv(*args)
+    torch.testing.assert_close(out, kda_ref.short_conv(*ref), **KERNEL[dt], msg=lambda m: f"out: {m}")
+    assert_slots(args[2], ref[2], before, slots, {"rtol": 0.0, "atol": 0.0}, "conv_pool")
+
+
+def check_kda_prefill(dtype: str, gate: str, seed: int) -> None:
+    """Varlen chunks: one over a chunk boundary with a short last chunk, a single token, a fresh one.
+    v is a strided view (the model's is a slice of the conv output). dtype is v's (the model's); q, k,
+    g, beta and the state are in its accumulation dtype. `steep`: a softplus-like gate whose Γ drops by
+    more than 80 within 16 rows, so the diagonal blocks take the elementwise path."""
+    from k3backend.kernels import kda_chunk, kda_ref, norm_ref
+
+    dt = DTYPES[dtype]
+    a = acc(dt)
+    gen = torch.Generator().manual_seed(seed)
+    H, K = 2, 20  # K = 20: two channel slices of 16 in the intra kernel, the second ragged
+    lens = [65, 1, 14]  # the first ends in a one-row chunk
+    T = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    slots, has = [7, 2, 5], torch.tensor([True, True, False])
+    q = (norm_ref.l2_norm(rand(gen, T, H, K)) * K ** -0.5).to(a)
+    k = norm_ref.l2_norm(rand(gen, T, H, K)).to(a)
+    rows = rand(gen, T, 2 * H * V + 3).to(dt)
+    v = rows[:, 3:3 + H * V].view(T, H, V)
+    g = -5 * torch.sigmoid(2 * rand(gen, T, H, K)) if gate == "lb5" else -8 * torch.exp(2 * rand(gen, T, H, K))
+    beta = torch.rand(T, H, generator=gen, dtype=torch.float64).to(a)
+    args = [q, k, v, g.to(a), beta, pool(gen, (N, H, K, V), a, fresh=[]), cu, torch.tensor(slots, dtype=torch.int32),
+            has]
+    ref = clone_all(args)
+    before = args[5].clone()
+    with poisoned_outputs():
+        o = kda_chunk.kda_prefill(*args)
+    torch.testing.assert_close(o, kda_ref.kda_prefill(*ref), **KERNEL_PREFILL[dt], msg=lambda m: f"o: {m}")
+    assert_slots(args[5], ref[5], before, slots, KERNEL_PREFILL[dt], "S_pool")
+
+
+def check_layer_steps(dtype: str) -> None:
+    """A KDA layer over prefill, decode and mixed steps: with every registered fast op (each call must be
+    accepted by its verifier, and each op must run) it equals the same steps on the references."""
+    from k3backend import kernels
+    from k3backend.checkpoint import RUNTIME_FP32_PARAMS
+    from k3backend.config import K3Config
+    from k3backend.model.kda import KDA
+    from k3backend.presets import preset_config
+    from poolutil import Streams
+
+    dt = DTYPES[dtype]
+    cfg = dataclasses.replace(K3Config.from_dict(preset_config("tiny")).text, v_head_dim=12)
+    torch.manual_seed(5)
+    layer = KDA(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]) if p.dim() > 1 else 0.5 * torch.randn(p.shape))
+    layer = layer.to(dt)
+    for name, p in layer.named_parameters():  # the loader keeps these fp32 (checkpoint.param_dtype)
+        if name.endswith(RUNTIME_FP32_PARAMS):
+            p.data = p.data.to(acc(dt))
+    steps = [([5, 3, 0], 0), ([1, 1, 0], 2), ([1, 1, 7], 2), ([1, 1, 1], 3)]  # (lens, num_decode)
+    x = torch.randn(sum(sum(lens) for lens, _ in steps), cfg.hidden_size, generator=torch.Generator().manual_seed(6))
+    calls = dict.fromkeys(kernels.FAST_OPS, 0)
+    refs = {name: getattr(kernels, name).__wrapped__ for name in kernels.FAST_OPS}
+
+    def accepted(name: str):
+        mod = importlib.import_module(kernels.FAST_OPS[name])
+
+        def op(*args, **kwargs):
+            ok, reason = getattr(mod, f"{name}_supports")(*args, **kwargs)
+            assert ok, f"{name} declines the model's call: {reason}"
+            calls[name] += 1
+            return getattr(mod, name)(*args, **kwargs)
+        return op
+
+    outs, dispatchers = {}, {name: getattr(kernels, name) for name in kernels.FAST_OPS}
+    for mode in ("triton", "ref"):
+        for name in kernels.FAST_OPS:
+            setattr(kernels, name, accepted(name) if mode == "triton" else refs[name])
+        streams, ys, t = Streams([layer], 3, 16, dtype=dt), [], 0
+        with torch.no_grad():
+            for lens, nd in steps:
+                batch = streams.batch(lens, num_decode=nd)
+                ys.append(layer(x[t:t + batch.num_tokens].to(dt), batch, streams.cache))
+                t += batch.num_tokens
+        outs[mode] = (torch.cat(ys), streams.cache.state, streams.cache.conv)
+    for name, op in dispatchers.items():
+        setattr(kernels, name, op)
+    unused = [name for name in ("kda_decode_fused", "short_conv", "kda_prefill") if not calls[name]]
+    assert not unused, f"the layer never called {unused}"
+    (y, S, conv), (y_ref, S_ref, conv_ref) = outs["triton"], outs["ref"]
+    torch.testing.assert_close(y, y_ref, **KERNEL_PREFILL[dt], msg=lambda m: f"layer output: {m}")
+    torch.testing.assert_close(S[1:], S_ref[1:], **KERNEL_PREFILL[dt], msg=lambda m: f"S_pool: {m}")  # slot 0: null
+    assert torch.equal(conv[1:], conv_ref[1:]), "conv_pool differs"
+
+
+CASES: Cases = {
+    **{f"decode_fused-{d}-{gate}": ("check_kda_decode_fused", {"dtype": d, "lower_bound": lb, "seed": i})
+       for i, (d, (gate, lb)) in enumerate((d, g) for d in DTYPES for g in (("lb5", -5.0), ("softplus", None)))},
+    **{f"decode-{d}": ("check_kda_decode", {"dtype": d, "seed": 20 + i}) for i, d in enumerate(("fp64", "fp32"))},
+    **{f"short_conv-{d}": ("check_short_conv", {"dtype": d, "seed": 30 + i}) for i, d in enumerate(DTYPES)},
+    **{f"prefill-{d}-{gate}": ("check_kda_prefill", {"dtype": d, "gate": gate, "seed": 40 + i})
+       for i, (d, gate) in enumerate((("fp64", "lb5"), ("fp64", "steep"), ("bf16", "lb5")))},
+    "layer-fp32": ("check_layer_steps", {"dtype": "fp32"}),
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str | None]:
+    return run_checks(__file__, CASES, env={"K3_KERNELS": "triton"})
+
+
+def _cases(prefix: str) -> list[str]:
+    return [c for c in CASES if c.startswith(prefix + "-")]
+
+
+@pytest.mark.parametrize("case", _cases("decode_fused"))
+def test_kda_decode_fused_matches_reference(case, interpreted):
+    assert interpreted[case] is None, interpreted[case]
+
+
+@pytest.mark.parametrize("case", _cases("decode"))
+def test_kda_decode_matches_reference(case, interpreted):
+    assert interpreted[case] is None, interpreted[case]
+
+
+@pytest.mark.parametrize("case", _cases("short_conv"))
+def test_short_conv_matches_reference(case, interpreted):
+    assert interpreted[case] is None, interpreted[case]
+
+
+@pytest.mark.parametrize("case", _cases("prefill"))
+def test_kda_prefill_matches_reference(case, interpreted):
+    assert interpreted[case] is None, interpreted[case]
+
+
+@pytest.mark.parametrize("case", _cases("layer"))
+def test_kda_layer_steps_through_fast_ops_equal_reference(case, interpreted):
+    assert interpreted[case] is None, interpreted[case]
+
+
+# ---------------------------------------------------------------- verifiers (this process, no kernel runs)
+def _decode_fused_args(K: int = 12, V: int = 10, conv_dtype: torch.dtype = torch.float32) -> list:
+    B, C = 2, 2 * H * K + H * V
+    bf, f32 = torch.bfloat16, torch.float32
+    return [torch.zeros(B, C, dtype=bf), torch.zeros(C, W, dtype=conv_dtype), torch.zeros(N, W - 1, C, dtype=bf),
+            torch.zeros(B, H, K, dtype=bf), torch.zeros(H * K), torch.zeros(H), -5.0, torch.zeros(B, H, dtype=bf),
+            torch.zeros(B, H, V, dtype=bf), torch.ones(V, dtype=bf), torch.zeros(N, H, K, V, dtype=f32),
+            torch.ones(B, dtype=torch.int32), 1e-5]
+
+
+@pytest.mark.parametrize("args, reason", [
+    pytest.param(_decode_fused_args(conv_dtype=torch.bfloat16), "conv_weight: expected float32 [102, 4], got bfloat16",
+                 id="bf16_conv_weight"),
+    pytest.param(_decode_fused_args(K=256, V=128), "state tile K×V = 256×128 is larger than one program holds",
+                 id="tile_too_large"),
+])
+def test_kda_decode_fused_declines_what_it_cannot_run_and_says_why(args, reason):
+    from k3backend.kernels import kda
+
+    ok, why = kda.kda_decode_fused_supports(*args)
+    assert not ok and reason in why, why
+    with pytest.raises(ValueError, match="kda_decode_fused: "):
+        kda.kda_decode_fused(*args)
+
+
+def test_cpu_tensors_are_declined_unless_interpreting():
+    from k3backend.kernels import kda
+
+    ok, why = kda.kda_decode_fused_supports(*_decode_fused_args())
+    assert ok if kda._INTERPRET else (not ok and "not a GPU (and TRITON_INTERPRET is not set)" in why), why
+
+
+def test_kda_prefill_declines_rows_that_are_not_contiguous_per_head():
+    from k3backend.kernels import kda_chunk
+
+    T = 5
+    q = torch.zeros(T, H, 2 * K)[:, :, :K]  # a strided last-but-one dimension
+    args = [q, torch.zeros(T, H, K), torch.zeros(T, H, V), torch.zeros(T, H, K), torch.zeros(T, H),
+            torch.zeros(N, H, K, V), torch.tensor([0, T], dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.bool)]
+    ok, why = kda_chunk.kda_prefill_supports(*args)
+    assert not ok and "contiguous [H, D] rows" in why, why
