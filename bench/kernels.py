@@ -86,6 +86,17 @@ def time_fn(fn: Callable[[], Any], graph: bool, iters: int = 50) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def _maybe_time(fn: Callable[[], Any] | None, graph: bool, iters: int, what: str) -> float | None:
+    """The time of a baseline, or None (printed) when it is absent or fails."""
+    if fn is None:
+        return None
+    try:
+        return time_fn(fn, graph, iters)
+    except Exception as e:  # noqa: BLE001 - a baseline that cannot run does not end the bench
+        print(f"    {what} failed: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
@@ -106,25 +117,39 @@ def main(argv: list[str] | None = None) -> int:
         except ModuleNotFoundError as e:
             print(f"{family}: no bench module ({e})")
             continue
-        for case in module.cases(args):
+        try:
+            cases = module.cases(args)
+        except Exception as e:  # noqa: BLE001 - one family's setup failing leaves the others to run
+            print(f"{family}: cases failed to build: {type(e).__name__}: {e}", flush=True)
+            failures += 1
+            continue
+        while cases:
+            case = cases.pop(0)  # dropped after timing: its inputs leave the GPU before the next family
             status = ""
-            if args.check and case.check is not None:
-                try:
-                    status = case.check()
-                except AssertionError as e:
-                    status, failures = f"FAILED {e}", failures + 1
-            t = time_fn(case.run, case.graph, args.iters)
-            t_ref = time_fn(case.ref, case.graph, max(3, args.iters // 10)) if case.ref else None
-            t_fla = time_fn(case.fla, case.graph, args.iters) if case.fla else None
-            rows.append((case, t, t_ref, t_fla, status))
+            try:
+                if args.check and case.check is not None:
+                    try:
+                        status = case.check()
+                    except AssertionError as e:
+                        status, failures = f"FAILED {e}", failures + 1
+                t = time_fn(case.run, case.graph, args.iters)
+            except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or launch: report, go on
+                print(f"  {case.family}/{case.name} {case.shape}: ERROR {type(e).__name__}: {e}", flush=True)
+                failures += 1
+                continue
+            t_ref = _maybe_time(case.ref, case.graph, max(3, args.iters // 10), "reference")
+            t_fla = _maybe_time(case.fla, case.graph, args.iters, "fla")
+            rows.append((case.family, case.name, case.shape, case.bytes, case.flops, t, t_ref, t_fla, status))
             print(f"  {case.family}/{case.name} {case.shape}: {t * 1e3:.3f} ms {status}", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     print(f"\n{'case':<28} {'shape':<26} {'ms':>9} {'TB/s':>6} {'TFLOP/s':>8} {'%ceil':>6} {'vs ref':>7} "
           f"{'vs fla':>7}  check")
-    for case, t, t_ref, t_fla, status in rows:
-        tbs, tfs = case.bytes / t / 1e12, case.flops / t / 1e12
+    for family, name, shape, nbytes, flops, t, t_ref, t_fla, status in rows:
+        tbs, tfs = nbytes / t / 1e12, flops / t / 1e12
         ceil = max(tbs / HBM_TBS, tfs / BF16_TFLOPS)
         ratio = lambda other: f"{other / t:>6.2f}x" if other else f"{'-':>7}"  # noqa: E731
-        print(f"{case.family + '/' + case.name:<28} {case.shape:<26} {t * 1e3:>9.3f} {tbs:>6.2f} {tfs:>8.1f} "
+        print(f"{family + '/' + name:<28} {shape:<26} {t * 1e3:>9.3f} {tbs:>6.2f} {tfs:>8.1f} "
               f"{ceil:>6.1%} {ratio(t_ref)} {ratio(t_fla)}  {status}")
     return 1 if failures else 0
 
