@@ -10,10 +10,11 @@ and the first reason a fast path declines a call, is logged once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from k3backend.kernels.kda_ref import (
@@ -95,6 +96,18 @@ def _dispatch(name: str, ref: Callable, module: str) -> Callable:
 if MODE != "ref":
     for _name, _module in FAST_OPS.items():
         globals()[_name] = _dispatch(_name, globals()[_name], _module)
+
+
+@contextlib.contextmanager
+def reference_ops() -> Iterator[None]:
+    """Every op runs its torch reference inside this block whatever K3_KERNELS says (the model looks
+    ops up here at call time): the fp32 reference side of a comparison in the same process."""
+    fast = {name: globals()[name] for name in FAST_OPS}
+    globals().update({name: getattr(op, "__wrapped__", op) for name, op in fast.items()})
+    try:
+        yield
+    finally:
+        globals().update(fast)
 
 __all__ = [
     "Activation", "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "glu", "kda_chunked", "kda_decode",
