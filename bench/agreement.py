@@ -17,6 +17,7 @@ disagreements are the reference's second choice (a near tie lost), and the first
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--margin", type=float, default=0.05, help="fp32 top-1 lead, in logits, of a clear position")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # cache, kernels, graphs
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.monotonic()
     ref = random_model(args.preset, torch.float32, device, args.seed)

@@ -15,6 +15,7 @@ checkpoint; `--expert-stats` reports how evenly the routers spread tokens over e
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import statistics
 import sys
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-parallel-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # cache, kernels, graphs
 
     from k3backend.engine.runner import InProcessExecutor
     from k3backend.serving.triton_io import resolve_device_dtype

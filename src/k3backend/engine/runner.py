@@ -78,6 +78,7 @@ class ModelRunner:
         self._slots: dict[int, _Slot] = {}
         self.graphs: DecodeGraphs | None = None
 
+    @torch.inference_mode()
     def capture_graphs(self, cfg: EngineConfig) -> None:
         """CUDA graphs for decode steps where `_wants_graphs`; a capture that fails leaves them off."""
         if not _wants_graphs(self.device, cfg):
