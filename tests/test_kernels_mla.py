@@ -1,0 +1,218 @@
+"""The Triton MLA kernels (kernels/mla.py) equal the torch references (kernels/mla_ref.py).
+
+Run under TRITON_INTERPRET=1 in a subprocess (tests/interpret.py) at small odd sizes: heads 3 and 33
+(two row tiles per sequence), dn 5, dr 12, r 40 (padded blocks), dv 7, block size 5, permuted block
+tables wider than needed, unused pool rows poisoned with NaN, padding rows (a table of zeros,
+context 1), cached prefix against none, split-KV counts 1..16, outputs poisoned before the kernels
+write them. Every element is compared (tolerances.KERNEL_VS_REF).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from interpret import Checks
+from tolerances import KERNEL_VS_REF
+
+CHECKS = Checks(__file__)
+DIMS = {"N": 3, "dn": 5, "dr": 12, "r": 40, "dv": 7, "bs": 5}
+
+
+def paged_problem(prefix: list[int], chunk: list[int], dtype: torch.dtype, *, seed: int, N: int = DIMS["N"],
+                  pad_rows: int = 0) -> dict:
+    """Sequences with `prefix[b]` cached rows and `chunk[b]` new ones (already written), in permuted
+    blocks of a pool whose every row outside the sequences' contexts is NaN; `pad_rows` padding
+    sequences (block table of zeros, context 1) at the end."""
+    g = torch.Generator().manual_seed(seed)
+    dn, dr, r, dv, bs = DIMS["dn"], DIMS["dr"], DIMS["r"], DIMS["dv"], DIMS["bs"]
+    ctx = [p + c for p, c in zip(prefix, chunk)]
+    need = [-(-n // bs) for n in ctx]
+    num_blocks = sum(need) + 4
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 is the null block
+    pool = torch.full((num_blocks, bs, r + dr), float("nan"))
+    pool[0] = torch.randn(bs, r + dr, generator=g)  # padding rows read the null block
+    tables, k = [], 0
+    for n, nb in zip(ctx, need):
+        tables.append(perm[k:k + nb])
+        k += nb
+        rows = torch.randn(n, r + dr, generator=g)
+        for p in range(n):
+            pool[tables[-1][p // bs], p % bs] = rows[p]
+    width = max(need) + 2
+    tables += [[] for _ in range(pad_rows)]
+    ctx += [1] * pad_rows
+    chunk = list(chunk) + [1] * pad_rows
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(chunk).cumsum(0).tolist()], dtype=torch.int32)
+    kv_b = torch.randn(N * (dn + dv), r, generator=g) * r ** -0.5
+    q = torch.randn(int(cu[-1]), N, dn + dr, generator=g)
+    c = lambda t: t.to(dtype)  # noqa: E731
+    w = c(kv_b).view(N, dn + dv, r)
+    return {"q_nope": c(q)[..., :dn], "q_pe": c(q)[..., dn:], "pool": c(pool), "cu_seqlens": cu,
+            "block_tables": bt, "context_lens": torch.tensor(ctx, dtype=torch.int32), "kv_b": c(kv_b),
+            "w_kc": w[:, :dn], "w_vc": w[:, dn:].transpose(1, 2), "scale": (dn + dr) ** -0.5}
+
+
+def decode_args(p: dict) -> tuple:
+    return (p["q_nope"], p["q_pe"], p["pool"], p["block_tables"], p["context_lens"], p["w_kc"], p["w_vc"], p["scale"])
+
+
+def prefill_args(p: dict) -> tuple:
+    return (p["q_nope"], p["q_pe"], p["pool"], p["cu_seqlens"], p["block_tables"], p["context_lens"], p["kv_b"],
+            p["w_kc"], p["w_vc"], p["scale"])
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (what, out.dtype, ref.dtype, out.shape, ref.shape)
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    torch.testing.assert_close(out, ref, **KERNEL_VS_REF[ref.dtype], msg=lambda m: f"{what}: {m}")
+
+
+DECODE_CTX = [1, 4, 17, 38, 61]  # one sequence shorter than a block, one over 12 blocks
+
+
+@CHECKS.register
+def check_decode_matches_reference() -> None:
+    from k3backend.kernels import mla, mla_ref
+
+    for dtype in (torch.float32, torch.bfloat16):
+        p = paged_problem([n - 1 for n in DECODE_CTX], [1] * len(DECODE_CTX), dtype, seed=1, pad_rows=2)
+        assert_matches(mla.mla_decode(*decode_args(p)), mla_ref.mla_decode(*decode_args(p)), f"decode {dtype}")
+
+
+@CHECKS.register
+def check_decode_split_kv_writes_every_row() -> None:
+    from k3backend.kernels import mla, mla_ref
+
+    p = paged_problem([n - 1 for n in DECODE_CTX], [1] * len(DECODE_CTX), torch.bfloat16, seed=2, pad_rows=1)
+    want = mla_ref.mla_decode(*decode_args(p))
+    B, N, r = p["q_nope"].shape[0], DIMS["N"], DIMS["r"]
+    for splits in (2, 5, 16):  # 16: more splits than the short sequences have tiles (empty splits)
+        o_hat = mla._empty_heads_major(B, N, r, p["q_nope"]).fill_(float("nan"))
+        mla.latent_attention(mla._absorb(p["q_nope"], p["w_kc"]), p["q_pe"], p["pool"], p["block_tables"],
+                             p["context_lens"], p["scale"], o_hat, cu_seqlens=None, splits=splits,
+                             config=mla.decode_config(N))
+        assert_matches(mla._unabsorb(o_hat, p["w_vc"]), want, f"decode, {splits} splits")
+
+
+@CHECKS.register
+def check_decode_many_heads_uses_several_row_tiles() -> None:
+    from k3backend.kernels import mla, mla_ref
+
+    p = paged_problem([6, 12], [1, 1], torch.float32, seed=3, N=33)  # 33 heads: 2 tiles of 32 rows
+    assert mla.decode_config(33)["BLOCK_M"] == 32
+    assert_matches(mla.mla_decode(*decode_args(p)), mla_ref.mla_decode(*decode_args(p)), "decode, 33 heads")
+
+
+# fresh 9 (expanded form), prefix 6 + 4, prefix 11 + 1, fresh 1, prefix 3 + 7
+PREFIX, CHUNK = [0, 6, 11, 0, 3], [9, 4, 1, 1, 7]
+
+
+@CHECKS.register
+def check_prefill_matches_reference() -> None:
+    from k3backend.kernels import mla, mla_ref
+
+    for dtype in (torch.float32, torch.bfloat16):
+        p = paged_problem(PREFIX, CHUNK, dtype, seed=4)
+        assert_matches(mla.mla_prefill(*prefill_args(p)), mla_ref.mla_prefill(*prefill_args(p)), f"prefill {dtype}")
+
+
+@CHECKS.register
+def check_prefill_all_fresh_and_all_cached() -> None:
+    from k3backend.kernels import mla, mla_ref
+
+    for prefix, chunk in (([0, 0], [13, 6]), ([8, 2], [3, 9])):
+        p = paged_problem(prefix, chunk, torch.bfloat16, seed=5)
+        assert_matches(mla.mla_prefill(*prefill_args(p)), mla_ref.mla_prefill(*prefill_args(p)), f"prefill {prefix}")
+
+
+@CHECKS.register
+def check_prefill_kernels_write_exactly_their_rows() -> None:
+    """The expanded kernel writes the fresh chunks' rows, the latent one the others (any split count)."""
+    from k3backend.kernels import mla
+
+    p = paged_problem(PREFIX, CHUNK, torch.float32, seed=6)
+    T, N, r, dv = p["q_nope"].shape[0], DIMS["N"], DIMS["r"], DIMS["dv"]
+    fresh = torch.repeat_interleave(torch.tensor([x == 0 for x in PREFIX]), torch.tensor(CHUNK))
+    want = mla.mla_prefill(*prefill_args(p))
+    lat = torch.cat([p["pool"][p["block_tables"][b, torch.arange(n) // DIMS["bs"]].long(), torch.arange(n) % DIMS["bs"]]
+                     [n - c:] for b, (n, c) in enumerate(zip(p["context_lens"].tolist(), CHUNK))])
+    kv = (lat[:, :r] @ p["kv_b"].t()).view(T, N, -1)
+    o = mla.mha_attention(p["q_nope"], p["q_pe"], kv, lat[:, r:], p["cu_seqlens"], p["context_lens"], dv, p["scale"],
+                          torch.full((T, N, dv), float("nan")))
+    assert torch.isfinite(o[fresh]).all() and torch.isnan(o[~fresh]).all()
+    torch.testing.assert_close(o[fresh].reshape(-1, N * dv), want[fresh], **KERNEL_VS_REF[torch.float32])
+    for splits in (1, 3):
+        o_hat = mla.latent_attention(mla._absorb(p["q_nope"], p["w_kc"]), p["q_pe"], p["pool"], p["block_tables"],
+                                     p["context_lens"], p["scale"], torch.full((T, N, r), float("nan")),
+                                     cu_seqlens=p["cu_seqlens"], splits=splits, config=mla.PREFILL_LATENT,
+                                     skip_fresh=True)
+        skipped = o_hat[fresh]
+        assert torch.isfinite(o_hat[~fresh]).all(), splits
+        assert (torch.isnan(skipped) if splits == 1 else skipped == 0).all(), splits
+        torch.testing.assert_close(mla._unabsorb(o_hat, p["w_vc"])[~fresh], want[~fresh],
+                                   **KERNEL_VS_REF[torch.float32])
+
+
+def test_decode_matches_reference():
+    CHECKS.result("check_decode_matches_reference")
+
+
+def test_decode_split_kv_writes_every_row():
+    CHECKS.result("check_decode_split_kv_writes_every_row")
+
+
+def test_decode_many_heads_uses_several_row_tiles():
+    CHECKS.result("check_decode_many_heads_uses_several_row_tiles")
+
+
+def test_prefill_matches_reference():
+    CHECKS.result("check_prefill_matches_reference")
+
+
+def test_prefill_all_fresh_and_all_cached():
+    CHECKS.result("check_prefill_all_fresh_and_all_cached")
+
+
+def test_prefill_kernels_write_exactly_their_rows():
+    CHECKS.result("check_prefill_kernels_write_exactly_their_rows")
+
+
+# ---- in-process: no kernel launches -------------------------------------------------------------
+
+def test_fast_ops_have_the_reference_signatures():
+    from k3backend import kernels
+
+    for name, module in kernels.FAST_OPS.items():
+        if not module.endswith(".mla"):
+            continue
+        mod = __import__(module, fromlist=[name])
+        ref = getattr(kernels, name).__wrapped__ if hasattr(getattr(kernels, name), "__wrapped__") else getattr(kernels,
+                                                                                                               name)
+        want = list(inspect.signature(ref).parameters)
+        assert list(inspect.signature(getattr(mod, name)).parameters) == want, name
+        assert list(inspect.signature(getattr(mod, f"{name}_supports")).parameters) == want, name
+
+
+def test_verifiers_decline_what_the_kernels_cannot_do():
+    from k3backend.kernels import mla
+
+    p = paged_problem([4], [1], torch.float64, seed=7)
+    ok, why = mla.mla_decode_supports(*decode_args(p))
+    assert not ok and ("float64" in why or "GPU" in why), why
+    p = paged_problem([4], [1], torch.bfloat16, seed=7)
+    p["pool"] = p["pool"].float()
+    ok, why = mla.mla_decode_supports(*decode_args(p))
+    assert not ok and ("pool is torch.float32" in why or "GPU" in why), why
+
+
+def test_wrapper_names_a_wrong_shape():
+    from k3backend.kernels import mla
+
+    p = paged_problem([4], [1], torch.float32, seed=8)
+    p["pool"] = p["pool"][..., :-1]
+    with pytest.raises(ValueError, match=r"pool: expected shape \[\d+, 5, 52\], got \[\d+, 5, 51\]"):
+        mla.mla_decode(*decode_args(p))
