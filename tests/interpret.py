@@ -64,7 +64,8 @@ class Checks:
         marker = [line for line in proc.stdout.splitlines() if line.startswith("@@CHECKS@@")]
         if proc.returncode != 0 or not marker:
             self._results = {}
-            self._failure = f"interpreted checks exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+            self._failure = (f"interpreted checks exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-8000:]}")
             return
         self._results = json.loads(marker[-1][len("@@CHECKS@@"):])
 

@@ -36,7 +36,7 @@ class Compiled:
 
 
 def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], *, num_warps: int,
-                 num_stages: int) -> Compiled:
+                 num_stages: int, enable_fp_fusion: bool = True) -> Compiled:
     """Compile `kernel` (a triton JITFunction) for sm_90a with `args` (every non-constexpr parameter)."""
     names = kernel.arg_names
     missing = [n for n in names if n not in args and n not in constexprs]
@@ -60,8 +60,8 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
             if v % 16 == 0 and name not in dns:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                        "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": enable_fp_fusion}
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
         cubin.write_bytes(ck.asm["cubin"])

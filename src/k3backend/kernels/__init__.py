@@ -43,7 +43,10 @@ if MODE not in ("ref", "triton", "auto"):
     raise ValueError(f"K3_KERNELS must be ref, triton or auto, got {MODE!r}")
 
 # Fast implementations: op name -> module that defines `<op>` and `<op>_supports(*args, **kwargs)`.
-FAST_OPS: dict[str, str] = {}
+FAST_OPS: dict[str, str] = {
+    "mla_decode": "k3backend.kernels.mla",
+    "mla_prefill": "k3backend.kernels.mla",
+}
 
 Verifier = Callable[..., tuple[bool, str]]
 

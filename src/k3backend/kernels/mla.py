@@ -18,7 +18,8 @@ context evenly among the splits, so short sequences in a wide table cost only em
 Numerics: scores, softmax and accumulators are fp32. The probability matrix feeds the value GEMM as
 two bf16 halves (p = p_hi + p_lo), so the tensor-core product keeps ~16 bits of p instead of the 8
 of a single bf16 cast. The interpreter's bf16 `tl.dot` is wrong (it multiplies the raw bits), so
-under TRITON_INTERPRET=1 (and for fp32 models) dots run on fp32 operands with ieee precision.
+under TRITON_INTERPRET=1 (and for fp32 models) dots run on fp32 operands with ieee precision; its
+fp32 -> bf16 cast truncates, so roundings go through `norm.to_dtype`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3backend.kernels.norm import interpreting, to_dtype
 
@@ -91,14 +93,52 @@ def _find_seq(tile_cu_ptr, pid, B, SEARCH: tl.constexpr):
     return b
 
 
-@triton.jit(do_not_specialize=["B", "N", "num_splits", "tiles_per_seq"])
+@triton.jit
+def _masked_tile(pool_ptr, bt_row, start, kv_end, limit, s_blk, s_row, BLOCK_SIZE: tl.constexpr, R: tl.constexpr,
+                 DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys start..start+BLOCK_N through the block table, rows past kv_end read as zeros:
+    (c_kv [BLOCK_N, BLOCK_R], k_pe [BLOCK_N, BLOCK_DR], visible [BLOCK_N, rows])."""
+    j = start + tl.arange(0, BLOCK_N)
+    j_ok = j < kv_end
+    blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+    base = blk * s_blk + (j % BLOCK_SIZE).to(tl.int64) * s_row
+    cr = tl.arange(0, BLOCK_R)
+    cp = tl.arange(0, BLOCK_DR)
+    ckv = tl.load(pool_ptr + base[:, None] + cr[None, :], mask=_mask2(j_ok, cr, R, BLOCK_R), other=0.0)
+    kpe = tl.load(pool_ptr + base[:, None] + R + cp[None, :], mask=_mask2(j_ok, cp, DR, BLOCK_DR), other=0.0)
+    return ckv, kpe, (j[:, None] < limit[None, :]) & j_ok[:, None]
+
+
+@triton.jit
+def _latent_step(ckv, kpe, qT, qpeT, visible, m_i, l_i, accT, scale, F32_DOT: tl.constexpr, SPLIT_P: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """One key tile of the online softmax, transposed (keys x rows): the key tile is the MMA's M side,
+    read from shared memory, and the few query rows its N side, so neither q̂ nor the [r, rows]
+    accumulator needs per-warp copies. ckv [BLOCK_N, BLOCK_R], kpe [BLOCK_N, BLOCK_DR]; qT, qpeT the
+    transposed queries; visible [BLOCK_N, BLOCK_M]."""
+    sT = _dot(ckv, qT, tl.zeros([ckv.shape[0], qT.shape[1]], tl.float32), F32_DOT)
+    sT = _dot(kpe, qpeT, sT, F32_DOT) * scale  # fp32 logits
+    sT = tl.where(visible, sT, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sT, axis=0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    pT = tl.exp(sT - m_use[None, :])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(pT, axis=0)
+    accT = _pv(tl.trans(ckv), pT, accT * alpha[None, :], F32_DOT, SPLIT_P, INTERPRET)
+    return m_new, l_i, accT
+
+
+# Every int that changes with the step's batch (sizes, and strides that are multiples of T or B) is
+# left unspecialised, so a new batch size never recompiles (e.g. during CUDA-graph capture).
+@triton.jit(do_not_specialize=["B", "N", "num_splits", "tiles_per_seq", "s_qh", "s_bt", "s_os", "s_oh", "s_ls"])
 def _latent_attn_kernel(
-    q_ptr, qpe_ptr, pool_ptr, bt_ptr, ctx_ptr, cu_ptr, tile_cu_ptr, out_ptr, lse_ptr,
+    q_ptr, qpe_ptr, pool_ptr, ckv_desc, kpe_desc, bt_ptr, ctx_ptr, cu_ptr, tile_cu_ptr, out_ptr, lse_ptr,
     scale, B, N, num_splits, tiles_per_seq,
     s_qt, s_qh, s_pt, s_ph, s_blk, s_row, s_bt, s_os, s_ot, s_oh, s_ls, s_lt, s_lh,
     BLOCK_SIZE: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr, SKIP_FRESH: tl.constexpr,
-    SPLIT: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_P: tl.constexpr, INTERPRET: tl.constexpr, SEARCH: tl.constexpr,
+    SPLIT: tl.constexpr, USE_TMA: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_P: tl.constexpr,
+    INTERPRET: tl.constexpr, SEARCH: tl.constexpr,
 ):
     """Rows (token t, head h) of one sequence, flattened t·N + h, against the sequence's latent rows.
 
@@ -106,6 +146,10 @@ def _latent_attn_kernel(
     varlen chunks of `cu_ptr`, tiles found in `tile_cu_ptr`. Query token i of a chunk of length L
     sits at position ctx − L + i and sees keys j ≤ that position. SKIP_FRESH: chunks with no cached
     prefix are left to the MHA kernel. SPLIT: write fp32 partials + lse at split = program_id(1).
+    USE_TMA (BLOCK_N divides the pool's block size): whole key tiles are one slice of one pool block,
+    loaded by TMA descriptors over the pool's [c_kv] and [k_pe] columns; the last, partial tile of a
+    split takes the masked pointer loads, so rows past the context are never read (they may hold
+    anything a block's previous owner left).
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -136,8 +180,6 @@ def _latent_attn_kernel(
     kv_lo = split * chunk
     kv_end = tl.minimum(kv_hi, kv_lo + chunk)
 
-    # Transposed tiles (keys x rows): the key tile is the MMA's M side, read from shared memory, and
-    # the few query rows its N side, so q̂ and the [r, rows] accumulator need no per-warp copies.
     t = (q_start + tok).to(tl.int64)
     cr = tl.arange(0, BLOCK_R)
     cp = tl.arange(0, BLOCK_DR)
@@ -149,23 +191,26 @@ def _latent_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     accT = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
-    for start in range(kv_lo, kv_end, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        j_ok = j < kv_end
-        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
-        base = blk * s_blk + (j % BLOCK_SIZE).to(tl.int64) * s_row
-        ckv = tl.load(pool_ptr + base[:, None] + cr[None, :], mask=_mask2(j_ok, cr, R, BLOCK_R), other=0.0)
-        kpe = tl.load(pool_ptr + base[:, None] + R + cp[None, :], mask=_mask2(j_ok, cp, DR, BLOCK_DR), other=0.0)
-        sT = _dot(ckv, qT, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), F32_DOT)
-        sT = _dot(kpe, qpeT, sT, F32_DOT) * scale  # [BLOCK_N, BLOCK_M] fp32 logits
-        sT = tl.where((j[:, None] < limit[None, :]) & j_ok[:, None], sT, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sT, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        pT = tl.exp(sT - m_use[None, :])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(pT, axis=0)
-        accT = _pv(tl.trans(ckv), pT, accT * alpha[None, :], F32_DOT, SPLIT_P, INTERPRET)
-        m_i = m_new
+    if USE_TMA:
+        kv_mid = kv_lo + (kv_end - kv_lo) // BLOCK_N * BLOCK_N
+        for start in range(kv_lo, kv_mid, BLOCK_N):
+            row = (tl.load(bt_row + start // BLOCK_SIZE) * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)
+            ckv = ckv_desc.load([row, 0])
+            kpe = kpe_desc.load([row, 0])
+            j = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, accT = _latent_step(ckv, kpe, qT, qpeT, j[:, None] < limit[None, :], m_i, l_i, accT, scale,
+                                          F32_DOT, SPLIT_P, INTERPRET)
+        if kv_mid < kv_end:  # the partial tail: masked loads, not pipelined
+            ckv, kpe, visible = _masked_tile(pool_ptr, bt_row, kv_mid, kv_end, limit, s_blk, s_row, BLOCK_SIZE, R, DR,
+                                             BLOCK_R, BLOCK_DR, BLOCK_N)
+            m_i, l_i, accT = _latent_step(ckv, kpe, qT, qpeT, visible, m_i, l_i, accT, scale, F32_DOT, SPLIT_P,
+                                          INTERPRET)
+    else:
+        for start in range(kv_lo, kv_end, BLOCK_N):
+            ckv, kpe, visible = _masked_tile(pool_ptr, bt_row, start, kv_end, limit, s_blk, s_row, BLOCK_SIZE, R, DR,
+                                             BLOCK_R, BLOCK_DR, BLOCK_N)
+            m_i, l_i, accT = _latent_step(ckv, kpe, qT, qpeT, visible, m_i, l_i, accT, scale, F32_DOT, SPLIT_P,
+                                          INTERPRET)
 
     has = l_i > 0.0
     oT = accT / tl.where(has, l_i, 1.0)[None, :]
@@ -180,7 +225,7 @@ def _latent_attn_kernel(
         tl.store(out_ptr + o_off, to_dtype(oT, out_ptr.dtype.element_ty, INTERPRET), mask=o_mask)
 
 
-@triton.jit(do_not_specialize=["N", "num_splits"])
+@triton.jit(do_not_specialize=["N", "num_splits", "s_os", "s_ls", "s_h"])
 def _latent_reduce_kernel(
     part_ptr, lse_ptr, out_ptr, N, num_splits,
     s_os, s_ot, s_oh, s_ls, s_lt, s_lh, s_t, s_h,
@@ -273,6 +318,7 @@ def _mha_kernel(
 # ---- launch configuration -----------------------------------------------------------------------
 
 SEARCH = 128  # sequences compared per step of the tile -> sequence search
+FP_FUSION = True  # a·b + c as one fma (explicit: triton 3.10 changes the default)
 
 
 def _block(n: int) -> int:
@@ -293,14 +339,35 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+# Tile configurations: BLOCK_M query rows x BLOCK_N keys per step; "tma": load whole key tiles with
+# TMA descriptors where the pool's layout allows (Hopper; BLOCK_N divides the block size). All compile
+# for sm_90a without spills (tests/test_kernels_mla.py::test_configs_compile_for_hopper_without_spills).
 def decode_config(num_heads: int) -> dict[str, int]:
     """Tile sizes of the latent kernel for decode: all heads of a sequence in one tile where they fit."""
-    block_m = 16 if num_heads <= 16 else 32
-    return {"BLOCK_M": block_m, "BLOCK_N": 32, "num_warps": 4 if block_m == 16 else 8, "num_stages": 2}
+    if num_heads <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": True}
+    return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "tma": False}
 
 
-PREFILL_LATENT = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-PREFILL_MHA = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+PREFILL_LATENT = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "tma": False}
+PREFILL_MHA = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def _descriptors(pool: torch.Tensor, r: int, dr: int, block_n: int) -> tuple | None:
+    """TMA descriptors over the pool's c_kv and k_pe columns, viewed [num_blocks·block_size, r+dr]
+    (tiles of BLOCK_N rows), or None where the layout does not allow them."""
+    bs, width, size = pool.shape[1], pool.shape[2], pool.element_size()
+    if (bs % block_n or (width * size) % 16 or (r * size) % 16 or pool.data_ptr() % 16 or not pool.is_contiguous()
+            or not _has_tma(pool.device)):
+        return None
+    flat = pool.view(-1, width)
+    return (TensorDescriptor(flat, [flat.shape[0], r], [width, 1], [block_n, _block(r)]),
+            TensorDescriptor(flat[:, r:], [flat.shape[0], dr], [width, 1], [block_n, _block(dr)]))
 
 
 def num_splits(tiles: int, max_kv: int, device: torch.device, ctas_per_sm: int = 2) -> int:
@@ -347,20 +414,22 @@ def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor
         dst, s_o, s_l = part, part.stride(), lse.stride()
     else:
         dst, lse, s_o, s_l = out, out, (0, *out.stride()[:2]), (0, 0, 0)
+    descs = _descriptors(pool, r, dr, bn) if config.get("tma") else None
     _latent_attn_kernel[(grid_m, splits)](
-        q_hat, q_pe, pool, block_tables, context_lens, cu, tile_cu, dst, lse,
+        q_hat, q_pe, pool, *(descs or (pool, pool)), block_tables, context_lens, cu, tile_cu, dst, lse,
         scale=scale, B=B, N=N, num_splits=splits, tiles_per_seq=tiles_per_seq,
         s_qt=q_hat.stride(0), s_qh=q_hat.stride(1), s_pt=q_pe.stride(0), s_ph=q_pe.stride(1),
         s_blk=pool.stride(0), s_row=pool.stride(1), s_bt=block_tables.stride(0),
         s_os=s_o[0], s_ot=s_o[1], s_oh=s_o[2], s_ls=s_l[0], s_lt=s_l[1], s_lh=s_l[2],
         BLOCK_SIZE=pool.shape[1], R=r, DR=dr, BLOCK_R=_block(r), BLOCK_DR=_block(dr), BLOCK_M=bm, BLOCK_N=bn,
-        DECODE=cu_seqlens is None, SKIP_FRESH=skip_fresh, SPLIT=splits > 1, SEARCH=SEARCH, **_dot_modes(q_hat.dtype),
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        DECODE=cu_seqlens is None, SKIP_FRESH=skip_fresh, SPLIT=splits > 1, USE_TMA=descs is not None,
+        SEARCH=SEARCH, **_dot_modes(q_hat.dtype),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], enable_fp_fusion=FP_FUSION)
     if splits > 1:
         _latent_reduce_kernel[(T * N,)](
             part, lse, out, N=N, num_splits=splits, s_os=part.stride(0), s_ot=part.stride(1), s_oh=part.stride(2),
             s_ls=lse.stride(0), s_lt=lse.stride(1), s_lh=lse.stride(2), s_t=out.stride(0), s_h=out.stride(1),
-            R=r, BLOCK_R=_block(r), INTERPRET=interpreting(), num_warps=4)
+            R=r, BLOCK_R=_block(r), INTERPRET=interpreting(), num_warps=4, enable_fp_fusion=FP_FUSION)
     return out
 
 
@@ -386,7 +455,8 @@ def mha_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, k_
         s_nt=q_nope.stride(0), s_nh=q_nope.stride(1), s_pt=q_pe.stride(0), s_ph=q_pe.stride(1),
         s_kt=kv.stride(0), s_kh=kv.stride(1), s_et=k_pe.stride(0), s_ot=out.stride(0), s_oh=out.stride(1),
         DN=dn, DR=dr, DV=dv, BLOCK_DN=_block(dn), BLOCK_DR=_block(dr), BLOCK_DV=_block(dv),
-        BLOCK_M=bm, BLOCK_N=config["BLOCK_N"], SEARCH=SEARCH, **_dot_modes(q_nope.dtype), num_warps=config["num_warps"], num_stages=config["num_stages"])
+        BLOCK_M=bm, BLOCK_N=config["BLOCK_N"], SEARCH=SEARCH, **_dot_modes(q_nope.dtype), num_warps=config["num_warps"],
+        num_stages=config["num_stages"], enable_fp_fusion=FP_FUSION)
     return out
 
 
