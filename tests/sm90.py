@@ -3,7 +3,8 @@ GPU run would get: registers, spill bytes, shared memory, which MMA (v2 mma.sync
 
 `triton.compile` needs no driver for this; ptxas and cuobjdump ship in the triton wheel. The args
 are given as a launch would give them, so the compile sees the same specialisation: a pointer is
-its element type ("*bf16"; assumed 16-byte aligned, as torch allocations are), an int its value
+its element type ("*bf16"; assumed 16-byte aligned, as torch allocations are; a tuple of tensors a
+tuple of those), an int its value
 (divisible by 16 -> specialised as such unless the kernel's `do_not_specialize` names it), a float
 its value. Constexprs are passed separately.
 """
@@ -51,6 +52,9 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
         v = args[name]
         if isinstance(v, str):
             signature[name], attrs[(i,)] = v, [["tt.divisibility", 16]]
+        elif isinstance(v, tuple) and all(isinstance(e, str) for e in v):  # a tuple of pointers
+            signature[name] = v
+            attrs.update({(i, k): [["tt.divisibility", 16]] for k in range(len(v))})
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"compile_sm90: {name}={v!r} is not a pointer type, int or float")
         elif isinstance(v, float):

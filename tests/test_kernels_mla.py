@@ -266,9 +266,8 @@ def test_fast_ops_have_the_reference_signatures():
         if not module.endswith(".mla"):
             continue
         mod = __import__(module, fromlist=[name])
-        ref = getattr(kernels, name).__wrapped__ if hasattr(getattr(kernels, name), "__wrapped__") else getattr(kernels,
-                                                                                                               name)
-        want = list(inspect.signature(ref).parameters)
+        ref = getattr(kernels, name)
+        want = list(inspect.signature(getattr(ref, "__wrapped__", ref)).parameters)
         assert list(inspect.signature(getattr(mod, name)).parameters) == want, name
         assert list(inspect.signature(getattr(mod, f"{name}_supports")).parameters) == want, name
 

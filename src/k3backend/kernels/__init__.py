@@ -46,6 +46,13 @@ if MODE not in ("ref", "triton", "auto"):
 FAST_OPS: dict[str, str] = {
     "mla_decode": "k3backend.kernels.mla",
     "mla_prefill": "k3backend.kernels.mla",
+    "rms_norm": "k3backend.kernels.norm",
+    "gated_rms_norm": "k3backend.kernels.norm",
+    "l2_norm": "k3backend.kernels.norm",
+    "attn_res_mix": "k3backend.kernels.norm",
+    "situ_and_mul": "k3backend.kernels.norm",
+    "silu_and_mul": "k3backend.kernels.norm",
+    "glu": "k3backend.kernels.norm",
 }
 
 Verifier = Callable[..., tuple[bool, str]]

@@ -1,0 +1,200 @@
+"""The Triton norms and small fusions (kernels/norm.py) equal the torch references (norm_ref, moe_ref).
+
+Run under TRITON_INTERPRET=1 in a subprocess (tests/interpret.py) at small odd sizes: widths 1, 7,
+200, 300, 2048; 1 and 37 rows; strided inputs (a column slice, as kv_a_layernorm gets); fp32 input
+with a bf16 weight (the plain path's add-norm); 1, 2, 5 and 9 Attention-Residual candidates; SiTU
+with and without the up cap. Every buffer the ops allocate starts as NaN (`poisoned_empty`), so an
+element a kernel forgets to write fails. Tolerances: tolerances.KERNEL_VS_REF.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from interpret import Checks
+from tolerances import KERNEL_VS_REF
+
+CHECKS = Checks(__file__)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """torch.empty returns NaN-filled floating tensors inside the block."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (what, out.dtype, ref.dtype, out.shape, ref.shape)
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    torch.testing.assert_close(out, ref, **KERNEL_VS_REF[ref.dtype], msg=lambda m: f"{what}: {m}")
+
+
+@CHECKS.register
+def check_rms_norm_matches_reference() -> None:
+    from k3backend.kernels import norm, norm_ref
+
+    for dtype in DTYPES:
+        for T, D in ((1, 1), (37, 7), (5, 200), (3, 2048)):
+            x, w = randn(T, D, seed=D, dtype=dtype), randn(D, seed=D + 1, dtype=dtype, scale=0.1) + 1
+            with poisoned_empty():
+                out = norm.rms_norm(x, w, 1e-5)
+            assert_matches(out, norm_ref.rms_norm(x, w, 1e-5), f"rms_norm {dtype} [{T}, {D}]")
+        lat = randn(9, 3, 52, seed=1, dtype=dtype)[..., :40]  # a strided slice, like lat[:, :r]
+        w = randn(40, seed=2, dtype=dtype)
+        assert_matches(norm.rms_norm(lat, w, 5e-2), norm_ref.rms_norm(lat, w, 5e-2), f"rms_norm strided {dtype}")
+    s, w = randn(11, 200, seed=3), randn(200, seed=4, dtype=torch.bfloat16)  # fp32 sum, bf16 weight (§4.11)
+    assert_matches(norm.rms_norm(s, w, 1e-5), norm_ref.rms_norm(s, w, 1e-5), "rms_norm fp32 x, bf16 w")
+
+
+@CHECKS.register
+def check_gated_rms_norm_and_l2_norm_match_reference() -> None:
+    from k3backend.kernels import norm, norm_ref
+
+    for dtype in DTYPES:
+        for T, H, D in ((1, 1, 128), (13, 3, 128), (7, 5, 7)):
+            o, z = randn(T, H, D, seed=5, dtype=dtype), randn(T, H, D, seed=6, dtype=dtype, scale=3)
+            w = randn(D, seed=7, dtype=dtype, scale=0.1) + 1
+            with poisoned_empty():
+                g, l2 = norm.gated_rms_norm(o, z, w, 1e-5), norm.l2_norm(o)
+            assert_matches(g, norm_ref.gated_rms_norm(o, z, w, 1e-5), f"gated_rms_norm {dtype} [{T}, {H}, {D}]")
+            assert_matches(l2, norm_ref.l2_norm(o), f"l2_norm {dtype} [{T}, {H}, {D}]")  # fp32 out, both
+
+
+@CHECKS.register
+def check_attn_res_mix_matches_reference() -> None:
+    from k3backend.kernels import norm, norm_ref
+
+    for dtype in DTYPES:
+        for n, T, H in ((1, 3, 300), (2, 1, 300), (5, 37, 300), (9, 4, 2048)):
+            rows = [randn(T, H, seed=10 + j, dtype=dtype, scale=1 + j) for j in range(n)]
+            ns, wp = randn(H, seed=8, dtype=dtype, scale=0.1) + 1, randn(1, H, seed=9, dtype=dtype, scale=H ** -0.5)
+            with poisoned_empty():
+                out = norm.attn_res_mix(rows, ns, wp, 1e-5)
+            assert_matches(out, norm_ref.attn_res_mix(rows, ns, wp, 1e-5), f"attn_res_mix {dtype} n={n} [{T}, {H}]")
+    rows = [randn(6, 300, seed=20), randn(6, 340, seed=21)[:, :300]]  # different row strides: copied
+    ns, wp = randn(300, seed=22), randn(1, 300, seed=23, scale=0.05)
+    assert_matches(norm.attn_res_mix(rows, ns, wp, 1e-5), norm_ref.attn_res_mix(rows, ns, wp, 1e-5), "mixed strides")
+
+
+@CHECKS.register
+def check_situ_silu_and_glu_match_reference() -> None:
+    from k3backend.kernels import moe_ref, norm
+
+    for dtype in DTYPES:
+        for T, I in ((1, 7), (23, 150), (3, 1500)):  # 1500: two column blocks
+            gu = randn(T, 2 * I, seed=I, dtype=dtype, scale=8)  # past β = 4 and into tanh's tails
+            for out_dtype in DTYPES:
+                with poisoned_empty():
+                    got = [norm.situ_and_mul(gu, 4.0, 25.0, out_dtype), norm.situ_and_mul(gu, 4.0, None, out_dtype),
+                           norm.silu_and_mul(gu, out_dtype)]
+                want = [moe_ref.situ_and_mul(gu, 4.0, 25.0, out_dtype), moe_ref.situ_and_mul(gu, 4.0, None, out_dtype),
+                        moe_ref.silu_and_mul(gu, out_dtype)]
+                for what, a, b in zip(("situ", "situ uncapped", "silu"), got, want):
+                    assert_matches(a, b, f"{what} {dtype}->{out_dtype} [{T}, {2 * I}]")
+    gu = randn(2, 5, 14, seed=30, scale=30)
+    for act in (moe_ref.Activation("silu"), moe_ref.Activation("situ", 4.0, 25.0), moe_ref.Activation("situ", 2.0)):
+        assert_matches(norm.glu(gu, act, torch.bfloat16), moe_ref.glu(gu, act, torch.bfloat16), f"glu {act}")
+
+
+@CHECKS.register
+def check_tiny_model_through_the_switch_matches_reference() -> None:
+    """A whole tiny K3 text model (AttnRes mixes, RMSNorms, SiTU MLP, KDA norms, MLA) with
+    K3_KERNELS=triton (these kernels under the interpreter) equals K3_KERNELS=ref, fp32."""
+    import importlib
+    import logging
+    import os
+
+    import k3backend.kernels
+    from k3backend.config import K3Config
+    from k3backend.model.lm import K3TextModel
+    from k3backend.presets import preset_config
+    from poolutil import lm_streams
+
+    cfg = K3Config.from_dict(preset_config("tiny")).text
+    model = K3TextModel(cfg)
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for name, w in sorted(model.named_parameters()):
+            scale = 1.0 if name.endswith("embed_tokens.weight") else w.shape[-1] ** -0.5
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            w.copy_(base + scale * torch.randn(w.shape, generator=g) * (0.1 if base else 1.0))
+    lm = type("LM", (), {"model": model, "lm_head": torch.nn.Linear(1, 1)})()  # what lm_streams reads
+    x = torch.randn(9, cfg.hidden_size, generator=g)
+    outs, seen = {}, []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("k3backend.kernels").addHandler(handler)
+    logging.getLogger("k3backend.kernels").setLevel(logging.INFO)
+    for mode in ("ref", "triton"):
+        os.environ["K3_KERNELS"] = mode
+        importlib.reload(k3backend.kernels)
+        s = lm_streams(lm, 1, 9)
+        outs[mode] = model(x, s.batch([9]), s.pools)
+    os.environ.pop("K3_KERNELS")
+    importlib.reload(k3backend.kernels)
+    for op in ("rms_norm", "gated_rms_norm", "l2_norm", "attn_res_mix", "glu", "mla_prefill"):
+        assert any(f"{op} runs its Triton kernel" in m for m in seen), (op, seen)
+    assert torch.isfinite(outs["ref"]).all()
+    torch.testing.assert_close(outs["triton"], outs["ref"], rtol=1e-4, atol=1e-4)
+
+
+def test_rms_norm_matches_reference():
+    CHECKS.result("check_rms_norm_matches_reference")
+
+
+def test_gated_rms_norm_and_l2_norm_match_reference():
+    CHECKS.result("check_gated_rms_norm_and_l2_norm_match_reference")
+
+
+def test_attn_res_mix_matches_reference():
+    CHECKS.result("check_attn_res_mix_matches_reference")
+
+
+def test_situ_silu_and_glu_match_reference():
+    CHECKS.result("check_situ_silu_and_glu_match_reference")
+
+
+def test_tiny_model_through_the_switch_matches_reference():
+    CHECKS.result("check_tiny_model_through_the_switch_matches_reference")
+
+
+# ---- in-process: no kernel launches -------------------------------------------------------------
+
+def test_fast_ops_have_the_reference_signatures():
+    from k3backend import kernels
+
+    for name, module in kernels.FAST_OPS.items():
+        if not module.endswith(".norm"):
+            continue
+        mod = __import__(module, fromlist=[name])
+        ref = getattr(kernels, name)
+        want = list(inspect.signature(getattr(ref, "__wrapped__", ref)).parameters)
+        assert list(inspect.signature(getattr(mod, name)).parameters) == want, name
+        assert list(inspect.signature(getattr(mod, f"{name}_supports")).parameters) == want, name
+
+
+def test_verifiers_decline_what_the_kernels_cannot_do():
+    from k3backend.kernels import norm
+
+    ok, why = norm.rms_norm_supports(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-5)
+    assert not ok and ("float64" in why or "GPU" in why), why
+    ok, why = norm.attn_res_mix_supports([torch.zeros(2, 8)] * 17, torch.ones(8), torch.ones(1, 8), 1e-5)
+    assert not ok and "17 candidate rows" in why, why
