@@ -15,6 +15,7 @@ its own check's outcome.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 _RUNNER = r"""
 import importlib.util, json, sys, time, traceback
@@ -41,6 +43,23 @@ for name in names:
         out[name] = {"ok": False, "s": time.perf_counter() - t0, "error": traceback.format_exc()}
 print("@@CHECKS@@" + json.dumps(out))
 """
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """Inside the block torch.empty returns NaN-filled floating tensors: an op that leaves an element
+    of a buffer it allocated unwritten then fails its comparison."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
 
 
 class Checks:

@@ -9,12 +9,11 @@ element a kernel forgets to write fails. Tolerances: tolerances.KERNEL_VS_REF.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
 
-from interpret import Checks
+from interpret import Checks, poisoned_empty
 from tolerances import KERNEL_VS_REF
 
 CHECKS = Checks(__file__)
@@ -23,22 +22,6 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
-
-
-@contextlib.contextmanager
-def poisoned_empty():
-    """torch.empty returns NaN-filled floating tensors inside the block."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:

@@ -502,14 +502,21 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, blo
     int32; context_lens [B] (≥ 1; padding rows: a table of zeros reads the null block). Returns
     [B, N·dv]. No host sync: the split count depends on B, W and the device only.
     """
+    return decode(q_nope, q_pe, pool, block_tables, context_lens, w_kc, w_vc, scale)
+
+
+def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+           context_lens: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, scale: float, *,
+           config: dict | None = None, splits: int | None = None) -> torch.Tensor:
+    """`mla_decode` with the tile configuration and split count open (benchmarks, tuning)."""
     _check(q_nope, q_pe, pool, block_tables, context_lens, w_kc, w_vc)
     B, N, _ = q_nope.shape
     r = w_kc.shape[-1]
     if B == 0:
         return q_nope.new_empty(0, N * w_vc.shape[-1])
-    config = decode_config(N)
-    tiles = B * -(-N // config["BLOCK_M"])
-    splits = num_splits(tiles, block_tables.shape[1] * pool.shape[1], q_nope.device)
+    config = config or decode_config(N)
+    if splits is None:
+        splits = num_splits(B * -(-N // config["BLOCK_M"]), block_tables.shape[1] * pool.shape[1], q_nope.device)
     o_hat = _empty_heads_major(B, N, r, q_nope)
     latent_attention(_absorb(q_nope, w_kc), q_pe, pool, block_tables, context_lens, scale, o_hat,
                      cu_seqlens=None, splits=splits, config=config)
