@@ -401,7 +401,7 @@ def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor
         tiles_per_seq = 0
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         tile_cu = torch.zeros(B + 1, dtype=torch.int32, device=q_hat.device)
-        torch.cumsum(torch.div(lens * N + bm - 1, bm, rounding_mode="floor"), 0, out=tile_cu[1:])
+        tile_cu[1:] = torch.cumsum(torch.div(lens * N + bm - 1, bm, rounding_mode="floor"), 0)
         grid_m, cu = -(-T * N // bm) + B, cu_seqlens
     if grid_m == 0:
         return out
@@ -446,7 +446,7 @@ def mha_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, k_
     bm = config["BLOCK_M"]
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     tile_cu = torch.zeros(B + 1, dtype=torch.int32, device=q_nope.device)
-    torch.cumsum(torch.div(lens + bm - 1, bm, rounding_mode="floor"), 0, out=tile_cu[1:])
+    tile_cu[1:] = torch.cumsum(torch.div(lens + bm - 1, bm, rounding_mode="floor"), 0)
     grid_m = -(-T // bm) + B
     if T == 0:
         return out
@@ -512,6 +512,8 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_t
     _check(q_nope, q_pe, pool, block_tables, context_lens, w_kc, w_vc)
     B, N, _ = q_nope.shape
     r = w_kc.shape[-1]
+    if context_lens.shape[0] != B:
+        raise ValueError(f"context_lens: expected shape [{B}] (one per query row), got {list(context_lens.shape)}")
     if B == 0:
         return q_nope.new_empty(0, N * w_vc.shape[-1])
     config = config or decode_config(N)
