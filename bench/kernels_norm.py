@@ -1,7 +1,8 @@
 """Norm and small-fusion cases for bench/kernels.py: kernels/norm.py against norm_ref / moe_ref.
 
 T = 1, 64, 1024, 16384 tokens at hidden 2048 (the `small` preset) and 7168 (K3):
-rms_norm; attn_res_mix over 5 (small: attn_res_block_size 6) and 9 (K3) candidate rows;
+rms_norm; attn_res_mix and the fused attn_res_mix_norm over 5 (small: attn_res_block_size 6) and 9
+(K3) candidate rows;
 gated_rms_norm and l2_norm over T x 16 heads x 128 (KDA o_norm, q/k); situ glu of the dense MLP
 (small: intermediate 8192; K3: 33792 / TP 8 = 4224). Bytes are one read of every input and one
 write of the output. `--check` compares each case with its reference at tolerances.KERNEL_VS_REF.
@@ -40,6 +41,8 @@ def cases(args) -> list[Case]:
             rows = [bf(T, H) for _ in range(n_rows)]
             add(f"attn_res_mix/{wname}", f"T{T} H{H} n{n_rows}", norm.attn_res_mix, norm_ref.attn_res_mix,
                 (rows, ns, wp, 1e-5), (n_rows + 1) * T * H * 2)
+            add(f"attn_res_mix_norm/{wname}", f"T{T} H{H} n{n_rows}", norm.attn_res_mix_norm,
+                norm_ref.attn_res_mix_norm, (rows, ns, wp, 1e-5, w, 1e-5), (n_rows + 1) * T * H * 2)
             gu = bf(T, 2 * inter, scale=4)
             add(f"glu_situ/{wname}", f"T{T} I{inter}", norm.glu, moe_ref.glu, (gu, act, torch.bfloat16),
                 3 * T * inter * 2)

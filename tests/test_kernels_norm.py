@@ -62,16 +62,19 @@ def check_gated_rms_norm_and_l2_norm_match_reference() -> None:
 
 
 @CHECKS.register
-def check_attn_res_mix_matches_reference() -> None:
+def check_attn_res_mix_and_mix_norm_match_reference() -> None:
     from k3backend.kernels import norm, norm_ref
 
     for dtype in DTYPES:
         for n, T, H in ((1, 3, 300), (2, 1, 300), (5, 37, 300), (9, 4, 2048)):
             rows = [randn(T, H, seed=10 + j, dtype=dtype, scale=1 + j) for j in range(n)]
             ns, wp = randn(H, seed=8, dtype=dtype, scale=0.1) + 1, randn(1, H, seed=9, dtype=dtype, scale=H ** -0.5)
+            ow = randn(H, seed=10, dtype=dtype, scale=0.1) + 1
             with poisoned_empty():
-                out = norm.attn_res_mix(rows, ns, wp, 1e-5)
+                out, normed = norm.attn_res_mix(rows, ns, wp, 1e-5), norm.attn_res_mix_norm(rows, ns, wp, 1e-5, ow, 3e-5)
             assert_matches(out, norm_ref.attn_res_mix(rows, ns, wp, 1e-5), f"attn_res_mix {dtype} n={n} [{T}, {H}]")
+            assert_matches(normed, norm_ref.attn_res_mix_norm(rows, ns, wp, 1e-5, ow, 3e-5),
+                           f"attn_res_mix_norm {dtype} n={n} [{T}, {H}]")
     rows = [randn(6, 300, seed=20), randn(6, 340, seed=21)[:, :300]]  # different row strides: copied
     ns, wp = randn(300, seed=22), randn(1, 300, seed=23, scale=0.05)
     assert_matches(norm.attn_res_mix(rows, ns, wp, 1e-5), norm_ref.attn_res_mix(rows, ns, wp, 1e-5), "mixed strides")
@@ -147,8 +150,8 @@ def test_gated_rms_norm_and_l2_norm_match_reference():
     CHECKS.result("check_gated_rms_norm_and_l2_norm_match_reference")
 
 
-def test_attn_res_mix_matches_reference():
-    CHECKS.result("check_attn_res_mix_matches_reference")
+def test_attn_res_mix_and_mix_norm_match_reference():
+    CHECKS.result("check_attn_res_mix_and_mix_norm_match_reference")
 
 
 def test_situ_silu_and_glu_match_reference():

@@ -31,6 +31,7 @@ from k3backend.kernels.moe_ref import Activation, experts, glu, route, silu_and_
 from k3backend.kernels.norm_ref import (
     acc_dtype,
     attn_res_mix,
+    attn_res_mix_norm,
     gated_rms_norm,
     l2_norm,
     rms_norm,
@@ -50,6 +51,7 @@ FAST_OPS: dict[str, str] = {
     "gated_rms_norm": "k3backend.kernels.norm",
     "l2_norm": "k3backend.kernels.norm",
     "attn_res_mix": "k3backend.kernels.norm",
+    "attn_res_mix_norm": "k3backend.kernels.norm",
     "situ_and_mul": "k3backend.kernels.norm",
     "silu_and_mul": "k3backend.kernels.norm",
     "glu": "k3backend.kernels.norm",
@@ -100,7 +102,7 @@ if MODE != "ref":
         globals()[_name] = _dispatch(_name, globals()[_name], _module)
 
 __all__ = [
-    "Activation", "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "glu", "kda_chunked", "kda_decode",
+    "Activation", "acc_dtype", "attn_res_mix", "attn_res_mix_norm", "experts", "gated_rms_norm", "glu", "kda_chunked", "kda_decode",
     "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
     "situ_and_mul",

@@ -1,5 +1,6 @@
 """Triton normalisations and small fusions (K3_LM §2.2-§2.7, §4.2): the fast `rms_norm`, `gated_rms_norm`,
-`l2_norm`, `attn_res_mix`, `silu_and_mul`, `situ_and_mul` and `glu`, with the references' signatures.
+`l2_norm`, `attn_res_mix`, `attn_res_mix_norm`, `silu_and_mul`, `situ_and_mul` and `glu`, with the
+references' signatures.
 
 Every kernel is token-parallel and memory-bound: one read of each input row, fp32 arithmetic in the
 reference's order, one rounding at the store. `to_dtype` is that rounding; the interpreter's own
@@ -77,10 +78,12 @@ def _row_norm_kernel(
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _attn_res_mix_kernel(
-    rows, norm_w_ptr, proj_w_ptr, out_ptr, n_rows, s_r, s_o, eps,
-    H: tl.constexpr, BLOCK_H: tl.constexpr, NUM: tl.constexpr, BLOCK_J: tl.constexpr, INTERPRET: tl.constexpr,
+    rows, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, n_rows, s_r, s_o, eps, out_eps,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, NUM: tl.constexpr, BLOCK_J: tl.constexpr, NORM: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """§4.2 for one token: s_j = (r_j·cw)·rsqrt(mean r_j² + eps), p = softmax_j(s), bf(Σ_j p_j r_j) in order.
+    """§4.2 for one token: s_j = (r_j·cw)·rsqrt(mean r_j² + eps), p = softmax_j(s), bf(Σ_j p_j r_j) in order;
+    NORM: then the RMSNorm of that bf16 mixture with out_w, out_eps (a second rounding, §4.9).
     `rows` is a tuple of NUM candidate pointers; each row is read twice (scores, then the mix)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -99,7 +102,13 @@ def _attn_res_mix_kernel(
     for j in tl.static_range(NUM):
         r = tl.load(rows[j] + t * s_r + cols, mask=cmask, other=0.0).to(tl.float32)
         mix = mix + tl.sum(tl.where(jj == j, p, 0.0), axis=0) * r
-    tl.store(out_ptr + t * s_o + cols, to_dtype(mix, out_ptr.dtype.element_ty, INTERPRET), mask=cmask)
+    y = to_dtype(mix, rows[0].dtype.element_ty, INTERPRET)
+    if NORM:
+        m = y.to(tl.float32)
+        w = tl.load(out_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = to_dtype(m * (1.0 / tl.sqrt_rn(tl.sum(m * m, axis=0) / H + out_eps)) * w, out_ptr.dtype.element_ty,
+                     INTERPRET)
+    tl.store(out_ptr + t * s_o + cols, y, mask=cmask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "s_x", "s_y"])
@@ -170,6 +179,18 @@ def attn_res_mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.T
     rows: n+1 tensors [T, H] (bank rows in order, the current prefix last). One read per candidate
     from HBM; the mix re-reads each row from cache.
     """
+    return _mix(rows, norm_w, proj_w, eps, None, 0.0)
+
+
+def attn_res_mix_norm(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+                      out_w: torch.Tensor, out_eps: float) -> torch.Tensor:
+    """`norm_ref.attn_res_mix_norm`: rms_norm(attn_res_mix(...)) in one kernel, the mixture rounded
+    to the model dtype before the norm as in the unfused path."""
+    return _mix(rows, norm_w, proj_w, eps, out_w, out_eps)
+
+
+def _mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+         out_w: torch.Tensor | None, out_eps: float) -> torch.Tensor:
     first = rows[0]
     for j, r in enumerate(rows):
         if r.shape != first.shape or r.dtype != first.dtype:
@@ -183,10 +204,10 @@ def attn_res_mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.T
     if out.numel():
         block_h = triton.next_power_of_2(H)
         _attn_res_mix_kernel[(flat[0].shape[0],)](
-            tuple(flat), norm_w, proj_w.reshape(-1), out, n_rows=flat[0].shape[0], s_r=flat[0].stride(0),
-            s_o=out.stride(0), eps=eps, H=H, BLOCK_H=block_h, NUM=len(rows),
-            BLOCK_J=max(2, triton.next_power_of_2(len(rows))), INTERPRET=interpreting(),
-            num_warps=max(4, min(16, block_h // 1024)), enable_fp_fusion=FP_FUSION)
+            tuple(flat), norm_w, proj_w.reshape(-1), norm_w if out_w is None else out_w, out,
+            n_rows=flat[0].shape[0], s_r=flat[0].stride(0), s_o=out.stride(0), eps=eps, out_eps=out_eps, H=H,
+            BLOCK_H=block_h, NUM=len(rows), BLOCK_J=max(2, triton.next_power_of_2(len(rows))), NORM=out_w is not None,
+            INTERPRET=interpreting(), num_warps=max(4, min(16, block_h // 1024)), enable_fp_fusion=FP_FUSION)
     return out.view(first.shape)
 
 
@@ -250,6 +271,12 @@ def attn_res_mix_supports(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w
     if not 1 <= len(rows) <= MAX_ROWS_MIXED:
         return False, f"{len(rows)} candidate rows: the kernel takes 1..{MAX_ROWS_MIXED}"
     return _supports(*rows, norm_w, proj_w, width=rows[0].shape[-1])
+
+
+def attn_res_mix_norm_supports(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+                               out_w: torch.Tensor, out_eps: float) -> tuple[bool, str]:
+    ok, why = attn_res_mix_supports(rows, norm_w, proj_w, eps)
+    return _supports(out_w, width=0) if ok else (ok, why)
 
 
 def situ_and_mul_supports(gu: torch.Tensor, beta: float, linear_beta: float | None,
