@@ -184,3 +184,32 @@ def test_verifiers_decline_what_the_kernels_cannot_do():
     assert not ok and ("float64" in why or "GPU" in why), why
     ok, why = norm.attn_res_mix_supports([torch.zeros(2, 8)] * 17, torch.ones(8), torch.ones(1, 8), 1e-5)
     assert not ok and "17 candidate rows" in why, why
+
+
+def test_kernels_compile_for_hopper_without_spills():
+    """At K3 sizes (hidden 7168, 9 AttnRes candidates, SiTU I 4224) with the wrappers' launch choices,
+    the kernels compile for sm_90a with no register spills (the mix re-reads its rows rather than
+    keeping 9 of them live)."""
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import norm
+
+    H, n = 7168, 9
+    block_h = triton_next_pow2(H)
+    runs = [("attn_res_mix_norm", norm._attn_res_mix_kernel, norm.mix_warps(block_h),
+             dict(rows=("*bf16",) * n, norm_w_ptr="*bf16", proj_w_ptr="*bf16", out_w_ptr="*bf16", out_ptr="*bf16",
+                  n_rows=64, s_r=H, s_o=H, eps=1e-5, out_eps=1e-5),
+             dict(H=H, BLOCK_H=block_h, NUM=n, BLOCK_J=16, NORM=True, INTERPRET=False))]
+    for D, kind in ((H, 0), (128, 1)):
+        block_d, block_rows, warps = norm.row_config(D)
+        runs.append((f"row norm {kind}", norm._row_norm_kernel, warps,
+                     dict(x_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n_rows=64, s_x=D, s_z=D, s_y=D,
+                          eps=1e-5),
+                     dict(D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, KIND=kind, INTERPRET=False)))
+    for what, kernel, warps, args, constexprs in runs:
+        c = compile_sm90(kernel, args, constexprs, num_warps=warps, num_stages=1, enable_fp_fusion=False)
+        assert c.stack == 0, f"{what}: {c}"
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -99,8 +99,8 @@ def _attn_res_mix_kernel(
     e = tl.exp(s - tl.max(s, axis=0))
     p = e / tl.sum(e, axis=0)
     mix = tl.zeros([BLOCK_H], tl.float32)
-    for j in tl.static_range(NUM):
-        r = tl.load(rows[j] + t * s_r + cols, mask=cmask, other=0.0).to(tl.float32)
+    for j in tl.static_range(NUM):  # volatile: re-read (from cache) rather than keep NUM rows live in registers
+        r = tl.load(rows[j] + t * s_r + cols, mask=cmask, other=0.0, volatile=True).to(tl.float32)
         mix = mix + tl.sum(tl.where(jj == j, p, 0.0), axis=0) * r
     y = to_dtype(mix, rows[0].dtype.element_ty, INTERPRET)
     if NORM:
@@ -133,6 +133,18 @@ def _glu_kernel(
 
 # ---- launchers and the ops (norm_ref / moe_ref signatures) --------------------------------------
 
+def row_config(D: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_ROWS, num_warps) of the row kernels: whole rows, ~4K values per program."""
+    block_d = triton.next_power_of_2(D)
+    block_rows = max(1, min(64, 4096 // block_d))
+    return block_d, block_rows, max(4, min(16, block_d * block_rows // 1024))
+
+
+def mix_warps(block_h: int) -> int:
+    """num_warps of the AttnRes mix: 32 values of a row per thread (H 7168 -> 8 warps)."""
+    return max(4, min(16, block_h // 1024))
+
+
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     """[..., D] as [n, D] with a unit last stride (a view where the strides allow, else a copy)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -146,9 +158,7 @@ def _row_norm(kind: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.
     z2 = _as_rows(z) if z is not None else x2
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     if out.numel():
-        block_d = triton.next_power_of_2(D)
-        block_rows = max(1, min(64, 4096 // block_d))
-        warps = max(4, min(16, block_d * block_rows // 1024))
+        block_d, block_rows, warps = row_config(D)
         _row_norm_kernel[(triton.cdiv(x2.shape[0], block_rows),)](
             x2, z2, weight if weight is not None else x2, out, n_rows=x2.shape[0], s_x=x2.stride(0), s_z=z2.stride(0),
             s_y=out.stride(0), eps=eps, D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, KIND=kind,
@@ -207,7 +217,7 @@ def _mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, e
             tuple(flat), norm_w, proj_w.reshape(-1), norm_w if out_w is None else out_w, out,
             n_rows=flat[0].shape[0], s_r=flat[0].stride(0), s_o=out.stride(0), eps=eps, out_eps=out_eps, H=H,
             BLOCK_H=block_h, NUM=len(rows), BLOCK_J=max(2, triton.next_power_of_2(len(rows))), NORM=out_w is not None,
-            INTERPRET=interpreting(), num_warps=max(4, min(16, block_h // 1024)), enable_fp_fusion=FP_FUSION)
+            INTERPRET=interpreting(), num_warps=mix_warps(block_h), enable_fp_fusion=FP_FUSION)
     return out.view(first.shape)
 
 
