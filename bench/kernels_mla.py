@@ -24,11 +24,14 @@ from tolerances import KERNEL_VS_REF  # noqa: E402
 
 WIDTHS = {"small": 16, "k3tp8": 12}
 DN, DR, DV, R, BS = 128, 64, 128, 512, 64
-TUNING = {  # alternatives to kernels/mla.py decode_config(16), timed at batch 64, context 16K
-    "bn32-w4-ptr": {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "tma": False},
-    "bn64-w8-ptr": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": False},
-    "bn64-w8-s3-tma": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "tma": True},
-    "bn64-w4-tma": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "tma": True},
+TUNING = {  # (config, splits) alternatives to kernels/mla.py decode_config(16) and num_splits, at B64 ctx16K
+    "bn32-w4-ptr": ({"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "tma": False}, None),
+    "bn64-w8-ptr": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": False}, None),
+    "bn64-w8-s3-tma": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "tma": True}, None),
+    "bn64-w4-tma": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "tma": True}, None),
+    "default-2splits": (None, 2),
+    "default-8splits": (None, 8),
+    "default-16splits": (None, 16),
 }
 
 
@@ -111,12 +114,12 @@ def cases(args) -> list[Case]:
                             run=lambda a=a: mla.mla_prefill(*a), ref=None if big else lambda a=a: mla_ref.mla_prefill(*a),
                             bytes=S * row_bytes, flops=flops, graph=False,
                             check=None if big else checker(mla.mla_prefill, mla_ref.mla_prefill, a)))
-    if not args.smoke:  # tile configurations at the target shape
-        B, ctx, N = 64, 16384, WIDTHS["small"]
-        a = _decode_args(_problem(N, [ctx - 1] * B, [1] * B, dims, device, seed=7))
-        for name, cfg in TUNING.items():
-            fn = lambda *a, cfg=cfg: mla.decode(*a, config=cfg)  # noqa: E731
-            out.append(Case("mla", f"decode[{name}]", f"B{B} ctx{ctx} N{N}", run=lambda a=a, fn=fn: fn(*a),
-                            bytes=B * ctx * row_bytes, flops=2.0 * B * N * ctx * (2 * dims["r"] + dims["dr"]),
-                            check=checker(fn, mla_ref.mla_decode, a)))
+    # tile configurations and split counts at the target shape (smoke: two of them, tiny)
+    B, ctx, N = (3, 40, 4) if args.smoke else (64, 16384, WIDTHS["small"])
+    a = _decode_args(_problem(N, [ctx - 1] * B, [1] * B, dims, device, seed=7))
+    for name, (cfg, splits) in list(TUNING.items())[::4] if args.smoke else TUNING.items():
+        fn = lambda *a, cfg=cfg, splits=splits: mla.decode(*a, config=cfg, splits=splits)  # noqa: E731
+        out.append(Case("mla", f"decode[{name}]", f"B{B} ctx{ctx} N{N}", run=lambda a=a, fn=fn: fn(*a),
+                        bytes=B * ctx * row_bytes, flops=2.0 * B * N * ctx * (2 * dims["r"] + dims["dr"]),
+                        check=checker(fn, mla_ref.mla_decode, a)))
     return out
