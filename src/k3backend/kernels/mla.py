@@ -64,11 +64,12 @@ def _pv(v, p, acc, F32_DOT: tl.constexpr, SPLIT_P: tl.constexpr, INTERPRET: tl.c
             acc = _dot(p_lo, v, _dot(p_hi, v, acc, F32_DOT), F32_DOT)
         else:
             acc = _dot(v, p_lo, _dot(v, p_hi, acc, F32_DOT), F32_DOT)
-    else:
+    else:  # fp32 values, or (tuning) p as a single 16-bit cast
+        pc = p if v.dtype == tl.float32 else to_dtype(p, v.dtype, INTERPRET)
         if P_LEFT:
-            acc = _dot(p, v, acc, F32_DOT)
+            acc = _dot(pc, v, acc, F32_DOT)
         else:
-            acc = _dot(v, p, acc, F32_DOT)
+            acc = _dot(v, pc, acc, F32_DOT)
     return acc
 
 
@@ -345,7 +346,8 @@ def _has_tma(device: torch.device) -> bool:
 
 
 # Tile configurations: BLOCK_M query rows x BLOCK_N keys per step; "tma": load whole key tiles with
-# TMA descriptors where the pool's layout allows (Hopper; BLOCK_N divides the block size). All compile
+# TMA descriptors where the pool's layout allows (Hopper; BLOCK_N divides the block size); "p8" (for
+# tuning only): p enters the value GEMM as one bf16 cast, not hi + lo (half the value MMAs). All compile
 # for sm_90a without spills (tests/test_kernels_mla.py::test_configs_compile_for_hopper_without_spills).
 def decode_config(num_heads: int) -> dict[str, int]:
     """Tile sizes of the latent kernel for decode: all heads of a sequence in one tile where they fit."""
@@ -423,7 +425,7 @@ def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor
         s_os=s_o[0], s_ot=s_o[1], s_oh=s_o[2], s_ls=s_l[0], s_lt=s_l[1], s_lh=s_l[2],
         BLOCK_SIZE=pool.shape[1], R=r, DR=dr, BLOCK_R=_block(r), BLOCK_DR=_block(dr), BLOCK_M=bm, BLOCK_N=bn,
         DECODE=cu_seqlens is None, SKIP_FRESH=skip_fresh, SPLIT=splits > 1, USE_TMA=descs is not None,
-        SEARCH=SEARCH, **_dot_modes(q_hat.dtype),
+        SEARCH=SEARCH, **{**_dot_modes(q_hat.dtype), **({"SPLIT_P": False} if config.get("p8") else {})},
         num_warps=config["num_warps"], num_stages=config["num_stages"], enable_fp_fusion=FP_FUSION)
     if splits > 1:
         _latent_reduce_kernel[(T * N,)](
