@@ -26,10 +26,10 @@ WIDTHS = {"small": 16, "k3tp8": 12}
 DN, DR, DV, R, BS = 128, 64, 128, 512, 64
 TUNING = {  # (config, splits) alternatives to kernels/mla.py decode_config(16) and num_splits, at B64 ctx16K
     "bn32-w4-ptr": ({"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "tma": False}, None),
-    "bn64-w8-ptr": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": False}, None),
+    "bn64-w8-tma": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": True}, None),
     "bn64-w8-s3-tma": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "tma": True}, None),
     "bn64-w4-tma": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "tma": True}, None),
-    "bn64-w8-tma-p8": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": True, "p8": True}, None),
+    "bn64-w8-p8": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": False, "p8": True}, None),
     "default-2splits": (None, 2),
     "default-8splits": (None, 8),
     "default-16splits": (None, 16),
