@@ -7,7 +7,8 @@ with every sequence at context 1K, 4K, 16K (bytes = the latent rows read, B·ctx
 chunks of 2K and 8K tokens, fresh (expanded form) and after an 8K cached prefix (absorbed form),
 and one fresh 16K-token prompt (no reference: its [N, T, S] scores would take ~50 GB). Extra
 `decode[...]` rows at batch 64 / 16K time alternative tile configurations for tuning.
-`--check` compares every case with the reference at tolerances.KERNEL_VS_REF[bf16].
+`--check` compares every case with the reference at tolerances.KERNEL_VS_REF[bf16], and on a GPU
+replays each decode case from a CUDA graph (bit-equal to eager, no host sync in the op).
 """
 
 from __future__ import annotations
@@ -68,15 +69,29 @@ def _prefill_args(p: dict) -> tuple:
             p["w_kc"], p["w_vc"], p["scale"])
 
 
-def checker(fast, ref, args: tuple):
-    """A Case.check: every element of fast(*args) against ref(*args) at KERNEL_VS_REF of the output dtype."""
+def checker(fast, ref, args: tuple, graph: bool = False):
+    """A Case.check: every element of fast(*args) against ref(*args) at KERNEL_VS_REF of the output dtype;
+    `graph` (on a GPU): also capture fast(*args) in a CUDA graph and replay it, bit-equal to eager."""
     def check() -> str:
         out, want = fast(*args), ref(*args)
         tol = KERNEL_VS_REF[want.dtype]
         torch.testing.assert_close(out, want, **tol)
         diff = (out.float() - want.float()).abs()
-        return f"ok: max|d| {diff.max().item():.1e}, |ref| <= {want.float().abs().max().item():.2f} " \
+        note = f"ok: max|d| {diff.max().item():.1e}, |ref| <= {want.float().abs().max().item():.2f} " \
                f"(rtol {tol['rtol']:.1e}, atol {tol['atol']:.1e})"
+        if graph and torch.cuda.is_available():
+            g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fast(*args)  # warm-up on the capture stream
+                with torch.cuda.graph(g, stream=s):
+                    replayed = fast(*args)
+            torch.cuda.current_stream().wait_stream(s)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, out), "CUDA-graph replay differs from eager"
+            note += ", graph replay = eager"
+        return note
     return check
 
 
@@ -102,7 +117,7 @@ def cases(args) -> list[Case]:
                 out.append(Case("mla", f"decode/{wname}", f"B{B} ctx{ctx} N{N}",
                                 run=lambda a=a: mla.mla_decode(*a), ref=lambda a=a: mla_ref.mla_decode(*a),
                                 bytes=B * ctx * row_bytes, flops=2.0 * B * N * ctx * (2 * dims["r"] + dims["dr"]),
-                                check=checker(mla.mla_decode, mla_ref.mla_decode, a)))
+                                check=checker(mla.mla_decode, mla_ref.mla_decode, a, graph=True)))
         for prefix, chunk in prefills:
             p = _problem(N, prefix, chunk, dims, device, seed=sum(chunk))
             a = _prefill_args(p)

@@ -5,7 +5,8 @@ rms_norm; attn_res_mix and the fused attn_res_mix_norm over 5 (small: attn_res_b
 (K3) candidate rows;
 gated_rms_norm and l2_norm over T x 16 heads x 128 (KDA o_norm, q/k); situ glu of the dense MLP
 (small: intermediate 8192; K3: 33792 / TP 8 = 4224). Bytes are one read of every input and one
-write of the output. `--check` compares each case with its reference at tolerances.KERNEL_VS_REF.
+write of the output. `--check` compares each case with its reference at tolerances.KERNEL_VS_REF and,
+on a GPU, replays it from a CUDA graph (bit-equal to eager).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def cases(args) -> list[Case]:
 
     def add(name: str, shape: str, fast, ref, a: tuple, nbytes: float) -> None:
         out.append(Case("norm", name, shape, run=lambda: fast(*a), ref=lambda: ref(*a), bytes=nbytes,
-                        check=checker(fast, ref, a)))
+                        check=checker(fast, ref, a, graph=True)))
 
     for wname, (H, n_rows, inter) in widths.items():
         w, ns, wp = bf(H, scale=0.1) + 1, bf(H, scale=0.1) + 1, bf(1, H, scale=H ** -0.5)
