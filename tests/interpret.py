@@ -13,11 +13,13 @@ argument-free `check_*` functions.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +92,22 @@ class Checks:
         error = self._results[name]
         if error is not None:
             pytest.fail(f"check {name!r} failed under TRITON_INTERPRET=1:\n{error}", pytrace=False)
+
+
+@contextlib.contextmanager
+def poisoned_empty() -> Iterator[None]:
+    """Inside the block torch.empty returns NaN-filled floating tensors: an op that leaves an element
+    of a buffer it allocated unwritten then fails its comparison."""
+    import torch
+
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> Any:
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real

@@ -473,13 +473,13 @@ def test_mix_row_counts_follow_block_schedule(monkeypatch):
     S, L = model.cfg.attn_res_block_size, model.cfg.num_hidden_layers
     seen: dict[tuple[str, int], int] = {}
 
-    def spy(key, mix):
-        return lambda rows: (seen.__setitem__(key, len(rows)), mix(rows))[1]
+    def spy(key, mix_norm):
+        return lambda rows, norm: (seen.__setitem__(key, len(rows)), mix_norm(rows, norm))[1]
 
     for i, layer in enumerate(model.layers):
-        monkeypatch.setattr(layer.self_attention_res, "mix", spy(("attn", i), layer.self_attention_res.mix))
-        monkeypatch.setattr(layer.mlp_res, "mix", spy(("mlp", i), layer.mlp_res.mix))
-    monkeypatch.setattr(model.output_attn_res, "mix", spy(("out", L), model.output_attn_res.mix))
+        monkeypatch.setattr(layer.self_attention_res, "mix_norm", spy(("attn", i), layer.self_attention_res.mix_norm))
+        monkeypatch.setattr(layer.mlp_res, "mix_norm", spy(("mlp", i), layer.mlp_res.mix_norm))
+    monkeypatch.setattr(model.output_attn_res, "mix_norm", spy(("out", L), model.output_attn_res.mix_norm))
     run_stack(model, randn(3, model.cfg.hidden_size, seed=94))
     want = {("attn", i): math.ceil(i / S) + 1 for i in range(1, L)}
     want |= {("mlp", i): i // S + 2 for i in range(L)}

@@ -33,6 +33,7 @@ from k3backend.kernels.moe_ref import Activation, experts, glu, glu_linear, rout
 from k3backend.kernels.norm_ref import (
     acc_dtype,
     attn_res_mix,
+    attn_res_mix_norm,
     gated_rms_norm,
     l2_norm,
     rms_norm,
@@ -51,6 +52,13 @@ FAST_OPS: dict[str, str] = {
     "experts": "k3backend.kernels.moe",
     "glu_linear": "k3backend.kernels.moe",
     "route": "k3backend.kernels.moe",
+    "mla_decode": "k3backend.kernels.mla",
+    "mla_prefill": "k3backend.kernels.mla",
+    "rms_norm": "k3backend.kernels.norm",
+    "gated_rms_norm": "k3backend.kernels.norm",
+    "l2_norm": "k3backend.kernels.norm",
+    "attn_res_mix": "k3backend.kernels.norm",
+    "attn_res_mix_norm": "k3backend.kernels.norm",
 }
 
 Verifier = Callable[..., tuple[bool, str]]
@@ -110,8 +118,8 @@ def reference_ops() -> Iterator[None]:
         globals().update(fast)
 
 __all__ = [
-    "Activation", "acc_dtype", "attn_res_mix", "experts", "gated_rms_norm", "glu", "kda_chunked", "kda_decode",
-    "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
+    "Activation", "acc_dtype", "attn_res_mix", "attn_res_mix_norm", "experts", "gated_rms_norm", "glu", "kda_chunked",
+    "kda_decode", "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
     "situ_and_mul", "glu_linear", "kda_decode_fused",
 ]

@@ -54,3 +54,13 @@ def attn_res_mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.T
     for j in range(1, len(rows)):
         mix = mix + p[j, :, None] * r32[j]
     return mix.to(rows[0].dtype)
+
+
+def attn_res_mix_norm(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+                      out_w: torch.Tensor, out_eps: float) -> torch.Tensor:
+    """A sub-layer's input: `rms_norm(attn_res_mix(rows, norm_w, proj_w, eps), out_w, out_eps)` (§4.2).
+
+    The bf16 mixture is normalised (the Hopper path of §4.9: two roundings), as one op so that a
+    kernel can fuse the mix with the norm that always follows it.
+    """
+    return rms_norm(attn_res_mix(rows, norm_w, proj_w, eps), out_w, out_eps)

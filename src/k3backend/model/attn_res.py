@@ -23,3 +23,7 @@ class ResScore(nn.Module):
 
     def mix(self, rows: list[torch.Tensor]) -> torch.Tensor:
         return kernels.attn_res_mix(rows, self.norm.weight, self.proj.weight, self.norm.eps)
+
+    def mix_norm(self, rows: list[torch.Tensor], norm: RMSNorm) -> torch.Tensor:
+        """`norm(mix(rows))`, the sub-layer input, as one op (a kernel fuses the two)."""
+        return kernels.attn_res_mix_norm(rows, self.norm.weight, self.proj.weight, self.norm.eps, norm.weight, norm.eps)

@@ -42,13 +42,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, bank: list[torch.Tensor], batch: ForwardBatch,
                 cache: LayerCache) -> torch.Tensor:
         """Attention-Residual layer (§4.4, §4.10). x: running prefix [T, H]; `bank` grows at block starts."""
-        a_in = self.input_layernorm(self.self_attention_res.mix(bank + [x]) if bank else x)
+        a_in = self.self_attention_res.mix_norm(bank + [x], self.input_layernorm) if bank else self.input_layernorm(x)
         P = None if self.i % self.S == 0 else x
         if P is None:
             bank.append(x)  # freeze the old prefix; the running prefix restarts at this layer
         A = self.self_attn(a_in, batch, cache)
         Q = A if P is None else P + A  # bf(P + A), the pending add
-        m_in = self.post_attention_layernorm(self.mlp_res.mix(bank + [Q]))
+        m_in = self.mlp_res.mix_norm(bank + [Q], self.post_attention_layernorm)
         return self.mlp(m_in) + Q  # bf(M + Q): dense bf(d + Q), MoE bf(bf(up + sh) + Q)
 
     def forward_plain(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
@@ -90,7 +90,7 @@ class K3TextModel(nn.Module):
         bank: list[torch.Tensor] = []
         for layer, cache in zip(self.layers, pools.layers):
             x = layer(x, bank, batch, cache)
-        return self.norm(self.output_attn_res.mix(bank + [x]))  # §4.7
+        return self.output_attn_res.mix_norm(bank + [x], self.norm)  # §4.7
 
 
 class K3ForCausalLM(nn.Module):

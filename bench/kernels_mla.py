@@ -1,0 +1,141 @@
+"""MLA attention cases for bench/kernels.py: the Triton `mla_decode` / `mla_prefill` (kernels/mla.py)
+against their torch references (kernels/mla_ref.py).
+
+Shapes (K3_LM §6): dn 128, dr 64, dv 128, r 512, latent rows of 576 bf16 in pool blocks of 64.
+Heads: 16 (the `small` preset) and 12 (K3's 96 heads at TP = 8). Decode at batch 1, 16, 64, 256
+with every sequence at context 1K, 4K, 16K (bytes = the latent rows read, B·ctx·576·2); prefill
+chunks of 2K and 8K tokens, fresh (expanded form) and after an 8K cached prefix (absorbed form),
+and one fresh 16K-token prompt (no reference: its [N, T, S] scores would take ~50 GB). Extra
+`decode[...]` rows at batch 64 / 16K time alternative tile configurations for tuning.
+`--check` compares every case with the reference at tolerances.KERNEL[bf16], and on a GPU
+replays each decode case from a CUDA graph (bit-equal to eager, no host sync in the op).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels import Case
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tolerances import KERNEL  # noqa: E402
+
+WIDTHS = {"small": 16, "k3tp8": 12}
+DN, DR, DV, R, BS = 128, 64, 128, 512, 64
+TUNING = {  # (config, splits) alternatives to kernels/mla.py decode_config(16) and num_splits, at B64 ctx16K
+    "bn32-w4-ptr": ({"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "tma": False}, None),
+    "bn64-w8-tma": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": True}, None),
+    "bn64-w8-s3-tma": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "tma": True}, None),
+    "bn64-w4-tma": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "tma": True}, None),
+    "bn64-w8-p8": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": False, "p8": True}, None),
+    "default-2splits": (None, 2),
+    "default-8splits": (None, 8),
+    "default-16splits": (None, 16),
+}
+
+
+def _problem(N: int, prefix: list[int], chunk: list[int], dims: dict, device: str, seed: int) -> dict:
+    """Sequences with prefix[b] cached and chunk[b] new latent rows (already written), each in its own
+    run of pool blocks (in reverse order, so tables are not the identity); block 0 is the null block."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dn, dr, dv, r, bs = dims["dn"], dims["dr"], dims["dv"], dims["r"], dims["bs"]
+    ctx = [p + c for p, c in zip(prefix, chunk)]
+    need = [-(-n // bs) for n in ctx]
+    pool = torch.randn(1 + sum(need), bs, r + dr, generator=g, device=device, dtype=torch.bfloat16)
+    width, start, tables = max(need), 1, []
+    for nb in need:
+        tables.append(list(range(start + nb - 1, start - 1, -1)) + [0] * (width - nb))
+        start += nb
+    T = sum(chunk)
+    q = torch.randn(T, N, dn + dr, generator=g, device=device, dtype=torch.bfloat16)
+    kv_b = (torch.randn(N * (dn + dv), r, generator=g, device=device) * r ** -0.5).to(torch.bfloat16)
+    w = kv_b.view(N, dn + dv, r)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    return {"q_nope": q[..., :dn], "q_pe": q[..., dn:], "pool": pool, "cu_seqlens": i32([0, *torch.tensor(chunk)
+                                                                                         .cumsum(0).tolist()]),
+            "block_tables": i32(tables), "context_lens": i32(ctx), "kv_b": kv_b, "w_kc": w[:, :dn],
+            "w_vc": w[:, dn:].transpose(1, 2), "scale": (dn + dr) ** -0.5}
+
+
+def _decode_args(p: dict) -> tuple:
+    return (p["q_nope"], p["q_pe"], p["pool"], p["block_tables"], p["context_lens"], p["w_kc"], p["w_vc"], p["scale"])
+
+
+def _prefill_args(p: dict) -> tuple:
+    return (p["q_nope"], p["q_pe"], p["pool"], p["cu_seqlens"], p["block_tables"], p["context_lens"], p["kv_b"],
+            p["w_kc"], p["w_vc"], p["scale"])
+
+
+def checker(fast, ref, args: tuple, graph: bool = False):
+    """A Case.check: every element of fast(*args) against ref(*args) at KERNEL of the output dtype;
+    `graph` (on a GPU): also capture fast(*args) in a CUDA graph and replay it, bit-equal to eager."""
+    def check() -> str:
+        out, want = fast(*args), ref(*args)
+        tol = KERNEL[want.dtype]
+        torch.testing.assert_close(out, want, **tol)
+        diff = (out.float() - want.float()).abs()
+        note = f"ok: max|d| {diff.max().item():.1e}, |ref| <= {want.float().abs().max().item():.2f} " \
+               f"(rtol {tol['rtol']:.1e}, atol {tol['atol']:.1e})"
+        if graph and torch.cuda.is_available():
+            g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fast(*args)  # warm-up on the capture stream
+                with torch.cuda.graph(g, stream=s):
+                    replayed = fast(*args)
+            torch.cuda.current_stream().wait_stream(s)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, out), "CUDA-graph replay differs from eager"
+            note += ", graph replay = eager"
+        return note
+    return check
+
+
+def cases(args) -> list[Case]:
+    from k3backend.kernels import mla, mla_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke:
+        dims = {"dn": 16, "dr": 16, "dv": 16, "r": 64, "bs": 16}
+        widths, batches, ctxs = {"smoke": 4}, [1, 3], [40]
+        prefills = [([0], [24]), ([20], [9])]
+    else:
+        dims = {"dn": DN, "dr": DR, "dv": DV, "r": R, "bs": BS}
+        widths, batches, ctxs = WIDTHS, [1, 16, 64, 256], [1024, 4096, 16384]
+        prefills = [([0], [2048]), ([0], [8192]), ([8192], [2048]), ([8192], [8192]), ([0], [16384])]
+    row_bytes = (dims["r"] + dims["dr"]) * 2
+    out: list[Case] = []
+    for wname, N in widths.items():
+        for B in batches:
+            for ctx in ctxs:
+                p = _problem(N, [ctx - 1] * B, [1] * B, dims, device, seed=B + ctx)
+                a = _decode_args(p)
+                out.append(Case("mla", f"decode/{wname}", f"B{B} ctx{ctx} N{N}",
+                                run=lambda a=a: mla.mla_decode(*a), ref=lambda a=a: mla_ref.mla_decode(*a),
+                                bytes=B * ctx * row_bytes, flops=2.0 * B * N * ctx * (2 * dims["r"] + dims["dr"]),
+                                check=checker(mla.mla_decode, mla_ref.mla_decode, a, graph=True)))
+        for prefix, chunk in prefills:
+            p = _problem(N, prefix, chunk, dims, device, seed=sum(chunk))
+            a = _prefill_args(p)
+            T, S = chunk[0], prefix[0] + chunk[0]
+            fresh = prefix[0] == 0
+            per_pair = (dims["dn"] + dims["dr"] + dims["dv"]) if fresh else (2 * dims["r"] + dims["dr"])
+            flops = 2.0 * N * per_pair * (T * (T + 1) / 2 + T * prefix[0])  # causal pairs
+            big = T * S * N * 4 > 1.2e10  # the reference's fp32 scores alone (it holds ~3 such tensors)
+            out.append(Case("mla", f"prefill/{wname}/{'fresh' if fresh else 'cached'}", f"T{T} prefix{prefix[0]} N{N}",
+                            run=lambda a=a: mla.mla_prefill(*a), ref=None if big else lambda a=a: mla_ref.mla_prefill(*a),
+                            bytes=S * row_bytes, flops=flops, graph=False,
+                            check=None if big else checker(mla.mla_prefill, mla_ref.mla_prefill, a)))
+    # tile configurations and split counts at the target shape (smoke: two of them, tiny)
+    B, ctx, N = (3, 40, 4) if args.smoke else (64, 16384, WIDTHS["small"])
+    a = _decode_args(_problem(N, [ctx - 1] * B, [1] * B, dims, device, seed=7))
+    for name, (cfg, splits) in list(TUNING.items())[::4] if args.smoke else TUNING.items():
+        fn = lambda *a, cfg=cfg, splits=splits: mla.decode(*a, config=cfg, splits=splits)  # noqa: E731
+        out.append(Case("mla", f"decode[{name}]", f"B{B} ctx{ctx} N{N}", run=lambda a=a, fn=fn: fn(*a),
+                        bytes=B * ctx * row_bytes, flops=2.0 * B * N * ctx * (2 * dims["r"] + dims["dr"]),
+                        check=checker(fn, mla_ref.mla_decode, a)))
+    return out

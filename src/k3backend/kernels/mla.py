@@ -1,0 +1,602 @@
+"""Triton MLA attention over the paged latent pool (K3_LM §6.3, §6.5): fast `mla_decode` and `mla_prefill`.
+
+Same signatures and rounding points as `mla_ref`. Both ops run the absorbed form as an MQA over the
+latent: every query row (token t, head h) carries q̂ = bf(q_nope·W_UK) [r] and q_pe [dr]; all rows of
+a sequence read the same latent rows [c_kv ; k_pe] (one HBM read per tile for every head), and the
+value is c_kv itself, so ô = bf(softmax(q̂·c_kvᵀ + q_pe·k_peᵀ)·c_kv) and o = bf(ô·W_UV). The two
+GEMMs around the attention (q̂ and o) are torch bmm's in the model dtype (fp32 accumulation, one
+rounding: the reference's rounding points). `mla_prefill` runs the expanded (MHA) form for a chunk
+with no cached prefix, as the reference chooses, in a second flash kernel over bf(c_kv·W_kvbᵀ).
+
+Kernel structure (flash-decoding): a program owns a tile of BLOCK_M query rows of one sequence and a
+slice of its keys (split-KV), walks the block table BLOCK_N keys at a time with an online softmax,
+and writes either the normalised output (one split) or an fp32 partial and its log-sum-exp for a
+reduce kernel. The split count comes from shapes only (batch, block-table width, SM count), never
+from tensor values, so a decode step can be captured as a CUDA graph; each sequence divides its own
+context evenly among the splits, so short sequences in a wide table cost only empty programs.
+
+Numerics: scores, softmax and accumulators are fp32. The probability matrix feeds the value GEMM as
+two bf16 halves (p = p_hi + p_lo), so the tensor-core product keeps ~16 bits of p instead of the 8
+of a single bf16 cast. The interpreter's bf16 `tl.dot` is wrong (it multiplies the raw bits), so
+under TRITON_INTERPRET=1 (and for fp32 models) dots run on fp32 operands with ieee precision; its
+fp32 -> bf16 cast truncates, so roundings go through `norm.to_dtype`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from k3backend.kernels.norm import interpreting, to_dtype
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_RANK = 512  # kv_lora_rank: the [BLOCK_M, r] fp32 accumulator lives in registers
+MAX_ROPE = 128
+MAX_HEAD_DIM = 256
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, acc, F32_DOT: tl.constexpr):
+    """acc + a·b with fp32 accumulation; F32_DOT: fp32 operands, ieee (fp32 models, the interpreter)."""
+    if F32_DOT:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _pv(v, p, acc, F32_DOT: tl.constexpr, SPLIT_P: tl.constexpr, INTERPRET: tl.constexpr,
+        P_LEFT: tl.constexpr = False):
+    """acc + v·p (or p·v with P_LEFT) for fp32 probabilities p and 16-bit values v: p enters the
+    tensor-core product as two 16-bit halves p_hi + p_lo (~16 bits of p)."""
+    if SPLIT_P:
+        p_hi = to_dtype(p, v.dtype, INTERPRET)
+        p_lo = to_dtype(p - p_hi.to(tl.float32), v.dtype, INTERPRET)
+        if P_LEFT:
+            acc = _dot(p_lo, v, _dot(p_hi, v, acc, F32_DOT), F32_DOT)
+        else:
+            acc = _dot(v, p_lo, _dot(v, p_hi, acc, F32_DOT), F32_DOT)
+    else:  # fp32 values, or (tuning) p as a single 16-bit cast
+        pc = p if v.dtype == tl.float32 else to_dtype(p, v.dtype, INTERPRET)
+        if P_LEFT:
+            acc = _dot(pc, v, acc, F32_DOT)
+        else:
+            acc = _dot(v, pc, acc, F32_DOT)
+    return acc
+
+
+@triton.jit
+def _mask2(rows_ok, cols, n: tl.constexpr, BLOCK: tl.constexpr):
+    """[rows, cols] mask of a row-masked tile whose column block may be padded past n."""
+    if n == BLOCK:
+        mask = rows_ok[:, None] & (cols >= 0)[None, :]
+    else:
+        mask = rows_ok[:, None] & (cols < n)[None, :]
+    return mask
+
+
+@triton.jit
+def _find_seq(tile_cu_ptr, pid, B, SEARCH: tl.constexpr):
+    """The sequence b whose tiles [tile_cu[b], tile_cu[b+1]) hold tile `pid` (B when past the last)."""
+    b = pid * 0
+    for c0 in range(0, B, SEARCH):
+        idx = c0 + tl.arange(0, SEARCH)
+        ends = tl.load(tile_cu_ptr + 1 + idx, mask=idx < B, other=2147483647)
+        b += tl.sum((ends <= pid).to(tl.int32), axis=0)
+    return b
+
+
+@triton.jit
+def _masked_tile(pool_ptr, bt_row, start, kv_end, limit, s_blk, s_row, BLOCK_SIZE: tl.constexpr, R: tl.constexpr,
+                 DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys start..start+BLOCK_N through the block table, rows past kv_end read as zeros:
+    (c_kv [BLOCK_N, BLOCK_R], k_pe [BLOCK_N, BLOCK_DR], visible [BLOCK_N, rows])."""
+    j = start + tl.arange(0, BLOCK_N)
+    j_ok = j < kv_end
+    blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+    base = blk * s_blk + (j % BLOCK_SIZE).to(tl.int64) * s_row
+    cr = tl.arange(0, BLOCK_R)
+    cp = tl.arange(0, BLOCK_DR)
+    ckv = tl.load(pool_ptr + base[:, None] + cr[None, :], mask=_mask2(j_ok, cr, R, BLOCK_R), other=0.0)
+    kpe = tl.load(pool_ptr + base[:, None] + R + cp[None, :], mask=_mask2(j_ok, cp, DR, BLOCK_DR), other=0.0)
+    return ckv, kpe, (j[:, None] < limit[None, :]) & j_ok[:, None]
+
+
+@triton.jit
+def _latent_step(ckv, kpe, qT, qpeT, visible, m_i, l_i, accT, scale, F32_DOT: tl.constexpr, SPLIT_P: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """One key tile of the online softmax, transposed (keys x rows): the key tile is the MMA's M side,
+    read from shared memory, and the few query rows its N side, so neither q̂ nor the [r, rows]
+    accumulator needs per-warp copies. ckv [BLOCK_N, BLOCK_R], kpe [BLOCK_N, BLOCK_DR]; qT, qpeT the
+    transposed queries; visible [BLOCK_N, BLOCK_M]."""
+    sT = _dot(ckv, qT, tl.zeros([ckv.shape[0], qT.shape[1]], tl.float32), F32_DOT)
+    sT = _dot(kpe, qpeT, sT, F32_DOT) * scale  # fp32 logits
+    sT = tl.where(visible, sT, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sT, axis=0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    pT = tl.exp(sT - m_use[None, :])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(pT, axis=0)
+    accT = _pv(tl.trans(ckv), pT, accT * alpha[None, :], F32_DOT, SPLIT_P, INTERPRET)
+    return m_new, l_i, accT
+
+
+# Every int that changes with the step's batch (sizes, and strides that are multiples of T or B) is
+# left unspecialised, so a new batch size never recompiles (e.g. during CUDA-graph capture).
+@triton.jit(do_not_specialize=["B", "N", "num_splits", "tiles_per_seq", "s_qh", "s_bt", "s_os", "s_oh", "s_ls"])
+def _latent_attn_kernel(
+    q_ptr, qpe_ptr, pool_ptr, ckv_desc, kpe_desc, bt_ptr, ctx_ptr, cu_ptr, tile_cu_ptr, out_ptr, lse_ptr,
+    scale, B, N, num_splits, tiles_per_seq,
+    s_qt, s_qh, s_pt, s_ph, s_blk, s_row, s_bt, s_os, s_ot, s_oh, s_ls, s_lt, s_lh,
+    BLOCK_SIZE: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr, SKIP_FRESH: tl.constexpr,
+    SPLIT: tl.constexpr, USE_TMA: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_P: tl.constexpr,
+    INTERPRET: tl.constexpr, SEARCH: tl.constexpr,
+):
+    """Rows (token t, head h) of one sequence, flattened t·N + h, against the sequence's latent rows.
+
+    DECODE: one query token per sequence (row tile = pid % tiles_per_seq, token = b); otherwise the
+    varlen chunks of `cu_ptr`, tiles found in `tile_cu_ptr`. Query token i of a chunk of length L
+    sits at position ctx − L + i and sees keys j ≤ that position. SKIP_FRESH: chunks with no cached
+    prefix are left to the MHA kernel. SPLIT: write fp32 partials + lse at split = program_id(1).
+    USE_TMA (BLOCK_N divides the pool's block size): whole key tiles are one slice of one pool block,
+    loaded by TMA descriptors over the pool's [c_kv] and [k_pe] columns; the last, partial tile of a
+    split takes the masked pointer loads, so rows past the context are never read (they may hold
+    anything a block's previous owner left).
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    if DECODE:
+        b = pid // tiles_per_seq
+        m0 = (pid - b * tiles_per_seq) * BLOCK_M
+        q_start = b
+        L = 1
+    else:
+        b = _find_seq(tile_cu_ptr, pid, B, SEARCH)
+        if b >= B:
+            return
+        m0 = (pid - tl.load(tile_cu_ptr + b)) * BLOCK_M
+        q_start = tl.load(cu_ptr + b)
+        L = tl.load(cu_ptr + b + 1) - q_start
+    ctx = tl.load(ctx_ptr + b).to(tl.int32)
+    prefix = ctx - L
+    if SKIP_FRESH:
+        if prefix == 0:
+            return
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < L * N
+    tok = rows // N
+    head = rows % N
+    limit = prefix + tok + 1  # keys j < limit are visible to the row
+    kv_hi = tl.minimum(ctx, prefix + (m0 + BLOCK_M - 1) // N + 1)
+    chunk = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = split * chunk
+    kv_end = tl.minimum(kv_hi, kv_lo + chunk)
+
+    t = (q_start + tok).to(tl.int64)
+    cr = tl.arange(0, BLOCK_R)
+    cp = tl.arange(0, BLOCK_DR)
+    qT = tl.load(q_ptr + (t * s_qt + head * s_qh)[None, :] + cr[:, None],
+                 mask=row_ok[None, :] & (cr < R)[:, None], other=0.0)  # [BLOCK_R, BLOCK_M]
+    qpeT = tl.load(qpe_ptr + (t * s_pt + head * s_ph)[None, :] + cp[:, None],
+                   mask=row_ok[None, :] & (cp < DR)[:, None], other=0.0)  # [BLOCK_DR, BLOCK_M]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    accT = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    if USE_TMA:
+        kv_mid = kv_lo + (kv_end - kv_lo) // BLOCK_N * BLOCK_N
+        for start in range(kv_lo, kv_mid, BLOCK_N):
+            row = (tl.load(bt_row + start // BLOCK_SIZE) * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)
+            ckv = ckv_desc.load([row, 0])
+            kpe = kpe_desc.load([row, 0])
+            j = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, accT = _latent_step(ckv, kpe, qT, qpeT, j[:, None] < limit[None, :], m_i, l_i, accT, scale,
+                                          F32_DOT, SPLIT_P, INTERPRET)
+        if kv_mid < kv_end:  # the partial tail: masked loads, not pipelined
+            ckv, kpe, visible = _masked_tile(pool_ptr, bt_row, kv_mid, kv_end, limit, s_blk, s_row, BLOCK_SIZE, R, DR,
+                                             BLOCK_R, BLOCK_DR, BLOCK_N)
+            m_i, l_i, accT = _latent_step(ckv, kpe, qT, qpeT, visible, m_i, l_i, accT, scale, F32_DOT, SPLIT_P,
+                                          INTERPRET)
+    else:
+        for start in range(kv_lo, kv_end, BLOCK_N):
+            ckv, kpe, visible = _masked_tile(pool_ptr, bt_row, start, kv_end, limit, s_blk, s_row, BLOCK_SIZE, R, DR,
+                                             BLOCK_R, BLOCK_DR, BLOCK_N)
+            m_i, l_i, accT = _latent_step(ckv, kpe, qT, qpeT, visible, m_i, l_i, accT, scale, F32_DOT, SPLIT_P,
+                                          INTERPRET)
+
+    has = l_i > 0.0
+    oT = accT / tl.where(has, l_i, 1.0)[None, :]
+    o_off = (t * s_ot + head * s_oh)[None, :] + cr[:, None]
+    o_mask = row_ok[None, :] & (cr < R)[:, None]
+    if SPLIT:
+        sp = split.to(tl.int64)
+        tl.store(out_ptr + sp * s_os + o_off, oT, mask=o_mask)
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + sp * s_ls + t * s_lt + head * s_lh, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + o_off, to_dtype(oT, out_ptr.dtype.element_ty, INTERPRET), mask=o_mask)
+
+
+@triton.jit(do_not_specialize=["N", "num_splits", "s_os", "s_ls", "s_h"])
+def _latent_reduce_kernel(
+    part_ptr, lse_ptr, out_ptr, N, num_splits,
+    s_os, s_ot, s_oh, s_ls, s_lt, s_lh, s_t, s_h,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """out[t, h] = Σ_s exp(lse_s − M)·part_s / Σ_s exp(lse_s − M), rounded once; 0 when no key was seen."""
+    pid = tl.program_id(0)
+    t = (pid // N).to(tl.int64)
+    h = pid % N
+    lse_row = lse_ptr + t * s_lt + h * s_lh
+    part_row = part_ptr + t * s_ot + h * s_oh
+    m = tl.full([], float("-inf"), tl.float32)
+    lse_s = lse_row
+    for _ in range(0, num_splits):
+        m = tl.maximum(m, tl.load(lse_s))
+        lse_s += s_ls
+    cr = tl.arange(0, BLOCK_R)
+    den = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for _ in range(0, num_splits):  # pointer steps: 64-bit offsets whatever the split count
+        lse = tl.load(lse_row)
+        w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
+        part = tl.load(part_row + cr, mask=cr < R, other=0.0)
+        den += w
+        acc += tl.where(w > 0.0, w * part, 0.0)  # a skipped program's partial is never written
+        lse_row += s_ls
+        part_row += s_os
+    o = acc / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + t * s_t + h * s_h + cr, to_dtype(o, out_ptr.dtype.element_ty, INTERPRET), mask=cr < R)
+
+
+@triton.jit(do_not_specialize=["B"])
+def _mha_kernel(
+    qn_ptr, qp_ptr, kv_ptr, kpe_ptr, cu_ptr, ctx_ptr, tile_cu_ptr, out_ptr, scale, B,
+    s_nt, s_nh, s_pt, s_ph, s_kt, s_kh, s_et, s_ot, s_oh,
+    DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
+    SPLIT_P: tl.constexpr, INTERPRET: tl.constexpr, SEARCH: tl.constexpr,
+):
+    """Expanded form of one head over a fresh chunk (no cached prefix): causal flash attention with
+    k = [k_nope_h ; k_pe], v = v_h from kv = bf(c_kv·W_kvbᵀ) [T, N, dn+dv] and k_pe [T, dr]."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = _find_seq(tile_cu_ptr, pid, B, SEARCH)
+    if b >= B:
+        return
+    q_start = tl.load(cu_ptr + b)
+    L = tl.load(cu_ptr + b + 1) - q_start
+    if tl.load(ctx_ptr + b) != L:
+        return  # a cached prefix: the absorbed kernel's chunk
+    m0 = (pid - tl.load(tile_cu_ptr + b)) * BLOCK_M
+    i = m0 + tl.arange(0, BLOCK_M)
+    i_ok = i < L
+    ti = (q_start + i).to(tl.int64)
+    cn = tl.arange(0, BLOCK_DN)
+    cp = tl.arange(0, BLOCK_DR)
+    cv = tl.arange(0, BLOCK_DV)
+    q = tl.load(qn_ptr + (ti * s_nt + h * s_nh)[:, None] + cn[None, :], mask=i_ok[:, None] & (cn < DN)[None, :],
+                other=0.0)
+    qpe = tl.load(qp_ptr + (ti * s_pt + h * s_ph)[:, None] + cp[None, :], mask=i_ok[:, None] & (cp < DR)[None, :],
+                  other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    kv_hi = tl.minimum(L, m0 + BLOCK_M)
+    for start in range(0, kv_hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < kv_hi
+        tj = (q_start + j).to(tl.int64)
+        kv_row = kv_ptr + (tj * s_kt + h * s_kh)[:, None]
+        kn = tl.load(kv_row + cn[None, :], mask=j_ok[:, None] & (cn < DN)[None, :], other=0.0)
+        v = tl.load(kv_row + DN + cv[None, :], mask=j_ok[:, None] & (cv < DV)[None, :], other=0.0)
+        kpe = tl.load(kpe_ptr + (tj * s_et)[:, None] + cp[None, :], mask=j_ok[:, None] & (cp < DR)[None, :],
+                      other=0.0)
+        s = _dot(q, tl.trans(kn), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), F32_DOT)
+        s = _dot(qpe, tl.trans(kpe), s, F32_DOT) * scale
+        s = tl.where((j[None, :] <= i[:, None]) & j_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = _pv(v, p, acc * alpha[:, None], F32_DOT, SPLIT_P, INTERPRET, P_LEFT=True)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (ti * s_ot + h * s_oh)[:, None] + cv[None, :], to_dtype(o, out_ptr.dtype.element_ty, INTERPRET),
+             mask=i_ok[:, None] & (cv < DV)[None, :])
+
+
+# ---- launch configuration -----------------------------------------------------------------------
+
+SEARCH = 128  # sequences compared per step of the tile -> sequence search
+FP_FUSION = True  # a·b + c as one fma (explicit: triton 3.10 changes the default)
+
+
+def _block(n: int) -> int:
+    """A tl.arange / tl.dot width for a dimension of n: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _dot_modes(dtype: torch.dtype) -> dict[str, bool]:
+    """The F32_DOT, SPLIT_P and INTERPRET constexprs for a model dtype; see the module docstring."""
+    interpret = interpreting()
+    return {"F32_DOT": interpret or dtype == torch.float32, "SPLIT_P": dtype != torch.float32, "INTERPRET": interpret}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so tests exercise the reduce
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+# Tile configurations: BLOCK_M query rows x BLOCK_N keys per step; "tma": load whole key tiles with
+# TMA descriptors where the pool's layout allows (Hopper; BLOCK_N divides the block size); "p8" (for
+# tuning only): p enters the value GEMM as one bf16 cast, not hi + lo (half the value MMAs). The shipped
+# ones compile for sm_90a without spills under triton 3.6 and 3.9
+# (tests/test_kernels_mla.py::test_configs_compile_for_hopper_without_spills).
+def decode_config(num_heads: int) -> dict[str, int]:
+    """Tile sizes of the latent kernel for decode: all heads of a sequence in one tile where they fit."""
+    if num_heads <= 16:  # "tma": True spills ~300 B/thread under triton 3.6 (the GPU machines'): a bench row
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": False}
+    return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "tma": False}
+
+
+PREFILL_LATENT = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "tma": False}
+PREFILL_MHA = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def _descriptors(pool: torch.Tensor, r: int, dr: int, block_n: int) -> tuple | None:
+    """TMA descriptors over the pool's c_kv and k_pe columns, viewed [num_blocks·block_size, r+dr]
+    (tiles of BLOCK_N rows), or None where the layout does not allow them."""
+    bs, width, size = pool.shape[1], pool.shape[2], pool.element_size()
+    if (bs % block_n or (width * size) % 16 or (r * size) % 16 or pool.data_ptr() % 16 or not pool.is_contiguous()
+            or not _has_tma(pool.device)):
+        return None
+    flat = pool.view(-1, width)
+    return (TensorDescriptor(flat, [flat.shape[0], r], [width, 1], [block_n, _block(r)]),
+            TensorDescriptor(flat[:, r:], [flat.shape[0], dr], [width, 1], [block_n, _block(dr)]))
+
+
+def num_splits(tiles: int, max_kv: int, device: torch.device, ctas_per_sm: int = 2) -> int:
+    """KV splits per query tile from shapes only: fill the GPU in whole waves (FA2's heuristic), each
+    split at least 128 keys. `tiles`: query tiles in the grid; `max_kv`: keys the widest table holds."""
+    slots = _sm_count(device) * ctas_per_sm
+    if tiles >= 0.8 * slots:
+        return 1
+    most = max(1, min(128, -(-max_kv // 128)))
+    eff = [(tiles * s / slots) / math.ceil(tiles * s / slots) for s in range(1, most + 1)]
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, out: torch.Tensor, *, cu_seqlens: torch.Tensor | None,
+                     splits: int, config: dict[str, int], skip_fresh: bool = False) -> torch.Tensor:
+    """ô = bf(softmax(q̂·c_kvᵀ + q_pe·k_peᵀ)·c_kv) into `out` [T, N, r] (model dtype), in place.
+
+    q_hat [T, N, r], q_pe [T, N, dr] (any strides, last dim contiguous); cu_seqlens None: decode
+    (T = B, one query per sequence). Rows of the chunks `skip_fresh` leaves out are not written
+    (one split) or written as zeros (several).
+    """
+    T, N, r = q_hat.shape
+    B, dr = context_lens.shape[0], q_pe.shape[-1]
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    if cu_seqlens is None:
+        tiles_per_seq = -(-N // bm)
+        grid_m, tile_cu, cu = B * tiles_per_seq, context_lens, context_lens  # (cu, tile_cu unused)
+    else:
+        tiles_per_seq = 0
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        tile_cu = torch.zeros(B + 1, dtype=torch.int32, device=q_hat.device)
+        tile_cu[1:] = torch.cumsum(torch.div(lens * N + bm - 1, bm, rounding_mode="floor"), 0)
+        grid_m, cu = -(-T * N // bm) + B, cu_seqlens
+    if grid_m == 0:
+        return out
+    if splits > 1:
+        part = torch.empty(splits, T, N, r, dtype=torch.float32, device=q_hat.device)
+        # skipped chunks' partials are never written: their lse must read as "no key" in the reduce
+        lse = torch.empty(splits, T, N, dtype=torch.float32, device=q_hat.device)
+        if skip_fresh:
+            lse.fill_(float("-inf"))
+        dst, s_o, s_l = part, part.stride(), lse.stride()
+    else:
+        dst, lse, s_o, s_l = out, out, (0, *out.stride()[:2]), (0, 0, 0)
+    descs = _descriptors(pool, r, dr, bn) if config.get("tma") else None
+    _latent_attn_kernel[(grid_m, splits)](
+        q_hat, q_pe, pool, *(descs or (pool, pool)), block_tables, context_lens, cu, tile_cu, dst, lse,
+        scale=scale, B=B, N=N, num_splits=splits, tiles_per_seq=tiles_per_seq,
+        s_qt=q_hat.stride(0), s_qh=q_hat.stride(1), s_pt=q_pe.stride(0), s_ph=q_pe.stride(1),
+        s_blk=pool.stride(0), s_row=pool.stride(1), s_bt=block_tables.stride(0),
+        s_os=s_o[0], s_ot=s_o[1], s_oh=s_o[2], s_ls=s_l[0], s_lt=s_l[1], s_lh=s_l[2],
+        BLOCK_SIZE=pool.shape[1], R=r, DR=dr, BLOCK_R=_block(r), BLOCK_DR=_block(dr), BLOCK_M=bm, BLOCK_N=bn,
+        DECODE=cu_seqlens is None, SKIP_FRESH=skip_fresh, SPLIT=splits > 1, USE_TMA=descs is not None,
+        SEARCH=SEARCH, **{**_dot_modes(q_hat.dtype), **({"SPLIT_P": False} if config.get("p8") else {})},
+        num_warps=config["num_warps"], num_stages=config["num_stages"], enable_fp_fusion=FP_FUSION)
+    if splits > 1:
+        _latent_reduce_kernel[(T * N,)](
+            part, lse, out, N=N, num_splits=splits, s_os=part.stride(0), s_ot=part.stride(1), s_oh=part.stride(2),
+            s_ls=lse.stride(0), s_lt=lse.stride(1), s_lh=lse.stride(2), s_t=out.stride(0), s_h=out.stride(1),
+            R=r, BLOCK_R=_block(r), INTERPRET=interpreting(), num_warps=4, enable_fp_fusion=FP_FUSION)
+    return out
+
+
+def mha_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
+                  cu_seqlens: torch.Tensor, context_lens: torch.Tensor, dv: int, scale: float, out: torch.Tensor,
+                  config: dict[str, int] = PREFILL_MHA) -> torch.Tensor:
+    """Causal expanded-form attention of the fresh chunks into `out` [T, N, dv], in place.
+
+    kv [T, N, dn+dv] = bf(c_kv·W_kvbᵀ) of each token's own latent row; k_pe [T, dr]. Rows of chunks
+    with a cached prefix are not written.
+    """
+    T, N, dn = q_nope.shape
+    B, dr = context_lens.shape[0], q_pe.shape[-1]
+    bm = config["BLOCK_M"]
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    tile_cu = torch.zeros(B + 1, dtype=torch.int32, device=q_nope.device)
+    tile_cu[1:] = torch.cumsum(torch.div(lens + bm - 1, bm, rounding_mode="floor"), 0)
+    grid_m = -(-T // bm) + B
+    if T == 0:
+        return out
+    _mha_kernel[(grid_m, N)](
+        q_nope, q_pe, kv, k_pe, cu_seqlens, context_lens, tile_cu, out, scale=scale, B=B,
+        s_nt=q_nope.stride(0), s_nh=q_nope.stride(1), s_pt=q_pe.stride(0), s_ph=q_pe.stride(1),
+        s_kt=kv.stride(0), s_kh=kv.stride(1), s_et=k_pe.stride(0), s_ot=out.stride(0), s_oh=out.stride(1),
+        DN=dn, DR=dr, DV=dv, BLOCK_DN=_block(dn), BLOCK_DR=_block(dr), BLOCK_DV=_block(dv),
+        BLOCK_M=bm, BLOCK_N=config["BLOCK_N"], SEARCH=SEARCH, **_dot_modes(q_nope.dtype), num_warps=config["num_warps"],
+        num_stages=config["num_stages"], enable_fp_fusion=FP_FUSION)
+    return out
+
+
+# ---- the ops (mla_ref signatures) ---------------------------------------------------------------
+
+def _absorb(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
+    """q̂ = bf(q_nope·W_UK) per head: [T, N, r] (a view of an [N, T, r] bmm output)."""
+    return torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)
+
+
+def _unabsorb(o_hat: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
+    """o = bf(ô·W_UV) per head, heads concatenated: [T, N·dv]. o_hat: [T, N, r]."""
+    T, N, _ = o_hat.shape
+    return torch.bmm(o_hat.transpose(0, 1), w_vc).transpose(0, 1).reshape(T, N * w_vc.shape[-1])
+
+
+def _empty_heads_major(T: int, N: int, r: int, like: torch.Tensor) -> torch.Tensor:
+    """[T, N, r] laid out [N, T, r], so the bmm that reads it per head needs no copy."""
+    return torch.empty(N, T, r, dtype=like.dtype, device=like.device).transpose(0, 1)
+
+
+def _check(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+           context_lens: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor) -> None:
+    """Shapes shared by both ops; raises ValueError naming the argument, expected against got."""
+    T, N, dn = q_nope.shape
+    r, dv, dr = w_kc.shape[-1], w_vc.shape[-1], q_pe.shape[-1]
+    want = {"q_pe": (q_pe, (T, N, dr)), "pool": (pool, (pool.shape[0], pool.shape[1], r + dr)),
+            "w_kc": (w_kc, (N, dn, r)), "w_vc": (w_vc, (N, r, dv)),
+            "block_tables": (block_tables, (context_lens.shape[0], block_tables.shape[-1]))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected int32 or int64, got {t.dtype}")
+
+
+def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Absorbed attention of one new token per sequence over its paged context (`mla_ref.mla_decode`).
+
+    q_nope [B, N, dn], q_pe [B, N, dr]; pool [num_blocks, block_size, r+dr]; block_tables [B, W]
+    int32; context_lens [B] (≥ 1; padding rows: a table of zeros reads the null block). Returns
+    [B, N·dv]. No host sync: the split count depends on B, W and the device only.
+    """
+    return decode(q_nope, q_pe, pool, block_tables, context_lens, w_kc, w_vc, scale)
+
+
+def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+           context_lens: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, scale: float, *,
+           config: dict | None = None, splits: int | None = None) -> torch.Tensor:
+    """`mla_decode` with the tile configuration and split count open (benchmarks, tuning)."""
+    _check(q_nope, q_pe, pool, block_tables, context_lens, w_kc, w_vc)
+    B, N, _ = q_nope.shape
+    r = w_kc.shape[-1]
+    if context_lens.shape[0] != B:
+        raise ValueError(f"context_lens: expected shape [{B}] (one per query row), got {list(context_lens.shape)}")
+    if B == 0:
+        return q_nope.new_empty(0, N * w_vc.shape[-1])
+    config = config or decode_config(N)
+    if splits is None:
+        splits = num_splits(B * -(-N // config["BLOCK_M"]), block_tables.shape[1] * pool.shape[1], q_nope.device)
+    o_hat = _empty_heads_major(B, N, r, q_nope)
+    latent_attention(_absorb(q_nope, w_kc), q_pe, pool, block_tables, context_lens, scale, o_hat,
+                     cu_seqlens=None, splits=splits, config=config)
+    return _unabsorb(o_hat, w_vc)
+
+
+def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, cu_seqlens: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, kv_b: torch.Tensor, w_kc: torch.Tensor,
+                w_vc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of varlen prefill chunks over their paged context (`mla_ref.mla_prefill`).
+
+    A chunk that is its sequence's whole context runs the expanded form over bf(c_kv·W_kvbᵀ) of its
+    own rows; a chunk with a cached prefix runs the absorbed form over the pool. Both are computed
+    for every token (the choice is per sequence and known only on the device) and selected per row.
+    Memory is O(T·N·r): no [N, T, S] scores. Returns [T, N·dv].
+    """
+    _check(q_nope, q_pe, pool, block_tables, context_lens, w_kc, w_vc)
+    T, N, dn = q_nope.shape
+    B, r, dv = context_lens.shape[0], w_kc.shape[-1], w_vc.shape[-1]
+    if tuple(cu_seqlens.shape) != (B + 1,):
+        raise ValueError(f"cu_seqlens: expected shape [{B + 1}], got {list(cu_seqlens.shape)}")
+    if tuple(kv_b.shape) != (N * (dn + dv), r):
+        raise ValueError(f"kv_b: expected shape [{N * (dn + dv)}, {r}], got {list(kv_b.shape)}")
+    if T == 0:
+        return q_nope.new_empty(0, N * dv)
+    dev, bs = q_nope.device, pool.shape[1]
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    tok = torch.arange(T, device=dev, dtype=cu_seqlens.dtype)
+    seq = torch.searchsorted(cu_seqlens[1:].contiguous(), tok, right=True)  # [T] sequence of each token
+    pos = (tok - cu_seqlens[seq] + (context_lens - lens)[seq]).long()  # absolute position in its sequence
+    lat = pool.view(-1, pool.shape[-1])[block_tables[seq, pos // bs].long() * bs + pos % bs]  # [T, r+dr]
+    fresh = (context_lens == lens)[seq]  # [T]: the expanded form (no cached prefix)
+
+    kv = (lat[:, :r] @ kv_b.t()).view(T, N, dn + dv)  # bf(c_kv·W_kvbᵀ)
+    o_mha = mha_attention(q_nope, q_pe, kv, lat[:, r:], cu_seqlens, context_lens, dv, scale,
+                          q_nope.new_empty(T, N, dv))
+    splits = num_splits(-(-T * N // PREFILL_LATENT["BLOCK_M"]) + B, block_tables.shape[1] * bs, dev)
+    o_hat = latent_attention(_absorb(q_nope, w_kc), q_pe, pool, block_tables, context_lens, scale,
+                             _empty_heads_major(T, N, r, q_nope), cu_seqlens=cu_seqlens, splits=splits,
+                             config=PREFILL_LATENT, skip_fresh=True)
+    return torch.where(fresh[:, None], o_mha.view(T, N * dv), _unabsorb(o_hat, w_vc))
+
+
+# ---- verifiers: (ok, reason); a decline runs the torch reference -----------------------------------
+
+def _supports(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, w_kc: torch.Tensor,
+              w_vc: torch.Tensor, *more: torch.Tensor) -> tuple[bool, str]:
+    if not interpreting() and not all(t.is_cuda for t in (q_nope, q_pe, pool, w_kc, w_vc, *more)):
+        return False, "tensors not on a GPU (the kernels need CUDA, or TRITON_INTERPRET=1)"
+    if q_nope.dtype not in SUPPORTED_DTYPES:
+        return False, f"dtype {q_nope.dtype}: the kernels take bfloat16, float16, float32"
+    for name, t in (("q_pe", q_pe), ("pool", pool), ("w_kc", w_kc), ("w_vc", w_vc)):
+        if t.dtype != q_nope.dtype:
+            return False, f"{name} is {t.dtype}, q_nope {q_nope.dtype}"
+    if not pool.is_contiguous():
+        return False, "latent pool is not contiguous"
+    if q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        return False, "q_nope / q_pe: last dim not contiguous"
+    if w_kc.shape[-1] > MAX_RANK or q_pe.shape[-1] > MAX_ROPE:
+        return False, f"kv_lora_rank {w_kc.shape[-1]} > {MAX_RANK} or rope dim {q_pe.shape[-1]} > {MAX_ROPE}"
+    return True, ""
+
+
+def mla_decode_supports(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+                        scale: float) -> tuple[bool, str]:
+    return _supports(q_nope, q_pe, pool, w_kc, w_vc, block_tables, context_lens)
+
+
+def mla_prefill_supports(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, cu_seqlens: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, kv_b: torch.Tensor,
+                         w_kc: torch.Tensor, w_vc: torch.Tensor, scale: float) -> tuple[bool, str]:
+    ok, why = _supports(q_nope, q_pe, pool, w_kc, w_vc, cu_seqlens, block_tables, context_lens, kv_b)
+    if ok and kv_b.dtype != q_nope.dtype:
+        return False, f"kv_b is {kv_b.dtype}, q_nope {q_nope.dtype}"
+    if ok and max(q_nope.shape[-1], w_vc.shape[-1]) > MAX_HEAD_DIM:
+        return False, f"head dims {q_nope.shape[-1]}/{w_vc.shape[-1]} > {MAX_HEAD_DIM}"
+    return ok, why

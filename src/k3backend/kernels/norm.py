@@ -1,0 +1,237 @@
+"""Triton normalisations and small fusions (K3_LM §2.2-§2.7, §4.2): the fast `rms_norm`, `gated_rms_norm`,
+`l2_norm`, `attn_res_mix` and `attn_res_mix_norm`, with the references' signatures. (The MLP's
+act-and-mul is fused into its GEMM: `glu_linear` in kernels/moe.py.)
+
+Every kernel is token-parallel and memory-bound: one read of each input row, fp32 arithmetic in the
+reference's order, one rounding at the store. `to_dtype` is that rounding; the interpreter's own
+fp32 -> bf16 cast truncates, so under TRITON_INTERPRET=1 it rounds to nearest even by bit arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_WIDTH = 16384  # one program holds a whole row (H 7168 -> 8192 lanes)
+MAX_ROWS_MIXED = 16  # attn_res_mix candidates (K3: at most 9)
+FP_FUSION = False  # no fma contraction: the references round every product and sum separately
+
+
+@triton.jit
+def to_dtype(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """x.to(dtype), rounding to nearest even (the interpreter's bf16 cast truncates: done by bits there)."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = x.to(dtype)
+    return out
+
+
+def interpreting() -> bool:
+    """Whether kernels run in the Triton interpreter (TRITON_INTERPRET=1, read by triton at import)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in fp32 without libdevice (which the interpreter lacks): odd Taylor series below 1/8,
+    (1 − e)/(1 + e) with e = exp(−2|x|) above; a few fp32 ulps."""
+    ax = tl.abs(x)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    e = tl.exp(-2.0 * ax)
+    large = (1.0 - e) / (1.0 + e)
+    return tl.where(ax < 0.125, small, tl.where(x < 0.0, -large, large))
+
+
+# ---- kernels: one program per BLOCK_ROWS rows of D values ----------------------------------------
+
+@triton.jit(do_not_specialize=["n_rows", "s_x", "s_z"])
+def _row_norm_kernel(
+    x_ptr, z_ptr, w_ptr, y_ptr, n_rows, s_x, s_z, s_y, eps,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, KIND: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """KIND 0: rms_norm, x32·rsqrt(mean x32² + eps)·w32 (§2.2). 1: gated_rms_norm, ·σ(z32) (§2.7).
+    2: l2_norm, x32·rsqrt(Σ x32² + eps) (§2.6). One rounding, at the store."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * s_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    ss = tl.sum(x * x, axis=1)
+    if KIND == 2:
+        y = x * (1.0 / tl.sqrt_rn(ss + eps))[:, None]
+    else:
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        y = x * (1.0 / tl.sqrt_rn(ss / D + eps))[:, None] * w[None, :]
+        if KIND == 1:
+            z = tl.load(z_ptr + r64 * s_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = y * tl.sigmoid(z)
+    tl.store(y_ptr + r64 * s_y + cols[None, :], to_dtype(y, y_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _attn_res_mix_kernel(
+    rows, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, n_rows, s_r, s_o, eps, out_eps,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, NUM: tl.constexpr, BLOCK_J: tl.constexpr, NORM: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """§4.2 for one token: s_j = (r_j·cw)·rsqrt(mean r_j² + eps), p = softmax_j(s), bf(Σ_j p_j r_j) in order;
+    NORM: then the RMSNorm of that bf16 mixture with out_w, out_eps (a second rounding, §4.9).
+    `rows` is a tuple of NUM candidate pointers; each row is read twice (scores, then the mix)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    cw = tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * \
+        tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    jj = tl.arange(0, BLOCK_J)
+    s = tl.full([BLOCK_J], float("-inf"), tl.float32)
+    for j in tl.static_range(NUM):
+        r = tl.load(rows[j] + t * s_r + cols, mask=cmask, other=0.0).to(tl.float32)
+        s_j = tl.sum(r * cw, axis=0) * (1.0 / tl.sqrt_rn(tl.sum(r * r, axis=0) / H + eps))
+        s = tl.where(jj == j, s_j, s)
+    e = tl.exp(s - tl.max(s, axis=0))
+    p = e / tl.sum(e, axis=0)
+    mix = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(NUM):  # volatile: re-read (from cache) rather than keep NUM rows live in registers
+        r = tl.load(rows[j] + t * s_r + cols, mask=cmask, other=0.0, volatile=True).to(tl.float32)
+        mix = mix + tl.sum(tl.where(jj == j, p, 0.0), axis=0) * r
+    y = to_dtype(mix, rows[0].dtype.element_ty, INTERPRET)
+    if NORM:
+        m = y.to(tl.float32)
+        w = tl.load(out_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = to_dtype(m * (1.0 / tl.sqrt_rn(tl.sum(m * m, axis=0) / H + out_eps)) * w, out_ptr.dtype.element_ty,
+                     INTERPRET)
+    tl.store(out_ptr + t * s_o + cols, y, mask=cmask)
+
+
+# ---- launchers and the ops (norm_ref signatures) --------------------------------------
+
+def row_config(D: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_ROWS, num_warps) of the row kernels: whole rows, ~4K values per program."""
+    block_d = triton.next_power_of_2(D)
+    block_rows = max(1, min(64, 4096 // block_d))
+    return block_d, block_rows, max(4, min(16, block_d * block_rows // 1024))
+
+
+def mix_warps(block_h: int) -> int:
+    """num_warps of the AttnRes mix: 32 values of a row per thread (H 7168 -> 8 warps)."""
+    return max(4, min(16, block_h // 1024))
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] as [n, D] with a unit last stride (a view where the strides allow, else a copy)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] == 1 else x2.contiguous()
+
+
+def _row_norm(kind: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    D = x.shape[-1]
+    x2 = _as_rows(x)
+    z2 = _as_rows(z) if z is not None else x2
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if out.numel():
+        block_d, block_rows, warps = row_config(D)
+        _row_norm_kernel[(triton.cdiv(x2.shape[0], block_rows),)](
+            x2, z2, weight if weight is not None else x2, out, n_rows=x2.shape[0], s_x=x2.stride(0), s_z=z2.stride(0),
+            s_y=out.stride(0), eps=eps, D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, KIND=kind,
+            INTERPRET=interpreting(), num_warps=warps, enable_fp_fusion=FP_FUSION)
+    return out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`norm_ref.rms_norm`: bf(x32·rsqrt(mean(x32²) + eps)·w32) over the last dim, in x's dtype."""
+    return _row_norm(0, x, None, weight, eps, x.dtype)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`norm_ref.gated_rms_norm`: per-row RMSNorm times σ(z), one rounding to o's dtype."""
+    if z.shape != o.shape:
+        raise ValueError(f"gated_rms_norm: z expected shape {list(o.shape)}, got {list(z.shape)}")
+    return _row_norm(1, o, z, weight, eps, o.dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`norm_ref.l2_norm`: x / sqrt(Σ x² + eps), returned in fp32 (the reference's accumulation dtype)."""
+    return _row_norm(2, x, None, None, eps, torch.float32)
+
+
+def attn_res_mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """`norm_ref.attn_res_mix`: the pre-norm softmax mixture of the candidate rows (§4.2), one rounding.
+
+    rows: n+1 tensors [T, H] (bank rows in order, the current prefix last). One read per candidate
+    from HBM; the mix re-reads each row from cache.
+    """
+    return _mix(rows, norm_w, proj_w, eps, None, 0.0)
+
+
+def attn_res_mix_norm(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+                      out_w: torch.Tensor, out_eps: float) -> torch.Tensor:
+    """`norm_ref.attn_res_mix_norm`: rms_norm(attn_res_mix(...)) in one kernel, the mixture rounded
+    to the model dtype before the norm as in the unfused path."""
+    return _mix(rows, norm_w, proj_w, eps, out_w, out_eps)
+
+
+def _mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+         out_w: torch.Tensor | None, out_eps: float) -> torch.Tensor:
+    first = rows[0]
+    for j, r in enumerate(rows):
+        if r.shape != first.shape or r.dtype != first.dtype:
+            raise ValueError(f"attn_res_mix: rows[{j}] expected {first.dtype} {list(first.shape)}, "
+                             f"got {r.dtype} {list(r.shape)}")
+    H = first.shape[-1]
+    flat = [_as_rows(r) for r in rows]
+    if len({r.stride(0) for r in flat}) > 1:
+        flat = [r.contiguous() for r in flat]
+    out = torch.empty(flat[0].shape, dtype=first.dtype, device=first.device)
+    if out.numel():
+        block_h = triton.next_power_of_2(H)
+        _attn_res_mix_kernel[(flat[0].shape[0],)](
+            tuple(flat), norm_w, proj_w.reshape(-1), norm_w if out_w is None else out_w, out,
+            n_rows=flat[0].shape[0], s_r=flat[0].stride(0), s_o=out.stride(0), eps=eps, out_eps=out_eps, H=H,
+            BLOCK_H=block_h, NUM=len(rows), BLOCK_J=max(2, triton.next_power_of_2(len(rows))), NORM=out_w is not None,
+            INTERPRET=interpreting(), num_warps=mix_warps(block_h), enable_fp_fusion=FP_FUSION)
+    return out.view(first.shape)
+
+
+# ---- verifiers: (ok, reason); a decline runs the torch reference -----------------------------------
+
+def _supports(*tensors: torch.Tensor, width: int, out_dtype: torch.dtype | None = None) -> tuple[bool, str]:
+    if not interpreting() and not all(t.is_cuda for t in tensors):
+        return False, "tensors not on a GPU (the kernels need CUDA, or TRITON_INTERPRET=1)"
+    for dtype in (*(t.dtype for t in tensors), *([] if out_dtype is None else [out_dtype])):
+        if dtype not in SUPPORTED_DTYPES:
+            return False, f"dtype {dtype}: the kernels take bfloat16, float16, float32"
+    if width > MAX_WIDTH:
+        return False, f"rows of {width} values > {MAX_WIDTH}"
+    return True, ""
+
+
+def rms_norm_supports(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[bool, str]:
+    return _supports(x, weight, width=x.shape[-1])
+
+
+def gated_rms_norm_supports(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[bool, str]:
+    return _supports(o, z, weight, width=o.shape[-1])
+
+
+def l2_norm_supports(x: torch.Tensor, eps: float = 1e-6) -> tuple[bool, str]:
+    return _supports(x, width=x.shape[-1])
+
+
+def attn_res_mix_supports(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor,
+                          eps: float) -> tuple[bool, str]:
+    if not 1 <= len(rows) <= MAX_ROWS_MIXED:
+        return False, f"{len(rows)} candidate rows: the kernel takes 1..{MAX_ROWS_MIXED}"
+    return _supports(*rows, norm_w, proj_w, width=rows[0].shape[-1])
+
+
+def attn_res_mix_norm_supports(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+                               out_w: torch.Tensor, out_eps: float) -> tuple[bool, str]:
+    ok, why = attn_res_mix_supports(rows, norm_w, proj_w, eps)
+    return _supports(out_w, width=0) if ok else (ok, why)

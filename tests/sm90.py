@@ -1,0 +1,76 @@
+"""Compile a @triton.jit kernel for an H100/H200 (sm_90a) on a machine without a GPU, and read what the
+GPU run would get: registers, spill bytes, shared memory, which MMA (v2 mma.sync or v3 wgmma).
+
+`triton.compile` needs no driver for this; ptxas and cuobjdump ship in the triton wheel. The args
+are given as a launch would give them, so the compile sees the same specialisation: a pointer is
+its element type ("*bf16"; assumed 16-byte aligned, as torch allocations are; a tuple of tensors a
+tuple of those), an int its value
+(divisible by 16 -> specialised as such unless the kernel's `do_not_specialize` names it), a float
+its value. Constexprs are passed separately.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+@dataclass(frozen=True)
+class Compiled:
+    regs: int  # registers per thread (255 is the ceiling)
+    stack: int  # bytes of stack frame per thread: spills live there
+    smem: int  # dynamic shared memory bytes per program
+    mma: tuple[int, ...]  # MMA versions used (2: mma.sync, 3: wgmma)
+
+    def __str__(self) -> str:
+        return f"regs {self.regs}, stack {self.stack} B, smem {self.smem} B, mma v{self.mma}"
+
+
+def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], *, num_warps: int,
+                 num_stages: int, enable_fp_fusion: bool = True) -> Compiled:
+    """Compile `kernel` (a triton JITFunction) for sm_90a with `args` (every non-constexpr parameter)."""
+    names = kernel.arg_names
+    missing = [n for n in names if n not in args and n not in constexprs]
+    if missing:
+        raise ValueError(f"compile_sm90: no value for {missing}")
+    dns = {p.name for p in kernel.params if p.do_not_specialize}
+    signature, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        v = args[name]
+        if isinstance(v, str):
+            signature[name], attrs[(i,)] = v, [["tt.divisibility", 16]]
+        elif isinstance(v, tuple) and all(isinstance(e, str) for e in v):  # a tuple of pointers
+            signature[name] = v
+            attrs.update({(i, k): [["tt.divisibility", 16]] for k in range(len(v))})
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"compile_sm90: {name}={v!r} is not a pointer type, int or float")
+        elif isinstance(v, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0 and name not in dns:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": enable_fp_fusion}
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"
+        cubin.write_bytes(ck.asm["cubin"])
+        usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+    field = lambda key: int(re.search(rf"{key}:(\d+)", usage).group(1))  # noqa: E731
+    mma = tuple(sorted({int(v) for v in re.findall(r"nvidia_mma<\{versionMajor = (\d)", ck.asm["ttgir"])}))
+    return Compiled(field("REG"), field("STACK"), ck.metadata.shared, mma)

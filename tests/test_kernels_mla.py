@@ -1,0 +1,332 @@
+"""The Triton MLA kernels (kernels/mla.py) equal the torch references (kernels/mla_ref.py).
+
+Run under TRITON_INTERPRET=1 in a subprocess (tests/interpret.py) at small odd sizes: heads 3 and 33
+(two row tiles per sequence), dn 5, dr 12, r 40 (padded blocks), dv 7, block size 5, permuted block
+tables wider than needed, unused pool rows poisoned with NaN, padding rows (a table of zeros,
+context 1), cached prefix against none, split-KV counts 1..16, outputs poisoned before the kernels
+write them. Every element is compared (tolerances.KERNEL).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from interpret import Checks, poisoned_empty
+from tolerances import KERNEL
+
+CHECKS = Checks(__file__)
+DIMS = {"N": 3, "dn": 5, "dr": 12, "r": 40, "dv": 7, "bs": 5}
+
+
+def paged_problem(prefix: list[int], chunk: list[int], dtype: torch.dtype, *, seed: int, N: int = DIMS["N"],
+                  pad_rows: int = 0, **dims: int) -> dict:
+    """Sequences with `prefix[b]` cached rows and `chunk[b]` new ones (already written), in permuted
+    blocks of a pool whose every row outside the sequences' contexts is NaN; `pad_rows` padding
+    sequences (block table of zeros, context 1) at the end. `dims` overrides DIMS."""
+    g = torch.Generator().manual_seed(seed)
+    dims = {**DIMS, **dims}
+    dn, dr, r, dv, bs = dims["dn"], dims["dr"], dims["r"], dims["dv"], dims["bs"]
+    ctx = [p + c for p, c in zip(prefix, chunk)]
+    need = [-(-n // bs) for n in ctx]
+    num_blocks = sum(need) + 4
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 is the null block
+    pool = torch.full((num_blocks, bs, r + dr), float("nan"))
+    pool[0] = torch.randn(bs, r + dr, generator=g)  # padding rows read the null block
+    tables, k = [], 0
+    for n, nb in zip(ctx, need):
+        tables.append(perm[k:k + nb])
+        k += nb
+        rows = torch.randn(n, r + dr, generator=g)
+        for p in range(n):
+            pool[tables[-1][p // bs], p % bs] = rows[p]
+    width = max(need) + 2
+    tables += [[] for _ in range(pad_rows)]
+    ctx += [1] * pad_rows
+    chunk = list(chunk) + [1] * pad_rows
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(chunk).cumsum(0).tolist()], dtype=torch.int32)
+    kv_b = torch.randn(N * (dn + dv), r, generator=g) * r ** -0.5
+    q = torch.randn(int(cu[-1]), N, dn + dr, generator=g)
+    c = lambda t: t.to(dtype)  # noqa: E731
+    w = c(kv_b).view(N, dn + dv, r)
+    return {"q_nope": c(q)[..., :dn], "q_pe": c(q)[..., dn:], "pool": c(pool), "cu_seqlens": cu,
+            "block_tables": bt, "context_lens": torch.tensor(ctx, dtype=torch.int32), "kv_b": c(kv_b),
+            "w_kc": w[:, :dn], "w_vc": w[:, dn:].transpose(1, 2), "scale": (dn + dr) ** -0.5}
+
+
+def decode_args(p: dict) -> tuple:
+    return (p["q_nope"], p["q_pe"], p["pool"], p["block_tables"], p["context_lens"], p["w_kc"], p["w_vc"], p["scale"])
+
+
+def prefill_args(p: dict) -> tuple:
+    return (p["q_nope"], p["q_pe"], p["pool"], p["cu_seqlens"], p["block_tables"], p["context_lens"], p["kv_b"],
+            p["w_kc"], p["w_vc"], p["scale"])
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (what, out.dtype, ref.dtype, out.shape, ref.shape)
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    torch.testing.assert_close(out, ref, **KERNEL[ref.dtype], msg=lambda m: f"{what}: {m}")
+
+
+DECODE_CTX = [1, 4, 17, 38, 61]  # one sequence shorter than a block, one over 12 blocks
+
+
+def check_decode_matches_reference() -> None:
+    from k3backend.kernels import mla, mla_ref
+
+    for dtype in (torch.float32, torch.bfloat16):
+        p = paged_problem([n - 1 for n in DECODE_CTX], [1] * len(DECODE_CTX), dtype, seed=1, pad_rows=2)
+        with poisoned_empty():
+            out = mla.mla_decode(*decode_args(p))
+        assert_matches(out, mla_ref.mla_decode(*decode_args(p)), f"decode {dtype}")
+
+
+def check_decode_split_kv_writes_every_row() -> None:
+    from k3backend.kernels import mla, mla_ref
+
+    p = paged_problem([n - 1 for n in DECODE_CTX], [1] * len(DECODE_CTX), torch.bfloat16, seed=2, pad_rows=1)
+    want = mla_ref.mla_decode(*decode_args(p))
+    B, N, r = p["q_nope"].shape[0], DIMS["N"], DIMS["r"]
+    for splits in (3, 11):  # 11: more splits than the short sequences have tiles (empty splits)
+        o_hat = mla._empty_heads_major(B, N, r, p["q_nope"]).fill_(float("nan"))
+        mla.latent_attention(mla._absorb(p["q_nope"], p["w_kc"]), p["q_pe"], p["pool"], p["block_tables"],
+                             p["context_lens"], p["scale"], o_hat, cu_seqlens=None, splits=splits,
+                             config=mla.decode_config(N))
+        assert_matches(mla._unabsorb(o_hat, p["w_vc"]), want, f"decode, {splits} splits")
+
+
+def check_decode_many_heads_uses_several_row_tiles() -> None:
+    from k3backend.kernels import mla, mla_ref
+
+    p = paged_problem([6, 12], [1, 1], torch.float32, seed=3, N=33)  # 33 heads: 2 tiles of 32 rows
+    assert mla.decode_config(33)["BLOCK_M"] == 32
+    assert_matches(mla.mla_decode(*decode_args(p)), mla_ref.mla_decode(*decode_args(p)), "decode, 33 heads")
+
+
+def check_tma_tiles_and_masked_tail_match_reference() -> None:
+    """Block size 32, 16-key tiles: whole tiles through TMA descriptors, the partial tail masked
+    (rows past each context are NaN in the pool)."""
+    from k3backend.kernels import mla, mla_ref
+
+    tma = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "tma": True}
+    dims = {"bs": 32, "r": 40, "dr": 16}  # rows of 56 values: 16-byte aligned for TMA
+    for dtype in (torch.float32, torch.bfloat16):
+        p = paged_problem([0, 15, 40, 70], [1, 1, 1, 1], dtype, seed=9, pad_rows=1, **dims)
+        assert mla._descriptors(p["pool"], 40, 16, 16) is not None
+        want = mla_ref.mla_decode(*decode_args(p))
+        B, N = p["q_nope"].shape[:2]
+        for splits in (1, 3):
+            o_hat = mla._empty_heads_major(B, N, 40, p["q_nope"]).fill_(float("nan"))
+            mla.latent_attention(mla._absorb(p["q_nope"], p["w_kc"]), p["q_pe"], p["pool"], p["block_tables"],
+                                 p["context_lens"], p["scale"], o_hat, cu_seqlens=None, splits=splits, config=tma)
+            assert_matches(mla._unabsorb(o_hat, p["w_vc"]), want, f"decode TMA {dtype} {splits} splits")
+    p = paged_problem([0, 20, 33], [9, 13, 4], torch.bfloat16, seed=10, **dims)
+    want = mla_ref.mla_prefill(*prefill_args(p))
+    cached = torch.repeat_interleave(torch.tensor([False, True, True]), torch.tensor([9, 13, 4]))
+    o_hat = mla.latent_attention(mla._absorb(p["q_nope"], p["w_kc"]), p["q_pe"], p["pool"], p["block_tables"],
+                                 p["context_lens"], p["scale"], mla._empty_heads_major(26, N, 40, p["q_nope"]),
+                                 cu_seqlens=p["cu_seqlens"], splits=1, config=tma, skip_fresh=True)
+    assert_matches(mla._unabsorb(o_hat, p["w_vc"])[cached], want[cached], "prefill TMA")
+
+
+# fresh 9 (expanded form), prefix 6 + 4, prefix 11 + 1, fresh 1, prefix 3 + 7
+PREFIX, CHUNK = [0, 6, 11, 0, 3], [9, 4, 1, 1, 7]
+
+
+def check_prefill_matches_reference() -> None:
+    from k3backend.kernels import mla, mla_ref
+
+    for dtype in (torch.float32, torch.bfloat16):
+        p = paged_problem(PREFIX, CHUNK, dtype, seed=4)
+        with poisoned_empty():
+            out = mla.mla_prefill(*prefill_args(p))
+        assert_matches(out, mla_ref.mla_prefill(*prefill_args(p)), f"prefill {dtype}")
+
+
+def check_prefill_all_fresh_and_all_cached() -> None:
+    from k3backend.kernels import mla, mla_ref
+
+    for prefix, chunk in (([0, 0], [13, 6]), ([8, 2], [3, 9])):
+        p = paged_problem(prefix, chunk, torch.bfloat16, seed=5)
+        assert_matches(mla.mla_prefill(*prefill_args(p)), mla_ref.mla_prefill(*prefill_args(p)), f"prefill {prefix}")
+
+
+def check_prefill_kernels_write_exactly_their_rows() -> None:
+    """The expanded kernel writes the fresh chunks' rows, the latent one the others (any split count)."""
+    from k3backend.kernels import mla
+
+    p = paged_problem(PREFIX, CHUNK, torch.float32, seed=6)
+    T, N, r, dv = p["q_nope"].shape[0], DIMS["N"], DIMS["r"], DIMS["dv"]
+    fresh = torch.repeat_interleave(torch.tensor([x == 0 for x in PREFIX]), torch.tensor(CHUNK))
+    want = mla.mla_prefill(*prefill_args(p))
+    lat = torch.cat([p["pool"][p["block_tables"][b, torch.arange(n) // DIMS["bs"]].long(), torch.arange(n) % DIMS["bs"]]
+                     [n - c:] for b, (n, c) in enumerate(zip(p["context_lens"].tolist(), CHUNK))])
+    kv = (lat[:, :r] @ p["kv_b"].t()).view(T, N, -1)
+    o = mla.mha_attention(p["q_nope"], p["q_pe"], kv, lat[:, r:], p["cu_seqlens"], p["context_lens"], dv, p["scale"],
+                          torch.full((T, N, dv), float("nan")))
+    assert torch.isfinite(o[fresh]).all() and torch.isnan(o[~fresh]).all()
+    torch.testing.assert_close(o[fresh].reshape(-1, N * dv), want[fresh], **KERNEL[torch.float32])
+    for splits in (1, 3):
+        o_hat = mla.latent_attention(mla._absorb(p["q_nope"], p["w_kc"]), p["q_pe"], p["pool"], p["block_tables"],
+                                     p["context_lens"], p["scale"], torch.full((T, N, r), float("nan")),
+                                     cu_seqlens=p["cu_seqlens"], splits=splits, config=mla.PREFILL_LATENT,
+                                     skip_fresh=True)
+        skipped = o_hat[fresh]
+        assert torch.isfinite(o_hat[~fresh]).all(), splits
+        assert (torch.isnan(skipped) if splits == 1 else skipped == 0).all(), splits
+        torch.testing.assert_close(mla._unabsorb(o_hat, p["w_vc"])[~fresh], want[~fresh],
+                                   **KERNEL[torch.float32])
+
+
+def check_mla_layer_steps_through_the_switch_match_reference() -> None:
+    """model/mla.py through kernels/__init__ with K3_KERNELS=triton: prefill, a mixed step (decode rows
+    and a chunk over a cached prefix), decode; the same outputs as K3_KERNELS=ref."""
+    import importlib
+    import logging
+    import os
+
+    import k3backend.kernels
+    from k3backend.config import K3Config
+    from k3backend.model.mla import MLA
+    from k3backend.presets import preset_config
+    from poolutil import Streams
+
+    cfg = K3Config.from_dict(preset_config("tiny")).text
+    layer = MLA(cfg)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for _, w in sorted(layer.named_parameters()):
+            w.copy_(torch.randn(w.shape, generator=g) / w.shape[-1] ** 0.5 + (1.0 if w.dim() == 1 else 0.0))
+    steps = [([7, 5, 3], 0), ([1, 1, 4], 2), ([1, 1, 1], 3)]
+    xs = [torch.randn(sum(lens), cfg.hidden_size, generator=g) for lens, _ in steps]
+    outs, seen = {}, []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("k3backend.kernels").addHandler(handler)
+    logging.getLogger("k3backend.kernels").setLevel(logging.INFO)
+    for mode in ("ref", "triton"):
+        os.environ["K3_KERNELS"] = mode
+        importlib.reload(k3backend.kernels)
+        s = Streams([layer], 3, 16, dtype=torch.float32)
+        outs[mode] = [layer(x, s.batch(lens, num_decode=nd), s.cache) for x, (lens, nd) in zip(xs, steps)]
+    os.environ.pop("K3_KERNELS")
+    importlib.reload(k3backend.kernels)
+    for op in ("mla_decode", "mla_prefill"):
+        assert any(f"{op} runs its Triton kernel" in m for m in seen), (op, seen)
+    for k, (a, b) in enumerate(zip(outs["triton"], outs["ref"])):
+        torch.testing.assert_close(a, b, **KERNEL[torch.float32], msg=lambda m: f"step {k}: {m}")
+
+
+def test_mla_layer_steps_through_the_switch_match_reference():
+    CHECKS.assert_passed("mla_layer_steps_through_the_switch_match_reference")
+
+
+def test_decode_matches_reference():
+    CHECKS.assert_passed("decode_matches_reference")
+
+
+def test_decode_split_kv_writes_every_row():
+    CHECKS.assert_passed("decode_split_kv_writes_every_row")
+
+
+def test_decode_many_heads_uses_several_row_tiles():
+    CHECKS.assert_passed("decode_many_heads_uses_several_row_tiles")
+
+
+def test_tma_tiles_and_masked_tail_match_reference():
+    CHECKS.assert_passed("tma_tiles_and_masked_tail_match_reference")
+
+
+def test_prefill_matches_reference():
+    CHECKS.assert_passed("prefill_matches_reference")
+
+
+def test_prefill_all_fresh_and_all_cached():
+    CHECKS.assert_passed("prefill_all_fresh_and_all_cached")
+
+
+def test_prefill_kernels_write_exactly_their_rows():
+    CHECKS.assert_passed("prefill_kernels_write_exactly_their_rows")
+
+
+# ---- in-process: no kernel launches -------------------------------------------------------------
+
+def test_fast_ops_have_the_reference_signatures():
+    from k3backend import kernels
+
+    for name, module in kernels.FAST_OPS.items():
+        if not module.endswith(".mla"):
+            continue
+        mod = __import__(module, fromlist=[name])
+        ref = getattr(kernels, name)
+        want = list(inspect.signature(getattr(ref, "__wrapped__", ref)).parameters)
+        assert list(inspect.signature(getattr(mod, name)).parameters) == want, name
+        assert list(inspect.signature(getattr(mod, f"{name}_supports")).parameters) == want, name
+
+
+def test_verifiers_decline_what_the_kernels_cannot_do():
+    from k3backend.kernels import mla
+
+    p = paged_problem([4], [1], torch.float64, seed=7)
+    ok, why = mla.mla_decode_supports(*decode_args(p))
+    assert not ok and ("float64" in why or "GPU" in why), why
+    p = paged_problem([4], [1], torch.bfloat16, seed=7)
+    p["pool"] = p["pool"].float()
+    ok, why = mla.mla_decode_supports(*decode_args(p))
+    assert not ok and ("pool is torch.float32" in why or "GPU" in why), why
+
+
+def test_wrapper_names_a_wrong_shape():
+    from k3backend.kernels import mla
+
+    p = paged_problem([4], [1], torch.float32, seed=8)
+    p["pool"] = p["pool"][..., :-1]
+    with pytest.raises(ValueError, match=r"pool: expected shape \[\d+, 5, 52\], got \[\d+, 5, 51\]"):
+        mla.mla_decode(*decode_args(p))
+
+
+def _latent_args(config: dict, N: int, T: int, split: bool) -> dict:
+    """A K3-sized launch of the latent kernel (r 512, dr 64, block size 64), as compile_sm90 takes it."""
+    r, bn = 512, config["BLOCK_N"]
+    desc = lambda w: f"tensordesc<bf16[{bn}, {w}]>" if config["tma"] else "*bf16"  # noqa: E731
+    return dict(q_ptr="*bf16", qpe_ptr="*bf16", pool_ptr="*bf16", ckv_desc=desc(512), kpe_desc=desc(64), bt_ptr="*i32",
+                ctx_ptr="*i32", cu_ptr="*i32", tile_cu_ptr="*i32", out_ptr="*fp32" if split else "*bf16",
+                lse_ptr="*fp32", scale=0.07, B=64, N=N, num_splits=4, tiles_per_seq=1, s_qt=r, s_qh=T * r,
+                s_pt=N * 192, s_ph=192, s_blk=64 * 576, s_row=576, s_bt=256, s_os=T * N * r, s_ot=N * r, s_oh=r,
+                s_ls=T * N, s_lt=N, s_lh=1)
+
+
+def test_configs_compile_for_hopper_without_spills():
+    """The shipped tile configurations at K3 sizes compile for sm_90a (no GPU needed) with no register
+    spills and within the 227 KB of shared memory a program may use."""
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import mla
+
+    latent = {"BLOCK_SIZE": 64, "R": 512, "DR": 64, "BLOCK_R": 512, "BLOCK_DR": 64, "F32_DOT": False, "SPLIT_P": True,
+              "INTERPRET": False, "SEARCH": mla.SEARCH}
+    runs = []
+    cfg = mla.decode_config(16)
+    runs.append(("decode", mla._latent_attn_kernel, _latent_args(cfg, 16, 64, True), cfg,
+                 {**latent, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "DECODE": True, "SKIP_FRESH": False,
+                  "SPLIT": True, "USE_TMA": cfg["tma"]}))
+    cfg = mla.PREFILL_LATENT  # also decode_config(N > 16)
+    assert {k: v for k, v in mla.decode_config(32).items()} == cfg
+    runs.append(("prefill latent", mla._latent_attn_kernel, _latent_args(cfg, 16, 4096, False), cfg,
+                 {**latent, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "DECODE": False, "SKIP_FRESH": True,
+                  "SPLIT": False, "USE_TMA": cfg["tma"]}))
+    cfg, N = mla.PREFILL_MHA, 16
+    mha_args = dict(qn_ptr="*bf16", qp_ptr="*bf16", kv_ptr="*bf16", kpe_ptr="*bf16", cu_ptr="*i32", ctx_ptr="*i32",
+                    tile_cu_ptr="*i32", out_ptr="*bf16", scale=0.07, B=2, s_nt=N * 192, s_nh=192, s_pt=N * 192,
+                    s_ph=192, s_kt=N * 256, s_kh=256, s_et=576, s_ot=N * 128, s_oh=128)
+    runs.append(("prefill mha", mla._mha_kernel, mha_args, cfg,
+                 {"DN": 128, "DR": 64, "DV": 128, "BLOCK_DN": 128, "BLOCK_DR": 64, "BLOCK_DV": 128,
+                  "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "F32_DOT": False, "SPLIT_P": True,
+                  "INTERPRET": False, "SEARCH": mla.SEARCH}))
+    for what, kernel, args, cfg, constexprs in runs:
+        c = compile_sm90(kernel, args, constexprs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        assert c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what} {cfg}: {c}"
