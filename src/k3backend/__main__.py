@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=_make_checkpoint)
 
-    h = sub.add_parser("hf-tokenizer", help="write the Hugging Face tokenizer dir (SERVING.md PRM-5) for a "
-                                            "tiktoken.model + tokenizer_config.json dir")
+    h = sub.add_parser("hf-tokenizer", help="write the Hugging Face tokenizer dir (for GenAI-Perf and the OpenAI "
+                                            "frontend, docs/benchmarking.md) for a tiktoken.model + "
+                                            "tokenizer_config.json dir")
     h.add_argument("--tokenizer", required=True, help="directory with tiktoken.model (e.g. a checkpoint)")
     h.add_argument("--out", required=True, help="output directory (may equal --tokenizer)")
     h.add_argument("--default-thinking", action="store_true",

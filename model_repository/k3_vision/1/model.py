@@ -1,4 +1,4 @@
-"""k3_vision: images -> embeddings for k3_lm (SERVING.md §3).
+"""k3_vision: images -> embeddings for k3_lm (docs/client-api.md).
 
 Thin Triton shell; the logic is in `k3backend.serving.vision_adapter`. `execute` never raises:
 every failure becomes that request's error response `k3_vision: <CODE>: <detail>` [VIS-7].
