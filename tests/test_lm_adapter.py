@@ -36,6 +36,9 @@ def test_CFG_L3_unknown_or_unparsable_parameters_name_the_parameter():
     with pytest.raises(ConfigError, match="parameter default_thinking: expected true or false"):
         p.bool("default_thinking")
     assert ModelParams(cfg(), PARAMETERS, "k3_lm").int("default_max_tokens", lo=1) == 16
+    p = ModelParams(cfg(gpu_memory_utilization="1.5"), PARAMETERS, "k3_lm")
+    with pytest.raises(ConfigError, match=r"parameter gpu_memory_utilization: expected a finite number >= 0.01 and <= 1"):
+        p.float("gpu_memory_utilization", lo=0.01, hi=1.0)
 
 
 def test_repository_k3_lm_parameters_are_exactly_the_known_ones():

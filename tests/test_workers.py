@@ -141,3 +141,18 @@ def test_corrupt_shard_seen_only_by_rank_1_fails_start_up_naming_it(ckpt, tmp_pa
     assert "its last log lines" in str(info.value)
     assert time.monotonic() - start < 60
     wait_until(lambda: not mp.active_children(), 10, "every worker of the failed start-up to be gone")
+
+
+def test_a_rank_gets_the_gpu_of_its_index_among_the_visible_ones(monkeypatch):
+    """gpu_device_ids index the GPUs the server sees: under CUDA_VISIBLE_DEVICES=2,3 (or UUIDs),
+    GPU 0 is physical 2, not physical 0."""
+    from k3backend.engine.workers import visible_gpu
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [visible_gpu(i) for i in (0, 1)] == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert [visible_gpu(i) for i in (0, 1)] == ["2", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,GPU-bb")
+    assert visible_gpu(1) == "GPU-bb"
+    with pytest.raises(ValueError, match="not among the 2"):
+        visible_gpu(2)

@@ -176,10 +176,14 @@ def size_cache(model: K3Model, cfg: EngineConfig) -> CacheCapacity:
         snapshots = max(4, cfg.max_num_seqs // 2) if cfg.prefix_caching else 0  # prefix snapshot slots
         slots = min(1 + cfg.max_num_seqs + snapshots, (budget - one_seq * block_bytes) // slot_bytes)
         capacity = CacheCapacity(int((budget - slots * slot_bytes) // block_bytes), int(slots), bs)
+    return capacity
+
+
+def log_capacity(capacity: CacheCapacity, cfg: EngineConfig) -> None:
+    """The pools the engine schedules against, logged once (after every rank agreed on them)."""
     log.info("cache: %d KDA state slots (%d concurrent requests plus prefix snapshots), %d MLA blocks of %d "
              "tokens (%d tokens cached at most)", capacity.num_slots - 1, min(cfg.max_num_seqs, capacity.num_slots - 1),
-             capacity.num_blocks - 1, bs, (capacity.num_blocks - 1) * bs)
-    return capacity
+             capacity.num_blocks - 1, capacity.block_size, (capacity.num_blocks - 1) * capacity.block_size)
 
 
 def _cache_budget(model: K3Model, cfg: EngineConfig) -> int:
@@ -230,10 +234,12 @@ class InProcessExecutor:
         text = model.cfg.text
         self.info = ModelInfo(text.vocab_size, text.hidden_size, model.cfg.media_placeholder_token_id)
         self.capacity = size_cache(model, cfg)
+        log_capacity(self.capacity, cfg)
         pools = CachePools.allocate(model.language_model, self.capacity.num_slots, self.capacity.num_blocks,
                                     self.capacity.block_size)
         self.runner = ModelRunner(model, pools)
         self.runner.capture_graphs(cfg)
+        self._closed = False
 
     @classmethod
     def load(cls, path: str | Path, cfg: EngineConfig, *, dtype: torch.dtype, device: torch.device) -> InProcessExecutor:
@@ -249,7 +255,7 @@ class InProcessExecutor:
 
     @property
     def workers_alive(self) -> int:
-        return 1
+        return 0 if self._closed else 1  # as the worker executor: none serving once the engine closed it
 
     def close(self, timeout: float = 20.0) -> None:
-        pass
+        self._closed = True

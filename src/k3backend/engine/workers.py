@@ -59,7 +59,7 @@ class WorkerSpec:
     rank: int
     world_size: int
     ep_size: int
-    gpu: int | None  # physical GPU id, or None on CPU
+    gpu: str | None  # the rank's CUDA_VISIBLE_DEVICES entry (see `visible_gpu`), or None on CPU
     backend: str  # "nccl" | "gloo"
     init_method: str  # tcp://127.0.0.1:port
     checkpoint: str
@@ -109,7 +109,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, parent: int) -> None:
     """One rank: build the runner, report, then run every message of the pipe until "stop" or EOF."""
     _guard_against_orphaning(parent)
     if spec.gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)  # before torch is imported
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu  # before torch is imported
     tail = _Tail()
     handler = logging.StreamHandler()
     for h in (tail, handler):
@@ -199,6 +199,17 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+def visible_gpu(index: int) -> str:
+    """The device a rank gets for GPU `index` among those this process sees: an entry of our own
+    CUDA_VISIBLE_DEVICES (an ordinal or a UUID) when it is set, else the ordinal itself."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return str(index)
+    if index >= len(visible):
+        raise ValueError(f"GPU {index} is not among the {len(visible)} of CUDA_VISIBLE_DEVICES={','.join(visible)}")
+    return visible[index]
+
+
 class MultiProcessExecutor:
     """Ranks 0..world-1 as worker processes; the engine's `Executor` (see module docstring)."""
 
@@ -210,8 +221,9 @@ class MultiProcessExecutor:
         backend = ("nccl" if gpus is not None else "gloo") if backend == "auto" else backend
         self.world_size, self.step_timeout_s = world_size, step_timeout_s
         init = f"tcp://127.0.0.1:{free_loopback_port()}"  # unique per k3_lm instance
-        self._specs = [WorkerSpec(r, world_size, ep_size, None if gpus is None else gpus[r], backend, init,
-                                  str(checkpoint), dtype, cfg, max(startup_timeout_s, step_timeout_s))
+        devices = [None] * world_size if gpus is None else [visible_gpu(g) for g in gpus]
+        self._specs = [WorkerSpec(r, world_size, ep_size, devices[r], backend, init, str(checkpoint), dtype, cfg,
+                                  max(startup_timeout_s, step_timeout_s))
                        for r in range(world_size)]
         self._ctx = mp.get_context("spawn")
         self._ctx.set_executable(python_executable())
@@ -232,6 +244,9 @@ class MultiProcessExecutor:
             raise
         self.info = self.ranks[0].info
         self.capacity = self.ranks[0].capacity
+        from k3backend.engine.runner import log_capacity  # here: this module must not import torch (see _main)
+
+        log_capacity(self.capacity, cfg)
         for r in self.ranks:
             log.info("k3_lm: worker rank %d pid %d device %s", r.rank, r.pid, r.device)  # [HLT-1]
             log.info("worker rank %d: %.2f GiB of weights", r.rank, r.weight_bytes / 2**30)

@@ -140,7 +140,7 @@ class LmServer:
             max_queued_requests=p.int("max_queued_requests", lo=0), step_timeout_s=p.float("step_timeout_s", lo=0.001),
             stop_tombstone_ttl_s=p.float("stop_tombstone_ttl_s", lo=0),
             prefix_caching=p.bool("enable_prefix_caching"), enforce_eager=p.bool("enforce_eager"),
-            gpu_memory_utilization=p.float("gpu_memory_utilization", lo=0.01),
+            gpu_memory_utilization=p.float("gpu_memory_utilization", lo=0.01, hi=1.0),
             cpu_cache_gb=p.float("cpu_cache_gb", lo=0.001))
         self.engine = Engine(self._executor(p, ckpt, engine_cfg, device, dtype, tp, ep), self.tokenizer, engine_cfg)
         try:

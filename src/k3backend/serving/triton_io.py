@@ -92,13 +92,13 @@ class ModelParams:
                              + (" or empty" if optional else ""))
         return v
 
-    def float(self, name: str, lo: float) -> float:
+    def float(self, name: str, lo: float, hi: float = float("inf")) -> float:
         try:
             v = float(self.str(name))
         except ValueError:
             v = float("nan")
-        if not (v >= lo and v != float("inf")):
-            raise self._fail(name, f"a finite number >= {lo:g}")
+        if not (lo <= v <= hi and v != float("inf")):
+            raise self._fail(name, f"a finite number >= {lo:g}" + (f" and <= {hi:g}" if hi != float("inf") else ""))
         return v
 
     def bool(self, name: str) -> bool:

@@ -366,7 +366,7 @@ def triton_initialize(pb_utils: Any, args: dict[str, Any]) -> VisionServer:
         metrics = TritonMetrics(pb_utils, params.metrics_prefix, model=args.get("model_name", MODEL),
                                 version=args.get("model_version", "1"))
         metrics.counter("vision_images_total", "Images encoded by k3_vision")
-        metrics.counter("request_failure_total", "Error responses of k3_vision", labels={"code": ERROR_CODES})
+        metrics.counter("request_failure_total", "Error final responses", labels={"code": ERROR_CODES})
         metrics.histogram("vision_encode_seconds", "Time k3_vision spends per request with images",
                           VISION_ENCODE_BUCKETS)
         metrics.start()
