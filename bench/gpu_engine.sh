@@ -7,9 +7,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT/src:${PYTHONPATH:-}
-B="python3 bench/engine.py --random-weights small --dtype bfloat16 --max-model-len 8192"
-KEEP="kernels: |CUDA graphs|cache: |requests, concurrency|output tok/s|^ +[0-9]|roofline|expert load|Error|error"
-run() { echo; echo "== K3_KERNELS=$K $*"; K3_KERNELS=$K timeout "${T:-150}" "$@" 2>&1 | grep -E "$KEEP" | awk '!seen[$0]++' | head -40; }
+B="python3 -X faulthandler bench/engine.py --random-weights small --dtype bfloat16 --max-model-len 8192"
+KEEP="Thread|File |Fatal|kernels: |CUDA graphs|cache: |requests, concurrency|output tok/s|^ +[0-9]|roofline|expert load|Error|error"
+run() { echo; echo "== K3_KERNELS=$K $*"; K3_KERNELS=$K timeout -s ABRT "${T:-150}" "$@" 2>&1 | grep -E "$KEEP" | awk '!seen[$0]++' | head -40; }
 fused() {
   K=auto
   run $B --concurrency 1 --num-requests 4 --warmup 1 --prompt-len 256 --output-len 256 --expert-stats

@@ -12,5 +12,5 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT/src:/tmp/k3site
 python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
 for f in ${FAMILIES:-norm mla kda moe}; do
   echo "== $f"
-  timeout "${T:-200}" python3 bench/kernels.py --families "$f" --check 2>&1 | grep -v " INFO "
+  timeout -s ABRT "${T:-200}" python3 -X faulthandler bench/kernels.py --families "$f" --check 2>&1 | grep -v " INFO "
 done | tee "$OUT/kernels.txt"
