@@ -1,0 +1,88 @@
+"""[ERR-5] / [CMP-16] isolation fuzz against a real tritonserver: hostile traffic of every §7.2
+class, Triton-level garbage and protocol abuse (tests/fuzz.py) runs concurrently with valid
+greedy and seeded streams through k3_ensemble and k3_lm, some with images.
+
+The server runs with max_num_seqs=1, so a valid stream's text cannot depend on what it was
+batched with: it must equal the same request sent alone before the fuzz. Every fuzz answer must
+be one its case allows (never INTERNAL, never a hang), and afterwards the server is ready, idle,
+has counted no INTERNAL and logged no crash or traceback.
+
+K3_FUZZ_SEED and K3_FUZZ_CASES override the fixed seed and the case count; a failing case
+prints the line that reproduces it alone (tests/fuzz.py --seed --index).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from fuzz import Fuzzer
+from fuzz_run import (
+    MODELS,
+    Canary,
+    FuzzPool,
+    ValidTraffic,
+    fuzz_repository,
+    limits_of,
+    log_size,
+    precomputed_embeddings,
+    run_valid,
+    sample_png,
+    server_problems,
+    valid_jobs,
+)
+from fuzz_wire import Target
+
+SEED = int(os.environ.get("K3_FUZZ_SEED", "20261201"))
+CASES = int(os.environ.get("K3_FUZZ_CASES", "300"))
+WORKERS = 6
+VALID_CONCURRENCY = 2  # valid streams in flight during the fuzz (the engine runs one at a time)
+MAX_TOKENS = 16
+TIMEOUT_S = 60.0  # an answer later than this is a hang
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(triton_server, tmp_path_factory):
+    checkpoint = tmp_path_factory.mktemp("ckpt") / "tiny-seed0"
+    os.environ["K3_DEFAULT_CHECKPOINT"] = str(checkpoint)
+    repo = fuzz_repository(tmp_path_factory.mktemp("fuzz") / "repo")
+    server = triton_server(repo, MODELS)
+    return server, limits_of(repo, checkpoint)
+
+
+def test_ERR5_fuzz_does_not_disturb_valid_streams(fuzz_server, capsys):
+    server, limits = fuzz_server
+    target = Target(server.http_url, server.grpc_url)
+    png = sample_png()
+    jobs = valid_jobs(precomputed_embeddings(target, png), png, MAX_TOKENS)
+    alone = {job.name: run_valid(job, target, f"alone-{job.name}", TIMEOUT_S) for job in jobs}
+    problems = [p for result in alone.values() for p in result.problems(None)]
+    assert not problems, problems
+
+    canary = Canary()
+    offset = log_size(server.log_path)
+    start = time.monotonic()
+    valid = ValidTraffic(target, jobs, {name: r.text for name, r in alone.items()}, VALID_CONCURRENCY, TIMEOUT_S)
+    valid.start()
+    try:
+        tally = FuzzPool(target, Fuzzer(SEED, limits, {"canary_url": canary.url}), WORKERS, TIMEOUT_S,
+                         count=CASES).run()
+    finally:
+        valid.stop()
+        canary.close()
+    took = time.monotonic() - start
+
+    with capsys.disabled():
+        print(f"\n[ERR-5] fuzz seed {SEED}: {CASES} cases in {took:.1f} s, {WORKERS} workers\n{tally.table()}\n"
+              f"{valid.summary()}")
+    failures = [line for _, line in tally.failed]
+    assert not failures, f"{len(failures)} fuzz answers not allowed:\n" + "\n".join(failures[:20])
+    assert not valid.problems, valid.problems[:20]
+    ran = {r.job.name for r in valid.results}
+    assert ran == {job.name for job in jobs}, f"valid jobs that never ran during the fuzz: {ran}"
+    assert canary.hits == 0, f"{canary.hits} connection(s) to a refused loopback image URL"
+    assert tally.count("ok") and tally.count("INVALID_ARG") and tally.count("TRITON"), tally.table()
+    problems = server_problems(target, server.metrics_url, server.log_path, offset)
+    assert not problems, problems
