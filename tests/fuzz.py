@@ -35,12 +35,17 @@ ENDPOINTS = {"http_generate": "generate", "http_stream": "generate_stream", "htt
 
 
 class Fuzzer:
-    """The case stream of one seed: case i is drawn from the weighted classes by Random(seed:i)."""
+    """The case stream of one seed: case i is drawn from the weighted classes by Random(seed:i).
 
-    def __init__(self, seed: int, limits: Limits, extras: dict) -> None:
+    known_defects: also draw the classes of fuzz_protocol.KNOWN_DEFECTS, which the server
+    still fails (test_fuzz.py pins each with a strict xfail until it is fixed).
+    """
+
+    def __init__(self, seed: int, limits: Limits, extras: dict, known_defects: bool = False) -> None:
         self.seed, self.limits, self.extras = seed, limits, extras
-        self._classes = [c for c, _ in CLASSES]
-        self._weights = [w for _, w in CLASSES]
+        classes = CLASSES + (fuzz_protocol.KNOWN_DEFECTS if known_defects else [])
+        self._classes = [c for c, _ in classes]
+        self._weights = [w for _, w in classes]
 
     def case(self, index: int) -> Case:
         g = Gen(self.seed, index, self.limits, self.extras)

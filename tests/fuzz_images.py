@@ -131,6 +131,45 @@ def image_damaged(g: Gen) -> Case:
     return image_case(g, f"image/{variant}-{fmt}", expect, [source])
 
 
+# (variant, how to make it from an RGB image, decodable): Pillow modes and formats of §2.2 decode;
+# other formats are refused even when Pillow could read them.
+MODES = (
+    ("L", lambda im: _save(im.convert("L"), "PNG"), True), ("LA", lambda im: _save(im.convert("LA"), "PNG"), True),
+    ("P", lambda im: _save(im.convert("P"), "PNG"), True),
+    ("P-transparency", lambda im: _save(im.convert("P"), "PNG", transparency=0), True),
+    ("RGBA", lambda im: _save(im.convert("RGBA"), "PNG"), True), ("1", lambda im: _save(im.convert("1"), "PNG"), True),
+    ("I16", lambda im: _save(Image.fromarray((np.asarray(im.convert("L"), np.uint16) * 257)), "PNG"), True),
+    ("CMYK-jpeg", lambda im: _save(im.convert("CMYK"), "JPEG"), True),
+    ("progressive-jpeg", lambda im: _save(im, "JPEG", progressive=True), True),
+    ("exif-rotated-jpeg", lambda im: _save(im, "JPEG", exif=_rotated_exif(im)), True),
+    ("animated-gif", lambda im: _save(im, "GIF", save_all=True, append_images=[im.rotate(90), im]), True),
+    ("animated-webp", lambda im: _save(im, "WEBP", save_all=True, append_images=[im.rotate(90)]), True),
+    ("apng", lambda im: _save(im, "PNG", save_all=True, append_images=[im.rotate(180)]), True),
+    ("RGBA-bmp", lambda im: _save(im.convert("RGBA"), "BMP"), True),
+    ("tiff", lambda im: _save(im, "TIFF"), False), ("ico", lambda im: _save(im, "ICO"), False),
+    ("ppm", lambda im: _save(im, "PPM"), False), ("tga", lambda im: _save(im, "TGA"), False),
+)
+
+
+def _save(image: Image.Image, fmt: str, **options) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **options)
+    return buf.getvalue()
+
+
+def _rotated_exif(image: Image.Image) -> Image.Exif:
+    exif = image.getexif()
+    exif[0x0112] = 6  # Orientation: rotate 90
+    return exif
+
+
+def image_modes(g: Gen) -> Case:
+    """Pixel modes (gray, palette, alpha, 16-bit, CMYK), animation, EXIF rotation; other formats."""
+    variant, make, decodable = g.choice(MODES)
+    rgb = Image.open(io.BytesIO(encoded_image(g, "PNG", (g.rng.randint(8, 40), g.rng.randint(8, 40))))).convert("RGB")
+    return image_case(g, f"mode/{variant}", OK if decodable else BAD, [("base64", b64(make(rgb)))])
+
+
 def image_base64(g: Gen) -> Case:
     """`image` base64: standard alphabet, padding optional, whitespace ignored (§2.2)."""
     data = encoded_image(g)
@@ -316,5 +355,5 @@ def image_embeds(g: Gen) -> Case:
     return Case(g.index, f"embeds/{variant}", "grpc", [Request("k3_lm", values, g.rid())], expect)
 
 
-CLASSES = [(image_damaged, 8), (image_base64, 4), (image_url, 6), (image_count, 5), (image_pixels, 4),
+CLASSES = [(image_modes, 3), (image_damaged, 8), (image_base64, 4), (image_url, 6), (image_count, 5), (image_pixels, 4),
            (image_kinds, 3), (image_embeds, 6)]

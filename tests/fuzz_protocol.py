@@ -14,7 +14,7 @@ import json
 import numpy as np
 
 from fuzz_gen import CORE, GEN_PROTOCOLS, OK, PARSE, Case, Gen
-from fuzz_wire import NP_TYPES, Request, Wire, declared, infer_request_proto
+from fuzz_wire import NP_TYPES, Request, Wire, declared, infer_request_proto, json_bytes
 
 ANY_MODEL = ("k3_ensemble", "k3_lm", "k3_vision")
 TRITON_HTTP = CORE | PARSE  # Triton's HTTP frontend answers bad bodies with 400 or its parser's 500
@@ -298,6 +298,54 @@ def duplicate_ids(g: Gen) -> Case:
                 action="race" if protocol == "grpc" else "parallel", delay_s=0.05, finish=("cancelled", n))
 
 
-CLASSES = [(unknown_input, 4), (wrong_dtype, 4), (wrong_shape, 3), (batch_size, 3), (empty_tensor, 3),
+def request_ids(g: Gen) -> Case:
+    """Odd but valid request ids (long, non-ASCII, NUL, whitespace) on requests and stops."""
+    rid = g.choice(("x" * g.choice((1000, 65536)), "\u00e9\u4e2d\U0001f600", "a\x00b", " ", "line\nbreak", "'\"{}"))
+    rid = f"{rid}-{g.rid()}"
+    model, protocol = g.model(), g.choice(GEN_PROTOCOLS)
+    values = {"text_input": "", "stop": True} if g.chance(0.5) else g.cheap(protocol)
+    return g.case("ids/odd", OK, values, model=model, protocol=protocol, request_id=rid)
+
+
+def burst(g: Gen) -> Case:
+    """8-24 requests pipelined on one stream, some invalid, the stream cancelled at a random moment."""
+    model = g.model()
+    requests = [Request(model, g.cheap("grpc", **({"top_p": 5.0} if g.chance(0.3) else {})), g.rid())
+                for _ in range(g.rng.randint(8, 24))]
+    return Case(g.index, f"abuse/burst/{model}", "grpc", requests,
+                frozenset({"ok", "INVALID_ARG", "dropped", "CANCELLED"}), action="cancel",
+                delay_s=g.choice((0.0, 0.02, 0.1, 0.3)), cleanup=[_stop(model, r.request_id) for r in requests[:2]])
+
+
+# ---- known server defects: out of the default mix until fixed (see test_fuzz.py) ----------------
+
+
+def http_id_utf8(g: Gen) -> Case:
+    """A /generate or /infer "id" that is not UTF-8: Python's request.request_id() raises."""
+    rid = g.choice((b"\xff\xfe", b"\xed\xa0\x80", b"ok\xc0"))
+    model = g.choice(ANY_MODEL)
+    if model == "k3_vision":
+        body = b'{"id": "' + rid + b'", "inputs": [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES", ' \
+               b'"data": ["hi"]}]}'
+        return Case(g.index, "known/http-id-utf8/k3_vision", "http_infer", [Request(model, body=body)],
+                    frozenset({"INVALID_ARG", "TRITON"}))
+    values = {"text_input": "", "stop": True} if g.chance(0.3) else g.cheap("http_generate")
+    return Case(g.index, f"known/http-id-utf8/{model}", "http_generate", [Request(model, values, rid)],
+                frozenset({"INVALID_ARG", "TRITON"}))
+
+
+def http_parameter_utf8(g: Gen) -> Case:
+    """A /generate body key that becomes a request parameter, with a name or value that is not
+    UTF-8 (raw bytes or a lone-surrogate escape): Python's request.parameters() raises."""
+    model = g.model()
+    key, value = g.choice(((b"client_tag", b"\xff"), (b"\xff", b"x"), (b"temperature\xfe", b"1"),
+                           (b"client_tag", b"\\udc80")))
+    body = json_bytes(g.cheap("http_generate"))[:-1] + b', "' + key + b'": "' + value + b'"}'
+    return Case(g.index, f"known/http-parameter-utf8/{model}", "http_generate", [Request(model, body=body)],
+                frozenset({"ok", "INVALID_ARG"}))
+
+
+KNOWN_DEFECTS = [(http_id_utf8, 1), (http_parameter_utf8, 1)]
+CLASSES = [(request_ids, 2), (burst, 2), (unknown_input, 4), (wrong_dtype, 4), (wrong_shape, 3), (batch_size, 3), (empty_tensor, 3),
            (broken_proto, 5), (generate_body, 5), (infer_body_garbage, 3), (unknown_model, 2),
            (stream_cancel, 3), (stream_drop, 2), (http_abandon, 3), (stop_race, 3), (duplicate_ids, 2)]

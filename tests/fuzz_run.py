@@ -362,10 +362,15 @@ def log_alarms(log_path: Path, offset: int) -> list[str]:
     return [f"server log: {line[:300]}" for line in lines if any(alarm in line for alarm in LOG_ALARMS)]
 
 
-def server_problems(target: Target, metrics_url: str, log_path: Path, log_offset: int,
+def internal_count(metrics_url: str) -> float:
+    """k3:request_failure_total{code="INTERNAL"} of both models."""
+    return metric(metrics(metrics_url), "k3:request_failure_total", code="INTERNAL")
+
+
+def server_problems(target: Target, metrics_url: str, log_path: Path, log_offset: int, internal_before: float,
                     idle_timeout_s: float = 20.0) -> list[str]:
-    """[ERR-4]/[ERR-3] after a run: every model ready, no INTERNAL counted, the engine healthy
-    and idle again (nothing leaked), no crash or traceback in the log."""
+    """[ERR-4]/[ERR-3] after a run: every model ready, no INTERNAL counted since the run began,
+    the engine healthy and idle again (nothing leaked), no crash or traceback in the log."""
     problems = []
     for model in MODELS:
         status = _status(f"{target.http_url}/v2/models/{model}/ready")
@@ -380,9 +385,9 @@ def server_problems(target: Target, metrics_url: str, log_path: Path, log_offset
         time.sleep(0.25)
     if any(busy.values()):
         problems.append(f"engine not idle {idle_timeout_s:.0f} s after the run: {busy}")
-    internal = metric(m, "k3:request_failure_total", code="INTERNAL")
+    internal = metric(m, "k3:request_failure_total", code="INTERNAL") - internal_before
     if internal:
-        problems.append(f'k3:request_failure_total{{code="INTERNAL"}} = {internal:g}')
+        problems.append(f'k3:request_failure_total{{code="INTERNAL"}} went up by {internal:g}')
     if metric(m, "k3:engine_healthy") != 1:
         problems.append("k3:engine_healthy is not 1")
     return problems + log_alarms(log_path, log_offset)

@@ -61,7 +61,7 @@ class Request:
 
     model: str
     values: dict[str, Any] = field(default_factory=dict)
-    request_id: str = ""
+    request_id: str | bytes = ""  # bytes: an id that is not UTF-8, for HTTP
     body: bytes | None = None
     raw: Any = None
     path: str = ""  # HTTP path override (unknown models, versions)

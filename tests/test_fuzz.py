@@ -18,13 +18,16 @@ import time
 
 import pytest
 
-from fuzz import Fuzzer
+import fuzz_protocol
+from fuzz import Fuzzer, run_case
+from fuzz_gen import Gen
 from fuzz_run import (
     MODELS,
     Canary,
     FuzzPool,
     ValidTraffic,
     fuzz_repository,
+    internal_count,
     limits_of,
     log_size,
     precomputed_embeddings,
@@ -33,10 +36,10 @@ from fuzz_run import (
     server_problems,
     valid_jobs,
 )
-from fuzz_wire import Target
+from fuzz_wire import Sender, Target
 
 SEED = int(os.environ.get("K3_FUZZ_SEED", "20261201"))
-CASES = int(os.environ.get("K3_FUZZ_CASES", "300"))
+CASES = int(os.environ.get("K3_FUZZ_CASES", "400"))
 WORKERS = 6
 VALID_CONCURRENCY = 2  # valid streams in flight during the fuzz (the engine runs one at a time)
 MAX_TOKENS = 16
@@ -62,7 +65,7 @@ def test_ERR5_fuzz_does_not_disturb_valid_streams(fuzz_server, capsys):
     assert not problems, problems
 
     canary = Canary()
-    offset = log_size(server.log_path)
+    offset, internal = log_size(server.log_path), internal_count(server.metrics_url)
     start = time.monotonic()
     valid = ValidTraffic(target, jobs, {name: r.text for name, r in alone.items()}, VALID_CONCURRENCY, TIMEOUT_S)
     valid.start()
@@ -84,5 +87,23 @@ def test_ERR5_fuzz_does_not_disturb_valid_streams(fuzz_server, capsys):
     assert ran == {job.name for job in jobs}, f"valid jobs that never ran during the fuzz: {ran}"
     assert canary.hits == 0, f"{canary.hits} connection(s) to a refused loopback image URL"
     assert tally.count("ok") and tally.count("INVALID_ARG") and tally.count("TRITON"), tally.table()
-    problems = server_problems(target, server.metrics_url, server.log_path, offset)
+    problems = server_problems(target, server.metrics_url, server.log_path, offset, internal)
+    assert not problems, problems
+
+
+@pytest.mark.xfail(strict=True, reason="server defect: text that is not UTF-8 in the HTTP request id or in a "
+                   "request parameter makes request.request_id() / request.parameters() raise UnicodeDecodeError: "
+                   "INTERNAL from k3_vision and k3_lm, an exception out of k3_lm's execute. Remove this mark "
+                   "(and move the class into fuzz_protocol.CLASSES) once fixed.")
+@pytest.mark.parametrize("fuzz_class", [c for c, _ in fuzz_protocol.KNOWN_DEFECTS], ids=lambda c: c.__name__)
+def test_known_defect_requests_are_client_errors(fuzz_server, fuzz_class):
+    """[ERR-3]: a hostile request id or parameter is a client error, never INTERNAL."""
+    server, limits = fuzz_server
+    sender = Sender(Target(server.http_url, server.grpc_url), TIMEOUT_S)
+    try:
+        outcomes = [run_case(fuzz_class(Gen(SEED, i, limits, {"canary_url": "http://127.0.0.1:9"})), sender)
+                    for i in range(12)]
+    finally:
+        sender.close()
+    problems = [p for outcome in outcomes for p in outcome.problems]
     assert not problems, problems
