@@ -367,10 +367,11 @@ def internal_count(metrics_url: str) -> float:
     return metric(metrics(metrics_url), "k3:request_failure_total", code="INTERNAL")
 
 
-def server_problems(target: Target, metrics_url: str, log_path: Path, log_offset: int, internal_before: float,
-                    idle_timeout_s: float = 20.0) -> list[str]:
+def server_problems(target: Target, metrics_url: str, log_path: Path | None, log_offset: int,
+                    internal_before: float, idle_timeout_s: float = 20.0) -> list[str]:
     """[ERR-4]/[ERR-3] after a run: every model ready, no INTERNAL counted since the run began,
-    the engine healthy and idle again (nothing leaked), no crash or traceback in the log."""
+    the engine healthy and idle again (nothing leaked), no crash or traceback in the log (when
+    there is one to read)."""
     problems = []
     for model in MODELS:
         status = _status(f"{target.http_url}/v2/models/{model}/ready")
@@ -390,7 +391,7 @@ def server_problems(target: Target, metrics_url: str, log_path: Path, log_offset
         problems.append(f'k3:request_failure_total{{code="INTERNAL"}} went up by {internal:g}')
     if metric(m, "k3:engine_healthy") != 1:
         problems.append("k3:engine_healthy is not 1")
-    return problems + log_alarms(log_path, log_offset)
+    return problems + (log_alarms(log_path, log_offset) if log_path else [])
 
 
 def _status(url: str) -> int | None:
