@@ -13,7 +13,8 @@ import json
 
 import numpy as np
 
-from fuzz_gen import CORE, GEN_PROTOCOLS, OK, PARSE, Case, Gen
+from fuzz_gen import CORE, GEN_PROTOCOLS, OK, PARSE, PLACEHOLDER, Case, Gen
+from fuzz_images import data_uri, encoded_image
 from fuzz_wire import NP_TYPES, Request, Wire, declared, infer_request_proto, json_bytes
 
 ANY_MODEL = ("k3_ensemble", "k3_lm", "k3_vision")
@@ -149,6 +150,7 @@ def broken_proto(g: Gen) -> Case:
             ("seed", "int64_param", -1, frozenset({"INVALID_ARG"})), ("ignore_eos", "string_param", "maybe",
                                                                       frozenset({"INVALID_ARG"})),
             ("client_tag", "string_param", "x" * 3000, OK), ("logprobs", "int64_param", 30, frozenset({"INVALID_ARG"})),
+            ("timeout", "int64_param", 1, OK), ("priority", "uint64_param", 2**63, OK),
         ))
         setattr(proto.parameters[key], kind, value)
     request.raw = proto
@@ -240,9 +242,13 @@ def _stop(model: str, request_id: str) -> Request:
 
 
 def stream_cancel(g: Gen) -> Case:
-    """tritonclient stop_stream(cancel_requests=True) at a random moment of a generation."""
+    """tritonclient stop_stream(cancel_requests=True) at a random moment of a generation; through
+    the ensemble sometimes with an image, so the cancel can land while k3_vision runs ([CAN-2])."""
     model = g.model()
-    request = Request(model, _long(g, "grpc", g.rng.randint(8, 48), stream=g.chance(0.7)), g.rid())
+    values = _long(g, "grpc", g.rng.randint(8, 48), stream=g.chance(0.7))
+    if model == "k3_ensemble" and g.chance(0.4):
+        values.update(text_input=PLACEHOLDER + " x", image_url_input=[data_uri(encoded_image(g, "PNG"))])
+    request = Request(model, values, g.rid())
     delay = g.choice((0.0, 0.001, 0.01, 0.05, 0.2, 0.5))
     return Case(g.index, f"abuse/cancel/{model}", "grpc", [request], frozenset({"ok", "dropped", "CANCELLED"}),
                 action="cancel", delay_s=delay, cleanup=[_stop(model, request.request_id)])
