@@ -9,9 +9,9 @@
 
     .venv/bin/python tests/fuzz.py --seed S --index I --http http://127.0.0.1:8000 --grpc 127.0.0.1:8001
 
-The classes live in fuzz_text (prompts, JSON, sampling values), fuzz_images (image inputs and
-embeddings) and fuzz_protocol (Triton-level garbage, protocol abuse); fuzz_wire sends and
-classifies. No INTERNAL, hang, lost or duplicated response is ever legitimate; Triton's own HTTP
+The classes live in fuzz_sampling (sampling values and their JSON), fuzz_text (prompts,
+messages, UTF-8, stop requests), fuzz_images (image inputs and embeddings) and fuzz_protocol
+(Triton-level garbage, protocol abuse); fuzz_wire sends and classifies. No INTERNAL, hang, lost or duplicated response is ever legitimate; Triton's own HTTP
 parser errors (500, "Unable to parse ...") are legitimate only where a case expects them and are
 counted apart (`TRITON_500`).
 """
@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 
 import fuzz_images
 import fuzz_protocol
+import fuzz_sampling
 import fuzz_text
 from fuzz_gen import Case, Gen, Limits
 from fuzz_wire import FAILURES, Answer, Request, Sender, Target, infer_request_proto
 
-CLASSES = fuzz_text.CLASSES + fuzz_images.CLASSES + fuzz_protocol.CLASSES
+CLASSES = fuzz_sampling.CLASSES + fuzz_text.CLASSES + fuzz_images.CLASSES + fuzz_protocol.CLASSES
 ENDPOINTS = {"http_generate": "generate", "http_stream": "generate_stream", "http_infer": "infer"}
 
 

@@ -121,3 +121,16 @@ class Gen:
         """A cheap generation request with `values` on top, to either LM model and any protocol."""
         protocol = self.choice(protocols)
         return self.case(kind, expect, self.cheap(protocol, **values), model=model, protocol=protocol)
+
+
+def nested(depth: int, open_: str = "[", close: str = "]") -> str:
+    return open_ * depth + close * depth
+
+
+def malformed_json_text(g: Gen, valid: str) -> str:
+    """A string that is not one JSON value: truncated, trailing garbage, Python syntax, comments."""
+    return g.choice((
+        valid[: g.rng.randint(0, max(0, len(valid) - 1))], valid + g.choice(("x", ",", "}", "]")),
+        valid.replace('"', "'"), "{" + valid, "\ufeff" + valid, valid + " // c", "{\"a\": 1,}", "[1, 2,]",
+        "{a: 1}", "undefined", "tru",
+    ))
