@@ -294,7 +294,10 @@ class ValidTraffic:
             with self._lock:
                 n, self._next = self._next, self._next + 1
             job = self.jobs[n % len(self.jobs)]
-            result = run_valid(job, self.target, f"valid-{n}-{job.name}", self.timeout_s)
+            try:
+                result = run_valid(job, self.target, f"valid-{n}-{job.name}", self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - e.g. the server went away: the stream failed
+                result = ValidResult(job, error=f"{type(e).__name__}: {e}")
             with self._lock:
                 self.results.append(result)
                 self.problems += result.problems(self.expected[job.name])
