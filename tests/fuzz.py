@@ -116,8 +116,25 @@ def _parallel(case: Case, sender: Sender) -> list[Answer]:
     return [a or Answer("hang", "thread") for a in answers]
 
 
+# The status each k3 code may come with, per protocol (SERVING.md §7.3). Triton 2.51's /generate
+# answers 400 for every model error (README "Error status codes", tests/test_triton_error_codes.py);
+# 501 / 503 are what a later Triton that keeps the code would send.
+_GENERATE = {"ok": {"200"}, "INVALID_ARG": {"400"}, "UNSUPPORTED": {"400", "501"}, "UNAVAILABLE": {"400", "503"},
+             "CANCELLED": {"400"}}
+STATUSES = {
+    "http_generate": _GENERATE, "http_stream": _GENERATE,
+    "http_infer": {"ok": {"200"}, "INVALID_ARG": {"400"}, "UNSUPPORTED": {"501"}, "UNAVAILABLE": {"503"}},
+    "grpc_infer": {"ok": {"StatusCode.OK"}, "INVALID_ARG": {"StatusCode.INVALID_ARGUMENT"},
+                   "UNSUPPORTED": {"StatusCode.UNIMPLEMENTED"}, "UNAVAILABLE": {"StatusCode.UNAVAILABLE"}},
+}
+
+
 def judge(case: Case, answers: list[Answer]) -> list[str]:
     problems = _judge_all(answers, case.expect)
+    allowed = STATUSES.get(case.protocol, {})
+    for a in answers:
+        if a.code in allowed and a.status not in allowed[a.code]:
+            problems.append(f"{a.code} came with status {a.status}, expected {sorted(allowed[a.code])}: {a.message[:200]}")
     if len(answers) != len(case.requests) and case.action != "drop":
         problems.append(f"{len(answers)} answers for {len(case.requests)} requests")
     if case.finish:
