@@ -295,7 +295,7 @@ def _embeddings(g: Gen, n: int) -> dict:
 def _spoil_embeddings(g: Gen, t: dict) -> tuple[str, frozenset[str]]:
     """Break one invariant of a valid set in place; returns (variant, answers)."""
     variant = g.choice(("rows+1", "rows-1", "width", "fp32", "fp16", "3d", "missing", "counts-grid", "grid-t",
-                        "size-zero", "size-negative", "hash-upper", "hash-short", "hash-utf8", "nan", "inf",
+                        "size-zero", "size-negative", "size-huge", "hash-upper", "hash-short", "hash-utf8", "nan", "inf",
                         "huge-values", "counts-length", "too-long", "valid"))
     e = t["image_embeds"]
     if variant == "rows+1":
@@ -315,6 +315,9 @@ def _spoil_embeddings(g: Gen, t: dict) -> tuple[str, frozenset[str]]:
         t["image_embeds"] = np.zeros((1, int(t["image_token_counts"].sum()), e.shape[2]), ml_dtypes.bfloat16)
     elif variant == "grid-t":
         t["image_grid_thw"][0, 0, 0] = 2
+    elif variant == "size-huge":  # only the framing text `image WxH` shows it
+        t["image_sizes"][0, 0] = (2**31 - 1, 2**31 - 1)
+        return variant, OK
     elif variant in ("size-zero", "size-negative"):
         t["image_sizes"][0, 0, g.rng.randint(0, 1)] = 0 if variant == "size-zero" else -5
     elif variant == "hash-upper":

@@ -35,7 +35,9 @@ from tritonclient.utils import InferenceServerException
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 PROTOCOLS = ("grpc", "grpc_raw", "grpc_infer", "http_generate", "http_stream", "http_infer")
 # Never legitimate, whatever the case: a defect in the model, Triton or the protocol handling.
-FAILURES = frozenset({"INTERNAL", "TRITON_INTERNAL", "hang", "lost", "duplicate", "bad_output"})
+FAILURES = frozenset({"INTERNAL", "TRITON_INTERNAL", "hang", "lost", "duplicate", "bad_output", "error_after_data"})
+# [ERR-2]: a client mistake is found before the first response, so it is always the only one.
+CLIENT_CODES = frozenset({"INVALID_ARG", "UNSUPPORTED"})
 _MODEL_CODE = re.compile(r"\bk3_(?:lm|vision): (INVALID_ARG|UNSUPPORTED|UNAVAILABLE|CANCELLED|INTERNAL):")
 # Triton's HTTP frontend answers 500 for JSON it cannot read into tensors (a JSON value of the
 # wrong kind, a body that is no JSON object): its own parser, before any model runs.
@@ -258,6 +260,7 @@ class Sender:
             self.client.async_stream_infer(request.model, grpc_inputs(request), request_id=request.request_id)
         answers: list[Answer] = []
         deadline = start + (cancel_after_s if cancel_after_s is not None else self.timeout_s)
+        data_seen = False
         while len(answers) < len(requests):
             try:
                 result, error = got.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -267,8 +270,12 @@ class Sender:
                 return answers + [Answer(lost, "stream", seconds=time.monotonic() - start)] * (
                     len(requests) - len(answers))
             answer = _stream_answer(result, error, time.monotonic() - start)
-            if answer is not None:
-                answers.append(answer)
+            if answer is None:
+                data_seen = True
+                continue
+            if data_seen and len(requests) == 1 and answer.code in CLIENT_CODES:
+                answer = Answer("error_after_data", "stream", f"{answer.code} after data: {answer.message}")
+            answers.append(answer)
         self.client.stop_stream()  # every request has its final answer: returns at once
         while not got.empty():  # anything after a final response is a duplicate
             result, error = got.get()
@@ -389,14 +396,17 @@ def _http_answer(status: int, raw: bytes, endpoint: str, seconds: float) -> Answ
     events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
     if endpoint != "generate_stream" or not events:  # errors before streaming are one JSON object
         events = [text]
-    for event in events:
+    for i, event in enumerate(events):
         try:
             obj = json.loads(event)
         except json.JSONDecodeError:
             return Answer("bad_output", str(status), f"not JSON: {event[:200]}", seconds)
         if isinstance(obj, dict) and "error" in obj:
             msg = str(obj["error"])
-            return Answer(classify(msg, str(status)), str(status), msg, seconds)
+            code = classify(msg, str(status))
+            if i and code in CLIENT_CODES:
+                return Answer("error_after_data", str(status), f"{code} after {i} events: {msg}", seconds)
+            return Answer(code, str(status), msg, seconds)
     if status != 200 or not events:
         return Answer(classify(text, str(status)), str(status), text[:300], seconds)
     last = json.loads(events[-1])
