@@ -33,9 +33,7 @@ def encoded_image(g: Gen, fmt: str | None = None, size: tuple[int, int] | None =
     """A small random image file (small keeps the tower cheap on CPU)."""
     w, h = size or (g.rng.randint(8, 48), g.rng.randint(8, 48))
     pixels = np.random.default_rng(g.rng.randrange(2**32)).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format=fmt or g.choice(FORMATS))
-    return buf.getvalue()
+    return _save(Image.fromarray(pixels), fmt or g.choice(FORMATS))
 
 
 def b64(data: bytes) -> str:

@@ -41,6 +41,7 @@ def _array(datatype: str, shape: tuple[int, ...], value) -> np.ndarray:
 
 
 def unknown_input(g: Gen) -> Case:
+    """[IN-1]: an input name no config declares is refused by Triton core."""
     model = g.choice(ANY_MODEL)
     protocol, values = _plain(g, model)
     name = g.choice(("temprature", "max_token", "image_input", "lora_weights", "TEXT_INPUT", "text_input ", "../x",
@@ -50,6 +51,8 @@ def unknown_input(g: Gen) -> Case:
 
 
 def wrong_dtype(g: Gen) -> Case:
+    """[IN-1]: a declared input sent with another datatype is refused by Triton core (over /infer
+    its JSON parser may refuse the data first, with a 500)."""
     model = g.choice(ANY_MODEL)
     protocol, values = _plain(g, model)
     name, datatype = g.choice(sorted(declared(model).items()))
@@ -160,7 +163,7 @@ def broken_proto(g: Gen) -> Case:
 # ---- Triton-level garbage (HTTP) ---------------------------------------------------------------
 
 
-def generate_body(g: Gen) -> Case:
+def http_body_garbage(g: Gen) -> Case:
     """/generate and /generate_stream bodies that are no request: not JSON, not an object,
     truncated, values of no tensor kind, nesting. Nesting stays below 20k levels: tritonserver
     2.51's JSON parser overflows its stack near 200k (see the fuzz report)."""
@@ -353,5 +356,5 @@ def http_parameter_utf8(g: Gen) -> Case:
 
 KNOWN_DEFECTS = [(http_id_utf8, 1), (http_parameter_utf8, 1)]
 CLASSES = [(request_ids, 2), (burst, 2), (unknown_input, 4), (wrong_dtype, 4), (wrong_shape, 3), (batch_size, 3), (empty_tensor, 3),
-           (broken_proto, 5), (generate_body, 5), (infer_body_garbage, 3), (unknown_model, 2),
+           (broken_proto, 5), (http_body_garbage, 5), (infer_body_garbage, 3), (unknown_model, 2),
            (stream_cancel, 3), (stream_drop, 2), (http_abandon, 3), (stop_race, 3), (duplicate_ids, 2)]
