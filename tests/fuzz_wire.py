@@ -283,28 +283,36 @@ class Sender:
         return answers
 
     def raw_stream(self, request: Request, *, drop_after_s: float | None = None) -> Answer:
-        """A raw `ModelInferRequest` on its own ModelStreamInfer call; `drop_after_s` closes the
-        call that long after sending (a client that goes away mid-generation)."""
+        """A raw `ModelInferRequest` on its own ModelStreamInfer call, read until the server ends
+        the call; `drop_after_s` gives the call a deadline instead, so the client goes away that
+        long after sending (mid-generation).
+
+        Only a drop cancels: Triton 2.51 keeps the model of a stream that the client cancels
+        around its final response live for tens of seconds (a clean shutdown then needs longer
+        than the exit timeout), so a plain case half-closes and lets the server finish the call.
+        """
         start = time.monotonic()
         timeout = drop_after_s if drop_after_s is not None else self.timeout_s
-        call = self._stub.ModelStreamInfer(iter([request.raw]), timeout=timeout)
+        answer = None
         try:
-            for response in call:
+            for response in self._stub.ModelStreamInfer(iter([request.raw]), timeout=timeout):
+                seconds = time.monotonic() - start
+                if answer is not None:
+                    return Answer("duplicate", "stream", f"a response after the final one: {response}"[:300], seconds)
                 if response.error_message:
-                    msg = response.error_message
-                    return Answer(classify(msg, "stream"), "stream", msg, time.monotonic() - start)
-                if response.infer_response.parameters["triton_final_response"].bool_param:
-                    return Answer("ok", "stream", seconds=time.monotonic() - start)
-            return Answer("lost", "stream", "stream ended without a final response", time.monotonic() - start)
+                    answer = Answer(classify(response.error_message, "stream"), "stream", response.error_message,
+                                    seconds)
+                elif response.infer_response.parameters["triton_final_response"].bool_param:
+                    answer = Answer("ok", "stream", seconds=seconds)
+            return answer or Answer("lost", "stream", "stream ended without a final response",
+                                    time.monotonic() - start)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return Answer("dropped" if drop_after_s is not None else "hang", "stream",
-                              seconds=time.monotonic() - start)
+                return answer or Answer("dropped" if drop_after_s is not None else "hang", "stream",
+                                        seconds=time.monotonic() - start)
             msg = e.details() or ""
             return Answer(classify(msg, f"StatusCode.{e.code().name}"), f"StatusCode.{e.code().name}", msg,
                           time.monotonic() - start)
-        finally:
-            call.cancel()
 
     # -- gRPC ModelInfer (k3_vision: not decoupled) ----------------------------------------------
 
