@@ -38,13 +38,14 @@ ENDPOINTS = {"http_generate": "generate", "http_stream": "generate_stream", "htt
 class Fuzzer:
     """The case stream of one seed: case i is drawn from the weighted classes by Random(seed:i).
 
-    known_defects: also draw the classes of fuzz_protocol.KNOWN_DEFECTS, which the server
-    still fails (test_fuzz.py pins each with a strict xfail until it is fixed).
+    known_defects: also draw the classes of fuzz_protocol.KNOWN_DEFECTS and BATCH_POISON, which
+    the server still fails (test_fuzz.py pins each with a strict xfail until it is fixed).
     """
 
     def __init__(self, seed: int, limits: Limits, extras: dict, known_defects: bool = False) -> None:
         self.seed, self.limits, self.extras = seed, limits, extras
-        classes = CLASSES + (fuzz_protocol.KNOWN_DEFECTS if known_defects else [])
+        known = fuzz_protocol.KNOWN_DEFECTS + fuzz_protocol.BATCH_POISON
+        classes = CLASSES + (known if known_defects else [])
         self._classes = [c for c, _ in classes]
         self._weights = [w for _, w in classes]
 

@@ -111,22 +111,20 @@ def empty_tensor(g: Gen) -> Case:
 
 
 def broken_proto(g: Gen) -> Case:
-    """A raw ModelInferRequest with inconsistent contents: BYTES length prefixes that lie, byte
-    counts that do not match the shape, missing or extra raw contents, bad dims or datatypes."""
+    """A raw ModelInferRequest with inconsistent contents: a cut BYTES length prefix, byte counts
+    that do not match the shape, missing or extra raw contents, bad dims or datatypes. (A length
+    prefix that overstates its data is `overstated_bytes_length`, a known defect.)"""
     model = g.choice(("k3_ensemble", "k3_lm"))
     request = Request(model, g.cheap("grpc"), g.rid())
     proto = infer_request_proto(request)
     names = [t.name for t in proto.inputs]
     i = names.index(g.choice(names))
     raw = proto.raw_input_contents
-    variant = g.choice(("bytes-length-long", "bytes-length-cut", "byte-count", "missing-raw", "extra-raw",
+    variant = g.choice(("bytes-length-cut", "byte-count", "missing-raw", "extra-raw",
                         "negative-dim", "huge-dim", "no-shape", "datatype", "duplicate", "empty-name",
                         "bad-parameter"))
     expect = CORE
-    if variant == "bytes-length-long":
-        i = names.index("text_input")
-        raw[i] = b"\xff\xff\x00\x00" + raw[i][4:]
-    elif variant == "bytes-length-cut":
+    if variant == "bytes-length-cut":
         i = names.index("text_input")
         raw[i] = raw[i][:g.rng.randint(0, 3)]
     elif variant == "byte-count":
@@ -354,7 +352,30 @@ def http_parameter_utf8(g: Gen) -> Case:
                 frozenset({"ok", "INVALID_ARG"}))
 
 
+def overstated_bytes_length(g: Gen) -> Case:
+    """A BYTES length prefix larger than its data. Core passes it (it checks only that the prefix
+    is complete); the 2.51 Python backend refuses it when it reads the batch, and fails every
+    request of that k3_vision dynamic batch with this request's error. Its own answer is fine;
+    the harm is to the requests batched with it (text-only ensemble requests included)."""
+    model = g.choice(("k3_ensemble", "k3_vision"))
+    request = Request(model, {"text_input": g.text()} if model == "k3_vision" else g.cheap("grpc"), g.rid())
+    return Case(g.index, f"known/overstated-bytes-length/{model}", "grpc_raw", [overstate_bytes_length(request)],
+                CORE)
+
+
+def overstate_bytes_length(request: Request) -> Request:
+    """`request` with the raw protobuf whose text_input length prefix claims 65535 bytes."""
+    proto = infer_request_proto(request)
+    i = [t.name for t in proto.inputs].index("text_input")
+    proto.raw_input_contents[i] = b"\xff\xff\x00\x00" + proto.raw_input_contents[i][4:]
+    request.raw = proto
+    return request
+
+
+# Wrong answers to the request itself; test_fuzz pins each with a strict xfail.
 KNOWN_DEFECTS = [(http_id_utf8, 1), (http_parameter_utf8, 1)]
+# Harm to other requests (its k3_vision batch); test_fuzz pins it with a strict xfail.
+BATCH_POISON = [(overstated_bytes_length, 1)]
 CLASSES = [(request_ids, 2), (burst, 2), (unknown_input, 4), (wrong_dtype, 4), (wrong_shape, 3), (batch_size, 3), (empty_tensor, 3),
            (broken_proto, 5), (http_body_garbage, 5), (infer_body_garbage, 3), (unknown_model, 2),
            (stream_cancel, 3), (stream_drop, 2), (http_abandon, 3), (stop_race, 3), (duplicate_ids, 2)]

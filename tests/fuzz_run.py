@@ -19,6 +19,7 @@ import queue
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,7 +243,10 @@ def _valid_http(job: ValidJob, target: Target, request_id: str, timeout_s: float
     try:
         with _DIRECT.open(req, timeout=timeout_s) as r:
             raw = r.read()
-    except Exception as e:  # noqa: BLE001 - HTTP errors, timeouts: the job failed
+    except urllib.error.HTTPError as e:
+        result.error = f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
+        return result
+    except Exception as e:  # noqa: BLE001 - timeouts, connections: the job failed
         result.error = f"{type(e).__name__}: {e}"
         return result
     try:

@@ -316,6 +316,17 @@ class Sender:
 
     # -- gRPC ModelInfer (k3_vision: not decoupled) ----------------------------------------------
 
+    def raw_infer(self, request: Request) -> Answer:
+        """A raw `ModelInferRequest` by unary ModelInfer."""
+        start = time.monotonic()
+        try:
+            self._stub.ModelInfer(request.raw, timeout=self.timeout_s)
+            return Answer("ok", "StatusCode.OK", seconds=time.monotonic() - start)
+        except grpc.RpcError as e:
+            status, msg = f"StatusCode.{e.code().name}", e.details() or ""
+            code = "hang" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else classify(msg, status)
+            return Answer(code, status, msg, time.monotonic() - start)
+
     def infer(self, request: Request) -> Answer:
         start = time.monotonic()
         try:
