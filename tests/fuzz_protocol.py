@@ -324,9 +324,6 @@ def burst(g: Gen) -> Case:
                 delay_s=g.choice((0.0, 0.02, 0.1, 0.3)), cleanup=[_stop(model, r.request_id) for r in requests[:2]])
 
 
-# ---- known server defects: out of the default mix until fixed (see test_fuzz.py) ----------------
-
-
 def http_id_utf8(g: Gen) -> Case:
     """A /generate or /infer "id" that is not UTF-8: Python's request.request_id() raises."""
     rid = g.choice((b"\xff\xfe", b"\xed\xa0\x80", b"ok\xc0"))
@@ -334,10 +331,10 @@ def http_id_utf8(g: Gen) -> Case:
     if model == "k3_vision":
         body = b'{"id": "' + rid + b'", "inputs": [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES", ' \
                b'"data": ["hi"]}]}'
-        return Case(g.index, "known/http-id-utf8/k3_vision", "http_infer", [Request(model, body=body)],
+        return Case(g.index, "abuse/http-id-utf8/k3_vision", "http_infer", [Request(model, body=body)],
                     frozenset({"INVALID_ARG", "TRITON"}))
     values = {"text_input": "", "stop": True} if g.chance(0.3) else g.cheap("http_generate")
-    return Case(g.index, f"known/http-id-utf8/{model}", "http_generate", [Request(model, values, rid)],
+    return Case(g.index, f"abuse/http-id-utf8/{model}", "http_generate", [Request(model, values, rid)],
                 frozenset({"INVALID_ARG", "TRITON"}))
 
 
@@ -348,7 +345,7 @@ def http_parameter_utf8(g: Gen) -> Case:
     key, value = g.choice(((b"client_tag", b"\xff"), (b"\xff", b"x"), (b"temperature\xfe", b"1"),
                            (b"client_tag", b"\\udc80")))
     body = json_bytes(g.cheap("http_generate"))[:-1] + b', "' + key + b'": "' + value + b'"}'
-    return Case(g.index, f"known/http-parameter-utf8/{model}", "http_generate", [Request(model, body=body)],
+    return Case(g.index, f"abuse/http-parameter-utf8/{model}", "http_generate", [Request(model, body=body)],
                 frozenset({"ok", "INVALID_ARG"}))
 
 
@@ -372,10 +369,9 @@ def overstate_bytes_length(request: Request) -> Request:
     return request
 
 
-# Wrong answers to the request itself; test_fuzz pins each with a strict xfail.
-KNOWN_DEFECTS = [(http_id_utf8, 1), (http_parameter_utf8, 1)]
+# ---- a Triton 2.51 defect: out of the default mix (see test_fuzz.py) ----------------------------
 # Harm to other requests (its k3_vision batch); test_fuzz pins it with a strict xfail.
 BATCH_POISON = [(overstated_bytes_length, 1)]
-CLASSES = [(request_ids, 2), (burst, 2), (unknown_input, 4), (wrong_dtype, 4), (wrong_shape, 3), (batch_size, 3), (empty_tensor, 3),
+CLASSES = [(http_id_utf8, 1), (http_parameter_utf8, 1), (request_ids, 2), (burst, 2), (unknown_input, 4), (wrong_dtype, 4), (wrong_shape, 3), (batch_size, 3), (empty_tensor, 3),
            (broken_proto, 5), (http_body_garbage, 5), (infer_body_garbage, 3), (unknown_model, 2),
            (stream_cancel, 3), (stream_drop, 2), (http_abandon, 3), (stop_race, 3), (duplicate_ids, 2)]

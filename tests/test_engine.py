@@ -336,6 +336,22 @@ def test_stop_before_arrival_leaves_a_tombstone_consumed_once(model32, tok, make
     assert check_events(col2.wait("g")["g"]).token_ids == ref
 
 
+def test_unmatched_stops_are_bounded_in_count_and_bytes(model32, tok, make_engine, monkeypatch):
+    """[CAN-7] tombstones are client-chosen ids: a flood of long unmatched stop ids keeps at most
+    MAX_TOMBSTONES digests of 16 bytes, the oldest dropped first, and each still works until then."""
+    import k3backend.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MAX_TOMBSTONES", 8)
+    engine = make_engine(model32, tok)
+    ids = [f"{i}-" + "x" * 100_000 for i in range(12)]
+    for cid in ids:
+        assert engine.stop(cid) == 0
+    assert len(engine._tombstones) == 8 and all(len(k) == 16 for k in engine._tombstones)
+    assert not engine._take_tombstone(ids[0]) and not engine._take_tombstone(ids[3])  # the oldest four: gone
+    assert engine._take_tombstone(ids[4]) and engine._take_tombstone(ids[11])
+    assert not engine._take_tombstone(ids[11])  # consumed once
+
+
 def test_stop_while_being_prepared_cancels_it(model32, tok, make_engine, greedy_ref):
     """A stop that lands while the request is still being tokenized finds it ([CAN-5] at every interleaving)."""
     req, _ = greedy_ref

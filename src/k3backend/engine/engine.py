@@ -18,6 +18,8 @@ finds its target at every interleaving ([CAN-5]) and a tombstone is consumed exa
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import itertools
 import logging
 import queue
@@ -41,6 +43,14 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_ERROR = "server shutting down"
 WATCHDOG_PERIOD_S = 0.5  # how often the admission thread checks for a stuck step
+
+
+MAX_TOMBSTONES = 65536  # unmatched stop ids remembered at once; the oldest go first beyond it
+
+
+def _digest(client_id: str) -> bytes:
+    """16 bytes per remembered stop id, however long the id (ids are client-chosen)."""
+    return hashlib.blake2b(client_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,8 @@ class Engine:
         self._cond = threading.Condition()  # guards the registry, the scheduler, the flags below
         self._by_key: dict[str, Sequence] = {}  # every request from add() until it leaves the engine
         self._by_client: dict[str, list[Sequence]] = {}
-        self._tombstones: dict[str, float] = {}  # client id -> expiry (monotonic) [CAN-7]
+        # [CAN-7] digest of a client id -> expiry (monotonic), oldest first: bounded in count and bytes
+        self._tombstones: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._keys = itertools.count()
         self._accepting = True  # False once close() began: add() refuses
         self._stopping = False  # the loop and admission end everything
@@ -131,7 +142,11 @@ class Engine:
             for seq in seqs:
                 seq.cancel = seq.cancel or Cancel.STOP
             if not seqs and self.cfg.stop_tombstone_ttl_s > 0:
-                self._tombstones[client_id] = time.monotonic() + self.cfg.stop_tombstone_ttl_s
+                key = _digest(client_id)
+                self._tombstones[key] = time.monotonic() + self.cfg.stop_tombstone_ttl_s
+                self._tombstones.move_to_end(key)  # expiries stay in order: the TTL is one constant
+                while len(self._tombstones) > MAX_TOMBSTONES:
+                    self._tombstones.popitem(last=False)
             self._cond.notify()
             return len(seqs)
 
@@ -200,11 +215,11 @@ class Engine:
             raise Unavailable(f"engine is not healthy ({reason})")
 
     def _take_tombstone(self, client_id: str) -> bool:
-        """Under the lock: consume a live tombstone of this id, dropping expired ones on the way."""
+        """Under the lock: consume a live tombstone of this id, dropping the expired ones first."""
         now = time.monotonic()
-        for cid in [c for c, t in self._tombstones.items() if t < now]:
-            del self._tombstones[cid]
-        return self._tombstones.pop(client_id, None) is not None
+        while self._tombstones and next(iter(self._tombstones.values())) < now:
+            self._tombstones.popitem(last=False)
+        return self._tombstones.pop(_digest(client_id), None) is not None
 
     def _admit_loop(self) -> None:
         while True:

@@ -45,6 +45,7 @@ from k3backend.serving.triton_io import (
     data_response,
     error_response,
     input_getter,
+    request_id,
     request_parameters,
     resolve_device_dtype,
     setup_logging,
@@ -173,8 +174,9 @@ class LmServer:
         """Parse cheaply, answer stop requests, hand the rest to the engine; never waits for generation."""
         for request in requests:
             sender = request.get_response_sender()
-            client_id = request.request_id()
+            client_id = ""
             try:
+                client_id = request_id(request)
                 if self._closed.is_set():
                     raise Unavailable(SHUTDOWN_ERROR)
                 if request.is_cancelled():  # [CAN-2]: cancelled while k3_vision ran

@@ -143,9 +143,21 @@ def input_getter(pb_utils: Any, request: Any) -> Callable[[str], np.ndarray | to
     return get
 
 
+def request_id(request: Any) -> str:
+    """The request's id. HTTP lets a client send any bytes there; the backend's UTF-8 decoding then
+    fails, which is the client's mistake, not an internal error."""
+    try:
+        return request.request_id()
+    except UnicodeDecodeError:
+        raise InvalidArgument("the request id is not valid UTF-8") from None
+
+
 def request_parameters(request: Any) -> dict[str, Any]:
     """The request's Triton parameters (HTTP `/generate` puts unknown body keys here, [SMP-1] level 3)."""
-    raw = request.parameters()
+    try:
+        raw = request.parameters()
+    except UnicodeDecodeError:
+        raise InvalidArgument("the request parameters are not valid UTF-8") from None
     try:
         params = json.loads(raw) if raw else {}
     except json.JSONDecodeError as e:

@@ -74,6 +74,7 @@ from k3backend.serving.triton_io import (
     ModelParams,
     data_response,
     error_response,
+    request_id,
     resolve_device_dtype,
     setup_logging,
 )
@@ -386,6 +387,9 @@ def triton_execute(pb_utils: Any, server: VisionServer, requests: Sequence[Any])
     for request in requests:
         try:
             inputs.append(read_request(pb_utils, request))
+        except K3Error as e:  # e.g. an id that is not UTF-8
+            inputs.append(e)
+            server.metrics.inc("request_failure_total", code=e.code)
         except Exception:
             inputs.append(internal_error(_request_id(request)))
             server.metrics.inc("request_failure_total", code="INTERNAL")
@@ -415,12 +419,12 @@ def read_request(pb_utils: Any, request: Any) -> VisionRequest:
 
     stop = get("stop")
     if stop is not None and stop.size == 1 and bool(stop.reshape(-1)[0]):  # [CAN-3]: nothing else is read
-        return VisionRequest(request_id=request.request_id(), stop=True)
+        return VisionRequest(request_id=request_id(request), stop=True)
     arrays = {name: get(name) for name in ("text_input", "messages", "image_url_input", "image", "image_bytes_input")}
     present = [a for a in arrays.values() if a is not None]
     batch = int(present[0].shape[0]) if present else 0
     if batch != 1 or any(a.shape[0] != 1 for a in present):
-        return VisionRequest(request_id=request.request_id(), batch_size=batch)
+        return VisionRequest(request_id=request_id(request), batch_size=batch)
 
     def first(a: np.ndarray | None) -> bytes | None:
         return None if a is None or a.size == 0 else a.reshape(-1)[0]
@@ -432,7 +436,7 @@ def read_request(pb_utils: Any, request: Any) -> VisionRequest:
     return VisionRequest(
         text_input=first(arrays["text_input"]), messages=first(arrays["messages"]),
         image_url_input=items(arrays["image_url_input"]), image=items(arrays["image"]),
-        image_bytes_input=None if pixels is None else pixels[0], request_id=request.request_id(),
+        image_bytes_input=None if pixels is None else pixels[0], request_id=request_id(request),
     )
 
 
