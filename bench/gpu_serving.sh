@@ -42,7 +42,7 @@ python3 bench/serving_latency.py --url localhost:8001 --requests 20 --max-tokens
   | grep -v INFO | tee "$OUT/serving.txt"
 python3 bench/served_equals_inprocess.py --url http://127.0.0.1:8000 2>&1 | grep -v INFO | tee -a "$OUT/serving.txt"
 K3_EXTERNAL_SERVER=http://127.0.0.1:8000,127.0.0.1:8001,http://127.0.0.1:8002/metrics \
-  timeout 300 python3 -m pytest tests/test_lm_server.py -q -p no:cacheprovider -k "not perf_analyzer" 2>&1 \
+  timeout "${PT:-300}" python3 -m pytest tests/test_lm_server.py -q -p no:cacheprovider -k "not perf_analyzer" 2>&1 \
   | tee "$OUT/pytest.txt" | tail -15
 kill $SERVER; wait $SERVER
 grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm" | head -20
