@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--snapshot-interval", type=int, default=EngineConfig.snapshot_interval,
+                    help="tokens between KDA prefix snapshots (each one ends a prefill chunk)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--expert-stats", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching,
+                       snapshot_interval=args.snapshot_interval,
                        enforce_eager=args.enforce_eager)
     counts, model = [], None
     if args.tensor_parallel_size > 1:

@@ -14,7 +14,11 @@ class EngineConfig:
     step_timeout_s: float = 300.0  # a step running longer fails the engine ([HLT-7])
     stop_tombstone_ttl_s: float = 30.0  # how long an unmatched stop id is remembered ([CAN-7])
     prefix_caching: bool = True
-    snapshot_interval: int = 1024  # tokens between KDA prefix snapshots (a multiple of block_size)
+    # Tokens between KDA prefix snapshots (a multiple of block_size). Each snapshot point ends a prefill
+    # chunk: a smaller interval lets prompts that share only a beginning reuse more of it, but splits
+    # long prefills into more steps (a 4096-token prompt takes 5 at 1024), each attending over the
+    # cached prefix again.
+    snapshot_interval: int = 1024
     block_size: int = 64  # tokens per MLA latent block
     gpu_memory_utilization: float = 0.90  # of the GPU's total memory, for weights, cache and workspace
     cpu_cache_gb: float = 4.0  # MLA blocks + KDA slots on a CPU

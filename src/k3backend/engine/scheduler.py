@@ -123,10 +123,12 @@ class Sequence:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The engine's settings the scheduler needs (EngineConfig holds their defaults and checks)."""
+
     max_num_seqs: int
     max_num_batched_tokens: int
-    prefix_caching: bool = True
-    snapshot_interval: int = 1024  # tokens between KDA prefix snapshots; a multiple of the block size
+    prefix_caching: bool
+    snapshot_interval: int  # tokens between KDA prefix snapshots; a multiple of the block size
 
 
 class Scheduler:
