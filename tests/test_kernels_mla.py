@@ -9,7 +9,6 @@ write them. Every element is compared (tolerances.KERNEL).
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
@@ -254,19 +253,6 @@ def test_prefill_kernels_write_exactly_their_rows():
 
 
 # ---- in-process: no kernel launches -------------------------------------------------------------
-
-def test_fast_ops_have_the_reference_signatures():
-    from k3backend import kernels
-
-    for name, module in kernels.FAST_OPS.items():
-        if not module.endswith(".mla"):
-            continue
-        mod = __import__(module, fromlist=[name])
-        ref = getattr(kernels, name)
-        want = list(inspect.signature(getattr(ref, "__wrapped__", ref)).parameters)
-        assert list(inspect.signature(getattr(mod, name)).parameters) == want, name
-        assert list(inspect.signature(getattr(mod, f"{name}_supports")).parameters) == want, name
-
 
 def test_verifiers_decline_what_the_kernels_cannot_do():
     from k3backend.kernels import mla

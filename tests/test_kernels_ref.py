@@ -132,3 +132,19 @@ def test_mla_forms_in_query_blocks_equal_one_block(monkeypatch):
     assert len(mla_ref._query_blocks(T, N, S)) == 8
     torch.testing.assert_close(mla_ref.mla_mha(qn, qp, c_kv, k_pe, kv_b, 0.3), whole[0], **tol(F64))
     torch.testing.assert_close(mla_ref.mla_absorbed(qn, qp, c_kv, k_pe, w_kc, w_vc, 0.3), whole[1], **tol(F64))
+
+
+def test_every_fast_op_has_its_reference_signature():
+    """kernels/__init__.py hands a fast op the reference's arguments: each registered module's op
+    and its verifier take exactly the reference's parameters (no triton launch: import only)."""
+    import importlib
+    import inspect
+
+    from k3backend import kernels
+
+    for name, module in kernels.FAST_OPS.items():
+        mod = importlib.import_module(module)
+        ref = getattr(kernels, name)
+        want = list(inspect.signature(getattr(ref, "__wrapped__", ref)).parameters)
+        assert list(inspect.signature(getattr(mod, name)).parameters) == want, name
+        assert list(inspect.signature(getattr(mod, f"{name}_supports")).parameters) == want, name
