@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from k3backend.engine.sampler import Sampler, SamplingRow
-from k3backend.engine.sampler_ref import banned_ids, counter_uniform, request_seed, sample, token_logprob
+from k3backend.engine.sampler_ref import banned_ids, request_seed, sample, token_logprob
 from k3backend.engine.sampling_params import SamplingParams
+from k3backend.kernels.sample_ref import counter_uniform
 
 V = 257
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from k3backend import kernels
 from k3backend.engine.request import TokenLogprob
-from k3backend.engine.sampler_ref import counter_uniform
 from k3backend.engine.sampling_params import SamplingParams
 
 DRAW_ROWS = 32  # rows drawn together: bounds the [rows, V] float64 temporaries of the draw
@@ -51,6 +51,13 @@ class Sampled:
     logprobs: list[TokenLogprob | None]
 
 
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the device: a pinned, non-blocking copy
+    (a plain one would wait for the forward the sampler is queued behind)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class Sampler:
     """Stateless apart from the device; `__call__` is the whole of [SMP-6] for a batch."""
 
@@ -64,7 +71,11 @@ class Sampler:
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
         for start in range(0, len(drawn), DRAW_ROWS):
             idx = drawn[start:start + DRAW_ROWS]
-            ids[idx] = self._draw(x[idx], [rows[i] for i in idx])
+            if idx[-1] - idx[0] == len(idx) - 1:  # consecutive rows (all drawn, typically): slices, no gather
+                ids[idx[0]:idx[-1] + 1] = self._draw(x[idx[0]:idx[-1] + 1], rows[idx[0]:idx[-1] + 1])
+            else:
+                t = to_device(idx, torch.long, x.device)
+                ids.index_copy_(0, t, self._draw(x.index_select(0, t), [rows[i] for i in idx]))
         return self._to_host(raw, ids, rows)
 
     # ---- [SMP-6] steps --------------------------------------------------------------------------
@@ -75,8 +86,8 @@ class Sampler:
         pairs = [(i, t) for i, r in enumerate(rows) for t in r.banned]
         if not pairs:
             return x
-        r, t = torch.tensor(pairs, dtype=torch.long, device=x.device).unbind(1)
-        return x.index_put((r, t), torch.tensor(float("-inf"), device=x.device))
+        r, t = to_device(pairs, torch.long, x.device).unbind(1)
+        return x.index_put((r, t), torch.full((), float("-inf"), device=x.device))
 
     @staticmethod
     def _penalize(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -86,23 +97,23 @@ class Sampler:
             return x
         x = x.clone()
         dev, V = x.device, x.shape[1]
-        sub = x[pen]
+        pen_t = to_device(pen, torch.long, dev)
+        sub = x.index_select(0, pen_t)
         rep = [r.params.repetition_penalty for r in (rows[i] for i in pen)]
         if any(v != 1.0 for v in rep):
             seen = torch.zeros_like(sub, dtype=torch.bool)
             for j, i in enumerate(pen):
-                seen[j, torch.tensor(list(rows[i].prompt_ids) + list(rows[i].output_ids), dtype=torch.long,
-                                     device=dev)] = True
-            r = torch.tensor(rep, dtype=sub.dtype, device=dev)[:, None]
+                seen[j, to_device(list(rows[i].prompt_ids) + list(rows[i].output_ids), torch.long, dev)] = True
+            r = to_device(rep, sub.dtype, dev)[:, None]
             sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
         counts = torch.zeros_like(sub)
         for j, i in enumerate(pen):
-            out = torch.tensor(list(rows[i].output_ids), dtype=torch.long, device=dev)
+            out = to_device(list(rows[i].output_ids), torch.long, dev)
             counts[j].index_add_(0, out, torch.ones(len(out), dtype=sub.dtype, device=dev))
-        f = torch.tensor([rows[i].params.frequency_penalty for i in pen], dtype=sub.dtype, device=dev)[:, None]
-        q = torch.tensor([rows[i].params.presence_penalty for i in pen], dtype=sub.dtype, device=dev)[:, None]
-        sub = torch.where(counts > 0, sub - (f * counts + q), sub)
-        x[pen] = sub
+        fq = to_device([(rows[i].params.frequency_penalty, rows[i].params.presence_penalty) for i in pen],
+                       sub.dtype, dev)
+        sub = torch.where(counts > 0, sub - (fq[:, :1] * counts + fq[:, 1:]), sub)
+        x.index_copy_(0, pen_t, sub)
         assert x.shape[1] == V
         return x
 
@@ -111,26 +122,32 @@ class Sampler:
         """Steps 4-8 for sampled rows: filtered probabilities, then argmax_i p_i / E_i."""
         dev, V = x.device, x.shape[1]
         p = [r.params for r in rows]
-        temp = torch.tensor([q.temperature for q in p], dtype=x.dtype, device=dev)[:, None]
-        probs = torch.softmax(x / temp, dim=-1)
+        temp_min_p = to_device([(q.temperature, q.min_p) for q in p], x.dtype, dev)
+        seeds, steps = to_device([[r.seed for r in rows], [r.step for r in rows]], torch.int64, dev)
+        probs = torch.softmax(x / temp_min_p[:, :1], dim=-1)
+        if any(0 < q.top_k < V or q.top_p < 1.0 for q in p):
+            probs = Sampler._top_k_top_p(probs, p)  # else every id is kept: no sort
+        if any(q.min_p > 0 for q in p):
+            floor = temp_min_p[:, 1:] * probs.max(-1, keepdim=True).values
+            probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+        return kernels.race_draw(probs, seeds, steps)
+
+    @staticmethod
+    def _top_k_top_p(probs: torch.Tensor, p: Sequence[SamplingParams]) -> torch.Tensor:
+        """Steps 5-6 over the sorted vocabulary (ties to the lower id): zeros past top-k and top-p."""
+        dev, V = probs.device, probs.shape[1]
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         pos = torch.arange(V, device=dev)[None, :]
-        k = torch.tensor([q.top_k if 0 < q.top_k < V else V for q in p], device=dev)[:, None]
+        k = to_device([q.top_k if 0 < q.top_k < V else V for q in p], torch.long, dev)[:, None]
         keep = pos < k
         if any(q.top_p < 1.0 for q in p):
             top = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
             mass = torch.cumsum(top / top.sum(-1, keepdim=True), dim=-1)
-            top_p = torch.tensor([q.top_p for q in p], dtype=mass.dtype, device=dev)[:, None]
+            top_p = to_device([q.top_p for q in p], mass.dtype, dev)[:, None]
             cut = (mass < top_p).sum(-1, keepdim=True) + 1
             keep = keep & ((pos < cut) | (top_p >= 1.0))
         filtered = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-        probs = torch.zeros_like(probs).scatter(1, order, filtered)
-        min_p = torch.tensor([q.min_p for q in p], dtype=probs.dtype, device=dev)[:, None]
-        probs = torch.where(probs < min_p * probs.max(-1, keepdim=True).values, torch.zeros_like(probs), probs)
-        seeds = torch.tensor([r.seed for r in rows], dtype=torch.int64, device=dev)
-        steps = torch.tensor([r.step for r in rows], dtype=torch.int64, device=dev)
-        u = counter_uniform(seeds, steps, V)
-        return torch.argmax(probs.double() / -torch.log(u), dim=-1)
+        return torch.zeros_like(probs).scatter(1, order, filtered)
 
     # ---- log-probs and the one host copy --------------------------------------------------------
 

@@ -16,32 +16,12 @@ import torch
 
 from k3backend.engine.request import TokenLogprob
 from k3backend.engine.sampling_params import SamplingParams
-
-# splitmix64 constants as signed int64 (torch has no uint64 arithmetic): multiplication wraps.
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
-_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
-_STEP = 0x632BE59BD9B4E019  # a second odd multiplier for the output position
+from k3backend.kernels.sample_ref import race_draw
 
 
 def as_int64(seed: int) -> int:
     """A uint64 seed (0 <= seed < 2**64) as the signed int64 with the same bits."""
     return seed - (1 << 64) if seed >= 1 << 63 else seed
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bits."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, n: int) -> torch.Tensor:
-    """u [S, n] float64 in (0, 1) for rows (seed, step) and columns 0..n-1: splitmix64 of the counter."""
-    col = torch.arange(n, dtype=torch.int64, device=seeds.device)
-    z = (seeds[:, None] + steps[:, None] * _STEP + col[None, :] * _GOLDEN) * _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    z = z ^ _shr(z, 31)
-    return (_shr(z, 11).to(torch.float64) + 0.5) * 2.0 ** -53
 
 
 def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
@@ -110,8 +90,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, seed: int, step: int, *, pro
     if p.greedy:
         return int(torch.argmax(logits))  # first maximum: ties to the lowest id
     probs = filter_probs(logits, p)
-    u = counter_uniform(torch.tensor([seed]), torch.tensor([step]), probs.numel())[0]
-    return int(torch.argmax(probs.double() / -torch.log(u)))
+    return int(race_draw(probs[None], torch.tensor([seed]), torch.tensor([step]))[0])
 
 
 def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:

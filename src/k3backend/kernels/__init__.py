@@ -38,6 +38,7 @@ from k3backend.kernels.norm_ref import (
     l2_norm,
     rms_norm,
 )
+from k3backend.kernels.sample_ref import race_draw
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ FAST_OPS: dict[str, str] = {
     "l2_norm": "k3backend.kernels.norm",
     "attn_res_mix": "k3backend.kernels.norm",
     "attn_res_mix_norm": "k3backend.kernels.norm",
+    "race_draw": "k3backend.kernels.sample",
 }
 
 Verifier = Callable[..., tuple[bool, str]]
@@ -120,6 +122,6 @@ def reference_ops() -> Iterator[None]:
 __all__ = [
     "Activation", "acc_dtype", "attn_res_mix", "attn_res_mix_norm", "experts", "gated_rms_norm", "glu", "kda_chunked",
     "kda_decode", "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
-    "mla_write", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
+    "mla_write", "race_draw", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
     "situ_and_mul", "glu_linear", "kda_decode_fused",
 ]

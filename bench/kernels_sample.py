@@ -1,0 +1,73 @@
+"""Sampler cases for bench/kernels.py: the Triton draw (kernels/sample.py) and the whole batched sampler.
+
+race_draw over S = 1, 16, 64, 256 rows of the K3 vocabulary (163,840 ids): bytes are one fp32 read
+of the probabilities; the reference materialises the float64 uniforms. `--check` wants the same ids
+as the reference, bit for bit. sampler/*: `Sampler()` over bf16 logits as the engine calls it, for
+temperature-only rows (no sort since this change), top-p 0.9 rows (a sort of [S, V]) and greedy rows;
+its reference column is the path before the change (always sorted, the reference draw), which must
+pick the same tokens. Timed eagerly: the sampler ends in the step's one host copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import Case
+
+VOCAB = 163840
+
+
+def _ids_equal(fast, ref):
+    def check() -> str:
+        got, want = fast(), ref()
+        got = got if isinstance(got, list) else got.tolist()
+        want = want if isinstance(want, list) else want.tolist()
+        assert got == want, f"{sum(a != b for a, b in zip(got, want))} of {len(want)} ids differ"
+        return f"ok: {len(want)} ids equal"
+    return check
+
+
+def cases(args) -> list[Case]:
+    from k3backend import kernels
+    from k3backend.engine.sampler import Sampler, SamplingRow
+    from k3backend.engine.sampling_params import SamplingParams
+    from k3backend.kernels import sample, sample_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(0)
+    V, sizes = (3000, [1, 5]) if args.smoke else (VOCAB, [1, 16, 64, 256])
+    out: list[Case] = []
+    for S in sizes:
+        probs = torch.softmax(torch.randn(S, V, generator=g, device=device).bfloat16().float() * 3, dim=-1)
+        seeds = torch.randint(-2**63, 2**63 - 1, (S,), generator=g, device=device)
+        steps = torch.randint(0, 4096, (S,), generator=g, device=device)
+        a = (probs, seeds, steps)
+        out.append(Case("sample", "race_draw", f"S{S} V{V}", run=lambda a=a: sample.race_draw(*a),
+                        ref=lambda a=a: sample_ref.race_draw(*a), bytes=S * V * 4,
+                        check=_ids_equal(lambda a=a: sample.race_draw(*a), lambda a=a: sample_ref.race_draw(*a))))
+
+    sampler = Sampler()
+
+    def before(logits: torch.Tensor, rows: list) -> list[int]:
+        """The draw as it was: every row sorted (top-k / top-p even when they keep everything), the
+        reference draw."""
+        x = logits.float()
+        p = [r.params for r in rows]
+        temp = torch.tensor([q.temperature for q in p], device=x.device)[:, None]
+        probs = Sampler._top_k_top_p(torch.softmax(x / temp, dim=-1), p)
+        with kernels.reference_ops():
+            ids = kernels.race_draw(probs, torch.tensor([r.seed for r in rows], device=x.device),
+                                    torch.tensor([r.step for r in rows], device=x.device))
+        return ids.tolist()
+
+    modes = {"temperature": dict(temperature=1.0), "top_p0.9": dict(temperature=0.8, top_p=0.9),
+             "greedy": dict(temperature=0.0)}
+    for S in sizes:
+        logits = (torch.randn(S, V, generator=g, device=device) * 3).bfloat16()
+        for mode, kw in modes.items():
+            rows = [SamplingRow(SamplingParams(max_tokens=64, seed=i, **kw), seed=i, step=17) for i in range(S)]
+            run = lambda x=logits, r=rows: sampler(x, r).token_ids  # noqa: E731
+            ref = (lambda x=logits, r=rows: before(x, r)) if mode == "temperature" else None
+            out.append(Case("sample", f"sampler/{mode}", f"S{S} V{V}", run=run, ref=ref, graph=False,
+                            check=_ids_equal(run, ref) if ref else None))
+    return out

@@ -1,0 +1,41 @@
+"""The sampler's draw (SERVING.md [SMP-6] step 8) as an op: the exponential race over filtered
+probabilities, argmax_i p_i / E_i with E_i = -log u_i.
+
+The uniforms are splitmix64 of the counter (seed, output position, token id), so a row's draw
+depends on its own seed and position only ([SMP-7]). `engine/sampler_ref.py` (one request) and
+`engine/sampler.py` (the batch) both draw through these definitions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# splitmix64 constants as signed int64 (torch has no uint64 arithmetic): multiplication wraps.
+GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+STEP = 0x632BE59BD9B4E019  # a second odd multiplier for the output position
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, n: int) -> torch.Tensor:
+    """u [S, n] float64 in (0, 1) for rows (seed, step) and columns 0..n-1: splitmix64 of the counter."""
+    col = torch.arange(n, dtype=torch.int64, device=seeds.device)
+    z = (seeds[:, None] + steps[:, None] * STEP + col[None, :] * GOLDEN) * GOLDEN
+    z = (z ^ _shr(z, 30)) * MIX1
+    z = (z ^ _shr(z, 27)) * MIX2
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 11).to(torch.float64) + 0.5) * 2.0 ** -53
+
+
+def race_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """ids [S] int64: argmax_i probs[s, i] / -log u[s, i] in float64 (ties to the lowest id).
+
+    probs [S, V] float32 (filtered, zeros where excluded); seeds, steps [S] int64.
+    """
+    u = counter_uniform(seeds, steps, probs.shape[1])
+    return torch.argmax(probs.double() / -torch.log(u), dim=-1)
