@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--snapshot-interval", type=int, default=EngineConfig.snapshot_interval,
                     help="tokens between KDA prefix snapshots (each one ends a prefill chunk)")
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode and prefill)")
     ap.add_argument("--expert-stats", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="> 1: worker processes (one per rank; needs --checkpoint); reports the coordination time")

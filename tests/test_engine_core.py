@@ -82,7 +82,7 @@ def test_padded_decode_steps_of_the_graph_buffers_change_no_output(model64, tok)
             for i in range(5)]
     engine = new_engine(model64, tok, max_num_seqs=6, max_num_batched_tokens=32, **PAGED)
     runner = engine.executor.runner
-    runner.graphs = runner.decode_graphs(engine.cfg, capture=False)
+    runner.graphs = runner.make_decode_graphs(engine.cfg, capture=False)
     assert runner.graphs.sizes == (1, 2, 4, 8)
     calls = []
     run_graph = runner.graphs.run
@@ -91,6 +91,34 @@ def test_padded_decode_steps_of_the_graph_buffers_change_no_output(model64, tok)
     for r in reqs:
         assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
     assert {3, 1} <= set(calls), calls  # padded (3 -> 4) and exact-size steps both ran
+    engine.close()
+
+
+def test_padded_prefill_chunks_of_the_graph_buffers_change_no_output(model64, tok):
+    """Single-sequence prefill steps through the static buffers of the prefill-graph path, run
+    eagerly on the CPU: each chunk followed by a padding sequence on the null slot and block up to
+    the next size; chunks that start a prompt, continue it, or continue a cached prefix (shared
+    prompts) take it, longer chunks and chunks with image rows do not. Every request equals its
+    run alone."""
+    shared = "a long shared system prompt, " * 2
+    reqs = [Request(f"p{i}", tok.encode(text, allow_special=True),
+                    SamplingParams(max_tokens=5, temperature=0.0 if i % 2 else 0.7, seed=i))
+            for i, text in enumerate([shared + "first", "short", shared + "second question", "x" * 19,
+                                      shared + "third"])]
+    reqs.insert(2, image_request(tok, "p-img", model64, "c", 3))
+    engine = new_engine(model64, tok, max_num_seqs=1, max_num_batched_tokens=24, **PAGED)
+    runner = engine.executor.runner
+    runner.prefill_graphs = runner.make_prefill_graphs(engine.cfg, (2, 4), capture=False)
+    calls = []
+    run_graph = runner.prefill_graphs.run
+    runner.prefill_graphs.run = lambda chunk: calls.append((len(chunk.token_ids), chunk.start)) or run_graph(chunk)
+    outs = run(engine, reqs)
+    for r in reqs:
+        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    lengths = {n for n, _ in calls}
+    assert {1, 3, 4} <= lengths and max(lengths) == 4, calls  # padded (1 -> 2, 3 -> 4), exact; 8-token chunks eager
+    assert any(start > 0 and start % 8 for _, start in calls), calls  # a chunk continuing its prompt
+    assert engine.stats().prefix_cache_hits > 0
     engine.close()
 
 

@@ -24,7 +24,7 @@ import torch
 from k3backend import kernels
 from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch
 from k3backend.engine.config import EngineConfig
-from k3backend.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from k3backend.engine.cuda_graphs import PREFILL_PAD, DecodeGraphs, PrefillGraphs, capture_sizes, prefill_sizes
 from k3backend.engine.plan import CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
 from k3backend.engine.sampler import Sampled, Sampler, SamplingRow
 from k3backend.engine.sampler_ref import banned_ids
@@ -77,21 +77,36 @@ class ModelRunner:
         self.sampler = Sampler()
         self._slots: dict[int, _Slot] = {}
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     @torch.inference_mode()
     def capture_graphs(self, cfg: EngineConfig) -> None:
-        """CUDA graphs for decode steps where `_wants_graphs`; a capture that fails leaves them off."""
+        """CUDA graphs for decode steps and single-sequence prefill chunks where `_wants_graphs`, in
+        one memory pool; a kind whose capture fails stays off."""
         if not _wants_graphs(self.device, cfg):
             return
-        self.graphs = self.decode_graphs(cfg, capture=True)
-        if not self.graphs.graphs:
-            self.graphs = None
+        pool = torch.cuda.graph_pool_handle()
+        sizes = prefill_sizes(min(cfg.max_num_batched_tokens, cfg.max_model_len))
+        prefill = self.make_prefill_graphs(cfg, sizes, capture=True, pool=pool) if sizes else None
+        self.prefill_graphs = prefill if prefill is not None and prefill.graphs else None
+        decode = self.make_decode_graphs(cfg, capture=True, pool=pool)
+        self.graphs = decode if decode.graphs else None
 
-    def decode_graphs(self, cfg: EngineConfig, capture: bool) -> DecodeGraphs:
+    def _forward(self, batch) -> torch.Tensor:
+        return self.model(batch, self.pools)
+
+    def make_decode_graphs(self, cfg: EngineConfig, capture: bool, pool: tuple | None = None) -> DecodeGraphs:
         """The static decode buffers for this runner's pools (capture=False: padded eager steps, for tests)."""
-        return DecodeGraphs(lambda batch: self.model(batch, self.pools), capture_sizes(cfg.max_num_seqs),
+        return DecodeGraphs(self._forward, capture_sizes(cfg.max_num_seqs),
                             blocks_for(cfg.max_model_len, self.pools.block_size), self.pools.block_size, self.device,
-                            capture)
+                            capture, pool)
+
+    def make_prefill_graphs(self, cfg: EngineConfig, sizes: tuple[int, ...], capture: bool,
+                            pool: tuple | None = None) -> PrefillGraphs:
+        """The static prefill buffers for chunks of up to sizes[-1] tokens (capture=False: padded eager
+        steps, for tests)."""
+        return PrefillGraphs(self._forward, sizes, blocks_for(cfg.max_model_len, self.pools.block_size),
+                             self.pools.block_size, self.device, capture, pool)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Sampled | None:
@@ -117,6 +132,10 @@ class ModelRunner:
         if self._graphable(plan):
             logits = self.graphs.run([SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state, s.block_table)
                                       for s in plan.seqs])
+        elif self._prefill_graphable(plan):
+            s = plan.seqs[0]
+            logits = self.prefill_graphs.run(SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state,
+                                                      s.block_table))[:int(s.sample)]
         else:
             logits = self.model(self._batch(plan), self.pools)
         self._copy(plan.snapshots)
@@ -126,6 +145,11 @@ class ModelRunner:
         """A decode-only step (every row sampled, no image rows) that a captured size holds."""
         return (self.graphs is not None and 0 < len(plan.seqs) <= self.graphs.max_batch
                 and plan.num_decode == len(plan.seqs) and all(s.sample and not s.mm_offsets for s in plan.seqs))
+
+    def _prefill_graphable(self, plan: StepPlan) -> bool:
+        """One sequence's prefill chunk, without image rows, that a captured size holds."""
+        return (self.prefill_graphs is not None and len(plan.seqs) == 1 and plan.num_decode == 0
+                and not plan.seqs[0].mm_offsets and len(plan.seqs[0].token_ids) <= self.prefill_graphs.max_tokens)
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -195,9 +219,12 @@ def _cache_budget(model: K3Model, cfg: EngineConfig) -> int:
     n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
     chunk = SeqChunk([0] * n, 0, 1, False, list(range(1, blocks_for(n, cfg.block_size) + 1)))
     used = torch.cuda.memory_allocated(device) + _activation_bytes(model, cfg, [chunk], 0)
-    if _wants_graphs(device, cfg):  # the graphs' pool keeps the largest decode step's activations for good
+    if _wants_graphs(device, cfg):  # the graphs' pool keeps the largest graphed steps' activations for good
         b = capture_sizes(cfg.max_num_seqs)[-1]
         used += _activation_bytes(model, cfg, [SeqChunk([0], 0, 0, False, [0])] * b, b)
+        for p in prefill_sizes(min(cfg.max_num_batched_tokens, cfg.max_model_len))[-1:]:
+            used += _activation_bytes(model, cfg, [SeqChunk([0] * p, 0, 0, False, [0] * blocks_for(p, cfg.block_size)),
+                                                   SeqChunk([0] * PREFILL_PAD, 0, 0, False, [0])], 0)
     free, total = torch.cuda.mem_get_info(device)
     # What the fraction allows, but never more than is free now (other processes share the GPU).
     return max(0, int(min(cfg.gpu_memory_utilization * total - used, free - 2**30)))
