@@ -24,11 +24,19 @@ def tiny_lm(dtype: torch.dtype, seed: int, **text_overrides) -> K3ForCausalLM:
 
 @pytest.fixture(scope="module", params=[torch.float64, torch.float32], ids=["fp64", "fp32"])
 def model(request):
-    return tiny_lm(request.param, seed=int(torch.randint(0, 2**31 - 1, ())))
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    m = tiny_lm(request.param, seed=seed)
+    m.seed = seed  # named in every failure: a fresh model per run, so a rare outlier can be rebuilt
+    return m
 
 
 def atol(model):
     return PATH_FP64_ATOL if model.lm_head.weight.dtype == torch.float64 else PATH_FP32_ATOL
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, model, tol: float | None = None) -> None:
+    torch.testing.assert_close(got, want, atol=atol(model) if tol is None else tol, rtol=0,
+                               msg=lambda m: f"{m}\n(tiny_lm seed {getattr(model, 'seed', None)})")
 
 
 def run_chunks(model, ids: torch.Tensor, bounds: list[int]) -> torch.Tensor:
@@ -47,13 +55,13 @@ def run_chunks(model, ids: torch.Tensor, bounds: list[int]) -> torch.Tensor:
 def test_prefill_then_decode_equals_full_forward(model, split):
     ids = torch.randint(0, model.cfg.vocab_size, (90,))
     steps = run_chunks(model, ids, [0, split] + list(range(split + 1, len(ids) + 1)))
-    torch.testing.assert_close(steps, full_logits(model, ids), atol=atol(model), rtol=0)
+    assert_close(steps, full_logits(model, ids), model)
 
 
 def test_chunked_prefill_equals_one_prefill(model):
     ids = torch.randint(0, model.cfg.vocab_size, (100,))
     parts = run_chunks(model, ids, [0, 30, 31, 100])
-    torch.testing.assert_close(parts, full_logits(model, ids), atol=atol(model), rtol=0)
+    assert_close(parts, full_logits(model, ids), model)
 
 
 def test_batched_sequences_are_independent(model):
@@ -67,8 +75,8 @@ def test_batched_sequences_are_independent(model):
     offset = 0
     for i, q in enumerate(seqs):
         full = full_logits(model, q)
-        torch.testing.assert_close(prefill[offset:offset + len(q) - 1], full[:-1], atol=atol(model), rtol=0)
-        torch.testing.assert_close(decode[i], full[-1], atol=atol(model), rtol=0)
+        assert_close(prefill[offset:offset + len(q) - 1], full[:-1], model)
+        assert_close(decode[i], full[-1], model)
         offset += len(q) - 1
 
 
@@ -82,7 +90,7 @@ def test_mixed_step_equals_the_two_run_separately(model):
     model(apart.batch([11, 0], [a[:11].tolist(), []]), apart.pools)
     dec = model(apart.batch([1, 0], [a[11:].tolist(), []], num_decode=1), apart.pools)
     pre = model(apart.batch([0, 9], [[], b.tolist()]), apart.pools)
-    torch.testing.assert_close(mixed, torch.cat([dec, pre]), atol=atol(model), rtol=0)
+    assert_close(mixed, torch.cat([dec, pre]), model)
 
 
 def test_plain_residual_path_decodes_like_full_forward():
@@ -90,7 +98,7 @@ def test_plain_residual_path_decodes_like_full_forward():
     model = tiny_lm(torch.float64, seed=3, attn_res_block_size=None)
     ids = torch.randint(0, model.cfg.vocab_size, (40,))
     steps = run_chunks(model, ids, [0, 20] + list(range(21, 41)))
-    torch.testing.assert_close(steps, full_logits(model, ids), atol=PATH_FP64_ATOL, rtol=0)
+    assert_close(steps, full_logits(model, ids), model, PATH_FP64_ATOL)
 
 
 def test_bfloat16_sublayers_stay_close_to_float32():
