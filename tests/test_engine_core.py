@@ -122,6 +122,32 @@ def test_padded_prefill_chunks_of_the_graph_buffers_change_no_output(model64, to
     engine.close()
 
 
+def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, tok):
+    """Steps with decode rows and one prefill chunk (requests admitted while others decode, with
+    staggered lengths) run as the decode graphs' padded batch and then the prefill graphs' padded
+    chunk, eagerly on the CPU; steps with several chunks or image rows stay one forward. Every
+    request equals its run alone."""
+    reqs = [Request(f"m{i}", tok.encode(f"mixed {i}: " + "pq" * (1 + 2 * (i % 4)), allow_special=True),
+                    SamplingParams(max_tokens=3 + 4 * (i % 3), temperature=0.0 if i % 2 else 0.8, seed=i,
+                                   ignore_eos=True))
+            for i in range(7)]
+    reqs.insert(3, image_request(tok, "m-img", model64, "d", 4))
+    engine = new_engine(model64, tok, max_num_seqs=3, max_num_batched_tokens=16, **PAGED)
+    runner = engine.executor.runner
+    runner.graphs = runner.make_decode_graphs(engine.cfg, capture=False)
+    runner.prefill_graphs = runner.make_prefill_graphs(engine.cfg, (4, 8), capture=False)
+    steps = []
+    graphed = runner._graphed
+    runner._graphed = lambda decodes, chunk: steps.append((len(decodes), len(chunk))) or graphed(decodes, chunk)
+    outs = run(engine, reqs)
+    for r in reqs:
+        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert any(d > 0 and c == 1 for d, c in steps), steps  # mixed steps split into two replays
+    assert any(c == 0 for _, c in steps), steps  # decode-only steps too
+    assert engine.stats().steps > len(steps)  # and some steps (several chunks, images) ran as one forward
+    engine.close()
+
+
 def test_preemption_under_a_tiny_pool_changes_no_output(model64, tok):
     """12 blocks of 4 tokens for 4 requests of 2-block prompts that grow to 8 blocks each: all are
     admitted, their decodes run out of blocks, the newest running request is preempted and

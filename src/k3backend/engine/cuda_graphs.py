@@ -15,6 +15,9 @@ memory pool over static input buffers:
   block, which fills the captured token count. The sequences are independent in every op (varlen
   attention and recurrences, row-wise GEMMs and norms), so the padding changes no real row.
 
+A step of decode rows and one prefill chunk replays the decode graph and then the prefill graph
+(`ModelRunner._graphed`); other steps run eagerly.
+
 The same padding runs eagerly when graphs are off (`capture=False`): that is how CPU tests check
 that padded rows change nothing, and the fallback when a capture fails.
 """

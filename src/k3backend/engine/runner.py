@@ -129,27 +129,36 @@ class ModelRunner:
         for r in plan.new:
             self._slots[r.slot] = _Slot(r, list(r.output_ids))
         self._copy(plan.copies)
-        if self._graphable(plan):
-            logits = self.graphs.run([SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state, s.block_table)
-                                      for s in plan.seqs])
-        elif self._prefill_graphable(plan):
-            s = plan.seqs[0]
-            logits = self.prefill_graphs.run(SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state,
-                                                      s.block_table))[:int(s.sample)]
+        decodes, chunk = plan.seqs[:plan.num_decode], plan.seqs[plan.num_decode:]
+        if plan.seqs and self._decode_graphable(decodes) and self._prefill_graphable(chunk):
+            logits = self._graphed(decodes, chunk)
         else:
             logits = self.model(self._batch(plan), self.pools)
         self._copy(plan.snapshots)
         return logits
 
-    def _graphable(self, plan: StepPlan) -> bool:
-        """A decode-only step (every row sampled, no image rows) that a captured size holds."""
-        return (self.graphs is not None and 0 < len(plan.seqs) <= self.graphs.max_batch
-                and plan.num_decode == len(plan.seqs) and all(s.sample and not s.mm_offsets for s in plan.seqs))
+    def _graphed(self, decodes: list[ScheduledSeq], chunk: list[ScheduledSeq]) -> torch.Tensor:
+        """The step as graph replays: its decode rows, then its one prefill chunk. A step with both
+        (a request admitted, or a long prompt's next chunk, while others decode) replays both graphs,
+        reading the weights twice instead of paying an eager step's host time."""
+        parts = []
+        if decodes:
+            parts.append(self.graphs.run([_chunk(s) for s in decodes]))
+        if chunk:
+            if parts:  # the graphs share one memory pool: the decode logits must leave it first
+                parts[0] = parts[0].clone()
+            parts.append(self.prefill_graphs.run(_chunk(chunk[0]))[:int(chunk[0].sample)])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _prefill_graphable(self, plan: StepPlan) -> bool:
-        """One sequence's prefill chunk, without image rows, that a captured size holds."""
-        return (self.prefill_graphs is not None and len(plan.seqs) == 1 and plan.num_decode == 0
-                and not plan.seqs[0].mm_offsets and len(plan.seqs[0].token_ids) <= self.prefill_graphs.max_tokens)
+    def _decode_graphable(self, decodes: list[ScheduledSeq]) -> bool:
+        """No decode rows, or decode rows (all sampled, no image rows) that a captured size holds."""
+        return not decodes or (self.graphs is not None and len(decodes) <= self.graphs.max_batch
+                               and all(s.sample and not s.mm_offsets for s in decodes))
+
+    def _prefill_graphable(self, chunk: list[ScheduledSeq]) -> bool:
+        """No prefill, or one sequence's prefill chunk without image rows that a captured size holds."""
+        return not chunk or (self.prefill_graphs is not None and len(chunk) == 1 and not chunk[0].mm_offsets
+                             and len(chunk[0].token_ids) <= self.prefill_graphs.max_tokens)
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -177,6 +186,10 @@ class ModelRunner:
         return SamplingRow(r.params, r.seed, len(st.output_ids),
                            tuple(banned_ids(r.params, st.output_ids, r.eos_ids, r.bad_word_seqs)),
                            r.prompt_ids, st.output_ids)
+
+
+def _chunk(s: ScheduledSeq) -> SeqChunk:
+    return SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state, s.block_table)
 
 
 def size_cache(model: K3Model, cfg: EngineConfig) -> CacheCapacity:
