@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,38 @@ class Checks:
         error = self._results[name]
         if error is not None:
             pytest.fail(f"check {name!r} failed under TRITON_INTERPRET=1:\n{error}", pytrace=False)
+
+
+def triton_and_reference(run: Callable[[], Any]) -> tuple[Any, Any, list[str]]:
+    """run() with K3_KERNELS=triton (the switch reloaded, so every op takes its Triton kernel where its
+    verifier accepts the call), then again inside `kernels.reference_ops()`. Returns (triton result,
+    reference result, the switch's log lines); the switch is left as the environment had it."""
+    import importlib
+    import logging
+
+    import k3backend.kernels
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("k3backend.kernels")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    before = os.environ.get("K3_KERNELS")
+    os.environ["K3_KERNELS"] = "triton"
+    try:
+        kernels = importlib.reload(k3backend.kernels)
+        fast = run()
+        with kernels.reference_ops():
+            ref = run()
+    finally:
+        if before is None:
+            os.environ.pop("K3_KERNELS")
+        else:
+            os.environ["K3_KERNELS"] = before
+        importlib.reload(k3backend.kernels)
+        logger.removeHandler(handler)
+    return fast, ref, seen
 
 
 @contextlib.contextmanager

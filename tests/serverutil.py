@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import shutil
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,3 +75,26 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str, perio
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(period)
     return time.monotonic() - start
+
+
+def ready_status(http_url: str, model: str) -> int | None:
+    """HTTP status of the model's readiness endpoint, or None when the server does not answer."""
+    try:
+        with urllib.request.urlopen(f"{http_url}/v2/models/{model}/ready", timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def none_ready(http_url: str, *models: str) -> bool:
+    """Every model answers its readiness endpoint, and none with 200."""
+    return all(ready_status(http_url, m) not in (200, None) for m in models)
+
+
+def load_repository_model(http_url: str, model: str, timeout: float = 300) -> None:
+    """Load (or reload) `model` through the repository API (explicit model control); asserts 200."""
+    req = urllib.request.Request(f"{http_url}/v2/repository/models/{model}/load", data=b"{}", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.status == 200

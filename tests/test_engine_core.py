@@ -16,9 +16,7 @@ from k3backend.checkpoint import load_model
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampling_params import SamplingParams
 from k3backend.errors import InvalidArgument
-from k3backend.presets import make_checkpoint
-from k3backend.tokenizer import Tokenizer
-from test_engine import Collector, check_events, new_engine, reference, run
+from test_engine import Collector, check_events, ckpt, new_engine, reference, run, tok  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,16 +25,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny_core"))
-
-
-@pytest.fixture(scope="module")
-def tok(ckpt) -> Tokenizer:
-    return Tokenizer.from_dir(ckpt)
 
 
 @pytest.fixture(scope="module")

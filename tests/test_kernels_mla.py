@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpret import Checks, poisoned_empty
+from interpret import Checks, poisoned_empty, triton_and_reference
 from tolerances import KERNEL
 
 CHECKS = Checks(__file__)
@@ -184,11 +184,6 @@ def check_prefill_kernels_write_exactly_their_rows() -> None:
 def check_mla_layer_steps_through_the_switch_match_reference() -> None:
     """model/mla.py through kernels/__init__ with K3_KERNELS=triton: prefill, a mixed step (decode rows
     and a chunk over a cached prefix), decode; the same outputs as K3_KERNELS=ref."""
-    import importlib
-    import logging
-    import os
-
-    import k3backend.kernels
     from k3backend.config import K3Config
     from k3backend.model.mla import MLA
     from k3backend.presets import preset_config
@@ -200,23 +195,17 @@ def check_mla_layer_steps_through_the_switch_match_reference() -> None:
     with torch.no_grad():
         for _, w in sorted(layer.named_parameters()):
             w.copy_(torch.randn(w.shape, generator=g) / w.shape[-1] ** 0.5 + (1.0 if w.dim() == 1 else 0.0))
-    steps = [([7, 5, 3], 0), ([1, 1, 4], 2), ([1, 1, 1], 3)]
-    xs = [torch.randn(sum(lens), cfg.hidden_size, generator=g) for lens, _ in steps]
-    outs, seen = {}, []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("k3backend.kernels").addHandler(handler)
-    logging.getLogger("k3backend.kernels").setLevel(logging.INFO)
-    for mode in ("ref", "triton"):
-        os.environ["K3_KERNELS"] = mode
-        importlib.reload(k3backend.kernels)
+    batches = [([7, 5, 3], 0), ([1, 1, 4], 2), ([1, 1, 1], 3)]
+    xs = [torch.randn(sum(lens), cfg.hidden_size, generator=g) for lens, _ in batches]
+
+    def steps() -> list[torch.Tensor]:
         s = Streams([layer], 3, 16, dtype=torch.float32)
-        outs[mode] = [layer(x, s.batch(lens, num_decode=nd), s.cache) for x, (lens, nd) in zip(xs, steps)]
-    os.environ.pop("K3_KERNELS")
-    importlib.reload(k3backend.kernels)
+        return [layer(x, s.batch(lens, num_decode=nd), s.cache) for x, (lens, nd) in zip(xs, batches)]
+
+    fast, ref, seen = triton_and_reference(steps)
     for op in ("mla_decode", "mla_prefill"):
         assert any(f"{op} runs its Triton kernel" in m for m in seen), (op, seen)
-    for k, (a, b) in enumerate(zip(outs["triton"], outs["ref"])):
+    for k, (a, b) in enumerate(zip(fast, ref)):
         torch.testing.assert_close(a, b, **KERNEL[torch.float32], msg=lambda m: f"step {k}: {m}")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from interpret import Checks, poisoned_empty
+from interpret import Checks, poisoned_empty, triton_and_reference
 from tolerances import KERNEL
 
 CHECKS = Checks(__file__)
@@ -78,11 +78,6 @@ def check_attn_res_mix_and_mix_norm_match_reference() -> None:
 def check_tiny_model_through_the_switch_matches_reference() -> None:
     """A whole tiny K3 text model (AttnRes mixes, RMSNorms, SiTU MLP, KDA norms, MLA) with
     K3_KERNELS=triton (these kernels under the interpreter) equals K3_KERNELS=ref, fp32."""
-    import importlib
-    import logging
-    import os
-
-    import k3backend.kernels
     from k3backend.config import K3Config
     from k3backend.model.lm import K3TextModel
     from k3backend.presets import preset_config
@@ -98,22 +93,16 @@ def check_tiny_model_through_the_switch_matches_reference() -> None:
             w.copy_(base + scale * torch.randn(w.shape, generator=g) * (0.1 if base else 1.0))
     lm = type("LM", (), {"model": model, "lm_head": torch.nn.Linear(1, 1)})()  # what lm_streams reads
     x = torch.randn(9, cfg.hidden_size, generator=g)
-    outs, seen = {}, []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("k3backend.kernels").addHandler(handler)
-    logging.getLogger("k3backend.kernels").setLevel(logging.INFO)
-    for mode in ("ref", "triton"):
-        os.environ["K3_KERNELS"] = mode
-        importlib.reload(k3backend.kernels)
+
+    def forward() -> torch.Tensor:
         s = lm_streams(lm, 1, 9)
-        outs[mode] = model(x, s.batch([9]), s.pools)
-    os.environ.pop("K3_KERNELS")
-    importlib.reload(k3backend.kernels)
+        return model(x, s.batch([9]), s.pools)
+
+    fast, ref, seen = triton_and_reference(forward)
     for op in ("rms_norm", "gated_rms_norm", "l2_norm", "attn_res_mix_norm", "mla_prefill"):
         assert any(f"{op} runs its Triton kernel" in m for m in seen), (op, seen)
-    assert torch.isfinite(outs["ref"]).all()
-    torch.testing.assert_close(outs["triton"], outs["ref"], rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_rms_norm_matches_reference():

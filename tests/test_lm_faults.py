@@ -13,13 +13,12 @@ import queue
 import signal
 import threading
 import time
-import urllib.request
 
 import pytest
 import tritonclient.grpc as grpcclient
 
 from k3client import http_post, make_inputs, metric, metrics
-from serverutil import REPO, alive, group_pids, log_pid, repo_copy, stub_pid, wait_until
+from serverutil import REPO, alive, group_pids, load_repository_model, log_pid, none_ready, repo_copy, stub_pid, wait_until
 
 MODELS = ["k3_vision", "k3_lm", "k3_ensemble"]
 LONG = {"max_tokens": 4000, "min_tokens": 4000, "ignore_eos": True, "stream": True, "return_finish_reason": True}
@@ -61,16 +60,6 @@ class Watch:
             self.client.close()
         except Exception:  # noqa: BLE001 - the server may be gone
             pass
-
-
-def _ready(server, model: str) -> int | None:
-    try:
-        with urllib.request.urlopen(f"{server.http_url}/v2/models/{model}/ready", timeout=2) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return None
 
 
 # ---- races on a shared server ------------------------------------------------------------------
@@ -238,11 +227,8 @@ def test_killed_stub_in_explicit_mode_unloads_and_reloads(triton_server, tmp_pat
     srv = triton_server(repo, ["k3_ensemble"], ["--model-control-mode=explicit", "--load-model=k3_ensemble"],
                         fresh=True)
     os.kill(stub_pid(srv.log_path), signal.SIGKILL)
-    wait_until(lambda: _ready(srv, "k3_lm") not in (200, None) and _ready(srv, "k3_ensemble") not in (200, None),
-               5, "k3_lm and k3_ensemble to be not ready")
-    req = urllib.request.Request(f"{srv.http_url}/v2/repository/models/k3_ensemble/load", data=b"{}", method="POST")
-    with urllib.request.urlopen(req, timeout=120) as r:
-        assert r.status == 200
+    wait_until(lambda: none_ready(srv.http_url, "k3_lm", "k3_ensemble"), 5, "k3_lm and k3_ensemble to be not ready")
+    load_repository_model(srv.http_url, "k3_ensemble", timeout=120)
     status, body = http_post(srv.http_url, "/v2/models/k3_ensemble/generate", {"text_input": "back", "max_tokens": 2})
     assert status == 200, body
 

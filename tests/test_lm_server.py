@@ -178,27 +178,36 @@ def test_CMP4_grpc_cancel_frees_the_request(server):
         pytest.fail(f"cancel not observed: running={metric(after, 'k3:num_requests_running')}")
 
 
-def test_CMP5_stop_convention_through_the_ensemble(server):
+def stop_a_long_ensemble_stream(server, request_id: str, stop_inputs: dict, final_timeout: float):
+    """Start a 4096-token k3_ensemble stream, wait for its first response, then send `stop_inputs`
+    (with "stop": True) under the same request id. Returns the stop's own answer, the target's final
+    responses within `final_timeout`, and the target's errors."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results = []
     client.start_stream(callback=lambda result, error: results.append((result, error)))
     client.async_stream_infer("k3_ensemble", make_inputs({
         "text_input": "Tell me a long story", "max_tokens": 4096, "ignore_eos": True, "stream": True,
-        "return_finish_reason": True}), request_id="job-42")
+        "return_finish_reason": True}), request_id=request_id)
     deadline = time.time() + 60
     while not results and time.time() < deadline:
         time.sleep(0.01)
-    stop = stream_one(server.grpc_url, "k3_ensemble", {"text_input": "", "stop": True}, request_id="job-42")
-    assert stop.error is None and stop.final and stop.text == ""
-    deadline = time.time() + 5
-    while time.time() < deadline:
-        finals = [r for r, e in results if r is not None and
-                  r.get_response().parameters["triton_final_response"].bool_param]
-        if finals:
-            break
+    stop = stream_one(server.grpc_url, "k3_ensemble", stop_inputs, request_id=request_id)
+
+    def final_responses() -> list:
+        return [r for r, _ in results
+                if r is not None and r.get_response().parameters["triton_final_response"].bool_param]
+
+    deadline = time.time() + final_timeout
+    while time.time() < deadline and not final_responses():
         time.sleep(0.05)
     client.stop_stream()
     client.close()
+    return stop, final_responses(), [e for _, e in results if e]
+
+
+def test_CMP5_stop_convention_through_the_ensemble(server):
+    stop, finals, _ = stop_a_long_ensemble_stream(server, "job-42", {"text_input": "", "stop": True}, 5)
+    assert stop.error is None and stop.final and stop.text == ""
     assert finals, "the target did not finish after the stop request"
     assert finals[-1].as_numpy("finish_reason").reshape(-1)[0] == b"cancelled"
 
@@ -206,30 +215,10 @@ def test_CMP5_stop_convention_through_the_ensemble(server):
 def test_CAN3_stop_through_the_ensemble_ignores_its_other_inputs(server):
     """k3_vision answers a stop request without reading its other inputs: text that is not UTF-8 and
     an undecodable image do not keep the stop from reaching k3_lm and stopping the target."""
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    results = []
-    client.start_stream(callback=lambda result, error: results.append((result, error)))
-    client.async_stream_infer("k3_ensemble", make_inputs({
-        "text_input": "Tell me a long story", "max_tokens": 4096, "ignore_eos": True, "stream": True,
-        "return_finish_reason": True}), request_id="job-not-utf8")
-    deadline = time.time() + 60
-    while not results and time.time() < deadline:
-        time.sleep(0.01)
-    stop = stream_one(server.grpc_url, "k3_ensemble", {
-        "text_input": b"\xff\xfe not UTF-8", "image": ["not base64 !"], "stop": True}, request_id="job-not-utf8")
+    stop, finals, errors = stop_a_long_ensemble_stream(
+        server, "job-not-utf8", {"text_input": b"\xff\xfe not UTF-8", "image": ["not base64 !"], "stop": True}, 10)
     assert stop.error is None and stop.final and stop.text == "", stop.error
-
-    def final_responses() -> list:
-        return [r for r, _ in results
-                if r is not None and r.get_response().parameters["triton_final_response"].bool_param]
-
-    deadline = time.time() + 10
-    while time.time() < deadline and not final_responses():
-        time.sleep(0.05)
-    client.stop_stream()
-    client.close()
-    finals = final_responses()
-    assert finals, f"the target did not finish after the stop request: {[e for _, e in results if e]}"
+    assert finals, f"the target did not finish after the stop request: {errors}"
     assert finals[-1].as_numpy("finish_reason").reshape(-1)[0] == b"cancelled"
 
 

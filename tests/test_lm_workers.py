@@ -11,8 +11,6 @@ import json
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -23,29 +21,13 @@ from k3backend.engine.sampling_params import SamplingParams
 from k3backend.generate import generate
 from k3backend.tokenizer import Tokenizer
 from k3client import http_post, metric, metrics
-from serverutil import alive, repo_copy, stub_pid, wait_until, worker_pids
+from serverutil import alive, load_repository_model, none_ready, repo_copy, stub_pid, wait_until, worker_pids
 from test_lm_faults import LONG, Watch
 
 
 @pytest.fixture(scope="module", autouse=True)
 def default_checkpoint(tmp_path_factory):
     os.environ["K3_DEFAULT_CHECKPOINT"] = str(tmp_path_factory.mktemp("ckpt") / "tiny-seed0")
-
-
-def _ready(srv, model: str) -> int | None:
-    try:
-        with urllib.request.urlopen(f"{srv.http_url}/v2/models/{model}/ready", timeout=2) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return None
-
-
-def _load(srv, model: str) -> None:
-    req = urllib.request.Request(f"{srv.http_url}/v2/repository/models/{model}/load", data=b"{}", method="POST")
-    with urllib.request.urlopen(req, timeout=300) as r:
-        assert r.status == 200
 
 
 def test_tp2_serves_like_one_rank_and_survives_a_worker_kill(triton_server, tmp_path):
@@ -78,12 +60,11 @@ def test_tp2_serves_like_one_rank_and_survives_a_worker_kill(triton_server, tmp_
     finally:
         watch.close()
     assert took < 5
-    wait_until(lambda: _ready(srv, "k3_lm") not in (200, None) and _ready(srv, "k3_ensemble") not in (200, None), 5,
-               "k3_lm and k3_ensemble to be not ready")
+    wait_until(lambda: none_ready(srv.http_url, "k3_lm", "k3_ensemble"), 5, "k3_lm and k3_ensemble to be not ready")
     wait_until(lambda: not any(alive(p) for p in pids.values()), 10, "the other worker to exit")
 
     # reload: fresh workers serve again
-    _load(srv, "k3_ensemble")
+    load_repository_model(srv.http_url, "k3_ensemble")
     fresh = worker_pids(srv.log_path)  # the log keeps both generations; the last lines win
     assert set(fresh.values()).isdisjoint(pids.values()) and sorted(fresh) == [0, 1]
     status, body = http_post(srv.http_url, "/v2/models/k3_ensemble/generate", {"text_input": "again", "max_tokens": 3})

@@ -195,7 +195,6 @@ class PrefillGraphs(_Graphs):
         self.block_tables = torch.zeros(2, max_blocks, **i32)
         self.context_lens = torch.ones(2, **i32)
         self.logits_index = torch.zeros(1, dtype=torch.int64, device=device)
-        self._host = torch.zeros(8, dtype=torch.int64)  # cu (3), context_lens (2), slot, has_initial, logits row
         self._fill_lengths(1, 1 + PREFILL_PAD, 0, 0, False)
         if capture:
             self.capture(device, pool)
@@ -235,8 +234,7 @@ class PrefillGraphs(_Graphs):
 
     def _fill_lengths(self, n: int, t: int, start: int, slot: int, has_initial_state: bool) -> None:
         """cu_seqlens [0, n, t], context lengths [start + n, t - n], the chunk's slot, its last row."""
-        h = self._host
-        h[:] = torch.tensor([0, n, t, start + n, t - n, slot, int(has_initial_state), n - 1])
+        h = torch.tensor([0, n, t, start + n, t - n, slot, int(has_initial_state), n - 1])
         self.cu_seqlens.copy_(h[:3], non_blocking=True)
         self.context_lens.copy_(h[3:5], non_blocking=True)
         self.state_indices[:1].copy_(h[5:6], non_blocking=True)

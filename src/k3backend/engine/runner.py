@@ -166,8 +166,7 @@ class ModelRunner:
             self.pools.copy_slot(src, dst)
 
     def _batch(self, plan: StepPlan):
-        chunks = [SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state, s.block_table, s.sample)
-                  for s in plan.seqs]
+        chunks = [_chunk(s) for s in plan.seqs]
         positions: list[int] = []
         rows: list[torch.Tensor] = []
         offset = 0
@@ -189,7 +188,7 @@ class ModelRunner:
 
 
 def _chunk(s: ScheduledSeq) -> SeqChunk:
-    return SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state, s.block_table)
+    return SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state, s.block_table, s.sample)
 
 
 def size_cache(model: K3Model, cfg: EngineConfig) -> CacheCapacity:

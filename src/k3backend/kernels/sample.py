@@ -27,6 +27,7 @@ def _race_kernel(p_ptr, seed_ptr, step_ptr, val_ptr, idx_ptr, V, s_p, NB, BLOCK:
     p = tl.load(p_ptr + r.to(tl.int64) * s_p + col, mask=ok, other=0.0).to(tl.float64)
     seed = tl.load(seed_ptr + r).to(tl.uint64, bitcast=True)
     step = tl.load(step_ptr + r).to(tl.uint64, bitcast=True)
+    # sample_ref's STEP, GOLDEN, MIX1, MIX2 as the uint64 bits they stand for there
     z = (seed + step * 0x632BE59BD9B4E019 + col.to(tl.uint64) * 0x9E3779B97F4A7C15) * 0x9E3779B97F4A7C15
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
