@@ -16,15 +16,7 @@ from k3backend.checkpoint import load_model
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampling_params import SamplingParams
 from k3backend.errors import InvalidArgument
-from test_engine import Collector, check_events, ckpt, new_engine, reference, run, tok  # noqa: F401 - fixtures
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from test_engine import Collector, check_events, ckpt, new_engine, one_thread, reference, run, tok  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")
