@@ -89,3 +89,20 @@ def perf_analyzer() -> Path:
     if not os.access(path, os.X_OK):
         pytest.fail(f"perf_analyzer not found at {path}; run scripts/setup-env", pytrace=False)
     return path
+
+
+_REPORTS = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def report(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """`report(text)`: print `text` in the session's closing summary (not amid the progress dots)."""
+    return lambda text: request.config.stash.setdefault(_REPORTS, []).append(text)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    texts = config.stash.get(_REPORTS, [])
+    if texts:
+        terminalreporter.write_sep("-", "reports")
+        for text in texts:
+            terminalreporter.write_line(text)

@@ -61,7 +61,7 @@ def fuzz_server(triton_server, tmp_path_factory):
     return server, limits_of(repo, checkpoint)
 
 
-def test_ERR5_fuzz_does_not_disturb_valid_streams(fuzz_server, capsys):
+def test_ERR5_fuzz_does_not_disturb_valid_streams(fuzz_server, report):
     server, limits = fuzz_server
     target = Target(server.http_url, server.grpc_url)
     png = sample_png()
@@ -83,9 +83,8 @@ def test_ERR5_fuzz_does_not_disturb_valid_streams(fuzz_server, capsys):
         canary.close()
     took = time.monotonic() - start
 
-    with capsys.disabled():
-        print(f"\n[ERR-5] fuzz seed {SEED}: {CASES} cases in {took:.1f} s, {WORKERS} workers\n{tally.table()}\n"
-              f"{valid.summary()}")
+    report(f"[ERR-5] fuzz seed {SEED}: {CASES} cases in {took:.1f} s, {WORKERS} workers\n{tally.table()}\n"
+           f"{valid.summary()}")
     failures = [line for _, line in tally.failed]
     assert not failures, f"{len(failures)} fuzz answers not allowed:\n" + "\n".join(failures[:20])
     assert not valid.problems, valid.problems[:20]

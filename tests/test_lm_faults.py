@@ -7,6 +7,7 @@ k3_lm stub and of the server. Tests that kill or stop a server start a private o
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import queue
@@ -14,10 +15,13 @@ import signal
 import threading
 import time
 
+import grpc
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2_grpc
+from tritonclient.grpc._utils import _get_inference_request
 
-from k3client import http_post, make_inputs, metric, metrics
+from k3client import http_post, make_inputs, metric, metrics, stream_one
 from serverutil import REPO, alive, group_pids, load_repository_model, log_pid, none_ready, repo_copy, stub_pid, wait_until
 
 MODELS = ["k3_vision", "k3_lm", "k3_ensemble"]
@@ -198,6 +202,205 @@ def test_sigterm_with_streams_in_flight_ends_them_and_exits_cleanly(triton_serve
     finally:
         for w in watches:
             w.close()
+
+
+class HttpStream:
+    """One `generate_stream` over its own HTTP connection, read on a thread: its SSE events and how it
+    ended ("eof": the server closed it after its last event, or the exception)."""
+
+    def __init__(self, http_url: str, model: str, body: dict) -> None:
+        host, port = http_url.removeprefix("http://").split(":")
+        self.events: list[dict] = []
+        self.end: str | None = None
+        self.done = threading.Event()
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        self.conn.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body),
+                          {"Content-Type": "application/json"})
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for line in self.conn.getresponse():
+                if line.startswith(b"data: "):
+                    self.events.append(json.loads(line[6:]))
+            self.end = "eof"
+        except Exception as e:  # noqa: BLE001 - recorded: the test says what it expected
+            self.end = repr(e)
+        finally:
+            self.conn.close()
+            self.done.set()
+
+
+def _shutdown_log_is_clean(srv) -> None:
+    log = srv.log_tail(400)
+    for bad in ("Signal (11)", "Segmentation fault", "Fatal Python error", "malloc", "Exit timeout expired"):
+        assert bad not in log, log
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_shutdown_with_http_streams_in_flight_ends_them_and_exits_cleanly(triton_server, how):
+    """Finding: with an HTTP stream in flight, 2.51 waited its whole exit timeout for the connection
+    (it resets new connections meanwhile, which k3_lm's liveness probe took for a live server), then
+    exited 1 without unloading the models (and the stubs crashed on Ctrl-C). Now the streams end with
+    UNAVAILABLE, their connections close, the models unload and the server exits 0 within the exit
+    timeout. Ctrl-C is SIGINT to the whole foreground process group, stubs and workers included."""
+    exit_timeout = 8
+    srv = triton_server(REPO, MODELS, [f"--exit-timeout-secs={exit_timeout}"], fresh=True)
+    streams = [HttpStream(srv.http_url, model, {"text_input": f"long {model}", **LONG})
+               for model in ("k3_ensemble", "k3_lm")]
+    wait_until(lambda: all(s.events for s in streams), 60, "every stream's first event")
+    start = time.monotonic()
+    if how == "sigterm":
+        os.kill(srv.pid, signal.SIGTERM)
+    else:
+        os.killpg(srv.pid, signal.SIGINT)
+    code = srv.process.wait(exit_timeout + 20 + 5)
+    took = time.monotonic() - start
+    for s in streams:
+        assert s.done.wait(5), "a stream was not closed"
+        assert s.end == "eof", s.end
+        assert "UNAVAILABLE: server shutting down" in s.events[-1].get("error", ""), s.events[-1]
+    assert code == 0, srv.log_tail(60)
+    _shutdown_log_is_clean(srv)
+    assert took < exit_timeout + 1, took
+    wait_until(lambda: not group_pids(srv.pid), 10, "the stubs and the guardian to exit")
+
+
+def test_a_grpc_stream_held_open_and_never_read_does_not_keep_the_server_alive(triton_server):
+    """Finding: a gRPC client that never closed its stream (nor read it) kept tritonserver alive for
+    over 10 minutes after Ctrl-C, then crashed it (grpc_cq_begin_op assertion) when the client died.
+    2.51 itself cannot exit while such a stream is open (k3_lm cannot unload and the gRPC endpoint
+    waits without limit), so the k3_lm guardian kills the server at exit timeout + 5 s. A well-behaved
+    stream beside it still gets its UNAVAILABLE final response."""
+    exit_timeout = 8
+    srv = triton_server(REPO, MODELS, [f"--exit-timeout-secs={exit_timeout}"], fresh=True)
+    hold = threading.Event()
+    request = _get_inference_request("k3_lm", make_inputs({"text_input": "held", **LONG}), "", "held", None, 0,
+                                     False, False, 0, None, None)
+
+    def requests():
+        yield request
+        hold.wait()  # the stream's request side never ends
+
+    channel = grpc.insecure_channel(srv.grpc_url)
+    unread = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests())  # never read
+    polite = Watch(srv.grpc_url, "k3_lm", {"text_input": "polite", **LONG}, "polite")
+    try:
+        wait_until(lambda: polite.responses, 60, "the polite stream's first response")
+        wait_until(lambda: metric(metrics(srv.metrics_url), "k3:num_requests_running") == 2, 10,
+                   "the held request to run")
+        start = time.monotonic()
+        os.kill(srv.pid, signal.SIGTERM)
+        assert polite.final.wait(exit_timeout), "the polite stream got no final response"
+        assert polite.error and "UNAVAILABLE: server shutting down" in polite.error, polite.error
+        polite.close()
+        code = srv.process.wait(exit_timeout + 20 + 5)
+        took = time.monotonic() - start
+        assert took < exit_timeout + 20 + 5, took
+        if code != 0:
+            assert code == -signal.SIGKILL, srv.log_tail(60)
+            assert "waits without limit for client streams that are still open" in srv.log_tail(100)
+        wait_until(lambda: not group_pids(srv.pid), 10, "every process of the server")
+    finally:
+        hold.set()
+        unread.cancel()
+        channel.close()
+        polite.close()
+
+
+FAULTY_LM = '''"""k3_lm with faults injected into one request's output processing (tests/test_lm_faults.py).
+
+A request whose stop strings include a marker fails on its third token: "<fault:detokenizer>" inside
+the engine's detokenization, "<fault:response>" inside the adapter's response building.
+"""
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from k3backend.detokenizer import IncrementalDetokenizer
+from k3backend.serving import responses
+from k3backend.serving.lm_adapter import LmServer
+
+_push = IncrementalDetokenizer.push
+_on_event = responses.ResponseBuilder.on_event
+_init = responses.ResponseBuilder.__init__
+
+
+def push(self, ids, **kw):
+    self._fault_count = getattr(self, "_fault_count", 0) + 1
+    if "<fault:detokenizer>" in self._stops and self._fault_count == 3:
+        raise RuntimeError("injected detokenizer fault")
+    return _push(self, ids, **kw)
+
+
+def init(self, parsed, *a, **kw):
+    _init(self, parsed, *a, **kw)
+    self._fault = "<fault:response>" in parsed.sampling.stop
+    self._fault_count = 0
+
+
+def on_event(self, ev):
+    self._fault_count += len(ev.token_ids)
+    if self._fault and self._fault_count >= 3:
+        raise RuntimeError("injected response fault")
+    return _on_event(self, ev)
+
+
+IncrementalDetokenizer.push = push
+responses.ResponseBuilder.__init__ = init
+responses.ResponseBuilder.on_event = on_event
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.server = LmServer(json.loads(args["model_config"]), pb_utils, version=args["model_version"])
+
+    def execute(self, requests):
+        self.server.execute(requests)
+
+    def finalize(self):
+        self.server.close()
+'''
+
+
+def test_a_failure_inside_output_processing_ends_that_request_with_internal_at_once(triton_server, tmp_path):
+    """Finding: an exception while detokenizing a request's tokens was logged once per token and the
+    client never got a response, not even a final one. Now a failure in the engine's output
+    processing or in the adapter's response building ends that request with INTERNAL naming the
+    cause, within 1 s, logged once; a concurrent request is unaffected (equal to its run alone)."""
+    repo = repo_copy(tmp_path / "repo")
+    (repo / "k3_lm" / "1" / "model.py").write_text(FAULTY_LM)
+    srv = triton_server(repo, ["k3_lm"], fresh=True)
+    healthy = {"text_input": "healthy", "max_tokens": 48, "temperature": 0.0, "ignore_eos": True, "stream": True,
+               "return_log_probs": True, "return_num_output_tokens": True}
+    alone = stream_one(srv.grpc_url, "k3_lm", healthy)
+    assert alone.final and alone.error is None and alone.total("num_output_tokens") == 48
+    for where, cause in (("detokenizer", "output processing failed: RuntimeError: injected detokenizer fault"),
+                         ("response", "response processing failed: RuntimeError: injected response fault")):
+        faulty = Watch(srv.grpc_url, "k3_lm", {"text_input": f"faulty {where}", **LONG, "stop_words": [f"<fault:{where}>"]},
+                       f"faulty-{where}")
+        beside = Watch(srv.grpc_url, "k3_lm", healthy, f"beside-{where}")
+        try:
+            start = time.monotonic()
+            assert faulty.final.wait(60), "the faulty request never ended"
+            assert faulty.error and f"k3_lm: INTERNAL: {cause}" in faulty.error, faulty.error
+            assert time.monotonic() - start < 1.5  # its first three tokens take ~0.1 s here
+            assert beside.final.wait(60) and beside.error is None, beside.error
+            got = [r.as_numpy("output_log_probs").reshape(-1).tolist() for r in beside.responses]
+            # the same tokens: fp32 log-probs of a batch of two round differently from a batch of one
+            assert sum(got, []) == pytest.approx(sum((r["output_log_probs"].reshape(-1).tolist()
+                                                      for r in alone.responses), []), abs=1e-4)
+        finally:
+            faulty.close()
+            beside.close()
+    wait_until(lambda: metric(metrics(srv.metrics_url), "k3:num_requests_running") == 0, 5,
+               "the faulty requests to leave the engine")
+    m = metrics(srv.metrics_url)
+    assert metric(m, "k3:request_failure_total", code="INTERNAL") == 2
+    log = srv.log_tail(2000)
+    assert log.count("output processing failed for") == 1, log
+    assert log.count("building a response of request") == 1, log
+    assert srv.is_running()
 
 
 def test_killed_stub_stops_the_server_so_streams_end(triton_server):

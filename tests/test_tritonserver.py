@@ -29,6 +29,7 @@ from k3backend.tritonserver import (
     find_tritonserver,
     gpu_visible,
     prepare_backends,
+    serve_command,
     server_command,
 )
 
@@ -239,3 +240,15 @@ def test_server_log_without_gpu_has_no_gpu_probing_errors(server: TritonServer) 
     if not gpu_visible():
         alarms = [line for line in log if re.match(r"[EW]\d{4} ", line)]
         assert all(any(known in line for known in NO_GPU_LEFTOVERS) for line in alarms), alarms
+
+
+def test_serve_binds_loopback_unless_told_otherwise(tmp_path: Path) -> None:
+    """`scripts/serve` must not expose an unprotected 2.51 server: loopback by default, `--address`
+    (or a later tritonserver `--http-address`) for other interfaces."""
+    root = ["--backend-root", str(tmp_path)]
+    cmd, _, urls = serve_command(root)
+    for endpoint in ("http", "grpc", "metrics"):
+        assert f"--{endpoint}-address=127.0.0.1" in cmd
+    assert urls[0] == "HTTP    http://localhost:8000"
+    cmd, _, _ = serve_command([*root, "--address", "0.0.0.0", "--http-address=10.1.2.3"])
+    assert "--grpc-address=0.0.0.0" in cmd and cmd[-1] == "--http-address=10.1.2.3"

@@ -35,3 +35,10 @@ class Cancelled(K3Error):
     """The client cancelled the request (gRPC stream cancel)."""
 
     code = "CANCELLED"
+
+
+class Internal(K3Error):
+    """A defect caught at one request's boundary (its output processing failed): that request ends
+    with INTERNAL and this message, which names the cause; other requests go on."""
+
+    code = "INTERNAL"

@@ -399,6 +399,17 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     Options not listed here go to tritonserver unchanged, e.g.
     `--model-control-mode=explicit --load-model=k3_ensemble --exit-timeout-secs=30`.
     """
+    cmd, env, urls = serve_command(argv)
+    # This is the CLI's user-facing output, printed before the process becomes tritonserver.
+    for line in urls:
+        print(line, flush=True)
+    print(f"$ {' '.join(cmd)}", flush=True)
+    os.execve(cmd[0], cmd, env)
+    return 0  # not reached
+
+
+def serve_command(argv: Sequence[str] | None = None) -> tuple[list[str], dict[str, str], list[str]]:
+    """`k3backend serve`'s argv, environment and the URL lines it prints; exits on bad options."""
     parser = argparse.ArgumentParser(
         prog="k3backend serve",
         description="Run tritonserver on the k3backend model repository. "
@@ -408,6 +419,11 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument(
+        "--address", default="127.0.0.1",
+        help="address the HTTP, gRPC and metrics endpoints bind (default %(default)s: this host only; "
+        "0.0.0.0 for every interface, behind a reverse proxy)",
+    )
     parser.add_argument(
         "--backend-root", type=Path, default=Path(sys.prefix) / "var" / "k3backend-tritonserver",
         help="writable directory that receives backends/ with this Python's stub "
@@ -423,15 +439,12 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"k3backend serve: {e}\n")
     cmd = server_command(
         args.model_repository, backend_dir, args.http_port, args.grpc_port, args.metrics_port,
-        extra, install,
+        extra, install, address=args.address,
     )
-    # This is the CLI's user-facing output, printed before the process becomes tritonserver.
-    print(f"HTTP    http://localhost:{args.http_port}", flush=True)
-    print(f"gRPC    localhost:{args.grpc_port}", flush=True)
-    print(f"metrics http://localhost:{args.metrics_port}/metrics", flush=True)
-    print(f"$ {' '.join(cmd)}", flush=True)
-    os.execve(cmd[0], cmd, server_env(install))
-    return 0  # not reached
+    host = "localhost" if args.address in ("127.0.0.1", "0.0.0.0") else args.address
+    urls = [f"HTTP    http://{host}:{args.http_port}", f"gRPC    {host}:{args.grpc_port}",
+            f"metrics http://{host}:{args.metrics_port}/metrics"]
+    return cmd, server_env(install), urls
 
 
 if __name__ == "__main__":

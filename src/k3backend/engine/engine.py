@@ -404,7 +404,8 @@ class Engine:
     # ---- registry ------------------------------------------------------------------------------
 
     def _finished_by_output(self, key: str) -> None:
-        """The output thread ended a request on a stop string: drop it at the next step boundary."""
+        """The output thread ended a request (a stop string, or its processing failed): drop it at the
+        next step boundary."""
         with self._cond:
             seq = self._by_key.get(key)
             if seq is not None:

@@ -5,8 +5,8 @@ token ids, EOS, max_tokens). Everything that costs Python time per token runs he
 detokenization, stop strings ([STP-3]), hold-back ([STR-6]) and event building. On a GPU the
 engine thread is then free to launch the next step while this thread works on the last one.
 
-A stop string is decided here, so the engine learns of it one step late: `on_stop_string(id)`
-tells it to drop the sequence, and tokens it sampled meanwhile are discarded, never sent or
+A stop string is decided here, so the engine learns of it one step late: `on_finished(id)`
+tells it to drop the sequence (as it does for a request whose processing here failed), and tokens it sampled meanwhile are discarded, never sent or
 counted ([STP-3]: the token that completed the match is the last one generated).
 
 Messages arrive in one FIFO queue, so a request's `Opened` precedes its `Progress` items, and
@@ -23,6 +23,7 @@ from typing import Callable
 
 from k3backend.detokenizer import IncrementalDetokenizer
 from k3backend.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
+from k3backend.errors import Internal
 from k3backend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,9 @@ class _Stream:
 class OutputProcessor:
     """Owns the output thread; `put()` is called by the engine, events go to each request's callback."""
 
-    def __init__(self, tokenizer: Tokenizer, on_stop_string: Callable[[str], None]) -> None:
+    def __init__(self, tokenizer: Tokenizer, on_finished: Callable[[str], None]) -> None:
         self._tok = tokenizer
-        self._on_stop_string = on_stop_string
+        self._on_finished = on_finished
         self._queue: queue.SimpleQueue[list[Message] | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._loop, name="k3-engine-output", daemon=True)
@@ -131,8 +132,25 @@ class OutputProcessor:
             for msg in messages:
                 try:
                     self._handle(msg)
-                except Exception:  # noqa: BLE001 - one request's defect must not stop the others
-                    log.exception("output processing failed for %r", getattr(msg, "key", msg))
+                except Exception as e:  # noqa: BLE001 - one request's defect must not stop the others
+                    self._fail(msg, e)
+
+    def _fail(self, msg: Message, exc: Exception) -> None:
+        """End the request whose message raised: one final INTERNAL event naming the cause, and the
+        engine drops it at the next step boundary; later messages for it are ignored."""
+        key = getattr(msg, "key", None)
+        s = self._streams.pop(key, None)
+        on_output = s.on_output if s is not None else getattr(msg, "on_output", None)
+        request_id = s.request.request_id if s is not None else getattr(msg, "request_id", key)
+        log.error("output processing failed for %r; it ends with INTERNAL", key or request_id, exc_info=exc)
+        if key is not None:
+            self._on_finished(key)
+        if on_output is None or (s is None and not isinstance(msg, Opened)):
+            return  # nothing is open for it here (already finished): its final event was sent
+        if isinstance(msg, Opened):
+            request_id = msg.request.request_id
+        error = Internal(f"output processing failed: {type(exc).__name__}: {exc}")
+        _call(on_output, RequestOutput(request_id, finished=True, finish_reason=FinishReason.ERROR, error=error))
 
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, Opened):
@@ -166,7 +184,7 @@ class OutputProcessor:
             s.pending_text += delta.text
             s.pending_reasoning += delta.reasoning
             if delta.stopped:
-                self._on_stop_string(msg.key)
+                self._on_finished(msg.key)
                 self._finish(msg.key, s, FinishReason.STOP)
                 return
         if msg.finish is not None:

@@ -15,7 +15,14 @@ and the guardian does what `stub_failure_action` says:
   a reload brings k3_lm back; in-flight requests still hang (Triton 2.51 cannot end them);
 - `log`: only log.
 
-The guardian also exits when the server itself is gone.
+It is also the bound on the server's exit. Once `k3_lm` sees the server shutting down it
+says `shutdown <seconds>` on the pipe: every request was answered by then, and a healthy 2.51
+exits within its exit timeout. But 2.51 waits without limit for client streams still open (a
+gRPC stream that is never closed, or whose responses are never read: grpc::Server::Shutdown has
+no deadline there, and unread responses keep k3_lm from unloading), so a server still alive
+after that many seconds is killed (SIGKILL), with one line saying why.
+
+The guardian exits when the server itself is gone.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ log = logging.getLogger(__name__)
 
 ACTIONS = ("exit", "unload", "log")
 GOODBYE = b"bye\n"
+SHUTDOWN = b"shutdown"
 KILL_AFTER_S = 5.0
 
 
@@ -57,10 +65,22 @@ def spawn(model: str, action: str) -> int:
 
 
 def say_goodbye(fd: int) -> None:
-    """A normal finalize: the guardian exits quietly."""
+    """A normal finalize: the guardian exits quietly (unless the server is shutting down)."""
+    _say(fd, GOODBYE)
     try:
-        os.write(fd, GOODBYE)
         os.close(fd)
+    except OSError:
+        pass
+
+
+def watch_shutdown(fd: int, within_s: float) -> None:
+    """The server began to shut down: it must be gone within `within_s` seconds."""
+    _say(fd, SHUTDOWN + f" {within_s:.3f}\n".encode())
+
+
+def _say(fd: int, message: bytes) -> None:
+    try:
+        os.write(fd, message)
     except OSError:
         pass
 
@@ -112,19 +132,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--action", choices=ACTIONS, required=True)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's; its shutdown says goodbye
-    data = b""
-    while True:
-        ready, _, _ = select.select([args.fd], [], [], 0.5)
-        if not _alive(args.server_pid):
-            return 0  # the server is gone: nothing left to protect
-        if not ready:
+    lines, deadline, goodbye = _Lines(), None, False
+    while _alive(args.server_pid):
+        if deadline is not None and time.monotonic() > deadline:
+            _kill_stuck_server(args.server_pid, args.model)
+            return 0
+        if lines.eof:  # the stub is gone: only the shutdown deadline is left to watch
+            time.sleep(0.25)
             continue
-        chunk = os.read(args.fd, 64)
-        data += chunk
-        if not chunk:
-            break
-    if data.startswith(GOODBYE) or not _alive(args.server_pid):
-        return 0
+        for line in lines.read(args.fd, timeout=0.5):
+            if line.startswith(SHUTDOWN) and deadline is None:
+                deadline = time.monotonic() + float(line.split()[1])
+            goodbye = goodbye or line == GOODBYE.strip()
+        if lines.eof and deadline is None:
+            if goodbye:
+                return 0
+            _stub_died(args)
+            return 0
+    return 0  # the server is gone: nothing left to protect
+
+
+class _Lines:
+    """The pipe from the stub, split into lines; `eof` once the stub closed it or died."""
+
+    def __init__(self) -> None:
+        self.buf, self.eof = b"", False
+
+    def read(self, fd: int, timeout: float) -> list[bytes]:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            return []
+        chunk = os.read(fd, 256)
+        self.eof = not chunk
+        self.buf += chunk
+        *done, self.buf = self.buf.split(b"\n")
+        return done + ([self.buf] if self.eof and self.buf else [])
+
+
+def _stub_died(args: argparse.Namespace) -> None:
     what = {"exit": "stopping the server so that its connections close and it can be restarted",
             "unload": f"unloading {args.model} and its dependents", "log": "no action"}[args.action]
     _log(f"{args.model}: its stub process (pid {args.stub_pid}) died; Triton cannot answer the requests it had "
@@ -133,7 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         _stop_server(args.server_pid)
     elif args.action == "unload":
         _log(f"{args.model}: {_unload(args.server_pid, args.model)}")
-    return 0
+
+
+def _kill_stuck_server(server_pid: int, model: str) -> None:
+    _log(f"{model}: tritonserver (pid {server_pid}) is still running after its exit timeout: Triton 2.51 waits "
+         "without limit for client streams that are still open (a gRPC stream never closed, or one whose "
+         "responses are not read); every request was answered; killing it (SIGKILL)")
+    try:
+        os.kill(server_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":

@@ -31,9 +31,15 @@ log = logging.getLogger(__name__)
 DEFAULT_EXIT_TIMEOUT_S = 30.0  # tritonserver's default --exit-timeout-secs
 # Every response is sent this long before Triton's exit timeout expires: the models must still
 # unload after that (about a second per Python stub here), or the server exits with exit(1).
-SHUTDOWN_MARGIN_S = 5.0
+SHUTDOWN_MARGIN_S = 6.0
 SHUTDOWN_MARGIN_FRACTION = 0.25
+# A healthy server is gone this long after its exit timeout (measured from the shutdown's start);
+# the k3_lm guardian kills one that is not (a stream held open: see guardian.py).
+EXIT_GRACE_S = 5.0
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, whatever http_proxy says
+# How a probe fails once the endpoint is shutting down: refused (listener closed) or reset (2.51
+# refuses new connections while it waits for open ones).
+_CLOSED = (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 
 
 def server_command_line(pid: int) -> list[str]:
@@ -93,29 +99,39 @@ class ServerWatch:
             self.exit_timeout_s = DEFAULT_EXIT_TIMEOUT_S
         self.explicit = (server_option(argv, "model-control-mode", "none") or "").lower() == "explicit"
         self._seen_live = False
+        self._failures = 0  # liveness probes failed in a row
         if self.url is None:
             log.warning("tritonserver runs without HTTP: requests still in flight at shutdown cannot be ended "
                         "before --exit-timeout-secs expires")
 
     def shutting_down(self) -> bool:
-        """True once the server's liveness endpoint, which answered 200, refuses or answers otherwise.
+        """True once the server's liveness endpoint, which answered 200, has failed twice in a row.
 
-        It answers only after all models loaded (so a load is never taken for a shutdown); a slow
-        answer (a timeout) proves nothing and counts as live.
+        Shutdown shows in two ways on 2.51: while HTTP connections are still open the endpoint
+        resets every new connection (it waits up to the exit timeout for the open ones), then its
+        listener closes (refused). An HTTP error status counts too. The endpoint answers only after
+        all models loaded, so a load is never taken for a shutdown; a slow answer (a timeout)
+        proves nothing and counts as live; two probes in a row guard against a one-off failure.
         """
         if self.url is None:
             return False
+        live = self._probe()
+        self._seen_live = self._seen_live or live
+        self._failures = 0 if live else self._failures + 1
+        return self._seen_live and self._failures >= 2
+
+    def _probe(self) -> bool:
         try:
             with _DIRECT.open(f"{self.url}/v2/health/live", timeout=2) as r:
-                live = r.status == 200
+                return r.status == 200
         except urllib.error.HTTPError:
-            live = False  # "Server exiting"
+            return False  # "Server exiting"
         except urllib.error.URLError as e:
-            live = not isinstance(e.reason, ConnectionRefusedError)  # the listener closed at shutdown
+            return not isinstance(e.reason, _CLOSED)
+        except _CLOSED:  # a reset while reading the answer (http.client.RemoteDisconnected)
+            return False
         except OSError:
-            live = True  # a timeout: unknown
-        self._seen_live = self._seen_live or live
-        return self._seen_live and not live
+            return True  # a timeout: unknown
 
 
 def watch_parent(model: str, period_s: float = 0.5) -> threading.Thread:

@@ -28,7 +28,7 @@ from k3backend.engine.config import EngineConfig
 from k3backend.engine.engine import SHUTDOWN_ERROR, Engine
 from k3backend.engine.runner import InProcessExecutor
 from k3backend.engine.request import FinishReason, RequestOutput
-from k3backend.errors import Cancelled, Unavailable
+from k3backend.errors import Cancelled, Internal, Unavailable
 from k3backend.serving import guardian, lifecycle
 from k3backend.serving import metrics as m
 from k3backend.serving.params import (
@@ -80,6 +80,7 @@ class _InFlight:
     admitted: bool = False  # prompt metrics counted
     scheduled: bool = False  # queue time observed
     num_output_tokens: int = 0
+    done: bool = False  # its final response is queued: later events are ignored
     first_sent: float | None = None  # monotonic time of the first data response
     last_token_ns: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -229,16 +230,27 @@ class LmServer:
         return request
 
     def _on_output(self, state: _InFlight, ev: RequestOutput) -> None:
-        """Output thread: one event -> at most one response, queued for the response thread."""
-        self._count_admission(state, ev)
+        """Output thread: one event -> at most one response, queued for the response thread.
+
+        Whatever fails here ends the request at once: its final response is the error, the engine
+        drops it, and its later events are ignored."""
+        if state.done:
+            return
         try:
+            self._count_admission(state, ev)
             if ev.token_ids:
                 self._count_tokens(state, ev)
             builder = state.builder or ResponseBuilder(state.parsed, "", tokenizer=self.tokenizer)
             outputs = builder.on_event(ev)  # raises ev.error: the request's error response
         except Exception as e:  # noqa: BLE001
+            state.done = True
+            if not ev.finished:  # a defect here: the engine still runs the request
+                log.error("%s: building a response of request %r failed", MODEL, state.client_id, exc_info=e)
+                e = Internal(f"response processing failed: {type(e).__name__}: {e}")
+                self.engine.abort(state.key)
             self._send_q.put(_Send(state.sender, state, error=self._error(e, state.client_id)))
             return
+        state.done = ev.finished
         if outputs is not None:
             if state.first_sent is None:
                 state.first_sent = time.monotonic()
@@ -379,6 +391,7 @@ class LmServer:
         log.info("%s: server is shutting down (exit timeout %.0f s): %d request(s) in flight may finish "
                  "within %.0f s, the rest get UNAVAILABLE", MODEL, exit_timeout,
                  stats.num_running + stats.num_waiting, drain)
+        guardian.watch_shutdown(self._guardian_fd, exit_timeout + lifecycle.EXIT_GRACE_S)
         self.engine.close(timeout=self.shutdown_timeout_s, drain_s=drain)
 
     def _self_unload(self) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from k3backend.engine.request import RequestOutput, TokenLogprob
-from k3backend.errors import K3Error
+from k3backend.errors import Internal, K3Error
 from k3backend.serving.params import ParsedRequest
 from k3backend.tokenizer import Tokenizer
 
@@ -35,10 +35,13 @@ def error_message(model_name: str, exc: BaseException, request_id: str = "") -> 
     """(code, message) for an error response: `<model>: <CODE>: <detail>` ([ERR-1]).
 
     Anything that is not a client-visible K3Error is a defect: INTERNAL, with the traceback logged
-    here, once ([ERR-3]), and only the request id in the message.
+    here, once ([ERR-3]), and only the request id in the message; an `Internal` error names its
+    cause (its traceback was logged where it was caught).
     """
     if isinstance(exc, K3Error) and exc.code in CLIENT_CODES:
         return exc.code, f"{model_name}: {exc.code}: {exc}"
+    if isinstance(exc, Internal):  # its cause was logged with its traceback where it was caught
+        return "INTERNAL", f"{model_name}: INTERNAL: {exc}"
     logger.error("%s: request %r failed with an unexpected error", model_name, request_id, exc_info=exc)
     return "INTERNAL", f"{model_name}: INTERNAL: unexpected error (see server log, request id {request_id!r})"
 
