@@ -1,11 +1,12 @@
-"""In-process engine throughput on a synthetic workload: output tokens/s, TTFT and inter-token latency.
+"""In-process engine-core throughput on a synthetic workload: output tokens/s, TTFT and inter-token latency.
 
     python bench/engine.py --random-weights tiny --concurrency 16 --num-requests 64
     python bench/engine.py --random-weights small --dtype bfloat16 --concurrency 64 --num-requests 256
     python bench/engine.py --checkpoint /path/to/ckpt --shared-prefix-len 2048 --shared-prefix-fraction 1.0
 
-A closed loop keeps `--concurrency` requests in flight until `--num-requests` have finished (after
-a short warm-up). Prompt and output lengths are drawn around their means (`--*-std`); outputs are
+A closed loop drives `EngineCore.step()` in this process (no serving layer, no process boundary)
+and keeps `--concurrency` requests in flight until `--num-requests` have finished (after a short
+warm-up). Prompt and output lengths are drawn around their means (`--*-std`); outputs are
 exact (`ignore_eos`, min_tokens = max_tokens). `--shared-prefix-*` makes a fraction of the prompts
 start with one common prefix (a system prompt), which the prefix cache should compute once.
 `--random-weights PRESET` builds `tiny` or `small` in memory, drawn on the device, without a
@@ -19,14 +20,13 @@ import logging
 import random
 import statistics
 import sys
-import threading
 import time
 
 import torch
 
 from k3backend.engine.config import EngineConfig
-from k3backend.engine.engine import Engine
-from k3backend.engine.request import Request, RequestOutput
+from k3backend.engine.core import EngineCore
+from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampling_params import SamplingParams
 
 
@@ -49,22 +49,6 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     return randomize_weights_(model, args.seed).eval().requires_grad_(False)
 
 
-class Tokenizerless:
-    """The engine needs a tokenizer only for detokenizing outputs: a byte-level stand-in will do."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-
-    def decode_bytes(self, ids):
-        return bytes(i % 256 for i in ids)
-
-    def is_special(self, token: int) -> bool:
-        return False
-
-    def id_of(self, name: str) -> int:
-        return -1  # no markup tokens: nothing is ever parsed as tags
-
-
 def workload(args: argparse.Namespace, vocab: int, pad_id: int) -> list[tuple[list[int], int]]:
     """Random prompt ids (never the image pad, which would need image rows) and output lengths."""
     rng = random.Random(args.seed)
@@ -81,49 +65,33 @@ def workload(args: argparse.Namespace, vocab: int, pad_id: int) -> list[tuple[li
     return out
 
 
-def run(engine: Engine, jobs: list[tuple[list[int], int]], concurrency: int) -> dict:
-    """Closed loop: returns per-request TTFT, inter-token intervals and token counts."""
-    lock, done = threading.Condition(), []
-    ttft, itl, tokens = [], [], 0
-    pending = list(enumerate(jobs))
-    in_flight = 0
-
-    def submit() -> None:
-        nonlocal in_flight
-        i, (ids, n_out) = pending.pop(0)
-        t0 = time.monotonic()
-        state = {"last": 0}
-
-        def on_output(ev: RequestOutput) -> None:
-            nonlocal tokens, in_flight
-            with lock:
-                if ev.token_ids:
-                    tokens += len(ev.token_ids)
-                    if not state["last"]:
-                        ttft.append(time.monotonic() - t0)
-                    elif ev.last_token_time_ns > state["last"]:
-                        itl.extend([(ev.last_token_time_ns - state["last"]) / 1e9 / len(ev.token_ids)]
-                                   * len(ev.token_ids))
-                    state["last"] = ev.last_token_time_ns or state["last"]
-                if ev.finished:
-                    if ev.error is not None:
-                        print(f"request {i} failed: {ev.error}", file=sys.stderr)
-                    done.append(i)
-                    in_flight -= 1
-                    lock.notify()
-
-        p = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=1.0, seed=i)
-        in_flight += 1
-        engine.submit(Request(f"bench-{i}", ids, p), on_output)
-
+def run(core: EngineCore, jobs: list[tuple[list[int], int]], concurrency: int, first_id: int) -> dict:
+    """Closed loop over the engine core's steps: per-request TTFT, inter-token intervals, tokens."""
+    pending = list(enumerate(jobs, first_id))[::-1]
+    live: dict[int, list[float]] = {}  # id -> [submitted, time of its last token]
+    ttft, itl, tokens, done = [], [], 0, 0
     start = time.monotonic()
-    with lock:
-        while pending or in_flight:
-            while pending and in_flight < concurrency:
-                submit()
-            lock.wait()
+    while pending or live:
+        while pending and len(live) < concurrency:
+            rid, (ids, n_out) = pending.pop()
+            p = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=1.0, seed=rid)
+            core.add(rid, Request(f"bench-{rid}", ids, p))
+            live[rid] = [time.monotonic(), 0.0]
+        out = core.step()
+        now = time.monotonic()
+        for rid, token, finish in zip(out.ids.tolist(), out.tokens.tolist(), out.finish.tolist()):
+            state = live[rid]
+            if token >= 0:
+                tokens += 1
+                (itl if state[1] else ttft).append(now - (state[1] or state[0]))
+                state[1] = now
+            if finish:
+                if finish == FinishReason.ERROR:
+                    print(f"request {rid} failed: {out.errors.get(rid)}", file=sys.stderr)
+                del live[rid]
+                done += 1
     wall = time.monotonic() - start
-    return {"wall": wall, "ttft": ttft, "itl": itl, "tokens": tokens, "n": len(done)}
+    return {"wall": wall, "ttft": ttft, "itl": itl, "tokens": tokens, "n": done}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -223,13 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         executor = InProcessExecutor(model, cfg)
         counts = count_experts(model) if args.expert_stats else []
     info = executor.info
-    engine = Engine(executor, Tokenizerless(info.vocab_size), cfg)
+    core = EngineCore(executor, cfg)
     print(f"model ready in {time.monotonic() - t0:.1f} s")
     jobs = workload(args, info.vocab_size, info.media_pad_id)
-    run(engine, jobs[:args.warmup], min(args.concurrency, args.warmup))
-    before, coord0 = engine.stats(), getattr(executor, "coordination_s", 0.0)
-    r = run(engine, jobs[args.warmup:], args.concurrency)
-    after, coord = engine.stats(), getattr(executor, "coordination_s", 0.0) - coord0
+    run(core, jobs[:args.warmup], min(args.concurrency, args.warmup), 1)
+    before, coord0 = core.stats(), getattr(executor, "coordination_s", 0.0)
+    r = run(core, jobs[args.warmup:], args.concurrency, 1 + args.warmup)
+    after, coord = core.stats(), getattr(executor, "coordination_s", 0.0) - coord0
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
     print(f"\n{r['n']} requests, concurrency {args.concurrency}, prompt {args.prompt_len}±{args.prompt_len_std:g}, "
@@ -251,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if model is not None:
         print(roofline(model, args, r))
         print(graph_times(executor))
-    engine.close()
+    executor.close()
     return 0
 
 

@@ -15,8 +15,7 @@ import torch
 from k3backend.checkpoint import load_model
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampling_params import SamplingParams
-from k3backend.errors import InvalidArgument
-from test_engine import Collector, check_events, ckpt, new_engine, one_thread, reference, run, tok  # noqa: F401 - fixtures
+from test_engine import ckpt, new_core, one_thread, reference, run, tok  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +43,11 @@ def test_sixteen_mixed_requests_with_images_equal_each_alone(model64, tok):
                                    top_k=0 if i % 3 else 20))
             for i in range(14)]
     reqs += [image_request(tok, "img-a", model64, "a", 1), image_request(tok, "img-b", model64, "b", 2)]
-    engine = new_engine(model64, tok, max_num_seqs=5, max_num_batched_tokens=24, **PAGED)
-    outs = run(engine, reqs)
+    core = new_core(model64, max_num_seqs=5, max_num_batched_tokens=24, **PAGED)
+    outs = run(core, reqs)
     for r in reqs:
         assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
-    assert engine.stats().steps > 5
-    engine.close()
+    assert core.stats().steps > 5
 
 
 def test_padded_decode_steps_of_the_graph_buffers_change_no_output(model64, tok):
@@ -60,18 +58,17 @@ def test_padded_decode_steps_of_the_graph_buffers_change_no_output(model64, tok)
     reqs = [Request(f"g{i}", tok.encode(f"graph {i}: " + "ab" * (1 + 3 * i), allow_special=True),
                     SamplingParams(max_tokens=17 - 3 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True))
             for i in range(5)]
-    engine = new_engine(model64, tok, max_num_seqs=6, max_num_batched_tokens=32, **PAGED)
-    runner = engine.executor.runner
-    runner.graphs = runner.make_decode_graphs(engine.cfg, capture=False)
+    core = new_core(model64, max_num_seqs=6, max_num_batched_tokens=32, **PAGED)
+    runner = core.executor.runner
+    runner.graphs = runner.make_decode_graphs(core.cfg, capture=False)
     assert runner.graphs.sizes == (1, 2, 4, 8)
     calls = []
     run_graph = runner.graphs.run
     runner.graphs.run = lambda chunks: calls.append(len(chunks)) or run_graph(chunks)
-    outs = run(engine, reqs)
+    outs = run(core, reqs)
     for r in reqs:
         assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
     assert {3, 1} <= set(calls), calls  # padded (3 -> 4) and exact-size steps both ran
-    engine.close()
 
 
 def test_padded_prefill_chunks_of_the_graph_buffers_change_no_output(model64, tok):
@@ -86,20 +83,19 @@ def test_padded_prefill_chunks_of_the_graph_buffers_change_no_output(model64, to
             for i, text in enumerate([shared + "first", "short", shared + "second question", "x" * 19,
                                       shared + "third"])]
     reqs.insert(2, image_request(tok, "p-img", model64, "c", 3))
-    engine = new_engine(model64, tok, max_num_seqs=1, max_num_batched_tokens=24, **PAGED)
-    runner = engine.executor.runner
-    runner.prefill_graphs = runner.make_prefill_graphs(engine.cfg, (2, 4), capture=False)
+    core = new_core(model64, max_num_seqs=1, max_num_batched_tokens=24, **PAGED)
+    runner = core.executor.runner
+    runner.prefill_graphs = runner.make_prefill_graphs(core.cfg, (2, 4), capture=False)
     calls = []
     run_graph = runner.prefill_graphs.run
     runner.prefill_graphs.run = lambda chunk: calls.append((len(chunk.token_ids), chunk.start)) or run_graph(chunk)
-    outs = run(engine, reqs)
+    outs = run(core, reqs)
     for r in reqs:
         assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
     lengths = {n for n, _ in calls}
     assert {1, 3, 4} <= lengths and max(lengths) == 4, calls  # padded (1 -> 2, 3 -> 4), exact; 8-token chunks eager
     assert any(start > 0 and start % 8 for _, start in calls), calls  # a chunk continuing its prompt
-    assert engine.stats().prefix_cache_hits > 0
-    engine.close()
+    assert core.stats().prefix_cache_hits > 0
 
 
 def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, tok):
@@ -112,20 +108,19 @@ def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, 
                                    ignore_eos=True))
             for i in range(7)]
     reqs.insert(3, image_request(tok, "m-img", model64, "d", 4))
-    engine = new_engine(model64, tok, max_num_seqs=3, max_num_batched_tokens=16, **PAGED)
-    runner = engine.executor.runner
-    runner.graphs = runner.make_decode_graphs(engine.cfg, capture=False)
-    runner.prefill_graphs = runner.make_prefill_graphs(engine.cfg, (4, 8), capture=False)
+    core = new_core(model64, max_num_seqs=3, max_num_batched_tokens=16, **PAGED)
+    runner = core.executor.runner
+    runner.graphs = runner.make_decode_graphs(core.cfg, capture=False)
+    runner.prefill_graphs = runner.make_prefill_graphs(core.cfg, (4, 8), capture=False)
     steps = []
     graphed = runner._graphed
     runner._graphed = lambda decodes, chunk: steps.append((len(decodes), len(chunk))) or graphed(decodes, chunk)
-    outs = run(engine, reqs)
+    outs = run(core, reqs)
     for r in reqs:
         assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
     assert any(d > 0 and c == 1 for d, c in steps), steps  # mixed steps split into two replays
     assert any(c == 0 for _, c in steps), steps  # decode-only steps too
-    assert engine.stats().steps > len(steps)  # and some steps (several chunks, images) ran as one forward
-    engine.close()
+    assert core.stats().steps > len(steps)  # and some steps (several chunks, images) ran as one forward
 
 
 def test_preemption_under_a_tiny_pool_changes_no_output(model64, tok):
@@ -134,15 +129,14 @@ def test_preemption_under_a_tiny_pool_changes_no_output(model64, tok):
     recomputed, and every output equals its run alone."""
     reqs = [Request(f"p{i}", tok.encode(f"p{i}: go", allow_special=True),
                     SamplingParams(max_tokens=24, temperature=0.7, seed=i, ignore_eos=True)) for i in range(4)]
-    engine = new_engine(model64, tok, block_size=4, snapshot_interval=8, num_blocks=13, num_slots=6,
+    core = new_core(model64, block_size=4, snapshot_interval=8, num_blocks=13, num_slots=6,
                         prefix_caching=False)
-    outs = run(engine, reqs)
+    outs = run(core, reqs)
     for r in reqs:
         assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
-    stats = engine.stats()
+    stats = core.stats()
     assert stats.num_preemptions > 0
     assert (stats.kv_cache_usage, stats.state_slots_usage) == (0.0, 0.0)  # everything freed
-    engine.close()
 
 
 def test_prefix_hit_gives_the_same_output_and_counts_cached_tokens(model64, tok):
@@ -151,53 +145,47 @@ def test_prefix_hit_gives_the_same_output_and_counts_cached_tokens(model64, tok)
                     SamplingParams(max_tokens=5, temperature=0.0))
     second = Request("second", system + tok.encode("Q: two, please?", allow_special=True),
                      SamplingParams(max_tokens=5, temperature=0.9, seed=3))
-    engine = new_engine(model64, tok, **PAGED)
-    out1 = run(engine, [first])["first"]
-    out2 = run(engine, [second])["second"]
+    core = new_core(model64, **PAGED)
+    out1 = run(core, [first])["first"]
+    out2 = run(core, [second])["second"]
     assert out1.num_cached_tokens == 0
     common = next(i for i, (x, y) in enumerate(zip(first.prompt_ids, second.prompt_ids)) if x != y)
     assert common > len(system)
     assert out2.num_cached_tokens == common // 8 * 8  # the last snapshot point inside the shared prefix
     assert out1.token_ids == reference(model64, first) and out2.token_ids == reference(model64, second)
-    again = run(engine, [replace(first, request_id="again")])["again"]  # the whole prompt but its last token
+    again = run(core, [replace(first, request_id="again")])["again"]  # the whole prompt but its last token
     assert again.num_cached_tokens == (len(first.prompt_ids) - 1) // 4 * 4
     assert again.token_ids == out1.token_ids
-    s = engine.stats()
+    s = core.stats()
     assert s.prefix_cache_queries == len(first.prompt_ids) * 2 + len(second.prompt_ids)
     assert s.prefix_cache_hits == out2.num_cached_tokens + again.num_cached_tokens
-    engine.close()
 
 
 def test_same_text_with_another_image_reuses_nothing_past_the_image(model64, tok):
-    engine = new_engine(model64, tok, **PAGED)
+    core = new_core(model64, **PAGED)
     a = image_request(tok, "a", model64, "a", 1)
     b = replace(image_request(tok, "b", model64, "b", 2))  # same ids, other image and hash
     first_pad = a.prompt_ids.index(tok.media_pad_id)
-    assert run(engine, [a])["a"].token_ids == reference(model64, a)
-    out_b = run(engine, [b])["b"]
+    assert run(core, [a])["a"].token_ids == reference(model64, a)
+    out_b = run(core, [b])["b"]
     assert out_b.num_cached_tokens <= first_pad and out_b.token_ids == reference(model64, b)
-    out_a = run(engine, [replace(a, request_id="a2")])["a2"]
+    out_a = run(core, [replace(a, request_id="a2")])["a2"]
     assert out_a.num_cached_tokens > first_pad + 6  # past the image: same hash, same rows
     assert out_a.token_ids == reference(model64, a)
-    engine.close()
 
 
 def test_prefix_caching_off_computes_everything(model64, tok):
     prompt = tok.encode("the same prompt twice, long enough for blocks", allow_special=True)
-    engine = new_engine(model64, tok, prefix_caching=False, **PAGED)
-    outs = [run(engine, [Request(f"x{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0))])[f"x{i}"]
+    core = new_core(model64, prefix_caching=False, **PAGED)
+    outs = [run(core, [Request(f"x{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0))])[f"x{i}"]
             for i in range(2)]
     assert [o.num_cached_tokens for o in outs] == [0, 0] and outs[0].token_ids == outs[1].token_ids
-    assert engine.stats().prefix_cache_hits == 0
-    engine.close()
+    assert core.stats().prefix_cache_hits == 0
 
 
 def test_a_request_that_can_never_fit_fails_fast(model64, tok):
-    engine = new_engine(model64, tok, block_size=4, num_blocks=9, num_slots=4, max_model_len=1024)
-    col = Collector()
-    engine.submit(Request("big", [65] * 20, SamplingParams(max_tokens=20)), col)
-    out = check_events(col.wait("big")["big"])
-    assert out.finish_reason is FinishReason.ERROR and isinstance(out.error, InvalidArgument)
-    assert "does not fit in the cache (32 tokens)" in str(out.error)
-    assert engine.stats().steps == 0
-    engine.close()
+    core = new_core(model64, block_size=4, num_blocks=9, num_slots=4, max_model_len=1024)
+    out = run(core, [Request("big", [65] * 20, SamplingParams(max_tokens=20))])["big"]
+    assert out.finish is FinishReason.ERROR and out.error[0] == "INVALID_ARG"
+    assert "does not fit in the cache (32 tokens)" in out.error[1]
+    assert core.stats().steps == 0

@@ -209,7 +209,7 @@ def test_PRM4_thinking_from_kwargs_then_default(tok: Tokenizer):
     on = LmDefaults(vocab_size=VOCAB, hidden_size=HIDDEN, default_thinking=True)
     parsed = parse(defaults=on, text_input="", messages=user("hi"))
     request, echo = build(tok, parsed)
-    assert parsed.thinking and echo.endswith("<|open|>think<|sep|>") and request.in_think
+    assert parsed.thinking and echo.endswith("<|open|>think<|sep|>") and ends_in_think(request.prompt_ids, tok)
 
 
 def test_PRM4_chat_rendering_and_user_text_never_special(tok: Tokenizer):
@@ -217,14 +217,14 @@ def test_PRM4_chat_rendering_and_user_text_never_special(tok: Tokenizer):
     assert echo == ('<|open|>message role="user"<|sep|><|open|><|close|>message<|sep|><|end_of_msg|>'
                     '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
     assert request.prompt_ids.count(tok.id_of("<|open|>")) == 3  # the user's literal stayed text
-    assert not request.in_think
+    assert not ends_in_think(request.prompt_ids, tok)
 
 
-def test_TXT3_in_think_and_split_reasoning(tok: Tokenizer):
+def test_TXT3_in_think(tok: Tokenizer):
     request, _ = build(tok, parse(text_input="x<|open|>think<|sep|>", return_reasoning=True))
-    assert request.in_think and request.split_reasoning
+    assert ends_in_think(request.prompt_ids, tok)
     request, _ = build(tok, parse(text_input="<|open|>think<|sep|>a<|close|>think<|sep|>"))
-    assert not request.in_think and not request.split_reasoning
+    assert not ends_in_think(request.prompt_ids, tok)
     assert ends_in_think(tok.encode("<|open|>think<|sep|>prefilled", allow_special=True), tok)
     assert not ends_in_think(tok.encode("<|open|>think", allow_special=True), tok)  # unfinished markup
 

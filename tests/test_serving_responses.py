@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from k3backend.engine.request import FinishReason, RequestOutput, TokenLogprob
+from k3backend.engine.request import FinishReason, TokenLogprob
+from k3backend.serving.responses import RequestOutput
 from k3backend.errors import Cancelled, InvalidArgument, K3Error, Unavailable, Unsupported
 from k3backend.serving.params import OutputOptions, ParsedRequest
 from k3backend.serving.responses import ResponseBuilder, error_message, stop_request_response
@@ -138,7 +139,7 @@ def test_STR9_event_after_the_final_one_is_a_defect():
 @pytest.mark.parametrize("reason", [FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED])
 def test_finish_reason_empty_until_the_final_response(reason: FinishReason):
     stream = run(ResponseBuilder(parsed(stream=True, return_finish_reason=True)), reason=reason)
-    assert [text_of(r, "finish_reason") for r in stream] == [""] * (len(stream) - 1) + [reason.value]
+    assert [text_of(r, "finish_reason") for r in stream] == [""] * (len(stream) - 1) + [reason.label]
 
 
 def test_engine_error_event_raises_its_error():

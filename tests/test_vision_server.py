@@ -31,6 +31,7 @@ from k3backend.errors import K3Error
 from k3backend.model.preprocess import PreprocessConfig, grid_for_size, image_num_tokens
 from k3backend.presets import make_checkpoint
 from k3backend.serving.vision_adapter import OUTPUTS, PARAMETERS, VisionParams, VisionRequest, VisionServer
+from fake_pb import FakePbUtils
 
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "model_repository" / "k3_vision" / "config.pbtxt"
 PH = "<|kimi_image_placeholder|>"
@@ -313,68 +314,6 @@ def test_results_do_not_depend_on_the_batch(server: VisionServer) -> None:  # [V
 
 
 # ---- Triton glue with a stand-in pb_utils ------------------------------------------------------
-
-
-class FakePbUtils:
-    """The parts of triton_python_backend_utils that vision_adapter and metrics use."""
-
-    class TritonError:
-        INTERNAL, INVALID_ARG, UNSUPPORTED, UNAVAILABLE, CANCELLED = range(5)
-
-        def __init__(self, message: str, code: int = 0) -> None:
-            self.message, self.code = message, code
-
-    class Tensor:
-        def __init__(self, name: str, value: Any) -> None:
-            self.name, self.value = name, value
-
-        @classmethod
-        def from_dlpack(cls, name: str, capsule: Any) -> FakePbUtils.Tensor:
-            return cls(name, torch.utils.dlpack.from_dlpack(capsule))
-
-    class InferenceResponse:
-        def __init__(self, output_tensors: list, error: Any = None) -> None:
-            self.output_tensors, self.error = output_tensors, error
-
-    class MetricFamily:
-        COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
-        created: list[tuple[str, str]] = []
-
-        def __init__(self, name: str, description: str, kind: str) -> None:
-            self.name = name
-            FakePbUtils.MetricFamily.created.append((name, kind))
-
-        def Metric(self, labels: dict, buckets: list | None = None) -> FakeMetric:  # noqa: N802
-            return FakeMetric(self.name, labels, buckets)
-
-    class Request:
-        def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "") -> None:
-            self.inputs, self.id = inputs, request_id
-
-        def request_id(self) -> str:
-            return self.id
-
-    @staticmethod
-    def get_input_tensor_by_name(request: Any, name: str) -> Any:
-        value = request.inputs.get(name)
-        if value is None:
-            return None
-        return type("T", (), {"as_numpy": lambda self: value() if callable(value) else value})()
-
-
-class FakeMetric:
-    def __init__(self, name: str, labels: dict, buckets: list | None) -> None:
-        self.name, self.labels, self.buckets, self.values = name, labels, buckets, []
-
-    def increment(self, v: float) -> None:
-        self.values.append(v)
-
-    def observe(self, v: float) -> None:
-        self.values.append(v)
-
-    def set(self, v: float) -> None:
-        self.values.append(v)
-
 
 def _args(checkpoint: Path, **params: str) -> dict[str, Any]:
     import json

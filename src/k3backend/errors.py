@@ -42,3 +42,9 @@ class Internal(K3Error):
     with INTERNAL and this message, which names the cause; other requests go on."""
 
     code = "INTERNAL"
+
+
+def from_code(code: str, message: str) -> K3Error:
+    """The error of `code` with `message` (errors that crossed a process boundary as text)."""
+    kinds = {k.code: k for k in (InvalidArgument, Unsupported, Unavailable, Cancelled, Internal)}
+    return kinds.get(code, Internal)(message)

@@ -16,7 +16,7 @@ A hit is the longest prefix whose blocks and snapshot both survive; at least the
 token is always computed (its logits start generation).
 
 The scheduler decides who runs and which tokens; it builds no tensors. Not thread-safe: the
-engine calls it under its lock.
+engine core's one loop calls it.
 """
 
 from __future__ import annotations
@@ -24,47 +24,35 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Callable
 
 from k3backend.engine.batch import blocks_for
 from k3backend.engine.block_manager import BlockManager, chain_keys
 from k3backend.engine.plan import CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
-from k3backend.engine.request import FinishReason, Request, RequestOutput
+from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampler_ref import request_seed
 from k3backend.engine.sampling_params import eos_sets
 from k3backend.engine.state_slots import StateSlots
 
 
-class Cancel(str, Enum):
-    STOP = "stop"  # stop convention ([CAN-5]): held-back text flushed, finish_reason cancelled
-    ABORT = "abort"  # direct client cancel ([CAN-1]): ends with a CANCELLED error
-    DONE = "done"  # a stop string ended it on the output thread: remove, emit nothing more
-
-
 @dataclass(eq=False)
 class Sequence:
-    """One request inside the engine, from `Engine.add` until it leaves the scheduler.
+    """One request inside the engine, from `EngineCore.add` until it leaves the scheduler.
 
-    Until `bind()` the request is still being prepared (tokenized) and only `key`, `client_id`
-    and `cancel` matter: a stop or abort can already reach it ([CAN-5] at every interleaving).
     Its token stream is prompt + output; `num_computed` of them are in the caches. After the
     prompt it always has exactly one sampled token not yet fed to the model (the last output),
     until it finishes.
     """
 
-    key: str  # the engine's unique id of this request
-    client_id: str  # the client's request id: what stop requests match ([CAN-3])
-    on_output: Callable[[RequestOutput], None]
-    prepare: Callable[[], Request] | None = None
-    request: Request | None = None
+    rid: int  # the id the serving layer added it with
+    request: Request
     mask_eos: tuple[int, ...] = ()  # masked below min_tokens ([SMP-6] step 1): end_id, else the EOS set
     stop_eos: tuple[int, ...] = ()  # ends generation ([STP-1] check 1): mask_eos unless ignore_eos
-    seed: int = 0  # int64 draw seed, fixed at bind ([SMP-7])
-    cancel: Cancel | None = None
+    seed: int = 0  # int64 draw seed ([SMP-7])
+    pad_id: int = -1  # the image pad id, to find the prompt's image positions
+    cancelled: bool = False  # aborted: removed at the next step boundary
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    first_scheduled_time_ns: int = 0
+    started: bool = False  # scheduled at least once
     num_computed: int = 0
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)
@@ -74,13 +62,13 @@ class Sequence:
     pads: list[int] = field(default_factory=list)  # prompt positions of image pads
     counted: bool = False  # prefix-cache queries counted (first admission only)
 
-    def bind(self, request: Request, pad_id: int) -> None:
-        """The prepared request: EOS sets ([STP-2]), draw seed, image pad positions."""
-        self.request, self.prepare = request, None
+    def __post_init__(self) -> None:
+        """EOS sets ([STP-2]), draw seed, image pad positions."""
+        request = self.request
         self.mask_eos, self.stop_eos = eos_sets(request.params, request.eos_ids)
         self.seed = request_seed(request.params.seed)
-        self.pads = [i for i, t in enumerate(request.prompt_ids) if t == pad_id] if request.image_embeds is not None \
-            else []
+        self.pads = [i for i, t in enumerate(request.prompt_ids) if t == self.pad_id] \
+            if request.image_embeds is not None else []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,7 +95,7 @@ class Sequence:
     def append_token(self, token: int) -> FinishReason | None:
         """Record a sampled token and run the id-level checks of [STP-1] (1: stop ids / EOS, 3: length).
 
-        Stop strings (check 2) are matched on the output thread, which ends the request itself.
+        Stop strings (check 2) are matched by the serving layer, which then aborts the request.
         """
         p = self.request.params
         self.output_ids.append(token)
@@ -157,10 +145,10 @@ class Scheduler:
 
     def pop_cancelled(self) -> list[Sequence]:
         """Remove every sequence marked for cancellation (queued or running), its resources freed."""
-        cancelled = [s for s in self.all() if s.cancel is not None]
+        cancelled = [s for s in self.all() if s.cancelled]
         if cancelled:
-            self.waiting = deque(s for s in self.waiting if s.cancel is None)
-            self.running = [s for s in self.running if s.cancel is None]
+            self.waiting = deque(s for s in self.waiting if not s.cancelled)
+            self.running = [s for s in self.running if not s.cancelled]
             for seq in cancelled:
                 self._release(seq)
         return cancelled
@@ -358,7 +346,7 @@ def _image_keys(seq: Sequence) -> dict[int, bytes] | None:
         return None
     r = seq.request
     if len(r.image_hashes) != len(r.image_token_counts) or sum(r.image_token_counts) != len(seq.pads):
-        return {pos: seq.key.encode() + pos.to_bytes(8, "little") for pos in seq.pads}
+        return {pos: b"rid" + seq.rid.to_bytes(8, "little", signed=True) + pos.to_bytes(8, "little") for pos in seq.pads}
     keys = [bytes.fromhex(h) + i.to_bytes(4, "little") for h, n in zip(r.image_hashes, r.image_token_counts)
             for i in range(n)]
     return dict(zip(seq.pads, keys))

@@ -29,6 +29,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import signal
 import socket
 import threading
@@ -93,7 +94,7 @@ class _Tail(logging.Handler):
         self.lines.append(self.format(record))
 
 
-def _guard_against_orphaning(parent: int) -> None:
+def guard_against_orphaning(parent: int) -> None:
     """Own process group; SIGKILL when the spawning thread's process dies ([HLT-10])."""
     os.setpgid(0, 0)
     try:
@@ -107,7 +108,7 @@ def _guard_against_orphaning(parent: int) -> None:
 
 def worker_main(spec: WorkerSpec, conn: Connection, parent: int) -> None:
     """One rank: build the runner, report, then run every message of the pipe until "stop" or EOF."""
-    _guard_against_orphaning(parent)
+    guard_against_orphaning(parent)
     if spec.gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu  # before torch is imported
     tail = _Tail()
@@ -191,6 +192,45 @@ def _serve(runner, conn: Connection, spec: WorkerSpec, tail: _Tail) -> None:
             pass
 
 
+# ---- spawning ------------------------------------------------------------------------------------
+
+class Spawner:
+    """Starts child processes ("spawn", never fork) from one thread that lives until `close()`.
+
+    A child arms PR_SET_PDEATHSIG (`guard_against_orphaning`), which fires when the *thread* that
+    created it exits, not its process: so the creating thread must outlive the children.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.ctx.set_executable(python_executable())
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def spawn(self, target: Any, args: tuple, name: str) -> Any:
+        """Start `target(*args, parent_pid)` in a new process; returns the started Process."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs.put((target, args, name, done))
+        result = done.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            target, args, name, done = job
+            try:
+                p = self.ctx.Process(target=target, args=(*args, os.getpid()), name=name, daemon=False)
+                p.start()
+                done.put(p)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.put(e)
+
+
 # ---- the coordinator ------------------------------------------------------------------------------
 
 def free_loopback_port() -> int:
@@ -225,19 +265,18 @@ class MultiProcessExecutor:
         self._specs = [WorkerSpec(r, world_size, ep_size, devices[r], backend, init, str(checkpoint), dtype, cfg,
                                   max(startup_timeout_s, step_timeout_s))
                        for r in range(world_size)]
-        self._ctx = mp.get_context("spawn")
-        self._ctx.set_executable(python_executable())
+        self._spawner = Spawner("k3-workers")
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
-        self._started = threading.Event()
-        self._stop = threading.Event()
         self._lock = threading.Lock()  # one call at a time over the pipes
         self._failure: str | None = None
         self.coordination_s = 0.0  # time in execute() not spent computing on rank 0 (plan out, ids back)
-        self._spawner = threading.Thread(target=self._spawn_and_wait, name="k3-workers", daemon=True)
-        self._spawner.start()
-        self._started.wait()
         try:
+            for spec in self._specs:
+                parent, child = self._spawner.ctx.Pipe()
+                self._procs.append(self._spawner.spawn(worker_main, (spec, child), f"k3-rank{spec.rank}"))
+                child.close()
+                self._conns.append(parent)
             self.ranks = self._await_ready(startup_timeout_s)
         except BaseException:
             self.close(timeout=2.0)
@@ -252,21 +291,6 @@ class MultiProcessExecutor:
             log.info("worker rank %d: %.2f GiB of weights", r.rank, r.weight_bytes / 2**30)
 
     # ---- start-up ----------------------------------------------------------------------------
-
-    def _spawn_and_wait(self) -> None:
-        """Runs for the executor's life: the spawning thread must outlive its workers ([HLT-10])."""
-        try:
-            for spec in self._specs:
-                parent, child = self._ctx.Pipe()
-                p = self._ctx.Process(target=worker_main, args=(spec, child, os.getpid()), name=f"k3-rank{spec.rank}",
-                                      daemon=False)
-                p.start()
-                child.close()
-                self._procs.append(p)
-                self._conns.append(parent)
-        finally:
-            self._started.set()
-        self._stop.wait()
 
     def _await_ready(self, timeout_s: float) -> list[RankInfo]:
         ready: dict[int, RankInfo] = {}
@@ -380,7 +404,7 @@ class MultiProcessExecutor:
                 p.join(grace)
         for conn in self._conns:
             conn.close()
-        self._stop.set()
+        self._spawner.close()
 
 
 def _host_plan(plan: StepPlan) -> StepPlan:

@@ -1,12 +1,17 @@
-"""Everything behind `k3_lm`'s TritonPythonModel (SERVING.md §4, §6, §8, §9).
+"""Everything behind `k3_lm`'s TritonPythonModel (SERVING.md §4, §6, §8, §9; ENGINE.md §8).
 
-The vllm_backend shape: `execute()` parses cheaply and hands each request to the engine
-(`Engine.add`, which tokenizes on its own thread and owns the one request registry, stop ids
-and tombstones); it never waits for generation ([CFG-L2]). Engine events become responses on
-the output thread and are sent by one response thread, which is also the only thread that asks a
-sender `is_cancelled()`, and never after that sender's final response: on 2.51 that call on a
-finished request reads a freed response factory and crashes the server. A lifecycle thread
-watches the server (shutdown, a dead parent) and the engine's health.
+The engine runs in a process of its own (`engine.client.EngineClient`); this stub only turns
+requests into token ids and token ids into responses, with a fixed number of threads whatever
+the load:
+- Triton's `execute()` parses cheaply, answers stop requests, registers one `RequestStream` per
+  request and returns at once ([CFG-L2]);
+- the prepare thread tokenizes and renders, then hands the request to the engine;
+- the response thread reads the engine's per-step messages, detokenizes, builds at most one
+  response per request per batch of steps (so a request whose sends fall behind gets its
+  pending tokens in one response), sends, and polls cancellation. It is the only thread that
+  touches a sender, and never after its final response: on 2.51 `is_cancelled()` on a finished
+  request reads a freed response factory and crashes the server;
+- the lifecycle thread: gauges, the server's shutdown ([HLT-9]), engine health ([HLT-5], [HLT-7]).
 """
 
 from __future__ import annotations
@@ -17,29 +22,26 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from k3backend.config import ConfigError
+from k3backend.engine.client import EngineClient
 from k3backend.engine.config import EngineConfig
-from k3backend.engine.engine import SHUTDOWN_ERROR, Engine
-from k3backend.engine.runner import InProcessExecutor
-from k3backend.engine.request import FinishReason, RequestOutput
+from k3backend.engine.core_process import CoreSpec
+from k3backend.engine.outputs import EngineStats, StepOutputs
+from k3backend.engine.request import FinishReason, Request
+from k3backend.engine.sampling_params import SamplingParams
 from k3backend.errors import Cancelled, Internal, Unavailable
 from k3backend.serving import guardian, lifecycle
 from k3backend.serving import metrics as m
-from k3backend.serving.params import (
-    LmDefaults,
-    ParsedRequest,
-    generation_eos_ids,
-    load_generation_defaults,
-    parse_request,
-)
-from k3backend.serving.prompt import build_request
-from k3backend.serving.responses import ResponseBuilder, error_message, stop_request_response
+from k3backend.serving.params import LmDefaults, generation_eos_ids, load_generation_defaults, parse_request
+from k3backend.serving.registry import SHUTDOWN_ERROR, Registry
+from k3backend.serving.responses import error_message, stop_request_response
+from k3backend.serving.stream import Cancel, RequestStream
 from k3backend.serving.triton_io import (
     ModelParams,
     data_response,
@@ -66,39 +68,44 @@ PARAMETERS = {  # SERVING.md §4.4 with defaults
     "metrics_prefix": "k3", "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
 }
 LIFECYCLE_PERIOD_S = 0.25  # gauges, server shutdown and engine-health checks
+WARMUP_TIMEOUT_S = 600.0
 
 
-@dataclass(eq=False)
-class _InFlight:
-    """One request between execute() and its final response."""
+class _Inbox:
+    """The response thread's queue of local work, with a descriptor that wakes its `wait()`."""
 
-    client_id: str
-    sender: Any
-    parsed: ParsedRequest
-    key: str = ""  # the engine's id, once added
-    builder: ResponseBuilder | None = None
-    admitted: bool = False  # prompt metrics counted
-    scheduled: bool = False  # queue time observed
-    num_output_tokens: int = 0
-    done: bool = False  # its final response is queued: later events are ignored
-    first_sent: float | None = None  # monotonic time of the first data response
-    last_token_ns: int = 0
-    arrival: float = field(default_factory=time.monotonic)
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
 
+    def fileno(self) -> int:
+        return self._r
 
-@dataclass
-class _Send:
-    """One response for the response thread; `state` is None for a request the engine never saw."""
+    def put(self, item: Any) -> None:
+        self._q.put(item)
+        try:
+            os.write(self._w, b"x")
+        except BlockingIOError:
+            pass  # already signalled
 
-    sender: Any
-    state: _InFlight | None
-    outputs: dict | None = None  # a data response's outputs, or
-    error: tuple[str, str] | None = None  # (code, message) of an error response
-    final: bool = True
+    def drain(self) -> list:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        items = []
+        while True:
+            try:
+                items.append(self._q.get_nowait())
+            except queue.Empty:
+                return items
 
 
 class LmServer:
-    """The k3_lm model instance: parameters, engine, threads, metrics. `close()` is idempotent."""
+    """The k3_lm model instance: parameters, engine client, threads, metrics. `close()` is idempotent."""
 
     def __init__(self, model_config: dict, pb_utils: Any, *, version: str = "1") -> None:
         self.pb = pb_utils
@@ -110,6 +117,7 @@ class LmServer:
             raise ConfigError(f"{MODEL}: expert_parallel_size {ep} must divide tensor_parallel_size {tp}")
         self.period_s = p.int("cancellation_check_period_ms", lo=1) / 1000
         self.shutdown_timeout_s = p.float("shutdown_timeout_s", lo=0)
+        self.step_timeout_s = p.float("step_timeout_s", lo=0.001)
         self.unload_on_failure = p.bool("unload_on_engine_failure")
         stub_failure_action = p.choice("stub_failure_action", guardian.ACTIONS)
         self.max_model_len = p.int("max_model_len", lo=1)
@@ -123,8 +131,6 @@ class LmServer:
         from k3backend.tokenizer import Tokenizer
 
         cfg = load_config(ckpt)
-        if device.type == "cpu" and cfg.text.hidden_size < 1024:
-            torch.set_num_threads(1)  # toy models: one thread beats several fighting over small ops
         self.tokenizer = Tokenizer.from_dir(tok_dir)
         text = cfg.text
         gen = load_generation_defaults(ckpt)
@@ -139,32 +145,33 @@ class LmServer:
         engine_cfg = EngineConfig(
             max_num_seqs=p.int("max_num_seqs", lo=1), max_model_len=self.max_model_len,
             max_num_batched_tokens=p.int("max_num_batched_tokens", lo=1),
-            max_queued_requests=p.int("max_queued_requests", lo=0), step_timeout_s=p.float("step_timeout_s", lo=0.001),
-            stop_tombstone_ttl_s=p.float("stop_tombstone_ttl_s", lo=0),
-            prefix_caching=p.bool("enable_prefix_caching"), enforce_eager=p.bool("enforce_eager"),
-            gpu_memory_utilization=p.float("gpu_memory_utilization", lo=0.01, hi=1.0),
+            step_timeout_s=self.step_timeout_s, prefix_caching=p.bool("enable_prefix_caching"),
+            enforce_eager=p.bool("enforce_eager"), gpu_memory_utilization=p.float("gpu_memory_utilization", lo=0.01, hi=1.0),
             cpu_cache_gb=p.float("cpu_cache_gb", lo=0.001))
-        self.engine = Engine(self._executor(p, ckpt, engine_cfg, device, dtype, tp, ep), self.tokenizer, engine_cfg)
+        self.engine = EngineClient(self._core_spec(p, ckpt, engine_cfg, device, dtype, tp, ep))
         try:
             self._warm_up()
         except BaseException:
             self.engine.close(timeout=5)
             raise
-        log.info("%s: stub pid %d", MODEL, os.getpid())
-        if isinstance(self.engine.executor, InProcessExecutor):
-            log.info("%s: worker rank 0 pid %d device %s (in process)", MODEL, os.getpid(), device)  # [HLT-1]
+        log.info("%s: stub pid %d, engine core pid %d", MODEL, os.getpid(), self.engine.ready.pid)
         log.info("%s: loaded %s (%s) in %.1f s", MODEL, ckpt, dtype, time.monotonic() - t0)
 
         self.metrics = m.lm_metrics(pb_utils, p.bool("REPORT_CUSTOM_METRICS"), p.str("metrics_prefix"), MODEL,
                                     version, self.max_model_len)
+        self.registry = Registry(p.float("stop_tombstone_ttl_s", lo=0), p.int("max_queued_requests", lo=0))
+        self._stats = EngineStats(workers_alive=self.engine.ready.workers_alive)
+        self._steps_seen = 0  # engine messages read: the step watchdog's progress count
         self._ppid = os.getppid()
         self.server = lifecycle.ServerWatch(self._ppid)
         lifecycle.watch_parent(MODEL)  # [HLT-10]: a server that died without finalize
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
-        self._send_q: queue.SimpleQueue[_Send | _InFlight | None] = queue.SimpleQueue()
+        self._prepare_q: queue.SimpleQueue[RequestStream | None] = queue.SimpleQueue()
+        self._inbox = _Inbox()
         self._guardian_fd = guardian.spawn(MODEL, stub_failure_action)
-        self._threads = [threading.Thread(target=self._respond_loop, name="k3-lm-respond", daemon=True),
+        self._threads = [threading.Thread(target=self._prepare_loop, name="k3-lm-prepare", daemon=True),
+                         threading.Thread(target=self._respond_loop, name="k3-lm-respond", daemon=True),
                          threading.Thread(target=self._lifecycle_loop, name="k3-lm-lifecycle", daemon=True)]
         for t in self._threads:
             t.start()
@@ -172,7 +179,7 @@ class LmServer:
     # ---- Triton entry points ---------------------------------------------------------------
 
     def execute(self, requests: list) -> None:
-        """Parse cheaply, answer stop requests, hand the rest to the engine; never waits for generation."""
+        """Parse cheaply, answer stop requests, register the rest; never waits for generation."""
         for request in requests:
             sender = request.get_response_sender()
             client_id = ""
@@ -185,20 +192,22 @@ class LmServer:
                 parsed = parse_request(input_getter(self.pb, request), request_parameters(request), client_id,
                                        self.defaults)
                 if parsed.is_stop:
-                    matched = self.engine.stop(client_id)
-                    log.debug("%s: stop request %r matched %d request(s)", MODEL, client_id, matched)
-                    self._send_q.put(_Send(sender, None, stop_request_response()))
+                    matched = self.registry.stop(client_id)
+                    for stream in matched:
+                        self.engine.abort(stream.rid)
+                    log.debug("%s: stop request %r matched %d running request(s)", MODEL, client_id, len(matched))
+                    self._inbox.put(("send", sender, client_id, stop_request_response(), None))
                     continue
+                stream = RequestStream(client_id, sender, parsed, self.tokenizer)
+                live = self.registry.open(stream)
             except Exception as e:  # noqa: BLE001 - every failure becomes this request's error response
-                self._send_q.put(_Send(sender, None, error=self._error(e, client_id)))
+                self._inbox.put(("send", sender, client_id, None, e))
                 continue
-            state = _InFlight(client_id, sender, parsed)
-            self._send_q.put(state)  # the response thread owns the sender from here on: before any send
-            try:
-                state.key = self.engine.add(client_id, lambda s=state: self._prepare(s),
-                                            lambda ev, s=state: self._on_output(s, ev))
-            except Exception as e:  # noqa: BLE001 - closing, failed or full
-                self._send_q.put(_Send(sender, state, error=self._error(e, client_id)))
+            self._inbox.put(("open", stream))  # the response thread owns the sender from here on
+            if live:
+                self._prepare_q.put(stream)
+            else:
+                self._inbox.put(("cancel", stream, Cancel.STOP))  # a live tombstone ([CAN-7])
 
     def close(self) -> None:
         """[HLT-9]: stop admitting, end in-flight requests (UNAVAILABLE), join threads and the engine."""
@@ -207,10 +216,7 @@ class LmServer:
                 return
             self._closed.set()
         start = time.monotonic()
-        self.engine.close(timeout=self.shutdown_timeout_s)  # in-flight requests get their final events
-        self._send_q.put(None)
-        for t in self._threads:
-            t.join(timeout=5)
+        self._shut_down(drain_s=0.0)
         self.metrics.close()
         guardian.say_goodbye(self._guardian_fd)
         # Python-backend objects (senders, responses) must die while the stub can still talk to
@@ -218,155 +224,244 @@ class LmServer:
         gc.collect()
         log.info("%s: finalized in %.1f s", MODEL, time.monotonic() - start)
 
-    # ---- engine callbacks (admission and output threads) -----------------------------------
-
-    def _prepare(self, state: _InFlight):
-        """Admission thread: tokenize, render, expand images; the builder of its responses."""
-        request, echo = build_request(state.parsed, self.tokenizer, eos_ids=self.eos_ids,
-                                      max_model_len=self.max_model_len,
-                                      default_max_tokens=self.defaults.default_max_tokens)
-        state.builder = ResponseBuilder(state.parsed, echo, num_input_tokens=len(request.prompt_ids),
-                                        tokenizer=self.tokenizer)
-        return request
-
-    def _on_output(self, state: _InFlight, ev: RequestOutput) -> None:
-        """Output thread: one event -> at most one response, queued for the response thread.
-
-        Whatever fails here ends the request at once: its final response is the error, the engine
-        drops it, and its later events are ignored."""
-        if state.done:
+    def _shut_down(self, drain_s: float) -> None:
+        """Refuse new requests, let those in flight run up to `drain_s`, end the rest with
+        UNAVAILABLE, then stop the threads and the engine core. Safe to call twice."""
+        with self.registry.lock:
+            first = not self.registry.closing
+            self.registry.closing = True
+        deadline = time.monotonic() + drain_s
+        while time.monotonic() < deadline and len(self.registry):
+            time.sleep(0.05)
+        if not first:
             return
-        try:
-            self._count_admission(state, ev)
-            if ev.token_ids:
-                self._count_tokens(state, ev)
-            builder = state.builder or ResponseBuilder(state.parsed, "", tokenizer=self.tokenizer)
-            outputs = builder.on_event(ev)  # raises ev.error: the request's error response
-        except Exception as e:  # noqa: BLE001
-            state.done = True
-            if not ev.finished:  # a defect here: the engine still runs the request
-                log.error("%s: building a response of request %r failed", MODEL, state.client_id, exc_info=e)
-                e = Internal(f"response processing failed: {type(e).__name__}: {e}")
-                self.engine.abort(state.key)
-            self._send_q.put(_Send(state.sender, state, error=self._error(e, state.client_id)))
-            return
-        state.done = ev.finished
-        if outputs is not None:
-            if state.first_sent is None:
-                state.first_sent = time.monotonic()
-                self.metrics.observe("time_to_first_token_seconds", state.first_sent - state.arrival)
-            self._send_q.put(_Send(state.sender, state, outputs, final=ev.finished))
-        if ev.finished:
-            self.metrics.inc("request_success_total", finished_reason=ev.finish_reason.value)
-            self.metrics.observe("e2e_request_latency_seconds", time.monotonic() - state.arrival)
-            self.metrics.observe("request_generation_tokens", state.num_output_tokens)
+        self._inbox.put(("shutdown",))
+        self._prepare_q.put(None)
+        self._inbox.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5 if t.name != "k3-lm-lifecycle" else 0.5)
+        self.engine.close(timeout=self.shutdown_timeout_s)
 
-    def _count_admission(self, state: _InFlight, ev: RequestOutput) -> None:
-        """Prompt metrics once the engine admitted the request (its events carry the prompt length,
-        [TOK-3]); the queue time once it was first scheduled."""
-        if ev.num_input_tokens and not state.admitted:
-            state.admitted = True
-            self.metrics.inc("prompt_tokens_total", ev.num_input_tokens)
-            self.metrics.observe("request_prompt_tokens", ev.num_input_tokens)
-            if state.parsed.images is not None:
-                self.metrics.inc("image_tokens_total", sum(state.parsed.images.token_counts))
-        if ev.first_scheduled_time_ns and not state.scheduled:
-            state.scheduled = True
-            self.metrics.observe("request_queue_time_seconds",
-                                 max(0.0, ev.first_scheduled_time_ns / 1e9 - state.parsed.arrival_time))
+    # ---- the prepare thread ----------------------------------------------------------------
 
-    def _count_tokens(self, state: _InFlight, ev: RequestOutput) -> None:
-        """Generation counter, and one time-per-output-token observation per token after the first.
-
-        An event can cover several tokens (held-back text); their interval is spread evenly.
-        """
-        n = len(ev.token_ids)
-        state.num_output_tokens += n
-        self.metrics.inc("generation_tokens_total", n)
-        prev = state.last_token_ns or ev.first_token_time_ns
-        intervals = n if state.last_token_ns else n - 1
-        if intervals > 0 and ev.last_token_time_ns and prev:
-            per_token = max(0.0, (ev.last_token_time_ns - prev) / 1e9 / intervals)
-            for _ in range(intervals):
-                self.metrics.observe("time_per_output_token_seconds", per_token)
-        state.last_token_ns = ev.last_token_time_ns or state.last_token_ns
-
-    def _error(self, exc: BaseException, client_id: str) -> tuple[str, str]:
-        code, message = error_message(MODEL, exc, client_id)
-        if code == "CANCELLED":  # a direct cancellation counts as a finished request (§9)
-            self.metrics.inc("request_success_total", finished_reason="cancelled")
-        else:
-            self.metrics.inc("request_failure_total", code=code)
-        return code, message
+    def _prepare_loop(self) -> None:
+        """Tokenize and render each request, then hand it to the engine (or end it here)."""
+        while (stream := self._prepare_q.get()) is not None:
+            try:
+                request = stream.prepare(eos_ids=self.eos_ids, max_model_len=self.max_model_len,
+                                         default_max_tokens=self.defaults.default_max_tokens)
+            except Exception as e:  # noqa: BLE001 - every failure becomes this request's error response
+                self._inbox.put(("fail", stream, e))
+                continue
+            with self.registry.lock:  # a stop or cancel either lands before this or finds the engine id
+                if stream.cancel is not None:
+                    self._inbox.put(("cancel", stream, stream.cancel))
+                elif self.registry.closing or self.registry.failure is not None:
+                    why = SHUTDOWN_ERROR if self.registry.closing else f"engine failed: {self.registry.failure}"
+                    self._inbox.put(("fail", stream, Unavailable(why)))
+                else:
+                    self.registry.bind(stream, self.engine.add(request))
 
     # ---- the response thread ---------------------------------------------------------------
 
     def _respond_loop(self) -> None:
-        """Sends every response and polls cancellation ([CAN-1]) for the senders it owns.
+        """See the module docstring; `open_` holds the streams whose final response is not sent yet."""
+        open_: dict[RequestStream, None] = {}
+        stopping = False
+        while not (stopping and not open_):
+            wait([self._inbox, self.engine] if self.engine.readable else [self._inbox], self.period_s)
+            touched: dict[RequestStream, None] = {}
+            for item in self._inbox.drain():
+                stopping = stopping or item is None
+                if item is not None:
+                    self._local(item, open_, touched)
+            for message in self.engine.receive():
+                self._engine_message(message, open_, touched)
+            for stream in touched:
+                self._respond(stream, open_)
+            self._poll_cancellations(open_)
+            if stopping and open_:  # after "shutdown" everything left is ended; do not wait for more
+                for stream in list(open_):
+                    stream.fail(Unavailable(SHUTDOWN_ERROR))
+                    self._respond(stream, open_)
 
-        `open` holds the requests whose final response has not been sent; a sender is asked
-        `is_cancelled()` at most once per period, and never after its final response.
-        """
-        open_: dict[_InFlight, float] = {}  # request -> monotonic time of its last cancellation check
-        while True:
+    def _local(self, item: tuple, open_: dict, touched: dict) -> None:
+        kind = item[0]
+        if kind == "open":
+            open_[item[1]] = None
+            item[1].last_poll = time.monotonic()
+        elif kind == "send":  # a request that never got a stream: its one (final) response
+            _, sender, client_id, outputs, error = item
+            self._send(sender, client_id, outputs, error, final=True)
+        elif kind == "fail":
+            item[1].fail(item[2])
+            touched[item[1]] = None
+        elif kind == "cancel":
+            item[1].cancel_now(item[2])
+            touched[item[1]] = None
+        elif kind == "shutdown":
+            for stream in open_:
+                stream.fail(Unavailable(SHUTDOWN_ERROR))
+                touched[stream] = None
+
+    def _engine_message(self, message: tuple, open_: dict, touched: dict) -> None:
+        self._steps_seen += 1
+        if message[0] == "failed":
+            with self.registry.lock:
+                self.registry.failure = message[1]
+            log.error("%s: engine failed: %s", MODEL, message[1])
+            for stream in open_:
+                stream.fail(Unavailable(f"engine failed: {message[1]}"))
+                touched[stream] = None
+            return
+        out: StepOutputs = message[1]
+        self._stats = out.stats
+        for rid, cached in zip(out.started.tolist(), out.cached.tolist()):
+            stream = self.registry.by_rid(rid)
+            if stream is not None and not stream.done:
+                stream.on_started(out.time_ns, cached)
+                self._count_admission(stream, out.time_ns)
+        generated = 0
+        for rid, token, finish in zip(out.ids.tolist(), out.tokens.tolist(), out.finish.tolist()):
+            stream = self.registry.by_rid(rid)
+            if stream is None or stream.done:
+                continue  # ended here already (a stop string, a failure): the engine's news is moot
+            touched[stream] = None
             try:
-                item = self._send_q.get(timeout=self.period_s)
-            except queue.Empty:
-                item = False
-            if item is None:
-                break
-            if isinstance(item, _InFlight):
-                open_[item] = time.monotonic()
-            elif item:
-                self._send(item)
-                if item.final:
-                    open_.pop(item.state, None)
-                elif item.state in open_ and time.monotonic() - open_[item.state] >= self.period_s:
-                    self._check_cancelled(item.state, open_)
-            now = time.monotonic()
-            for state in [s for s, t in open_.items() if now - t >= self.period_s]:
-                self._check_cancelled(state, open_)
+                if token >= 0:
+                    generated += 1
+                    if stream.on_token(token, out.logprobs.get(rid), FinishReason(finish), out.time_ns):
+                        self.engine.abort(rid)  # a stop string ended it
+                else:
+                    stream.on_end(FinishReason(finish), out.errors.get(rid))
+            except Exception as e:  # noqa: BLE001 - one request's defect must not stop the others
+                log.error("%s: output processing failed for %r; it ends with INTERNAL", MODEL, stream.client_id,
+                          exc_info=e)
+                stream.fail(Internal(f"output processing failed: {type(e).__name__}: {e}"))
+                self.engine.abort(rid)
+        if generated:
+            self.metrics.inc("generation_tokens_total", generated)
 
-    def _send(self, item: _Send) -> None:
-        if item.error is not None:
-            response = error_response(self.pb, *item.error)
+    def _respond(self, stream: RequestStream, open_: dict) -> None:
+        """Send the stream's one response of this batch, if it has one."""
+        try:
+            response = stream.take_response()
+        except Exception as e:  # noqa: BLE001 - a defect building it ends the request, at once
+            log.error("%s: building a response of request %r failed", MODEL, stream.client_id, exc_info=e)
+            stream.done = True
+            if stream.rid:
+                self.engine.abort(stream.rid)
+            response = (None, Internal(f"response processing failed: {type(e).__name__}: {e}"), True)
+        if response is None:
+            return
+        outputs, error, final = response
+        if outputs is not None:
+            self._count_response(stream, final)
+        self._send(stream.sender, stream.client_id, outputs, error, final)
+        if final:
+            open_.pop(stream, None)
+            self.registry.forget(stream)
+            if error is None:
+                self._count_final(stream)
+
+    def _send(self, sender: Any, client_id: str, outputs: dict | None, error: Exception | None, final: bool) -> None:
+        if error is not None:
+            code, message = error_message(MODEL, error, client_id)
+            if code == "CANCELLED":  # a direct cancellation counts as a finished request (§9)
+                self.metrics.inc("request_success_total", finished_reason="cancelled")
+            else:
+                self.metrics.inc("request_failure_total", code=code)
+            response = error_response(self.pb, code, message)
         else:
-            response = data_response(self.pb, item.outputs)
+            response = data_response(self.pb, outputs)
         try:
-            item.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if item.final else 0)
+            sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         except Exception:  # noqa: BLE001 - a vanished client must not stop other responses
-            log.exception("%s: sending a response of request %r failed", MODEL,
-                          item.state.client_id if item.state else "")
+            log.exception("%s: sending a response of request %r failed", MODEL, client_id)
 
-    def _check_cancelled(self, state: _InFlight, open_: dict[_InFlight, float]) -> None:
-        open_[state] = time.monotonic()
-        try:
-            cancelled = state.sender.is_cancelled()
-        except Exception:  # noqa: BLE001
-            cancelled = False
-        if cancelled and state.key:
-            open_[state] = float("inf")  # aborted: its final response is on its way; ask no more
-            self.engine.abort(state.key)
+    def _poll_cancellations(self, open_: dict) -> None:
+        """[CAN-1]: ask each open sender `is_cancelled()` at most once per period, never after its final."""
+        now = time.monotonic()
+        for stream in open_:
+            if stream.done or now - stream.last_poll < self.period_s:
+                continue
+            stream.last_poll = now
+            try:
+                cancelled = stream.sender.is_cancelled()
+            except Exception:  # noqa: BLE001
+                cancelled = False
+            if cancelled:
+                stream.last_poll = float("inf")  # its final response is on its way; ask no more
+                with self.registry.lock:  # before the engine id is bound, the prepare thread answers it
+                    stream.cancel = Cancel.ABORT
+                    rid = stream.rid
+                if rid:
+                    self.engine.abort(rid)
+
+    # ---- metrics (response thread) -----------------------------------------------------------
+
+    def _count_admission(self, stream: RequestStream, time_ns: int) -> None:
+        """Prompt metrics and the queue time once the engine first scheduled the request ([TOK-3])."""
+        n = len(stream.request.prompt_ids)
+        self.metrics.inc("prompt_tokens_total", n)
+        self.metrics.observe("request_prompt_tokens", n)
+        if stream.parsed.images is not None:
+            self.metrics.inc("image_tokens_total", sum(stream.parsed.images.token_counts))
+        self.metrics.observe("request_queue_time_seconds", max(0.0, time_ns / 1e9 - stream.parsed.arrival_time))
+
+    def _count_response(self, stream: RequestStream, final: bool) -> None:
+        """Time to the first data response; one time-per-output-token observation per token after
+        the first, the tokens a response covers sharing its interval evenly."""
+        now = time.monotonic()
+        if stream.first_sent is None:
+            stream.first_sent = now
+            self.metrics.observe("time_to_first_token_seconds", now - stream.arrival)
+        last_ns, prev_ns, n = stream.last_token_ns, stream.metrics_token_ns, stream.tokens_since_response()
+        start_ns = prev_ns or stream.first_token_ns
+        intervals = n if prev_ns else n - 1
+        if intervals > 0 and last_ns and start_ns:
+            per_token = max(0.0, (last_ns - start_ns) / 1e9 / intervals)
+            for _ in range(intervals):
+                self.metrics.observe("time_per_output_token_seconds", per_token)
+        stream.metrics_token_ns = last_ns or prev_ns
+
+    def _count_final(self, stream: RequestStream) -> None:
+        reason = stream.finish_reason
+        if reason is not None:
+            self.metrics.inc("request_success_total", finished_reason=reason.label)
+        self.metrics.observe("e2e_request_latency_seconds", time.monotonic() - stream.arrival)
+        self.metrics.observe("request_generation_tokens", stream.num_tokens)
 
     # ---- the lifecycle thread --------------------------------------------------------------
 
     def _lifecycle_loop(self) -> None:
-        """Gauges; the server's shutdown ([HLT-9]); engine failure ([HLT-5])."""
+        """Gauges; the server's shutdown ([HLT-9]); engine failure ([HLT-5]) and a stuck step ([HLT-7])."""
         reported_failure = False
         gauges: dict[str, float] = {}
-        warm = self.engine.stats()  # the warm-up request is not traffic
+        warm = self._stats  # the warm-up request is not traffic
         totals = {"num_preemptions_total": warm.num_preemptions, "prefix_cache_queries_total": warm.prefix_cache_queries,
                   "prefix_cache_hits_total": warm.prefix_cache_hits}
+        progress, since = self._steps_seen, time.monotonic()
         while not self._closed.wait(LIFECYCLE_PERIOD_S):
             if self.server.shutting_down():
                 self._drain_and_close()
                 return
-            stats = self.engine.stats()
+            stats, failure = self._stats, self.registry.failure
+            in_flight = self.registry.engine_in_flight()
+            now = time.monotonic()
+            if not in_flight or self._steps_seen != progress:
+                progress, since = self._steps_seen, now
+            elif now - since > self.step_timeout_s and failure is None:
+                self.engine.kill(f"engine step made no progress for {now - since:.0f} s "
+                                 f"(step_timeout_s {self.step_timeout_s:g})")
+            healthy = failure is None and self.engine.failure is None
             for name, value in (("num_requests_running", stats.num_running),
-                                ("num_requests_waiting", stats.num_waiting),
+                                ("num_requests_waiting", stats.num_waiting + self.registry.num_preparing()),
                                 ("kv_cache_usage_perc", stats.kv_cache_usage),
                                 ("state_slots_usage_perc", stats.state_slots_usage),
-                                ("engine_healthy", float(stats.healthy)), ("workers_alive", stats.workers_alive)):
+                                ("engine_healthy", float(healthy)),
+                                ("workers_alive", stats.workers_alive if healthy else 0)):
                 if gauges.get(name) != value:
                     gauges[name] = value
                     self.metrics.set(name, value)
@@ -376,9 +471,8 @@ class LmServer:
                 if value > totals[name]:
                     self.metrics.inc(name, value - totals[name])
                     totals[name] = value
-            if not stats.healthy and not reported_failure:
+            if not healthy and not reported_failure and failure is not None:
                 reported_failure = True
-                log.error("%s: engine failed: %s", MODEL, stats.unhealthy_reason)
                 if self.unload_on_failure:
                     self._self_unload()
 
@@ -387,12 +481,10 @@ class LmServer:
         exit timeout; the rest get UNAVAILABLE in time for Triton to unload the models cleanly."""
         exit_timeout = self.server.exit_timeout_s
         drain = lifecycle.drain_seconds(exit_timeout)
-        stats = self.engine.stats()
         log.info("%s: server is shutting down (exit timeout %.0f s): %d request(s) in flight may finish "
-                 "within %.0f s, the rest get UNAVAILABLE", MODEL, exit_timeout,
-                 stats.num_running + stats.num_waiting, drain)
+                 "within %.0f s, the rest get UNAVAILABLE", MODEL, exit_timeout, len(self.registry), drain)
         guardian.watch_shutdown(self._guardian_fd, exit_timeout + lifecycle.EXIT_GRACE_S)
-        self.engine.close(timeout=self.shutdown_timeout_s, drain_s=drain)
+        self._shut_down(drain_s=drain)
 
     def _self_unload(self) -> None:
         """[HLT-5] item 2: in explicit model-control mode, unload k3_lm and its dependents.
@@ -411,34 +503,31 @@ class LmServer:
     # ---- load helpers ----------------------------------------------------------------------
 
     def _warm_up(self) -> None:
-        """One prefill and one decode through the engine before the model reports ready ([HLT-1])."""
-        from k3backend.engine.request import Request
-        from k3backend.engine.sampling_params import SamplingParams
-
-        done = threading.Event()
-        events: list[RequestOutput] = []
-
-        def on_output(ev: RequestOutput) -> None:
-            events.append(ev)
-            if ev.finished:
-                done.set()
-
+        """One prefill and one decode through the engine core before the model reports ready ([HLT-1])."""
         ids = self.tokenizer.encode("warm up", allow_special=False)
-        self.engine.submit(Request("warmup", ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)),
-                           on_output)
-        if not done.wait(600) or events[-1].finish_reason is FinishReason.ERROR:
-            raise RuntimeError(f"{MODEL}: warm-up failed: {events[-1].error if events else 'timed out'}")
+        rid = self.engine.add(Request("warmup", ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
+        deadline = time.monotonic() + WARMUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            wait([self.engine], 1.0)
+            for message in self.engine.receive():
+                if message[0] == "failed":
+                    raise RuntimeError(f"{MODEL}: warm-up failed: {message[1]}")
+                out: StepOutputs = message[1]
+                self._stats = out.stats
+                for i in (out.ids == rid).nonzero()[0]:
+                    if out.finish[i] == FinishReason.ERROR:
+                        raise RuntimeError(f"{MODEL}: warm-up failed: {out.errors.get(rid)}")
+                    if out.finish[i] != FinishReason.NONE:
+                        return
+        raise RuntimeError(f"{MODEL}: warm-up did not finish within {WARMUP_TIMEOUT_S:g} s")
 
     @staticmethod
-    def _executor(p: ModelParams, ckpt: Path, cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp: int,
-                  ep: int):
-        """Worker processes (one per rank) on GPUs and for TP > 1 ([HLT-1]); the engine in this
-        process only for one CPU rank (tests, laptops)."""
-        from k3backend.engine.runner import InProcessExecutor
-        from k3backend.engine.workers import MultiProcessExecutor
+    def _core_spec(p: ModelParams, ckpt: Path, cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp: int,
+                   ep: int) -> CoreSpec:
+        """The engine core's process: rank 0 itself for one rank, the coordinator of worker
+        processes (one per rank) for several ([HLT-1])."""
+        from k3backend.engine.workers import visible_gpu
 
-        if device.type == "cpu" and tp == 1:
-            return InProcessExecutor.load(ckpt, cfg, dtype=dtype, device=device)
         gpus = None
         if device.type == "cuda":
             listed = [g.strip() for g in p.str("gpu_device_ids").split(",") if g.strip()]
@@ -449,9 +538,11 @@ class LmServer:
         backend = p.choice("dist_backend", ("auto", "nccl", "gloo"))
         if backend == "nccl" and gpus is None:
             raise ConfigError(f"{MODEL}: dist_backend nccl needs GPUs (device is cpu)")
-        return MultiProcessExecutor(str(ckpt), cfg, dtype=str(dtype).removeprefix("torch."), gpus=gpus, world_size=tp,
-                                    ep_size=ep, backend=backend, startup_timeout_s=p.float("startup_timeout_s", lo=1),
-                                    step_timeout_s=cfg.step_timeout_s)
+        return CoreSpec(str(ckpt), cfg, str(dtype).removeprefix("torch."), device.type, tp, ep,
+                        gpus=tuple(gpus) if gpus is not None else None,
+                        gpu=visible_gpu(gpus[0]) if gpus is not None and tp == 1 else None, dist_backend=backend,
+                        startup_timeout_s=p.float("startup_timeout_s", lo=1), step_timeout_s=cfg.step_timeout_s,
+                        log_prefix=MODEL)
 
     @staticmethod
     def _checkpoint(model_path: str) -> Path:

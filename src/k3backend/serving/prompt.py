@@ -274,8 +274,6 @@ def build_request(parsed: ParsedRequest, tokenizer: Tokenizer, *, eos_ids: Seque
         image_token_counts=() if parsed.images is None else parsed.images.token_counts,
         image_hashes=() if parsed.images is None else parsed.images.hashes,
         bad_word_seqs=bad_word_sequences(params.bad_words, tokenizer),
-        split_reasoning=parsed.outputs.return_reasoning,
-        in_think=ends_in_think(ids, tokenizer),
         arrival_time=parsed.arrival_time,
     )
     return request, echo

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from k3backend.engine.request import RequestOutput, TokenLogprob
+from k3backend.engine.request import FinishReason, TokenLogprob
 from k3backend.errors import Internal, K3Error
 from k3backend.serving.params import ParsedRequest
 from k3backend.tokenizer import Tokenizer
@@ -75,6 +75,32 @@ class _Pending:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+@dataclass
+class RequestOutput:
+    """A request's news since its previous response ([STR-4], [STR-8]), as `RequestStream` collects it.
+
+    text / reasoning: newly released visible text (may be empty on the final one); token_ids /
+    logprobs: tokens sampled since the previous one (whether or not their text was held back).
+    `error` (final only): why it ended without a normal finish: a client-visible K3Error
+    (INVALID_ARG, CANCELLED, UNAVAILABLE) or, for a defect, any other exception.
+    """
+
+    request_id: str
+    text: str = ""
+    reasoning: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: Exception | None = None
+    num_input_tokens: int = 0
+    num_cached_tokens: int = 0
+    arrival_time_ns: int = 0
+    first_scheduled_time_ns: int = 0
+    first_token_time_ns: int = 0
+    last_token_time_ns: int = 0
+
+
 class ResponseBuilder:
     """Per-request state between engine events and responses.
 
@@ -121,7 +147,7 @@ class ResponseBuilder:
             self._finished = True
             if ev.finish_reason is None:
                 raise RuntimeError(f"request {ev.request_id!r}: final event without a finish_reason")
-            return self._build(ev.finish_reason.value)
+            return self._build(ev.finish_reason.label)
         if not self._out.stream or not (self._pending.text or self._pending.reasoning):
             return None
         return self._build("")

@@ -1,0 +1,161 @@
+"""The engine core: requests of token ids in, one `StepOutputs` per step out (ENGINE.md §2, §8).
+
+`EngineCore` is the state of the step loop and nothing else: the scheduler, the executor (the
+model on one or several ranks) and the requests by id. It has no threads, no locks, no tokenizer
+and no serving callbacks; whoever drives it calls `add`, `abort` and `step` from one thread: the
+engine-core process (`engine.core_process`) when serving, a test or a benchmark in process.
+
+A request that fails its checks here is not an exception for the caller: it ends in the next
+step's outputs with ERROR and the message, like every other outcome, so the serving layer has one
+path for all of them. These checks are the engine's own (lengths against max_model_len and the
+cache, token ids against the vocabulary, image rows against the prompt's pads); the serving layer
+does not repeat them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from k3backend.engine.config import EngineConfig
+from k3backend.engine.outputs import EngineStats, StepOutputs
+from k3backend.engine.request import FinishReason, Request, TokenLogprob
+from k3backend.engine.runner import Executor
+from k3backend.engine.sampler import Sampled
+from k3backend.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from k3backend.errors import InvalidArgument, K3Error
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Continuous batching over an `Executor`; see the module docstring."""
+
+    def __init__(self, executor: Executor, cfg: EngineConfig) -> None:
+        self.executor, self.cfg = executor, cfg
+        self.info = executor.info
+        self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching,
+                                               cfg.snapshot_interval), executor.capacity)
+        self._seqs: dict[int, Sequence] = {}
+        self._ended: list[tuple[int, FinishReason, tuple[str, str] | None]] = []  # reported with the next step
+        self.steps = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add(self, rid: int, request: Request) -> None:
+        """Queue a request under the caller's unique id; a request that fails the checks ends, with
+        the message, in the next step's outputs."""
+        if rid in self._seqs:
+            raise ValueError(f"request id {rid} is already in the engine")
+        try:
+            self._validate(request)
+        except K3Error as e:
+            self._ended.append((rid, FinishReason.ERROR, (e.code, str(e))))
+            return
+        seq = Sequence(rid, request, pad_id=self.info.media_pad_id)
+        self._seqs[rid] = seq
+        self.sched.add(seq)
+
+    def abort(self, rid: int) -> None:
+        """End a request at the next step boundary (CANCELLED); unknown or finished ids are ignored."""
+        seq = self._seqs.get(rid)
+        if seq is not None:
+            seq.cancelled = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._seqs or self._ended)
+
+    def stats(self) -> EngineStats:
+        s = self.sched
+        running = len(s.running)
+        return EngineStats(running, len(self._seqs) - running, self.steps, s.blocks.usage, s.slots.usage,
+                           s.num_preemptions, s.prefix_queries, s.prefix_hits, self.executor.workers_alive)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> StepOutputs:
+        """Cancellations, one scheduled forward with its sampling, and every request's news."""
+        rows = _Rows()
+        for rid, reason, error in self._ended:
+            rows.end(rid, reason, error)
+        self._ended = []
+        for seq in self.sched.pop_cancelled():
+            del self._seqs[seq.rid]
+            rows.end(seq.rid, FinishReason.CANCELLED)
+        plan, seqs = self.sched.schedule()
+        for seq in seqs:
+            if not seq.started:
+                seq.started = True
+                rows.started.append((seq.rid, seq.num_cached_tokens))
+        sampled = self.executor.execute(plan) if not plan.empty else Sampled([], [])
+        self.sched.update(plan, seqs)
+        sampling = [seq for sch, seq in zip(plan.seqs, seqs) if sch.sample]
+        for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
+            rows.token(seq.rid, token, seq.append_token(token) or FinishReason.NONE, lp)
+        for seq in self.sched.remove_finished():
+            del self._seqs[seq.rid]
+        self.steps += not plan.empty
+        return rows.outputs(self.stats())
+
+    # ---- checks ----------------------------------------------------------------------------
+
+    def _validate(self, request: Request) -> None:
+        ids, p, cfg, info = request.prompt_ids, request.params, self.cfg, self.info
+        if not ids:
+            raise InvalidArgument("prompt is empty")
+        if len(ids) >= cfg.max_model_len:
+            raise InvalidArgument(f"prompt ({len(ids)} tokens) leaves no room for output within "
+                                  f"max_model_len {cfg.max_model_len}")
+        if len(ids) + p.max_tokens > cfg.max_model_len:
+            raise InvalidArgument(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds "
+                                  f"max_model_len {cfg.max_model_len}")
+        if not self.sched.can_ever_fit(len(ids) + p.max_tokens):
+            raise InvalidArgument(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) does not fit in the "
+                                  f"cache ({self.sched.blocks.capacity * self.sched.bs} tokens)")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= info.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary 0..{info.vocab_size - 1}")
+        pads = ids.count(info.media_pad_id)
+        emb = request.image_embeds
+        n_rows = 0 if emb is None else emb.shape[0]
+        if pads != n_rows:
+            raise InvalidArgument(f"the prompt has {pads} image pad positions but image_embeds has {n_rows} rows")
+        if emb is not None and (emb.dim() != 2 or emb.shape[1] != info.hidden_size):
+            raise InvalidArgument(f"image_embeds: expected [{n_rows}, {info.hidden_size}], got {list(emb.shape)}")
+
+
+@dataclass
+class _Rows:
+    """A step's outputs while they are collected."""
+
+    ids: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finish: list[int] = field(default_factory=list)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    errors: dict[int, tuple[str, str]] = field(default_factory=dict)
+    started: list[tuple[int, int]] = field(default_factory=list)
+
+    def end(self, rid: int, reason: FinishReason, error: tuple[str, str] | None = None) -> None:
+        self.ids.append(rid)
+        self.tokens.append(-1)
+        self.finish.append(reason)
+        if error is not None:
+            self.errors[rid] = error
+
+    def token(self, rid: int, token: int, finish: FinishReason, lp: TokenLogprob | None) -> None:
+        self.ids.append(rid)
+        self.tokens.append(token)
+        self.finish.append(finish)
+        if lp is not None:
+            self.logprobs[rid] = lp
+
+    def outputs(self, stats: EngineStats) -> StepOutputs:
+        started = np.array(self.started, dtype=np.int64).reshape(-1, 2)
+        return StepOutputs(np.array(self.ids, dtype=np.int64), np.array(self.tokens, dtype=np.int64),
+                           np.array(self.finish, dtype=np.int8), self.logprobs, self.errors, started[:, 0].copy(),
+                           started[:, 1].astype(np.int32), time.time_ns(), stats)
