@@ -1,5 +1,6 @@
 """k3_lm load-time checks ([CFG-L1], [CFG-L3]) without a server."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,139 @@ def test_auto_device_and_dtype_on_cpu():
     if not torch.cuda.is_available():
         assert (device.type, dtype) == ("cpu", torch.float32)
     assert resolve_device_dtype("cpu", "bfloat16", "k3_lm")[1] == torch.bfloat16
+
+
+# ---- the adapter's threads against a real engine-core process (a stand-in pb_utils) -----------------
+
+import os  # noqa: E402 - the fast checks above need none of these
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+from google.protobuf import json_format, text_format  # noqa: E402
+from tritonclient.grpc import model_config_pb2  # noqa: E402
+
+from fake_pb import FakePbUtils, FakeSender  # noqa: E402
+from k3backend.presets import make_checkpoint  # noqa: E402
+from serverutil import alive, wait_until  # noqa: E402
+
+REPO_CONFIG = Path(__file__).resolve().parents[1] / "model_repository" / "k3_lm" / "config.pbtxt"
+
+
+def lm_config(**params: str) -> dict:
+    proto = text_format.Parse(REPO_CONFIG.read_text(), model_config_pb2.ModelConfig())
+    cfg = json_format.MessageToDict(proto, preserving_proto_field_name=True)
+    # never "exit": the guardian would stop this test process's parent, taking it for a server
+    for k, v in {"stub_failure_action": "log", "cpu_cache_gb": "0.25", "max_model_len": "4096", **params}.items():
+        cfg["parameters"][k] = {"string_value": v}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def lm_ckpt(tmp_path_factory):
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("lm_adapter"))
+
+
+def start(ckpt, **params):
+    from k3backend.serving.lm_adapter import LmServer
+
+    return LmServer(lm_config(model_path=str(ckpt), **params), FakePbUtils)
+
+
+def ask(server, text: str, sender: FakeSender | None = None, request_id: str = "", **inputs) -> FakeSender:
+    arrays = {"text_input": np.array([[text.encode()]], dtype=object)}
+    for name, value in inputs.items():
+        dtype = np.bool_ if isinstance(value, bool) else np.float32 if isinstance(value, float) else np.int32
+        arrays[name] = np.array([[value]], dtype=dtype)
+    req = FakePbUtils.Request(arrays, request_id, sender=sender)
+    server.execute([req])
+    return req.sender
+
+
+def joined(sender: FakeSender, name: str = "text_output") -> str:
+    return "".join(o[name].reshape(-1)[0].decode() for o in sender.outputs() if name in o)
+
+
+def counted(sender: FakeSender) -> list[int]:
+    return [int(o["num_output_tokens"].reshape(-1)[0]) for o in sender.outputs()]
+
+
+def test_a_client_that_reads_slowly_gets_coalesced_responses(lm_ckpt):
+    """ENGINE.md §8: when sends fall behind the engine, a response carries every token since the
+    previous one (num_output_tokens > 1), in order, none lost: the streamed text equals the
+    non-streamed one, and the counts sum to the total. The engine never waits for the client."""
+    server = start(lm_ckpt)
+    try:
+        common = {"max_tokens": 60, "min_tokens": 60, "ignore_eos": True, "temperature": 0.0,
+                  "return_num_output_tokens": True}
+        whole = ask(server, "coalesce", **common)
+        assert whole.final.wait(60) and whole.error is None
+        slow = ask(server, "coalesce", FakeSender(delay_s=0.05), stream=True, **common)
+        assert slow.final.wait(120) and slow.error is None
+        assert joined(slow) == joined(whole) and sum(counted(slow)) == 60
+        assert max(counted(slow)) > 1 and len(counted(slow)) < 60, counted(slow)
+        assert slow.flags[-1] == FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL and not slow.after_final
+    finally:
+        server.close()
+
+
+def test_a_dead_engine_core_ends_every_request_with_unavailable_at_once(lm_ckpt):
+    server = start(lm_ckpt)
+    try:
+        senders = [ask(server, f"long {i}", max_tokens=3000, min_tokens=3000, ignore_eos=True, stream=True)
+                   for i in range(3)]
+        wait_until(lambda: all(s.responses for s in senders), 60, "every stream's first response")
+        os.kill(server.engine.process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for s in senders:
+            assert s.final.wait(5), "a request got no final response"
+            assert s.error.code == FakePbUtils.TritonError.UNAVAILABLE
+            assert re.search(r"k3_lm: UNAVAILABLE: engine failed: engine core process pid \d+ exited \(signal 9\)",
+                             s.error.message), s.error.message
+            assert not s.after_final
+        assert time.monotonic() - killed < 5
+        late = ask(server, "after")
+        assert late.final.wait(5) and "engine is not healthy" in late.error.message
+    finally:
+        server.close()
+
+
+def test_a_stuck_engine_step_fails_its_requests_within_step_timeout(lm_ckpt):
+    """[HLT-7]: the engine core stops making progress (SIGSTOP here): after step_timeout_s the stub
+    kills it and every request ends with UNAVAILABLE saying so."""
+    server = start(lm_ckpt, step_timeout_s="1")
+    try:
+        s = ask(server, "stuck", max_tokens=3000, min_tokens=3000, ignore_eos=True, stream=True)
+        wait_until(lambda: s.responses, 60, "the first response")
+        pid = server.engine.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        assert s.final.wait(10)
+        assert "engine step made no progress for" in s.error.message and "step_timeout_s 1" in s.error.message
+        wait_until(lambda: not alive(pid), 5, "the stuck engine core to be killed")
+    finally:
+        server.close()
+
+
+def test_close_ends_in_flight_requests_with_unavailable_and_leaves_no_process(lm_ckpt):
+    server = start(lm_ckpt, max_num_seqs="1")
+    running = ask(server, "a", max_tokens=3000, min_tokens=3000, ignore_eos=True, stream=True)
+    queued = ask(server, "b", max_tokens=3000, min_tokens=3000, ignore_eos=True, stream=True)
+    wait_until(lambda: running.responses, 60, "the first response")
+    pid = server.engine.process.pid
+    server.close()
+    for s in (running, queued):
+        assert s.final.is_set() and s.error.message == "k3_lm: UNAVAILABLE: server shutting down"
+        assert not s.after_final
+    assert not alive(pid)
+    server.close()  # idempotent
+    late = ask(server, "late")
+    assert late.final.wait(5) and "server shutting down" in late.error.message
+
+
+def test_setup_logging_leaves_a_test_processs_exit_status_alone():
+    """The stub exits at once at interpreter teardown (os._exit(0)); any other process, a test run
+    above all, must keep its exit status."""
+    code = "from k3backend.serving.triton_io import setup_logging; setup_logging(); raise SystemExit(3)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 3

@@ -10,6 +10,7 @@ the split weights plus the replicated ones.
 from __future__ import annotations
 
 import json
+import re
 import multiprocessing as mp
 import os
 import signal
@@ -22,19 +23,21 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3backend.checkpoint import checkpoint_files, load_model
+from k3backend.engine.client import EngineClient
 from k3backend.engine.config import EngineConfig
-from k3backend.engine.engine import Engine
+from k3backend.engine.core import EngineCore
+from k3backend.engine.core_process import CoreSpec
 from k3backend.engine.plan import ScheduledSeq, SlotRequest, StepPlan
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.runner import InProcessExecutor
 from k3backend.engine.sampling_params import SamplingParams
 from k3backend.engine.workers import MultiProcessExecutor, WorkerFailure
-from k3backend.errors import Unavailable
 from k3backend.generate import full_forward
 from k3backend.presets import make_checkpoint
 from k3backend.tokenizer import Tokenizer
 from serverutil import alive, wait_until
-from test_engine import Collector, check_events
+from engine_process_util import add_all, children, collect
+from test_engine import run
 
 CFG = EngineConfig(max_model_len=512, cpu_cache_gb=0.05, block_size=16, snapshot_interval=32)
 
@@ -81,44 +84,40 @@ def test_parallel_logits_fp32_within_the_reference_noise(ckpt):
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=0)  # reduction order: fp32 rounding noise only
 
 
-def test_engine_on_workers_gives_the_in_process_tokens_and_a_killed_worker_fails_it(ckpt):
+def test_engine_core_on_workers_gives_the_in_process_tokens_and_a_killed_worker_fails_it(ckpt):
+    """The serving layout: an engine-core process coordinating two worker ranks gives the in-process
+    engine's tokens; SIGKILL of rank 1 ends the in-flight request with a failure naming the rank and
+    signal within 5 s, and no process of the engine is left."""
     tok = Tokenizer.from_dir(ckpt)
     reqs = [Request(f"w{i}", tok.encode(f"worker test {i}: hello", allow_special=True),
                     SamplingParams(max_tokens=10, temperature=0.0 if i % 2 else 0.9, seed=i)) for i in range(4)]
-    inproc = Engine(InProcessExecutor(load_model(ckpt, dtype=torch.float64, progress=False), CFG), tok, CFG)
-    ex = MultiProcessExecutor(str(ckpt), CFG, dtype="float64", gpus=None, world_size=2)
-    workers = Engine(ex, tok, CFG)
+    inproc = run(EngineCore(InProcessExecutor(load_model(ckpt, dtype=torch.float64, progress=False), CFG), CFG), reqs)
+    client = EngineClient(CoreSpec(str(ckpt), CFG, "float64", "cpu", tensor_parallel_size=2))
     try:
-        for eng in (inproc, workers):
-            col = Collector()
-            for r in reqs:
-                eng.submit(r, col)
-            outs = {r.request_id: check_events(col.wait(r.request_id)[r.request_id]) for r in reqs}
-            eng.outs = outs  # type: ignore[attr-defined]
-        assert {k: v.token_ids for k, v in workers.outs.items()} == {k: v.token_ids for k, v in inproc.outs.items()}
-        assert ex.coordination_s >= 0
+        got = collect(client, add_all(client, reqs))
+        assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in inproc.items()}
+        assert client.ready.workers_alive == 2
+        ranks = children(client.process.pid)
+        assert len(ranks) == 2, ranks
 
         long = Request("long", tok.encode("run until killed", allow_special=True),
                        SamplingParams(max_tokens=400, min_tokens=400, ignore_eos=True))
-        col = Collector()
-        first = []
-        col.hook = lambda ev: first.append(time.monotonic())
-        workers.submit(long, col)
-        wait_until(lambda: first, 30, "the first token")
-        victim = ex._procs[1]
-        os.kill(victim.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        out = check_events(col.wait("long")["long"])
-        assert time.monotonic() - killed < 5
-        assert out.finish_reason is FinishReason.ERROR and isinstance(out.error, Unavailable)
-        assert "worker rank 1" in str(out.error) and "signal 9" in str(out.error)
-        assert not workers.is_healthy()
-        with pytest.raises(Unavailable, match="worker rank 1"):
-            workers.submit(long, Collector())
-        wait_until(lambda: not any(alive(p.pid) for p in ex._procs), 10, "every worker to be gone")
+        killed = []
+
+        def on_token(name, token):
+            if not killed:
+                victim = max(ranks)  # spawned second: rank 1
+                os.kill(victim, signal.SIGKILL)
+                killed.append((victim, time.monotonic()))
+
+        out = collect(client, add_all(client, [long]), on_token=on_token)["long"]
+        victim, at = killed[0]
+        assert time.monotonic() - at < 5
+        assert out.finish is FinishReason.ERROR
+        assert re.search(rf"worker rank 1 pid {victim} (exited|closed its pipe) \(signal 9\)", out.error[1]), out.error
+        wait_until(lambda: not client.alive and not any(alive(p) for p in ranks), 10, "every process to be gone")
     finally:
-        inproc.close()
-        workers.close()
+        client.close()
 
 
 def test_corrupt_shard_seen_only_by_rank_1_fails_start_up_naming_it(ckpt, tmp_path):

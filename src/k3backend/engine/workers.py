@@ -317,6 +317,9 @@ class MultiProcessExecutor:
                 except (EOFError, OSError):
                     raise WorkerFailure(self._death(rank, "closed its pipe")) from None
                 if msg[0] == "error":
+                    dead = self._dead_peer(rank)
+                    if dead is not None:  # its collective failed because a peer died: name the cause
+                        raise WorkerFailure(self._death(dead, "exited"))
                     _, err, tb, lines = msg
                     raise WorkerFailure(f"worker rank {rank} failed: {err}\n--- its last log lines ---\n"
                                         + "\n".join(lines) + f"\n--- traceback ---\n{tb}")
@@ -324,6 +327,15 @@ class MultiProcessExecutor:
             else:
                 raise WorkerFailure(self._death(rank, "exited"))
         return out
+
+    def _dead_peer(self, rank: int, grace_s: float = 0.5) -> int | None:
+        """A rank other than `rank` that died (waiting up to `grace_s` for its exit to show)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [r for r, p in enumerate(self._procs) if r != rank and not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                return dead[0] if dead else None
+            time.sleep(0.02)
 
     def _death(self, rank: int, what: str) -> str:
         p = self._procs[rank]

@@ -169,6 +169,8 @@ class LmServer:
         self._close_lock = threading.Lock()
         self._prepare_q: queue.SimpleQueue[RequestStream | None] = queue.SimpleQueue()
         self._inbox = _Inbox()
+        self._responding = threading.Lock()  # the response thread's last drain vs execute()
+        self._responder_alive = True
         self._guardian_fd = guardian.spawn(MODEL, stub_failure_action)
         self._threads = [threading.Thread(target=self._prepare_loop, name="k3-lm-prepare", daemon=True),
                          threading.Thread(target=self._respond_loop, name="k3-lm-respond", daemon=True),
@@ -182,7 +184,7 @@ class LmServer:
         """Parse cheaply, answer stop requests, register the rest; never waits for generation."""
         for request in requests:
             sender = request.get_response_sender()
-            client_id = ""
+            client_id, stream, items = "", None, []
             try:
                 client_id = request_id(request)
                 if self._closed.is_set():
@@ -193,21 +195,30 @@ class LmServer:
                                        self.defaults)
                 if parsed.is_stop:
                     matched = self.registry.stop(client_id)
-                    for stream in matched:
-                        self.engine.abort(stream.rid)
+                    for s in matched:
+                        self.engine.abort(s.rid)
                     log.debug("%s: stop request %r matched %d running request(s)", MODEL, client_id, len(matched))
-                    self._inbox.put(("send", sender, client_id, stop_request_response(), None))
-                    continue
-                stream = RequestStream(client_id, sender, parsed, self.tokenizer)
-                live = self.registry.open(stream)
+                    items = [("send", sender, client_id, stop_request_response(), None)]
+                else:
+                    stream = RequestStream(client_id, sender, parsed, self.tokenizer)
+                    live = self.registry.open(stream)
+                    # the response thread owns the sender from "open" on; a live tombstone cancels it ([CAN-7])
+                    items = [("open", stream)] + ([] if live else [("cancel", stream, Cancel.STOP)])
             except Exception as e:  # noqa: BLE001 - every failure becomes this request's error response
-                self._inbox.put(("send", sender, client_id, None, e))
-                continue
-            self._inbox.put(("open", stream))  # the response thread owns the sender from here on
-            if live:
-                self._prepare_q.put(stream)
+                stream, items = None, [("send", sender, client_id, None, e)]
+            with self._responding:
+                if self._responder_alive:
+                    for item in items:
+                        self._inbox.put(item)
+                    if stream is not None and len(items) == 1:
+                        self._prepare_q.put(stream)
+                    continue
+            # after close(), no response thread: this sender is nobody else's
+            if items[0][0] == "send":
+                self._send(*items[0][1:], final=True)
             else:
-                self._inbox.put(("cancel", stream, Cancel.STOP))  # a live tombstone ([CAN-7])
+                self.registry.forget(stream)
+                self._send(sender, client_id, None, Unavailable(SHUTDOWN_ERROR), final=True)
 
     def close(self) -> None:
         """[HLT-9]: stop admitting, end in-flight requests (UNAVAILABLE), join threads and the engine."""
@@ -285,6 +296,15 @@ class LmServer:
                 for stream in list(open_):
                     stream.fail(Unavailable(SHUTDOWN_ERROR))
                     self._respond(stream, open_)
+        with self._responding:  # what execute() queued meanwhile is answered here; later calls answer it there
+            self._responder_alive = False
+            touched: dict[RequestStream, None] = {}
+            for item in self._inbox.drain():
+                if item is not None:
+                    self._local(item, open_, touched)
+            for stream in list(open_):
+                stream.fail(Unavailable(SHUTDOWN_ERROR))
+                self._respond(stream, open_)
 
     def _local(self, item: tuple, open_: dict, touched: dict) -> None:
         kind = item[0]
