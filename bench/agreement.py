@@ -23,12 +23,11 @@ import time
 
 import torch
 
-from engine import Tokenizerless
 from k3backend import kernels
 from k3backend.checkpoint import param_dtype
 from k3backend.config import K3Config
 from k3backend.engine.config import EngineConfig
-from k3backend.engine.engine import Engine
+from k3backend.engine.core import EngineCore, run_requests
 from k3backend.engine.request import Request
 from k3backend.engine.runner import InProcessExecutor
 from k3backend.engine.sampling_params import SamplingParams
@@ -79,12 +78,13 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(args.prompts)]
 
     cfg = EngineConfig(max_num_seqs=max(args.prompts, 1), max_model_len=args.prompt_len + args.output_len + 64)
-    engine = Engine(InProcessExecutor(fast, cfg), Tokenizerless(vocab), cfg)
+    executor = InProcessExecutor(fast, cfg)
     greedy = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     t0 = time.monotonic()
-    outs = _run(engine, prompts, greedy)
+    outs = [c.token_ids for c in run_requests(EngineCore(executor, cfg),
+                                               [Request(f"p{i}", p, greedy) for i, p in enumerate(prompts)])]
     print(f"bf16 engine: {sum(map(len, outs))} tokens in {time.monotonic() - t0:.1f} s")
-    engine.close()
+    executor.close()
 
     rows = {"bf16 engine vs bf16 reference": [], "bf16 engine vs fp32 reference": [],
             "bf16 reference vs fp32 reference": []}
@@ -118,32 +118,6 @@ def compare(chosen: torch.Tensor, logits: torch.Tensor, margin: float) -> tuple[
     bad = (~same).nonzero()
     return (len(chosen), int(same.sum()), int((top2.indices[:, 1] == chosen).sum()), int(clear.sum()),
             int((same & clear).sum()), int(bad[0]) if len(bad) else len(chosen))
-
-
-def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    import threading
-
-    done = threading.Event()
-    outs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    left = [len(prompts)]
-    lock = threading.Lock()
-
-    def on_output(i: int):
-        def cb(ev) -> None:
-            outs[i].extend(ev.token_ids)
-            if ev.finished:
-                if ev.error is not None:
-                    print(f"prompt {i} failed: {ev.error}", file=sys.stderr)
-                with lock:
-                    left[0] -= 1
-                    if not left[0]:
-                        done.set()
-        return cb
-
-    for i, p in enumerate(prompts):
-        engine.submit(Request(f"a{i}", p, params), on_output(i))
-    done.wait()
-    return [outs[i] for i in range(len(prompts))]
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The served model gives the in-process engine's text: k3_lm (worker processes on a GPU) vs Engine
-in this process on the same checkpoint, device and dtype, greedy (one-GPU check of the executor seam).
+"""The served model gives the in-process engine's text: k3_lm (its engine-core process) vs the
+engine core driven in this process on the same checkpoint, device and dtype, greedy, detokenized
+here (a check of the process seam, on a GPU or a CPU).
 
     python bench/served_equals_inprocess.py --url http://127.0.0.1:8000
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import urllib.request
 
 PROMPTS = ["The capital of France is", "Count to five:", "Once upon a time", "A haiku about GPUs:"]
@@ -28,8 +28,9 @@ def main() -> int:
     ap.add_argument("--url", required=True)
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
+    from k3backend.detokenizer import detokenize_all
     from k3backend.engine.config import EngineConfig
-    from k3backend.engine.engine import Engine
+    from k3backend.engine.core import EngineCore, run_requests
     from k3backend.engine.request import Request
     from k3backend.engine.runner import InProcessExecutor
     from k3backend.engine.sampling_params import SamplingParams
@@ -45,24 +46,16 @@ def main() -> int:
     ckpt = ensure_default_checkpoint()
     tok = Tokenizer.from_dir(ckpt)
     cfg = EngineConfig(max_model_len=4096, gpu_memory_utilization=0.02)
-    engine = Engine(InProcessExecutor.load(ckpt, cfg, dtype=dtype, device=device), tok, cfg)
+    core = EngineCore(InProcessExecutor.load(ckpt, cfg, dtype=dtype, device=device), cfg)
+    n = args.max_tokens
+    params = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
+    outs = run_requests(core, [Request(p, tok.encode_text_input(p), params) for p in PROMPTS])
     same = 0
-    for prompt in PROMPTS:
-        done, text = threading.Event(), []
-
-        def on_output(ev):
-            text.append(ev.text)
-            if ev.finished:
-                done.set()
-
-        n = args.max_tokens
-        engine.submit(Request(prompt, tok.encode_text_input(prompt),
-                              SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)), on_output)
-        done.wait(120)
-        a, b = served(args.url, prompt, n), "".join(text)
+    for prompt, out in zip(PROMPTS, outs):
+        a, b = served(args.url, prompt, n), detokenize_all(tok, out.token_ids)[0]
         same += a == b
         print(f"{'same' if a == b else 'DIFFERENT'}: {prompt!r}: served {a[:40]!r} in-process {b[:40]!r}")
-    engine.close()
+    core.executor.close()
     print(f"served == in-process ({device}, {dtype}, greedy, {args.max_tokens} tokens): {same}/{len(PROMPTS)}")
     return 0 if same == len(PROMPTS) else 1
 

@@ -15,7 +15,6 @@ import queue
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -60,23 +59,17 @@ def via_grpc(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float,
     return first - t0, t - t0, n
 
 
-def via_engine(engine, tokenizer, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+def via_engine(core, tokenizer, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """One request through the engine core in process: (TTFT, last token, tokens) as via_grpc."""
+    from k3backend.engine.core import run_requests
     from k3backend.engine.request import Request
     from k3backend.engine.sampling_params import SamplingParams
 
-    done, times, n = threading.Event(), [], [0]
-
-    def on_output(ev):
-        times.append(time.perf_counter())
-        n[0] += len(ev.token_ids)
-        if ev.finished:
-            done.set()
-
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    t0 = time.perf_counter()
-    engine.submit(Request(f"bench-{t0}", tokenizer.encode_text_input(prompt), params), on_output)
-    done.wait(300)
-    return times[0] - t0, times[-1] - t0, n[0]
+    via_engine.ids = getattr(via_engine, "ids", 0) + 1
+    t0 = time.monotonic()
+    out = run_requests(core, [Request("bench", tokenizer.encode_text_input(prompt), params)], via_engine.ids)[0]
+    return out.first_token_s - t0, out.last_token_s - t0, len(out.token_ids)
 
 
 def summarize(rows: list[tuple[float, float, int]]) -> tuple[float, float, float]:
@@ -114,7 +107,7 @@ def main() -> int:
             server.stop()
 
     from k3backend.engine.config import EngineConfig
-    from k3backend.engine.engine import Engine
+    from k3backend.engine.core import EngineCore
     from k3backend.engine.runner import InProcessExecutor
     from k3backend.presets import ensure_default_checkpoint
     from k3backend.tokenizer import Tokenizer
@@ -127,11 +120,11 @@ def main() -> int:
     ckpt = ensure_default_checkpoint()
     tok = Tokenizer.from_dir(ckpt)
     cfg = EngineConfig()  # k3_lm's defaults
-    engine = Engine(InProcessExecutor.load(ckpt, cfg, dtype=dtype, device=device), tok, cfg)
+    core = EngineCore(InProcessExecutor.load(ckpt, cfg, dtype=dtype, device=device), cfg)
     print(f"engine in-process: {device} {dtype}")
-    via_engine(engine, tok, prompts[0], 4)
-    results["engine in-process"] = [via_engine(engine, tok, p, args.max_tokens) for p in prompts]
-    engine.close()
+    via_engine(core, tok, prompts[0], 4)
+    results["engine in-process"] = [via_engine(core, tok, p, args.max_tokens) for p in prompts]
+    core.executor.close()
 
     base = summarize(results["engine in-process"])
     print(f"\n{args.requests} sequential requests, {args.max_tokens} output tokens each, greedy, streaming\n")

@@ -159,3 +159,36 @@ class _Rows:
         return StepOutputs(np.array(self.ids, dtype=np.int64), np.array(self.tokens, dtype=np.int64),
                            np.array(self.finish, dtype=np.int8), self.logprobs, self.errors, started[:, 0].copy(),
                            started[:, 1].astype(np.int32), time.time_ns(), stats)
+
+
+@dataclass
+class Completed:
+    """One request driven to its end by `run_requests` (in-process tools and benchmarks)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish: FinishReason = FinishReason.NONE
+    error: tuple[str, str] | None = None
+    first_token_s: float = 0.0  # monotonic time of its first and last token
+    last_token_s: float = 0.0
+
+
+def run_requests(core: EngineCore, requests: list[Request], first_id: int = 1) -> list[Completed]:
+    """Add every request (ids first_id, first_id + 1, ...), step until all ended; results in order."""
+    done = [Completed(r.request_id) for r in requests]
+    by_id = dict(enumerate(done, first_id))
+    for rid, r in zip(by_id, requests):
+        core.add(rid, r)
+    live = set(by_id)
+    while live:
+        out = core.step()
+        now = time.monotonic()
+        for rid, token, finish in zip(out.ids.tolist(), out.tokens.tolist(), out.finish.tolist()):
+            c = by_id[rid]
+            if token >= 0:
+                c.token_ids.append(token)
+                c.first_token_s, c.last_token_s = c.first_token_s or now, now
+            if finish:
+                c.finish, c.error = FinishReason(finish), out.errors.get(rid)
+                live.discard(rid)
+    return done
