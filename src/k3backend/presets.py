@@ -190,8 +190,8 @@ def _small() -> dict[str, Any]:
             "use_full_rank_gate": True,
             "gate_lower_bound": -5.0
         },
-        "bos_token_id": 163584,
-        "eos_token_id": 163585,
+        "bos_token_id": 163584,  # [BOS]; EOS is <|end_of_msg|>, as in K3's config.json (K3_LM.md §1.1)
+        "eos_token_id": 163586,
         "pad_token_id": 163839,
         "dtype": "bfloat16"
     }
