@@ -11,7 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from k3backend import load_model
 from k3backend.generate import full_forward
-from k3backend.checkpoint import CheckpointError, dequant_mxfp4, iter_tensors, load_config, save_checkpoint
+from k3backend.checkpoint import CheckpointError, iter_tensors, load_config
+from k3backend.checkpoint_write import save_checkpoint
+from k3backend.kernels.moe_ref import dequant_mxfp4
 from k3backend.config import ConfigError, K3Config
 from k3backend.model.k3 import K3Model
 from k3backend.presets import make_checkpoint, preset_config
