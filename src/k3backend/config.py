@@ -258,8 +258,9 @@ def parse_quantization(q: Any, where: str = "quantization_config") -> str:
     formats = {q.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
     formats.discard(None)
     if formats != {MXFP4_FORMAT}:
-        raise ConfigError(f"{where}.format: {sorted(map(str, formats)) or None} is not supported; only "
-                          f"{MXFP4_FORMAT} (MXFP4 routed experts) loads")
+        bad = sorted(str(f) for f in formats - {MXFP4_FORMAT})
+        raise ConfigError(f"{where}.format: {bad or 'none given'} is not supported; only {MXFP4_FORMAT} "
+                          f"(MXFP4 routed experts) loads")
     for name, group in groups.items():
         weights = group.get("weights") if isinstance(group, dict) else None
         for key, want in (("num_bits", 4), ("group_size", MXFP4_GROUP), ("type", "float")):
