@@ -351,8 +351,10 @@ def weight_summary(model: torch.nn.Module) -> str:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts.w" in n)
     packed = any(n.endswith(".experts.w13_scale") for n, _ in model.named_parameters())
-    return (f"{total / 2**30:.2f} GiB of weights, routed experts {experts / 2**30:.2f} GiB"
-            f"{' as MXFP4 (4.25 bits a weight)' if packed else ''}")
+    def size(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    return f"{size(total)} of weights, routed experts {size(experts)}{' as MXFP4 (4.25 bits a weight)' if packed else ''}"
 
 
 def load_vision(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
