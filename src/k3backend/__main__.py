@@ -65,8 +65,11 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     out = make_checkpoint(args.preset, args.out, seed=args.seed, experts=args.experts)
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     print(f"wrote {args.preset} checkpoint (seed {args.seed}, {args.experts} routed experts) to {out} in "
-          f"{time.perf_counter() - t0:.1f} s")
+          f"{time.perf_counter() - t0:.1f} s, peak host memory {peak:.1f} GiB")
     return 0
 
 
