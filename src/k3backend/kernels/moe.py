@@ -17,6 +17,14 @@ width (the latent), I expert width, BM the block of rows that share one expert.
   4. sum     out [T, D] = bf(scaling · Σ_j fp32(y[t·k + j])), j in slot order; slots whose expert
              is outside [0, E) (another rank's, §9.4) are skipped. No atomics in the reduction.
 glu_linear: the up step over x's rows against one weight (DENSE), optionally on the fp32 accumulator.
+
+experts_mxfp4 (w4a16, §7.7): the same four steps and tiles on MXFP4 weights, codes [.., K/2] uint8
+(two E2M1 a byte, low nibble first) and E8M0 exponents [.., K/32]. Hopper has no FP4 arithmetic, so
+each K step loads the packed tile (a quarter of the bf16 bytes, plus 1/32 for the exponents) and
+expands it to bf16 in registers before the same bf16 tensor-core MMA with fp32 accumulation: the
+products equal those of the dequantized weights (every dequantized value is exact in bf16), only the
+accumulation order can differ. Two expansions (`ExpertsConfig.decode`): tl.dot_scaled's own e2m1
+upcast (0), or `_mx_expand` (1), which bench/kernels_mxfp4.py --sweep times against each other.
 """
 
 from __future__ import annotations
@@ -309,7 +317,8 @@ def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constex
     """acc + a · (one K step of a weight tile): w_ptrs [BK, BN] in a's dtype, or MXFP4 (w_ptrs [BK/2, BN]
     codes, s_ptrs [BN, BK/32] exponents) expanded to bf16 in registers: by tl.dot_scaled (DECODE 0,
     Triton's own e2m1 upcast on Hopper; fast_math: no NaN select, the loader refuses the NaN
-    exponent 255) or by `_mx_expand` (DECODE 1). k_left: K elements left from this step on."""
+    exponent 255; its bf16 scale flushes exponent byte 0, 2^-127, to zero, which leaves out weights
+    below 2^-124) or by `_mx_expand` (DECODE 1). k_left: K elements left from this step on."""
     if MX:
         if EVEN_K:
             w = tl.load(w_ptrs)
