@@ -3,8 +3,9 @@
 Reads `kimi_k3` (`language_model.*`, `vision_tower.*`, `mm_projector.*`) and `kimi_linear`
 (`model.*`, `lm_head.*`, as transformers' `save_pretrained` writes it), single-file or sharded
 with `model.safetensors.index.json`. Routed experts may be bf16 (`w1/w2/w3.weight`) or MXFP4
-(`weight_packed` + `weight_scale`, §7.7). Missing, unexpected or mis-shaped tensors are a
-`CheckpointError` naming them: a model never runs with silently random weights.
+(`weight_packed` + `weight_scale`, §7.7), which stay packed: each rank copies its slices of the
+bytes as they are. Missing, unexpected or mis-shaped tensors are a `CheckpointError` naming them: a
+model never runs with silently random weights. Writing is `checkpoint_write.py`.
 """
 
 from __future__ import annotations

@@ -48,6 +48,9 @@ from k3backend.kernels.moe_ref import Activation
 _GPU = not triton.knobs.runtime.interpret
 
 _MAX_EXPERTS = 4096  # route: one program holds a token's E scores in registers
+# How experts_mxfp4 expands MXFP4 tiles (ExpertsConfig.decode): 0 tl.dot_scaled, 1 `_mx_expand`; the
+# faster on the GPU per bench/kernels_mxfp4.py --sweep (both are checked there and under the interpreter).
+MX_DECODE = 0
 
 
 # ----------------------------------------------------------------------------- scalar math
@@ -508,7 +511,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         bk = min(bk, max(16, triton.next_power_of_2(K)))
         return min(bn, max(16, triton.next_power_of_2(N))), max(64, bk) if mxfp4 else bk, warps, stages
 
-    return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I))
+    return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=MX_DECODE if mxfp4 else 0)
 
 
 def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torch.Tensor,

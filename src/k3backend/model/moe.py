@@ -95,12 +95,11 @@ class Experts(nn.Module):
             raise ParallelConfigError(f"moe_intermediate_size / moe-TP = {i_local} is not a multiple of the MXFP4 "
                                       f"group {MXFP4_GROUP} (tensor_parallel_size {par.tp_size}, "
                                       f"expert_parallel_size {par.ep_size})")
-        u8 = dict(dtype=torch.uint8, requires_grad=False)
-        self.w13 = nn.Parameter(torch.zeros(n_local, 2 * i_local, dim // 2, **u8), requires_grad=False)
-        self.w13_scale = nn.Parameter(torch.zeros(n_local, 2 * i_local, dim // MXFP4_GROUP, **u8),
-                                      requires_grad=False)
-        self.w2 = nn.Parameter(torch.zeros(n_local, dim, i_local // 2, **u8), requires_grad=False)
-        self.w2_scale = nn.Parameter(torch.zeros(n_local, dim, i_local // MXFP4_GROUP, **u8), requires_grad=False)
+        def u8(*shape: int) -> nn.Parameter:  # integer parameters cannot require grad
+            return nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)
+
+        self.w13, self.w13_scale = u8(n_local, 2 * i_local, dim // 2), u8(n_local, 2 * i_local, dim // MXFP4_GROUP)
+        self.w2, self.w2_scale = u8(n_local, dim, i_local // 2), u8(n_local, dim, i_local // MXFP4_GROUP)
 
     def local_expert(self, e: int) -> int | None:
         """This rank's index of global expert e, or None when another expert group holds it."""
