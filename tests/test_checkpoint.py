@@ -52,6 +52,16 @@ def test_make_checkpoint_is_deterministic(tmp_path, tiny):
     assert not all(torch.equal(a[k], c[k]) for k in a if a[k].numel() > 4)
 
 
+def test_checkpoint_values_do_not_depend_on_sharding_or_threads(tmp_path, tiny):
+    """Each tensor is drawn from its own generator (seed and name), so one file made by one thread
+    holds the same bytes as two shards made by several."""
+    one = make_checkpoint("tiny", tmp_path / "one", seed=0, num_shards=1, threads=1)
+    assert (one / "model.safetensors").exists() and not (one / "model.safetensors.index.json").exists()
+    a, b = dict(iter_tensors(tiny)), dict(iter_tensors(one))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert {t.dtype for t in a.values()} == {torch.bfloat16, torch.float32}  # bf16, fp32 for the FP32_PARAMS
+
+
 def test_tiny_checkpoint_is_sharded_in_k3_layout(tiny):
     index = json.loads((tiny / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) == 2
