@@ -24,7 +24,7 @@ import time
 import torch
 
 from k3backend import kernels
-from k3backend.checkpoint import param_dtype
+from k3backend.checkpoint import empty_model, param_dtype
 from k3backend.config import K3Config
 from k3backend.engine.config import EngineConfig
 from k3backend.engine.core import EngineCore, run_requests
@@ -37,11 +37,7 @@ from k3backend.presets import preset_config, randomize_weights_
 
 
 def random_model(preset: str, dtype: torch.dtype, device: torch.device, seed: int) -> K3Model:
-    with torch.device("meta"):
-        model = K3Model(K3Config.from_dict(preset_config(preset)))
-    model.to_empty(device=device)
-    for name, p in model.named_parameters():
-        p.data = p.data.to(param_dtype(name, dtype))
+    model = empty_model(K3Config.from_dict(preset_config(preset)), dtype, device)
     return randomize_weights_(model, seed).eval().requires_grad_(False)
 
 
@@ -51,7 +47,8 @@ def cast(model: K3Model, dtype: torch.dtype) -> K3Model:
 
     out = copy.deepcopy(model)
     for name, p in out.named_parameters():
-        p.data = p.data.to(param_dtype(name, dtype))
+        if p.is_floating_point():  # packed MXFP4 experts stay uint8
+            p.data = p.data.to(param_dtype(name, dtype))
     return out
 
 

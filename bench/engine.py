@@ -10,7 +10,9 @@ warm-up). Prompt and output lengths are drawn around their means (`--*-std`); ou
 exact (`ignore_eos`, min_tokens = max_tokens). `--shared-prefix-*` makes a fraction of the prompts
 start with one common prefix (a system prompt), which the prefix cache should compute once.
 `--random-weights PRESET` builds `tiny` or `small` in memory, drawn on the device, without a
-checkpoint; `--expert-stats` reports how evenly the routers spread tokens over experts.
+checkpoint (`--experts mxfp4`: routed experts packed as in the K3 release; `mxfp4-as-bf16`: the same
+weights dequantized, the 16-bit baseline); `--expert-stats` reports how evenly the routers spread
+tokens over experts.
 """
 
 from __future__ import annotations
@@ -31,22 +33,43 @@ from k3backend.engine.sampling_params import SamplingParams
 
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """The checkpoint, or the preset with random weights drawn on the device; --experts mxfp4 keeps
+    the routed experts packed (the K3 release's format), mxfp4-as-bf16 the same weights dequantized."""
     if args.checkpoint:
         from k3backend.checkpoint import load_model
 
-        return load_model(args.checkpoint, dtype=dtype, device=device, progress=True)
-    from k3backend.checkpoint import param_dtype
-    from k3backend.config import K3Config
-    from k3backend.model.k3 import K3Model
-    from k3backend.presets import preset_config, randomize_weights_
+        model = load_model(args.checkpoint, dtype=dtype, device=device, progress=True)
+    else:
+        from k3backend.checkpoint import empty_model
+        from k3backend.config import K3Config, mxfp4_quantization_config
+        from k3backend.presets import preset_config, randomize_weights_
 
-    cfg = K3Config.from_dict(preset_config(args.random_weights))
-    with torch.device("meta"):
-        model = K3Model(cfg)
-    model.to_empty(device=device)
-    for name, p in model.named_parameters():
-        p.data = p.data.to(param_dtype(name, dtype))
-    return randomize_weights_(model, args.seed).eval().requires_grad_(False)
+        raw = preset_config(args.random_weights)
+        if args.experts != "bf16":
+            raw["quantization_config"] = mxfp4_quantization_config()
+        model = randomize_weights_(empty_model(K3Config.from_dict(raw), dtype, device), args.seed)
+    if args.experts == "mxfp4-as-bf16":
+        dequantize_experts_(model, dtype)
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def dequantize_experts_(model, dtype: torch.dtype) -> None:
+    """Replace every packed MXFP4 expert layer by its exact values in dtype (one expert at a time):
+    the same weights at 16 bits, the baseline the packed experts are measured against."""
+    from k3backend.kernels import dequant_mxfp4
+    from k3backend.model.moe import Experts
+
+    for m in model.modules():
+        if isinstance(m, Experts) and m.quant is not None:
+            for w in ("w13", "w2"):
+                packed, scale = getattr(m, w), getattr(m, f"{w}_scale")
+                full = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=dtype, device=packed.device)
+                for e in range(packed.shape[0]):
+                    full[e] = dequant_mxfp4(packed[e], scale[e], dtype)
+                delattr(m, f"{w}_scale")
+                setattr(m, w, torch.nn.Parameter(full, requires_grad=False))
+            m.quant = None
 
 
 def workload(args: argparse.Namespace, vocab: int, pad_id: int) -> list[tuple[list[int], int]]:
@@ -156,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokens between KDA prefix snapshots (each one ends a prefill chunk)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode and prefill)")
     ap.add_argument("--expert-stats", action="store_true")
+    ap.add_argument("--experts", choices=["bf16", "mxfp4", "mxfp4-as-bf16"], default="bf16",
+                    help="--random-weights: routed experts in bf16, packed MXFP4, or MXFP4 weights dequantized to "
+                         "bf16 (the same values at 16 bits); --checkpoint: mxfp4-as-bf16 dequantizes its MXFP4 experts")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="> 1: worker processes (one per rank; needs --checkpoint); reports the coordination time")
     ap.add_argument("--expert-parallel-size", type=int, default=1)
@@ -187,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         executor = MultiProcessExecutor(args.checkpoint, cfg, dtype=str(dtype).removeprefix("torch."), gpus=gpus,
                                         world_size=args.tensor_parallel_size, ep_size=args.expert_parallel_size)
     else:
+        from k3backend.checkpoint import weight_summary
+
         model = build_model(args, device, dtype)
+        print(f"weights: {weight_summary(model)}")
         executor = InProcessExecutor(model, cfg)
         counts = count_experts(model) if args.expert_stats else []
     info = executor.info
@@ -251,8 +280,10 @@ def roofline(model, args: argparse.Namespace, r: dict) -> str:
     dec = step_floor(model, c, [ctx] * c).seconds
     pre = step_floor(model, args.prompt_len, [args.prompt_len]).seconds
     itl, ttft = pct(r["itl"], 50), pct(r["ttft"], 50)
+    b = step_floor(model, c, [ctx] * c)
     return (f"roofline floor (4.27 TB/s, 788 TFLOP/s): decode step at batch {c}, context {ctx}: {dec * 1e3:.3f} ms "
-            f"({c / dec:.0f} tok/s), ITL p50 = {itl / dec:.1f}x floor; prefill of {args.prompt_len} tokens: "
+            f"({c / dec:.0f} tok/s, {b.bytes / 1e9:.2f} GB, routed experts {b.expert_bytes / b.bytes:.0%}), ITL p50 = "
+            f"{itl / dec:.1f}x floor; prefill of {args.prompt_len} tokens: "
             f"{pre * 1e3:.2f} ms ({args.prompt_len / pre:.0f} tok/s), TTFT p50 = {ttft / pre:.1f}x floor")
 
 

@@ -100,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4", "mxfp4-as-bf16"],
+                    help="routed experts of the random small model (bench/engine.py --experts)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    ns = argparse.Namespace(checkpoint=None, random_weights="small", seed=0)
+    ns = argparse.Namespace(checkpoint=None, random_weights="small", seed=0, experts=args.experts)
     device = torch.device("cuda")
     model = build_model(ns, device, getattr(torch, args.dtype))
     after = [tuple(int(v) for v in a.split(":")) for a in args.after_prefix]

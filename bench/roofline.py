@@ -23,14 +23,16 @@ BF16_FLOPS = 788e12
 class Floor:
     bytes: float
     flops: float
+    expert_bytes: float = 0.0  # of `bytes`: the routed experts touched (MXFP4: codes + exponents)
 
     @property
     def seconds(self) -> float:
         return max(self.bytes / HBM_BYTES_PER_S, self.flops / BF16_FLOPS)
 
 
-def _sizes(model: torch.nn.Module) -> tuple[int, int, list[tuple[int, int, int]]]:
-    """(dense weight bytes without the embedding, dense weight count, per MoE layer (E, top_k, bytes of one expert))."""
+def _sizes(model: torch.nn.Module) -> tuple[int, int, list[tuple[int, int, int, int]]]:
+    """(dense weight bytes without the embedding, dense weight count, per MoE layer (E, top_k, bytes and
+    weights of one expert)); MXFP4 experts: 2 codes a byte plus one exponent byte per 32."""
     lm = model.language_model
     dense_bytes = dense_count = 0
     moe = []
@@ -45,7 +47,9 @@ def _sizes(model: torch.nn.Module) -> tuple[int, int, list[tuple[int, int, int]]
         mlp = layer.mlp
         if hasattr(mlp, "experts"):
             e = mlp.experts
-            moe.append((e.w13.shape[0], mlp.top_k, (e.w13[0].numel() + e.w2[0].numel()) * e.w13.element_size()))
+            parts = [p[0] for n, p in e.named_parameters()]
+            weights = (e.w13[0].numel() + e.w2[0].numel()) * (1 if e.quant is None else 2)
+            moe.append((e.w13.shape[0], mlp.top_k, sum(p.numel() * p.element_size() for p in parts), weights))
     return dense_bytes, dense_count, moe
 
 
@@ -56,11 +60,11 @@ def step_floor(model: torch.nn.Module, num_tokens: int, context_lens: list[int])
     dense_bytes, dense_count, moe = _sizes(model)
     lm = model.language_model
     elt = next(lm.parameters()).element_size()
-    bytes_, flops = float(dense_bytes), 2.0 * dense_count * num_tokens
-    for E, k, one in moe:
-        touched = E * (1 - (1 - k / E) ** num_tokens)
-        bytes_ += touched * one
-        flops += 2.0 * num_tokens * k * one / elt
+    bytes_, flops, experts = float(dense_bytes), 2.0 * dense_count * num_tokens, 0.0
+    for E, k, one, weights in moe:
+        experts += E * (1 - (1 - k / E) ** num_tokens) * one  # the experts touched
+        flops += 2.0 * num_tokens * k * weights
+    bytes_ += experts
     for layer in lm.model.layers:
         attn = layer.self_attn
         if attn.is_kda:
@@ -74,7 +78,7 @@ def step_floor(model: torch.nn.Module, num_tokens: int, context_lens: list[int])
             else:  # prefill, expanded form over the causal half of each chunk's square
                 pairs = sum(n * n / 2 for n in context_lens)
                 flops += 2.0 * attn.N * (attn.dn + attn.dr + attn.dv) * pairs
-    return Floor(bytes_, flops)
+    return Floor(bytes_, flops, experts)
 
 
 def main() -> None:
@@ -85,13 +89,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--experts", choices=["bf16", "mxfp4"], default="bf16")
     args = ap.parse_args()
+    raw = preset_config(args.preset)
+    if args.experts == "mxfp4":
+        from k3backend.config import mxfp4_quantization_config
+
+        raw["quantization_config"] = mxfp4_quantization_config()
     with torch.device("meta"):
-        model = K3Model(K3Config.from_dict(preset_config(args.preset))).to(torch.bfloat16)
+        model = K3Model(K3Config.from_dict(raw)).to(torch.bfloat16)
     for b in (1, 16, 64, 256):
         f = step_floor(model, b, [args.context] * b)
         print(f"decode batch {b:4d} context {args.context}: {f.seconds * 1e3:7.3f} ms  ({f.bytes / 1e9:.2f} GB, "
-              f"{f.flops / 1e12:.3f} TFLOP)")
+              f"routed experts {f.expert_bytes / f.bytes:.0%} of them, {f.flops / 1e12:.3f} TFLOP)")
     f = step_floor(model, 4096, [4096])
     print(f"prefill 1 x 4096: {f.seconds * 1e3:7.3f} ms  ({f.bytes / 1e9:.2f} GB, {f.flops / 1e12:.2f} TFLOP)")
 

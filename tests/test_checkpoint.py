@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import shutil
 
 import pytest
@@ -11,7 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from k3backend import load_model
 from k3backend.generate import full_forward
-from k3backend.checkpoint import CheckpointError, dequant_mxfp4, iter_tensors, load_config, save_checkpoint
+from k3backend.checkpoint import CheckpointError, iter_tensors, load_config
+from k3backend.checkpoint_write import save_checkpoint
+from k3backend.kernels.moe_ref import dequant_mxfp4
 from k3backend.config import ConfigError, K3Config
 from k3backend.model.k3 import K3Model
 from k3backend.presets import make_checkpoint, preset_config
@@ -49,6 +52,16 @@ def test_make_checkpoint_is_deterministic(tmp_path, tiny):
     assert not all(torch.equal(a[k], c[k]) for k in a if a[k].numel() > 4)
 
 
+def test_checkpoint_values_do_not_depend_on_sharding_or_threads(tmp_path, tiny):
+    """Each tensor is drawn from its own generator (seed and name), so one file made by one thread
+    holds the same bytes as two shards made by several."""
+    one = make_checkpoint("tiny", tmp_path / "one", seed=0, num_shards=1, threads=1)
+    assert (one / "model.safetensors").exists() and not (one / "model.safetensors.index.json").exists()
+    a, b = dict(iter_tensors(tiny)), dict(iter_tensors(one))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert {t.dtype for t in a.values()} == {torch.bfloat16, torch.float32}  # bf16, fp32 for the FP32_PARAMS
+
+
 def test_tiny_checkpoint_is_sharded_in_k3_layout(tiny):
     index = json.loads((tiny / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) == 2
@@ -80,21 +93,29 @@ def test_both_name_spellings_load_the_same_model(tmp_path, tiny, tiny_model):
         return n.replace("language_model.model.layers.", "language_model.layers.").replace(".block_sparse_moe.", ".mlp.")
 
     other = load_model(single_file_copy(tiny, tmp_path / "short", rename=short), progress=False)
-    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0))  # byte ids: never the image pad
+    ids = torch.randint(0, 277, (20,), generator=torch.Generator().manual_seed(1))  # below <|media_pad|>
     assert torch.equal(full_forward(other, ids), full_forward(tiny_model, ids))
 
 
-def test_mxfp4_dequantisation_matches_the_spec():
-    g = torch.Generator().manual_seed(0)
-    packed = torch.randint(0, 256, (3, 32), generator=g, dtype=torch.uint8)
-    scale = torch.randint(120, 135, (3, 2), generator=g, dtype=torch.uint8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
+                         ids=["bf16", "fp16", "fp32", "fp64"])
+def test_mxfp4_dequantisation_is_exact_for_every_code_and_exponent(dtype):
+    """All 16 E2M1 codes under all 256 E8M0 exponents, extremes included (2^-127: subnormal products;
+    2^127: 6·2^127 overflows to inf in 16/32-bit types; 255: NaN), against §7.7 in Python floats,
+    rounded once: bit for bit (the sign of -0 too)."""
     lut = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
-    ref = torch.empty(3, 64)
-    for o in range(3):
-        for i in range(64):
-            code = (int(packed[o, i // 2]) >> (4 * (i % 2))) & 0xF  # low nibble = even index
-            ref[o, i] = (-1) ** (code >> 3) * lut[code & 7] * 2.0 ** (int(scale[o, i // 32]) - 127)
-    assert torch.equal(dequant_mxfp4(packed, scale), ref)
+    packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # row s: every byte, so every code pair
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16)  # row s: exponent s in all 16 groups
+    ref = [[math.nan if s == 255 else (-1.0) ** (c >> 3) * math.ldexp(lut[c & 7], s - 127)
+            for b in range(256) for c in (b & 0xF, b >> 4)] for s in range(256)]  # low nibble = even index
+    want = torch.tensor(ref, dtype=torch.float64).to(dtype)
+    got = dequant_mxfp4(packed, scale, dtype)
+    assert got.dtype == dtype and got.shape == (256, 512)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan], want[~nan]) and torch.equal(got[~nan].signbit(), want[~nan].signbit())
+    # spot values: byte 0x01 = codes (1, 0) at columns 2, 3; byte 0x0F low nibble 15 = -6; byte 0xF0 high nibble
+    assert (got[127, 2], got[127, 3], got[128, 30], got[127, 481]) == (0.5, 0, -12, -6)
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +143,7 @@ def test_mxfp4_experts_load_like_their_dequantised_values(tmp_path, tiny):
 
     mx = load_model(single_file_copy(tiny, tmp_path / "mx", transform=to_mxfp4), progress=False)
     bf = load_model(single_file_copy(tiny, tmp_path / "bf", transform=dequantised), progress=False)
-    ids = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(0))  # byte ids: never the image pad
+    ids = torch.randint(0, 277, (16,), generator=torch.Generator().manual_seed(2))  # below <|media_pad|>
     assert torch.equal(full_forward(mx, ids), full_forward(bf, ids))
 
 
@@ -204,3 +225,112 @@ def test_image_prompt_runs_through_the_model(tiny, tiny_model):
     assert not torch.equal(with_image[-1], other[-1])  # the image reaches the logits
     with pytest.raises(ValueError, match="image pad positions"):
         full_forward(tiny_model, ids)
+
+
+# ---------------------------------------------------------------- MXFP4 checkpoints (K3_LM.md §7.7)
+@pytest.fixture(scope="module")
+def tiny_mx(tmp_path_factory):
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny_mx"), seed=0, experts="mxfp4")
+
+
+def dequantised_copy(src, dst):
+    """The MXFP4 checkpoint with its experts as exact bf16 `.weight` tensors and no quantization_config."""
+    def to_bf16(name, t, tensors):
+        if name.endswith("weight_scale"):
+            return {}
+        if name.endswith("weight_packed"):
+            scale = tensors[name.replace("weight_packed", "weight_scale")]
+            return {name.replace("weight_packed", "weight"): dequant_mxfp4(t, scale, torch.bfloat16)}
+        return {name: t}
+
+    tensors = dict(iter_tensors(src))
+    single_file_copy(src, dst, transform=lambda n, t: to_bf16(n, t, tensors))
+    raw = json.loads((src / "config.json").read_text())
+    del raw["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def test_mxfp4_checkpoint_is_the_release_format_and_stays_packed(tiny_mx):
+    raw = json.loads((tiny_mx / "config.json").read_text())
+    assert raw["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    tensors = dict(iter_tensors(tiny_mx))
+    packed = tensors["language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight_packed"]
+    scale = tensors["language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight_scale"]
+    assert packed.dtype == scale.dtype == torch.uint8 and packed.shape == (32, 32) and scale.shape == (32, 2)
+    assert not any(n.endswith("experts.0.w1.weight") for n in tensors)
+    assert tensors["language_model.model.layers.1.block_sparse_moe.gate.weight"].dtype == torch.bfloat16
+    model = load_model(tiny_mx, dtype=torch.bfloat16, progress=False)
+    experts = model.language_model.model.layers[1].mlp.experts
+    assert experts.quant == "mxfp4" and experts.w13.dtype == experts.w13_scale.dtype == torch.uint8
+    assert experts.w13.shape == (8, 128, 16) and experts.w2.shape == (8, 32, 32) and experts.w2_scale.shape == (8, 32, 2)
+    torch.testing.assert_close(experts.w2[0], packed, rtol=0, atol=0)  # the bytes as they are on disk
+    bf16 = load_model(dequantised_copy(tiny_mx, tiny_mx.parent / "bf16"), dtype=torch.bfloat16, progress=False)
+    ratio = (sum(p.nbytes for n, p in model.named_parameters() if ".experts.w" in n)
+             / sum(p.nbytes for n, p in bf16.named_parameters() if ".experts.w" in n))
+    assert ratio == 4.25 / 16  # codes and exponents: the memory the cache budget gets back
+
+
+def test_mxfp4_model_forward_equals_the_dequantised_bf16_model(tmp_path, tiny_mx):
+    mx = load_model(tiny_mx, progress=False)
+    bf = load_model(dequantised_copy(tiny_mx, tmp_path / "bf16"), progress=False)
+    ids = torch.randint(0, 277, (24,), generator=torch.Generator().manual_seed(3))  # below <|media_pad|>
+    logits = full_forward(mx, ids)
+    assert torch.isfinite(logits).all() and logits.std(-1).min() > 0.1
+    assert torch.equal(logits, full_forward(bf, ids))
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)], ids=["tp2", "ep2"])
+def test_mxfp4_experts_shard_on_group_boundaries_and_whole_experts(tiny_mx, tp, ep):
+    """moe-TP: w1/w3 rows and w2 columns (32-value groups: 16 bytes, 1 exponent); EP: whole experts."""
+    from k3backend.checkpoint import load_model
+    from k3backend.model.parallel import Parallel
+
+    full = load_model(tiny_mx, progress=False, vision=False).language_model.model.layers[1].mlp.experts
+    for rank in range(tp):
+        par = Parallel(tp, rank, ep)
+        part = load_model(tiny_mx, progress=False, vision=False, par=par).language_model.model.layers[1].mlp.experts
+        e = slice(part.e0, part.e0 + part.w13.shape[0])
+        i, n = par.moe_tp_rank, part.intermediate
+        rows = torch.cat([torch.arange(i * n, (i + 1) * n), 64 + torch.arange(i * n, (i + 1) * n)])  # [w1_r ; w3_r]
+        assert torch.equal(part.w13, full.w13[e][:, rows]) and torch.equal(part.w13_scale, full.w13_scale[e][:, rows])
+        assert torch.equal(part.w2, full.w2[e][:, :, i * n // 2:(i + 1) * n // 2])
+        assert torch.equal(part.w2_scale, full.w2_scale[e][:, :, i * n // 32:(i + 1) * n // 32])
+
+
+def test_mxfp4_checkpoint_errors_name_the_problem(tmp_path, tiny_mx):
+    w2 = "language_model.model.layers.1.block_sparse_moe.experts.0.w2"
+    cases = {
+        "nan-exponent": (lambda d: d[f"{w2}.weight_scale"].fill_(255), r"E8M0 scale byte 255 \(NaN\) in 64 groups"),
+        "int32-packed": (lambda d: d.update({f"{w2}.weight_packed": d[f"{w2}.weight_packed"].int()}),
+                         r"w2.weight_packed: expected uint8 \[32, 32\], got int32 \[32, 32\]"),
+        "bf16-expert": (lambda d: d.update({f"{w2}.weight": torch.zeros(32, 64)}), r"unexpected tensors.*w2.weight\b"),
+        "missing-scale": (lambda d: d.pop(f"{w2}.weight_scale"), r"missing tensors.*layers.1.mlp.experts.w2_scale"),
+    }
+    for what, (edit, message) in cases.items():
+        dst = single_file_copy(tiny_mx, tmp_path / what)
+        shutil.copy(tiny_mx / "config.json", dst / "config.json")
+        tensors = load_file(str(dst / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(dst / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=message):
+            load_model(dst, progress=False)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda q: q.update(format="pack-quantized"), r"format: \['pack-quantized'\] is not supported"),
+    (lambda q: q.update(quant_method="fp8"), r"quant_method: 'fp8' is not supported"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16), r"weights.group_size: 16"),
+    (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
+     r"input_activations: quantized activations are not supported"),
+    (lambda q: q.update(quantization_status="frozen"), r"quantization_status: 'frozen'"),
+], ids=["int4-pack", "fp8", "group-16", "w4a8", "not-compressed"])
+def test_unsupported_quantization_is_refused_naming_the_format(edit, message):
+    from k3backend.config import mxfp4_quantization_config
+
+    raw = preset_config("tiny")
+    raw["quantization_config"] = mxfp4_quantization_config()
+    assert K3Config.from_dict(raw).text.routed_expert_quant == "mxfp4"
+    edit(raw["quantization_config"])
+    with pytest.raises(ConfigError, match=message):
+        K3Config.from_dict(raw)

@@ -255,6 +255,78 @@ def check_experts_supports_declines_what_it_cannot_do():
         assert not ok and reason, what
 
 
+# ---------------------------------------------------------------- experts on MXFP4 weights (w4a16, §7.7)
+def mxfp4_case(T: int, E: int, k: int, D: int, I: int, seed: int):
+    """experts_case's routing with random MXFP4 codes and exponents 2^-7..2^-5 (weights O(D^-1/2))."""
+    x, weights, ids, _, _ = experts_case(T, E, k, D, I, seed)
+    g = gen(seed + 10)
+    u8 = dict(dtype=torch.uint8, generator=g)
+    w13, w2 = torch.randint(0, 256, (E, 2 * I, D // 2), **u8), torch.randint(0, 256, (E, D, I // 2), **u8)
+    s13, s2 = torch.randint(120, 123, (E, 2 * I, D // 32), **u8), torch.randint(120, 123, (E, D, I // 32), **u8)
+    return x, weights, ids, w13, s13, w2, s2
+
+
+def experts_mxfp4_both(x, weights, ids, w13, s13, w2, s2, act, scaling=1.0, decode=None):
+    """The Triton op (decode None: as dispatched; 0 / 1: that expansion) and moe_ref.experts_mxfp4."""
+    import dataclasses
+
+    from k3backend.kernels import moe, moe_ref
+
+    ok, reason = moe.experts_mxfp4_supports(x, weights, ids, w13, s13, w2, s2, act, scaling)
+    assert ok, reason
+    with poisoned_empty():
+        if decode is None:
+            got = moe.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, act, scaling)
+        else:
+            cfg = moe.experts_config(x.shape[0], ids.shape[1], w13.shape[0], x.shape[1], w2.shape[2] * 2, mxfp4=True)
+            got = moe.experts_with(x, weights, ids, w13, w2, act, scaling, dataclasses.replace(cfg, decode=decode),
+                                   (s13, s2))
+    want = moe_ref.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, act, scaling)
+    return got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3)
+
+
+def check_experts_mxfp4_equal_dequantised_reference_in_each_block_tier():
+    """D 96, I 64: the K loop of up (BK 64) ends in a masked half step, down's is even."""
+    from k3backend.kernels import moe
+    from k3backend.kernels.moe_ref import Activation
+
+    E, k, D, I = 7, 3, 96, 64
+    for T, block_m in [(1, 16), (5, 16), (61, 32), (157, 64), (467, 128)]:
+        assert moe.experts_config(T, k, E, D, I, mxfp4=True).block_m == block_m
+        args = mxfp4_case(T, E, k, D, I, seed=800 + T)
+        got, want, scale = experts_mxfp4_both(*args, Activation(**SITU), 2.5 if T == 61 else 1.0)
+        assert_bf16_close(got, want, scale, f"mxfp4 T={T} BM={block_m}")
+
+
+def check_experts_mxfp4_hand_expansion_equals_reference():
+    """DECODE 1 (`_mx_expand` + tl.dot), the alternative the GPU bench times against tl.dot_scaled."""
+    from k3backend.kernels.moe_ref import Activation
+
+    for T, D, I, act in [(5, 96, 64, Activation(**SITU)), (61, 64, 96, Activation("silu"))]:
+        got, want, scale = experts_mxfp4_both(*mxfp4_case(T, 7, 3, D, I, seed=900 + T), act, decode=1)
+        assert_bf16_close(got, want, scale, f"mxfp4 hand expansion T={T}")
+
+
+def check_experts_mxfp4_supports_declines_what_it_cannot_do():
+    from k3backend.kernels import moe
+    from k3backend.kernels.moe_ref import Activation
+
+    x, weights, ids, w13, s13, w2, s2 = mxfp4_case(3, 7, 3, 64, 32, seed=950)
+    act = Activation(**SITU)
+    assert moe.experts_mxfp4_supports(x, weights, ids, w13, s13, w2, s2, act) == (True, "")
+    declined = {
+        "fp16 activations": (x.half(), weights, ids, w13, s13, w2, s2, act),
+        "bf16 weights": (x, weights, ids, w13.bfloat16(), s13, w2, s2, act),
+        "int32 exponents": (x, weights, ids, w13, s13.int(), w2, s2, act),
+        "exponents of another group size": (x, weights, ids, w13, s13[..., :1], w2, s2, act),
+        "D not in groups of 32": (x[:, :48], weights, ids, w13[..., :24], s13, w2[:, :48], s2[:, :48], act),
+        "unknown activation": (x, weights, ids, w13, s13, w2, s2, Activation("gelu")),
+    }
+    for what, args in declined.items():
+        ok, reason = moe.experts_mxfp4_supports(*args)
+        assert not ok and reason, what
+
+
 # ---------------------------------------------------------------- glu_linear (shared experts, dense MLP)
 def check_glu_linear_equals_reference_with_and_without_the_fp32_front():
     from k3backend.kernels import moe, moe_ref
@@ -278,27 +350,37 @@ def check_glu_linear_equals_reference_with_and_without_the_fp32_front():
 
 
 def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
-    """K3_KERNELS=triton (set for the child): the switch routes MoE.forward to kernels/moe.py."""
+    """K3_KERNELS=triton (set for the child): the switch routes MoE.forward to kernels/moe.py, with
+    bf16 and with MXFP4 routed experts."""
     import dataclasses
 
     from k3backend import kernels
     from k3backend.config import K3Config
     from k3backend.kernels import moe_ref
     from k3backend.model.moe import MoE
-    from k3backend.presets import preset_config
+    from k3backend.presets import preset_config, random_tensor
 
-    ops = ("route", "experts", "glu_linear")
+    ops = ("route", "experts", "experts_mxfp4", "glu_linear")
     for op in ops:
         assert getattr(kernels, op).__wrapped__ is getattr(moe_ref, op), f"{op} must be registered in kernels.FAST_OPS"
-    cfg = dataclasses.replace(K3Config.from_dict(preset_config("tiny")).text, num_expert_group=2, topk_group=1)
-    torch.manual_seed(0)
-    layer = MoE(cfg)
+    for quant in (None, "mxfp4"):
+        cfg = dataclasses.replace(K3Config.from_dict(preset_config("tiny")).text, num_expert_group=2, topk_group=1,
+                                  routed_expert_quant=quant)
+        _moe_layer_matches_reference(MoE(cfg), ops, randn(7, cfg.hidden_size, seed=500, dtype=BF16), random_tensor)
+
+
+def _moe_layer_matches_reference(layer, ops, h, random_tensor):
+    from k3backend import kernels
+    from k3backend.kernels import moe_ref
+
     with torch.no_grad():
         for name, p in layer.named_parameters():
-            p.copy_(torch.randn(p.shape) * (0.1 if "bias" in name else p.shape[-1] ** -0.5))
+            if p.dtype == torch.uint8:  # MXFP4 codes and exponents, by make-checkpoint's rule
+                p.copy_(random_tensor(name, tuple(p.shape), p.dtype, gen(len(name))))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen(len(name))) * (0.1 if "bias" in name else p.shape[-1] ** -0.5))
     layer = layer.to(BF16)
     layer.gate.float()  # the router's weights stay fp32 (model/moe.py Gate)
-    h = randn(7, cfg.hidden_size, seed=500, dtype=BF16)
     got = layer(h)
     fast = {op: getattr(kernels, op) for op in ops}
     for op in ops:

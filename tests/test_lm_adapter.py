@@ -192,3 +192,21 @@ def test_setup_logging_leaves_a_test_processs_exit_status_alone():
     above all, must keep its exit status."""
     code = "from k3backend.serving.triton_io import setup_logging; setup_logging(); raise SystemExit(3)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 3
+
+
+def test_a_tokenizer_that_does_not_cover_the_vocabulary_fails_the_load(lm_ckpt, tmp_path):
+    """Every id the model can sample must detokenize: a config.json vocabulary larger than the
+    tokenizer's is refused at load, naming both numbers, before any weight is read."""
+    import json
+    import shutil
+
+    from k3backend.config import ConfigError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(lm_ckpt, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.setdefault("text_config", cfg)["vocab_size"] = 1024
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"tokenizer: 512 token ids \(256 ranks \+ 256 specials\) but "
+                                          r"text_config.vocab_size is 1024"):
+        start(bad)

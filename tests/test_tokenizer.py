@@ -294,3 +294,57 @@ def test_expand_count_mismatch_names_both_counts(tiny: Tokenizer):
 
 def test_no_placeholders_and_no_images_is_text_only(tiny: Tokenizer):
     assert tiny.expand_image_placeholders([1, 2, 3], sizes=[], counts=[]) == ([1, 2, 3], [])
+
+
+# ---------------------------------------------------------------- synthetic vocabularies and config agreement
+def test_synthetic_vocabulary_is_a_deterministic_bpe_of_byte_merges():
+    from k3backend.tokenizer import synthetic_ranks
+
+    ranks = synthetic_ranks(3000)
+    assert ranks == synthetic_ranks(3000) and len(set(ranks)) == 3000
+    assert ranks[:256] == [bytes([b]) for b in range(256)]
+    known = set()
+    for rank, token in enumerate(ranks):
+        assert rank < 256 or any(token[:i] in known and token[i:] in known for i in range(1, len(token))), token
+        known.add(token)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_every_preset_tokenizer_matches_its_config(tmp_path, preset):
+    """make-checkpoint's tokenizer covers the preset's vocabulary with config.json's special ids."""
+    from k3backend.config import K3Config
+    from k3backend.presets import preset_config
+    from k3backend.tokenizer import check_tokenizer_matches, write_tokenizer
+
+    cfg = K3Config.from_dict(preset_config(preset))
+    write_tokenizer(tmp_path, cfg.text.vocab_size - 256)
+    tok = Tokenizer.from_dir(tmp_path)
+    check_tokenizer_matches(cfg, tok)
+    assert tok.vocab_size == cfg.text.vocab_size
+    assert tok.decode_bytes(list(range(cfg.text.vocab_size)))  # every id the model can emit decodes
+    assert tok.id_of("<|end_of_msg|>") in cfg.eos_token_id
+
+
+def test_tokenizer_config_mismatches_name_both_numbers(tiny):
+    import dataclasses
+
+    from k3backend.config import ConfigError, K3Config
+    from k3backend.presets import preset_config
+    from k3backend.tokenizer import check_tokenizer_matches
+
+    cfg = K3Config.from_dict(preset_config("tiny"))
+    check_tokenizer_matches(cfg, tiny)
+    small = K3Config.from_dict(preset_config("small"))
+    with pytest.raises(ConfigError, match=r"tokenizer: 512 token ids \(256 ranks \+ 256 specials\) but "
+                                          r"text_config.vocab_size is 163840"):
+        check_tokenizer_matches(small, tiny)
+    cases = {
+        "bos_token_id": (dataclasses.replace(cfg, bos_token_id=257), r"bos_token_id: 257 .* \[BOS\] is 256"),
+        "eos_token_id": (dataclasses.replace(cfg, eos_token_id=(258, 100)),
+                         r"eos_token_id: 100 .* not a special token of the tokenizer \(ids 256..511\)"),
+        "media_placeholder_token_id": (dataclasses.replace(cfg, media_placeholder_token_id=163605),
+                                       r"media_placeholder_token_id: 163605 .* <\|media_pad\|> is 277"),
+    }
+    for what, (bad, message) in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            check_tokenizer_matches(bad, tiny)

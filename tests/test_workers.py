@@ -53,9 +53,18 @@ def prefill_plan(ids: list[int]) -> StepPlan:
                     new=[SlotRequest(1, SamplingParams(max_tokens=1, temperature=0.0), 0, (), (), (), ())])
 
 
-@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2), (4, 2)], ids=["tp2", "tp2-ep2", "tp4-ep2"])
-def test_parallel_logits_equal_one_rank(ckpt, tp, ep):
-    """tp4-ep2 is TP=2 x EP=2 in the MoE: 2 expert groups of 2 moe-TP ranks each."""
+@pytest.fixture(scope="module")
+def ckpt_mx(tmp_path_factory):
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny_workers_mx"), experts="mxfp4")
+
+
+@pytest.mark.parametrize("experts, tp, ep", [("bf16", 2, 1), ("bf16", 2, 2), ("bf16", 4, 2), ("mxfp4", 2, 1),
+                                             ("mxfp4", 2, 2)],
+                         ids=["tp2", "tp2-ep2", "tp4-ep2", "mxfp4-tp2", "mxfp4-tp2-ep2"])
+def test_parallel_logits_equal_one_rank(request, experts, tp, ep):
+    """tp4-ep2 is TP=2 x EP=2 in the MoE: 2 expert groups of 2 moe-TP ranks each. mxfp4: the experts
+    stay packed on every rank (moe-TP slices of whole 32-value groups, whole experts under EP)."""
+    ckpt = request.getfixturevalue("ckpt_mx" if experts == "mxfp4" else "ckpt")
     ids = list(range(10, 47))
     ref = full_forward(load_model(ckpt, dtype=torch.float64, progress=False), ids)[-1]
     ex = MultiProcessExecutor(str(ckpt), CFG, dtype="float64", gpus=None, world_size=tp, ep_size=ep)

@@ -63,8 +63,13 @@ def _generate(args: argparse.Namespace) -> int:
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from k3backend.presets import make_checkpoint
 
-    out = make_checkpoint(args.preset, args.out, seed=args.seed)
-    print(f"wrote {args.preset} checkpoint (seed {args.seed}) to {out}")
+    t0 = time.perf_counter()
+    out = make_checkpoint(args.preset, args.out, seed=args.seed, experts=args.experts)
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    print(f"wrote {args.preset} checkpoint (seed {args.seed}, {args.experts} routed experts) to {out} in "
+          f"{time.perf_counter() - t0:.1f} s, peak host memory {peak:.1f} GiB")
     return 0
 
 
@@ -106,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--preset", default="tiny")
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4"],
+                   help="routed experts in bf16, or in MXFP4 as the K3 release stores them (compressed-tensors)")
     m.set_defaults(fn=_make_checkpoint)
 
     h = sub.add_parser("hf-tokenizer", help="write the Hugging Face tokenizer dir (for GenAI-Perf and the OpenAI "

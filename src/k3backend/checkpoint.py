@@ -3,8 +3,9 @@
 Reads `kimi_k3` (`language_model.*`, `vision_tower.*`, `mm_projector.*`) and `kimi_linear`
 (`model.*`, `lm_head.*`, as transformers' `save_pretrained` writes it), single-file or sharded
 with `model.safetensors.index.json`. Routed experts may be bf16 (`w1/w2/w3.weight`) or MXFP4
-(`weight_packed` + `weight_scale`, §7.7). Missing, unexpected or mis-shaped tensors are a
-`CheckpointError` naming them: a model never runs with silently random weights.
+(`weight_packed` + `weight_scale`, §7.7), which stay packed: each rank copies its slices of the
+bytes as they are. Missing, unexpected or mis-shaped tensors are a `CheckpointError` naming them: a
+model never runs with silently random weights. Writing is `checkpoint_write.py`.
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ import dataclasses
 import json
 import logging
 import re
-from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
-from k3backend.config import K3Config
+from k3backend.config import MXFP4, K3Config, with_expert_quant
+from k3backend.kernels.moe_ref import E8M0_NAN
 from k3backend.model.parallel import SINGLE, Parallel
 
 if TYPE_CHECKING:
@@ -36,7 +36,6 @@ FP32_PARAMS = ("conv1d.weight", "A_log", "dt_bias", "e_score_correction_bias")
 RUNTIME_FP32_PARAMS = FP32_PARAMS + ("conv1d_weight", ".mlp.gate.weight")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _RES = re.compile(r"\.(self_attention_res|mlp_res|output_attn_res)_(norm|proj)\.weight$")
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 class CheckpointError(ValueError):
@@ -44,7 +43,7 @@ class CheckpointError(ValueError):
 
 
 def param_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The runtime dtype of our parameter `name`."""
+    """The runtime dtype of our floating-point parameter `name` (packed MXFP4 experts stay uint8)."""
     if name.endswith(RUNTIME_FP32_PARAMS):
         return torch.float64 if model_dtype == torch.float64 else torch.float32
     return model_dtype
@@ -67,29 +66,6 @@ def canonical_name(ckpt_name: str, model_type: str) -> str:
         n = "language_model." + n
     n = n.replace(".block_sparse_moe.", ".mlp.")
     return _RES.sub(lambda m: f".{m.group(1)}.{m.group(2)}.weight", n)
-
-
-def checkpoint_name(param: str, model_type: str) -> str:
-    """Inverse of `canonical_name` for non-expert tensors (used when writing checkpoints)."""
-    n = re.sub(r"\.(self_attention_res|mlp_res|output_attn_res)\.(norm|proj)\.weight$", r".\1_\2.weight", param)
-    if n.startswith("vision."):
-        return n[len("vision."):]
-    n = n.replace(".mlp.", ".block_sparse_moe.") if ".mlp.experts" in n or ".mlp.gate." in n or \
-        ".mlp.shared_experts." in n or ".mlp.routed_expert" in n else n
-    return n if model_type == "kimi_k3" else n[len("language_model."):]
-
-
-def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """MXFP4 (compressed-tensors, group 32) → float32 (§7.7). packed [out, in/2] u8, scale [out, in/32] u8.
-
-    Low nibble = even input index; code bit 3 = sign, LUT[c & 7] magnitude; scale is an E8M0 exponent.
-    """
-    lut = torch.tensor(E2M1, dtype=torch.float32)
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()  # [out, in]
-    mag = lut[codes & 7]
-    vals = torch.where(codes & 8 != 0, -mag, mag)
-    exp = torch.pow(2.0, scale.float() - 127).repeat_interleave(32, dim=-1)
-    return vals * exp
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -128,13 +104,17 @@ def tensor_shape(path: Path, param: str, model_type: str) -> list[int] | None:
 
 def load_config(path: str | Path) -> K3Config:
     """config.json plus what only the tensors say: the KDA value head size, which the first KDA
-    layer's v_proj shape decides when v_head_dim and linear_attn_config.head_dim differ (K3_LM.md §13).
+    layer's v_proj shape decides when v_head_dim and linear_attn_config.head_dim differ (K3_LM.md §13),
+    and, when config.json has no quantization_config, whether the routed experts are MXFP4 (§7.7).
 
     A v_proj that fits neither is left to the load, which names it as mis-shaped.
     """
     path = Path(path)
     cfg = K3Config.from_json(path)
     text = cfg.text
+    if text.routed_expert_quant is None and _experts_packed(path, cfg):
+        cfg = dataclasses.replace(cfg, text=with_expert_quant(text, MXFP4, f"{path}: packed experts"))
+        text = cfg.text
     if len(text.kda_v_head_dim_choices) < 2 or not text.kda_layer_ids:
         return cfg
     param = f"language_model.model.layers.{text.kda_layer_ids[0]}.self_attn.v_proj.weight"
@@ -143,6 +123,20 @@ def load_config(path: str | Path) -> K3Config:
     if shape is None or shape[0] % heads or shape[0] // heads not in text.kda_v_head_dim_choices:
         return cfg
     return dataclasses.replace(cfg, text=dataclasses.replace(text, kda_v_head_dim_in_checkpoint=shape[0] // heads))
+
+
+def _experts_packed(path: Path, cfg: K3Config) -> bool:
+    """Whether the first MoE layer's expert 0 is stored as MXFP4 (`w1.weight_packed`, no `w1.weight`)."""
+    text = cfg.text
+    layer = next((i for i in range(text.num_hidden_layers) if text.is_moe_layer(i)), None)
+    if layer is None:
+        return False
+    base = f"language_model.model.layers.{layer}.mlp.experts.0.w1."
+    names = set()
+    for f in checkpoint_files(path):
+        with safe_open(str(f), "pt") as sf:
+            names.update(n for n in map(lambda k: canonical_name(k, cfg.model_type), sf.keys()) if n.startswith(base))
+    return base + "weight_packed" in names and base + "weight" not in names
 
 
 def count_tensors(path: Path) -> int:
@@ -217,7 +211,6 @@ def load_state_dict_into(model: torch.nn.Module, path: Path, model_type: str, *,
     skip_vision = only_prefix is None and getattr(model, "vision", "absent") is None
     filled: dict[str, torch.Tensor] = {}  # param name -> bool mask of filled expert rows (or scalar True)
     unexpected, bad_shape = [], []
-    mx_parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     total = count_tensors(path) if only_prefix is None else 0
     bar = tqdm(total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress or total < 50)
     for f in checkpoint_files(path):
@@ -238,17 +231,11 @@ def load_state_dict_into(model: torch.nn.Module, path: Path, model_type: str, *,
                     local = None if module is None else module.local_expert(e)
                     if module is not None and local is None:
                         continue  # another expert group's expert
-                    t = _read(sf, ckpt_name, None if module is None else module.shard(w),
-                              None if kind == "weight" else kind)
-                    if kind != "weight":
-                        mx_parts[f"{base}.{e}.{w}"][kind] = t
-                        parts = mx_parts[f"{base}.{e}.{w}"]
-                        if len(parts) < 2:
-                            continue
-                        t = dequant_mxfp4(parts["weight_packed"], parts["weight_scale"])
-                        del mx_parts[f"{base}.{e}.{w}"]
-                    _load_expert(params, filled, base, e if local is None else local, w, t, ckpt_name,
-                                 unexpected, bad_shape)
+                    if module is None or (kind == "weight") != (module.quant is None):
+                        unexpected.append(ckpt_name)  # no such layer, or bf16 experts where MXFP4 ones are expected
+                        continue
+                    t = _read(sf, ckpt_name, module.shard(w), None if kind == "weight" else kind)
+                    _load_expert(params, filled, base, local, w, kind, t, ckpt_name, unexpected, bad_shape)
                     continue
                 shard = shards.get(name)
                 t = None
@@ -271,7 +258,6 @@ def load_state_dict_into(model: torch.nn.Module, path: Path, model_type: str, *,
                     dst.copy_(t.to(dst.dtype))
                 filled[key] = torch.tensor(True)
     bar.close()
-    unexpected += [f"{k}.{kind}" for k, parts in mx_parts.items() for kind in parts]  # unpaired MXFP4 halves
     packed_into = {p for p, _, _ in packed.values()}
     missing = [name for name in packed if name not in filled]
     for name in params:
@@ -293,10 +279,11 @@ def load_state_dict_into(model: torch.nn.Module, path: Path, model_type: str, *,
         raise CheckpointError(f"{path}: checkpoint does not match config.json: " + "; ".join(problems))
 
 
-def _load_expert(params: dict, filled: dict, base: str, e: int, w: str, t: torch.Tensor, ckpt_name: str,
-                 unexpected: list, bad_shape: list) -> None:
-    """Stack experts.{e}.w1/w3 into w13[e] = [w1 ; w3] and experts.{e}.w2 into w2[e]."""
-    pname = f"{base}.w13" if w in ("w1", "w3") else f"{base}.w2"
+def _load_expert(params: dict, filled: dict, base: str, e: int, w: str, kind: str, t: torch.Tensor,
+                 ckpt_name: str, unexpected: list, bad_shape: list) -> None:
+    """Stack experts.{e}.w1/w3 into w13[e] = [w1 ; w3] and experts.{e}.w2 into w2[e]; MXFP4 codes
+    (`weight_packed`) go to the same parameters, their exponents (`weight_scale`) to w13_scale / w2_scale."""
+    pname = f"{base}.{'w13' if w in ('w1', 'w3') else 'w2'}{'_scale' if kind == 'weight_scale' else ''}"
     if pname not in params:
         unexpected.append(ckpt_name)
         return
@@ -306,8 +293,12 @@ def _load_expert(params: dict, filled: dict, base: str, e: int, w: str, t: torch
         return
     half = p.shape[1] // 2
     dst = p[e, :half] if w == "w1" else p[e, half:] if w == "w3" else p[e]
-    if tuple(t.shape) != tuple(dst.shape):
-        bad_shape.append(f"{ckpt_name}: expected {list(dst.shape)}, got {list(t.shape)}")
+    if tuple(t.shape) != tuple(dst.shape) or (kind != "weight" and t.dtype != torch.uint8):
+        bad_shape.append(f"{ckpt_name}: expected {'uint8 ' if kind != 'weight' else ''}{list(dst.shape)}, "
+                         f"got {str(t.dtype).removeprefix('torch.') + ' ' if kind != 'weight' else ''}{list(t.shape)}")
+        return
+    if kind == "weight_scale" and bool((t == E8M0_NAN).any()):
+        bad_shape.append(f"{ckpt_name}: E8M0 scale byte {E8M0_NAN} (NaN) in {int((t == E8M0_NAN).sum())} groups")
         return
     with torch.no_grad():
         dst.copy_(t.to(p.dtype))
@@ -322,80 +313,49 @@ def _short(items: list[str], n: int = 8) -> str:
     return ", ".join(items[:n]) + (f", ... (+{len(items) - n} more)" if len(items) > n else "")
 
 
-def expected_checkpoint_tensors(model: torch.nn.Module, model_type: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our parameters under their checkpoint names, experts and packed tensors unpacked (the inverse
-    of loading)."""
-    packed = packed_params(model)
-    parts: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
-    for name, (pname, a, b) in packed.items():
-        parts[pname].append((name, a, b))
-    for name, p in model.named_parameters():
-        if name.endswith((".experts.w13", ".experts.w2")):
-            base = checkpoint_name(name.rsplit(".", 1)[0] + ".x", model_type)[:-2]
-            for e in range(p.shape[0]):
-                if name.endswith("w13"):
-                    half = p.shape[1] // 2
-                    yield f"{base}.{e}.w1.weight", p[e, :half]
-                    yield f"{base}.{e}.w3.weight", p[e, half:]
-                else:
-                    yield f"{base}.{e}.w2.weight", p[e]
-        elif name in parts:
-            for part, a, b in parts[name]:
-                yield checkpoint_name(part, model_type), p[a:b]
-        else:
-            yield checkpoint_name(name, model_type), p
-
-
-def save_checkpoint(model: torch.nn.Module, out: Path, model_type: str, *, num_shards: int = 1,
-                    dtype: torch.dtype = torch.bfloat16, a_log_pad: int | None = None) -> None:
-    """Write `model` as safetensors in the HF layout (fp32 for the FP32_PARAMS, `dtype` otherwise).
-
-    a_log_pad: store A_log 1-D zero-padded to this length, as the K3 release does ([head_dim]).
-    """
-    tensors = {}
-    for name, p in expected_checkpoint_tensors(model, model_type):
-        t = p.detach().to("cpu")
-        t = t.to(torch.float32) if name.endswith(FP32_PARAMS) else t.to(dtype)
-        if name.endswith("A_log") and a_log_pad:
-            t = torch.cat([t.reshape(-1), t.new_zeros(a_log_pad - t.numel())])
-        tensors[name] = t.contiguous()
-    names = sorted(tensors)
-    shards = [names[i::num_shards] for i in range(num_shards)]
-    if num_shards == 1:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in shard}, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in shard})
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-
-
 def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                progress: bool = True, par: Parallel = SINGLE, vision: bool = True) -> torch.nn.Module:
     """Build the model a checkpoint's config.json describes and load its weights. dtype defaults to fp32.
 
     par: this rank's shards (only they are read); vision=False leaves out the tower (a worker rank).
     """
-    from k3backend.model.k3 import K3Model
-
     path = Path(path)
     cfg = load_config(path)
     dtype = dtype or torch.float32
-    with torch.device("meta"):
-        model = K3Model(cfg, par, vision=vision)
-    model.to_empty(device=device)
-    for name, p in model.named_parameters():
-        p.data = p.data.to(param_dtype(name, dtype))
+    model = empty_model(cfg, dtype, device, par, vision=vision)
     load_state_dict_into(model, path, cfg.model_type, progress=progress)
     if model.vision is not None and (path / "preprocessor_config.json").exists():
         from k3backend.model.preprocess import PreprocessConfig
 
         model.preprocess_cfg = PreprocessConfig.from_json(path / "preprocessor_config.json")
     model.eval().requires_grad_(False)
-    log.info("loaded %s (%s, %s) from %s", cfg.model_type, dtype, device, path)
+    log.info("loaded %s (%s, %s) from %s: %s", cfg.model_type, dtype, device, path, weight_summary(model))
     return model
+
+
+def empty_model(cfg: K3Config, dtype: torch.dtype, device: str | torch.device, par: Parallel = SINGLE, *,
+                vision: bool = True) -> torch.nn.Module:
+    """The model of `cfg`, allocated once on `device` in its runtime dtypes, values uninitialised."""
+    from k3backend.model.k3 import K3Model
+
+    with torch.device("meta"):
+        model = K3Model(cfg, par, vision=vision)
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        if p.is_floating_point():  # packed MXFP4 experts stay uint8
+            p.data = p.data.to(param_dtype(name, dtype))
+    return model
+
+
+def weight_summary(model: torch.nn.Module) -> str:
+    """Bytes of the weights and of the routed experts among them (the memory the cache budget does not get)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts.w" in n)
+    packed = any(n.endswith(".experts.w13_scale") for n, _ in model.named_parameters())
+    def size(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    return f"{size(total)} of weights, routed experts {size(experts)}{' as MXFP4 (4.25 bits a weight)' if packed else ''}"
 
 
 def load_vision(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",

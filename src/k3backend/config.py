@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,11 @@ _IGNORED_TEXT_KEYS = {
     "eos_token_id", "pad_token_id", "media_placeholder_token_id", "_name_or_path", "moe_layer_freq_type",
     "aux_loss_alpha", "seq_aux", "scoring_func", "ep_size", "router_aux_loss_coef", "z_loss_coef",
 }
+# TextConfig fields that config.json cannot set directly.
+_NOT_JSON_TEXT_FIELDS = ("kda_v_head_dim_in_checkpoint", "routed_expert_quant")
+MXFP4 = "mxfp4"
+MXFP4_FORMAT = "mxfp4-pack-quantized"  # compressed-tensors' name (K3_LM.md §7.7)
+MXFP4_GROUP = 32
 # transformers' attribute_map aliases -> our canonical names.
 _TEXT_ALIASES = {
     "n_routed_experts": "num_experts",
@@ -96,6 +101,10 @@ class TextConfig:
     # The KDA value head size the checkpoint's v_proj shape shows (§13), set by
     # `checkpoint.load_config`; config.json cannot say it. None: the K3 rule of `kda_v_head_dim`.
     kda_v_head_dim_in_checkpoint: int | None = None
+    # How the routed experts are stored: None (the model dtype) or "mxfp4" (packed E2M1 codes and
+    # E8M0 group scales, §7.7), from config.json's quantization_config (`parse_quantization`) or,
+    # without one, from the checkpoint's tensor names (`checkpoint.load_config`).
+    routed_expert_quant: str | None = None
 
     # ---- derived (K3_LM.md §1.2) ----
     def is_kda_layer(self, i: int) -> bool:
@@ -213,6 +222,10 @@ class K3Config:
             text, vision, tokens_src = _parse_text(raw, ""), None, raw
         else:
             raise ConfigError(f"model_type: expected 'kimi_k3' or 'kimi_linear', got {model_type!r}")
+        quant = raw.get("quantization_config", raw.get("text_config", {}).get("quantization_config")
+                        if model_type == "kimi_k3" else None)
+        if quant is not None:
+            text = with_expert_quant(text, parse_quantization(quant), "quantization_config")
         eos = tokens_src.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         for name, v in (("bos_token_id", tokens_src.get("bos_token_id")), ("eos_token_id", eos_ids),
@@ -224,6 +237,67 @@ class K3Config:
                    bos_token_id=tokens_src.get("bos_token_id"), eos_token_id=eos_ids,
                    pad_token_id=tokens_src.get("pad_token_id"),
                    media_placeholder_token_id=int(tokens_src.get("media_placeholder_token_id", 163605)), raw=raw)
+
+
+def parse_quantization(q: Any, where: str = "quantization_config") -> str:
+    """The routed experts' storage a compressed-tensors `quantization_config` describes: "mxfp4".
+
+    Only what the K3 release ships loads (§7.7): `mxfp4-pack-quantized`, 4-bit float weights in
+    groups of 32, activations unquantized (w4a16), packed on disk. Anything else is a ConfigError
+    naming the method or format, rather than weights read as something they are not.
+    """
+    if not isinstance(q, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {q!r}")
+    method = q.get("quant_method")
+    if method != "compressed-tensors":
+        raise ConfigError(f"{where}.quant_method: {method!r} is not supported; only compressed-tensors "
+                          f"{MXFP4_FORMAT} routed experts load")
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise ConfigError(f"{where}.config_groups: expected a JSON object")
+    formats = {q.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
+    formats.discard(None)
+    if formats != {MXFP4_FORMAT}:
+        bad = sorted(str(f) for f in formats - {MXFP4_FORMAT})
+        raise ConfigError(f"{where}.format: {bad or 'none given'} is not supported; only {MXFP4_FORMAT} "
+                          f"(MXFP4 routed experts) loads")
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        for key, want in (("num_bits", 4), ("group_size", MXFP4_GROUP), ("type", "float")):
+            if isinstance(weights, dict) and weights.get(key, want) != want:
+                raise ConfigError(f"{where}.config_groups.{name}.weights.{key}: {weights[key]!r}; "
+                                  f"{MXFP4_FORMAT} has {want!r}")
+        if isinstance(group, dict) and group.get("input_activations"):
+            raise ConfigError(f"{where}.config_groups.{name}.input_activations: quantized activations are not "
+                              f"supported (MXFP4 weights with bf16 activations only)")
+    status = q.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ConfigError(f"{where}.quantization_status: {status!r}; only 'compressed' (packed) checkpoints load")
+    return MXFP4
+
+
+def mxfp4_quantization_config() -> dict[str, Any]:
+    """The `quantization_config` of a checkpoint whose routed experts, and nothing else, are MXFP4
+    (compressed-tensors, what make-checkpoint --experts mxfp4 writes; the K3 release's scheme)."""
+    weights = {"num_bits": 4, "type": "float", "group_size": MXFP4_GROUP, "strategy": "group", "symmetric": True,
+               "dynamic": False}
+    group = {"format": MXFP4_FORMAT, "targets": [r"re:.*\.experts\.\d+\.w[123]$"], "weights": weights,
+             "input_activations": None, "output_activations": None}
+    return {"quant_method": "compressed-tensors", "format": MXFP4_FORMAT, "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": [], "kv_cache_scheme": None}
+
+
+def with_expert_quant(text: TextConfig, quant: str | None, where: str) -> TextConfig:
+    """text with routed experts stored as `quant`, checking that its groups tile every expert matrix."""
+    if quant is None or text.num_experts is None:
+        return text
+    widths = {"moe_intermediate_size": text.moe_intermediate_size,
+              "routed_expert_hidden_size" if text.routed_expert_hidden_size else "hidden_size":
+                  text.routed_expert_hidden_size or text.hidden_size}
+    bad = {k: v for k, v in widths.items() if v % MXFP4_GROUP}
+    if bad:
+        raise ConfigError(f"{where}: MXFP4 groups of {MXFP4_GROUP} must tile the expert matrices, but {bad}")
+    return replace(text, routed_expert_quant=quant)
 
 
 def read_json_object(path: str | Path, filename: str) -> dict[str, Any]:
@@ -278,7 +352,7 @@ def _parse_text(d: dict[str, Any], prefix: str) -> TextConfig:
                 raise ConfigError(f"{prefix}{alias}: {d[alias]!r} contradicts {prefix}{canon} {d[canon]!r}")
             d[canon] = d.pop(alias)
     kwargs: dict[str, Any] = {}
-    known = {f.name: f for f in fields(TextConfig) if f.name != "kda_v_head_dim_in_checkpoint"}
+    known = {f.name: f for f in fields(TextConfig) if f.name not in _NOT_JSON_TEXT_FIELDS}
     for key, value in d.items():
         if key in _IGNORED_TEXT_KEYS:
             continue

@@ -10,6 +10,7 @@ K3's 256 special slots, so special ids are K3's minus 163328.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import os
@@ -18,6 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from k3backend.checkpoint_write import TensorToWrite, expected_checkpoint_tensors, pad_a_log, shard_count, \
+    stored_dtype, write_tensors
+from k3backend.config import MXFP4_GROUP
+from k3backend.kernels.moe_ref import E2M1
 
 TINY_SPECIAL_BASE = 256  # first special id in the tiny vocabulary (163584 in K3)
 
@@ -48,7 +54,7 @@ def _tiny() -> dict[str, Any]:
         "num_experts": 8,
         "num_experts_per_token": 3,
         "num_shared_experts": 2,
-        "moe_intermediate_size": 32,  # MXFP4 groups of 32 must divide every expert matrix
+        "moe_intermediate_size": 64,  # MXFP4 groups of 32 must tile every expert matrix, also at moe-TP 2
         "routed_expert_hidden_size": 32,
         "latent_moe_use_norm": True,
         "moe_router_activation_func": "sigmoid",
@@ -190,8 +196,8 @@ def _small() -> dict[str, Any]:
             "use_full_rank_gate": True,
             "gate_lower_bound": -5.0
         },
-        "bos_token_id": 163584,
-        "eos_token_id": 163585,
+        "bos_token_id": 163584,  # [BOS]; EOS is <|end_of_msg|>, as in K3's config.json (K3_LM.md §1.1)
+        "eos_token_id": 163586,
         "pad_token_id": 163839,
         "dtype": "bfloat16"
     }
@@ -230,60 +236,97 @@ def _init_rule(name: str, shape: torch.Size) -> tuple[str, float, float]:
     return "normal", 1 / math.sqrt(fan_in), 0.0
 
 
-def _init_tensor(name: str, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
-    """Deterministic random value for one parameter (fp64 on the CPU: the checkpoint writer)."""
+# MXFP4 random experts (§7.7): uniform codes have E[c²] = mean(E2M1²) = 8.5625; exponents s0 + {-1, 0, 1}
+# (E[2^2(s-s0)] = 1.75) with s0 chosen so that E[w²] ≈ 1 / fan_in, as for the bf16 experts.
+_E2M1_MEAN_SQUARE = sum(v * v for v in E2M1) / len(E2M1)
+
+
+def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+    """A random value of one tensor by `_init_rule` (parameter and checkpoint names both work), in dtype,
+    with at most one fp32 temporary. uint8 tensors are MXFP4: exponents where the name ends in `scale`
+    (fan-in = 32 × their last dim), codes (uniform bytes) otherwise."""
+    if dtype == torch.uint8:
+        if name.endswith("scale"):
+            s0 = round(127 - 0.5 * math.log2(_E2M1_MEAN_SQUARE * 1.75 * shape[-1] * MXFP4_GROUP))
+            return (torch.randint(-1, 2, shape, generator=g, device=device, dtype=torch.int16) + s0).to(dtype)
+        return torch.randint(0, 256, shape, generator=g, device=device, dtype=dtype)
     kind, scale, offset = _init_rule(name, shape)
     if kind == "a_log":
-        return torch.log(torch.rand(shape, generator=g, dtype=torch.float64) * 15 + 1)
-    return offset + scale * torch.randn(shape, generator=g, dtype=torch.float64)
+        x = torch.rand(shape, generator=g, device=device).mul_(15).add_(1).log_()
+    else:
+        x = torch.randn(shape, generator=g, device=device).mul_(scale).add_(offset)
+    return x.to(dtype)
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """A tensor's own generator seed: its value depends on the seed and its name only."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little") >> 1
 
 
 @torch.no_grad()
 def randomize_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Random weights by the same rules, drawn on the model's device in its dtypes (benchmarks of
     big presets without a checkpoint: `bench/engine.py --random-weights small`)."""
-    for i, (name, p) in enumerate(sorted(model.named_parameters())):
-        g = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
-        kind, scale, offset = _init_rule(name, p.shape)
-        if kind == "a_log":
-            p.copy_(torch.log(torch.rand(p.shape, generator=g, device=p.device, dtype=p.dtype) * 15 + 1))
-        else:
-            p.normal_(offset, scale, generator=g)
+    for name, p in model.named_parameters():
+        g = torch.Generator(device=p.device).manual_seed(tensor_seed(seed, name))
+        p.copy_(random_tensor(name, tuple(p.shape), p.dtype, g, p.device))
     return model
 
 
-def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, num_shards: int = 2) -> Path:
+def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, experts: str = "bf16",
+                    num_shards: int | None = None, threads: int | None = None) -> Path:
     """Write a deterministic random-weight checkpoint of a preset: config.json, generation_config.json,
-    safetensors (sharded, with an index), tokenizer files and preprocessor_config.json."""
-    from k3backend.checkpoint import save_checkpoint
-    from k3backend.config import K3Config
+    bf16 safetensors (sharded, with an index), the tokenizer files and preprocessor_config.json.
+
+    Every tensor is drawn on its own (`tensor_seed`) in its stored dtype, `threads` at a time, and
+    written a shard at a time (`checkpoint_write.write_tensors`): no full-precision copy of the model
+    exists, and the values depend on the seed alone. experts="mxfp4": the routed experts as the K3
+    release stores them (`weight_packed` + `weight_scale`, compressed-tensors, §7.7). The tokenizer
+    covers the preset's whole vocabulary (`tokenizer.write_tokenizer`).
+    """
+    from k3backend.config import K3Config, mxfp4_quantization_config
     from k3backend.model.k3 import K3Model
     from k3backend.model.preprocess import PreprocessConfig
-    from k3backend.tokenizer import write_tiny_tokenizer
+    from k3backend.tokenizer import N_SPECIAL, Tokenizer, check_tokenizer_matches, write_tokenizer
 
+    if experts not in ("bf16", "mxfp4"):
+        raise ValueError(f"experts: expected bf16 or mxfp4, got {experts!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     raw = preset_config(preset)
+    if experts == "mxfp4":
+        raw["quantization_config"] = mxfp4_quantization_config()
     cfg = K3Config.from_dict(raw)
     with torch.device("meta"):
         model = K3Model(cfg)
-    model.to_empty(device="cpu")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            p.copy_(_init_tensor(name, p.shape, g))
+    recipes = [_recipe(name, p, seed, cfg.text.linear_attn_config.head_dim)
+               for name, p in expected_checkpoint_tensors(model, cfg.model_type)]
+    write_tensors(out, recipes, num_shards or shard_count(recipes), threads or min(16, os.cpu_count() or 1))
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": [raw["eos_token_id"]], "temperature": 1.0, "top_p": 1.0}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    save_checkpoint(model, out, cfg.model_type, num_shards=num_shards,
-                    a_log_pad=cfg.text.linear_attn_config.head_dim)
-    write_tiny_tokenizer(out)
+    write_tokenizer(out, cfg.text.vocab_size - N_SPECIAL)
+    check_tokenizer_matches(cfg, Tokenizer.from_dir(out))
     PreprocessConfig().to_json(out / "preprocessor_config.json")
     return out
 
 
+def _recipe(name: str, p: torch.Tensor, seed: int, a_log_pad: int) -> TensorToWrite:
+    """How to make checkpoint tensor `name` (p: its meta tensor): drawn, cast, A_log padded (§13)."""
+    dtype = stored_dtype(name, p.dtype, torch.bfloat16)
+    pad = a_log_pad if name.endswith("A_log") else None
+
+    def make() -> torch.Tensor:
+        g = torch.Generator().manual_seed(tensor_seed(seed, name))
+        return pad_a_log(random_tensor(name, tuple(p.shape), dtype, g), pad)
+
+    return TensorToWrite(name, (pad,) if pad else tuple(p.shape), dtype, make)
+
+
 # Bump when the tiny preset or the files make_checkpoint writes change, so a cached copy is rebuilt.
-DEFAULT_CHECKPOINT_VERSION = 3
+# v4: each tensor drawn from its own generator (was one fp64 stream over all), moe_intermediate_size 64.
+DEFAULT_CHECKPOINT_VERSION = 4
 
 
 def default_checkpoint_dir() -> Path:

@@ -23,6 +23,8 @@ from typing import Any
 
 import tiktoken
 
+from k3backend.config import ConfigError, K3Config
+
 logger = logging.getLogger(__name__)
 
 N_SPECIAL = 256
@@ -135,19 +137,47 @@ def _special_names(config: dict[str, Any], n_ranks: int, where: str) -> list[str
     return names
 
 
-def write_tiny_tokenizer(out_dir: Path) -> None:
-    """Write the tiny checkpoint's vocabulary: 256 single-byte ranks + the 256 K3 special slots,
-    plus the Hugging Face files of the same vocabulary (SERVING.md PRM-5).
+def synthetic_ranks(n_ranks: int) -> list[bytes]:
+    """The tokens of a synthetic vocabulary of `n_ranks` ranks, in rank order (deterministic).
 
-    Every byte is its own token, so multi-byte characters always span tokens: that is what makes
-    the tiny model a good test of UTF-8-safe streaming.
+    Ranks 0..255 are the single bytes, then " a".." z"; every further token joins two earlier
+    tokens of lowercase letters (the first maybe space-led) of at most 5 bytes each. Each is thus a BPE
+    merge of two ranks, so tiktoken and the Hugging Face BPE (hf_tokenizer.py) agree, and
+    English-like text merges into multi-byte tokens, as with a real vocabulary. Presets whose model vocabulary is
+    K3's (163 840 ids) get 163 584 of these, so every id the model can emit decodes.
     """
+    if n_ranks < 256:
+        raise ValueError(f"a byte-level vocabulary needs at least 256 ranks, got {n_ranks}")
+    import random
+
+    tokens = [bytes([b]) for b in range(256)]
+    letters = [bytes([c]) for c in range(ord("a"), ord("z") + 1)]
+    tokens += [b" " + c for c in letters][:n_ranks - 256]  # " " + letter: the first merges
+    seen = set(tokens)
+    lefts, rights = letters + tokens[256:], list(letters)  # a new token is a left part + a right part
+    rng = random.Random(n_ranks)
+    while len(tokens) < n_ranks:
+        token = rng.choice(lefts) + rng.choice(rights)
+        if token in seen:
+            continue
+        seen.add(token)
+        tokens.append(token)
+        if len(token) <= 5:  # short tokens are the parts of longer ones (at most 10 bytes)
+            lefts.append(token)
+            if token[0] != 32:  # letters only: may also end a word
+                rights.append(token)
+    return tokens
+
+
+def write_tokenizer(out_dir: Path, n_ranks: int) -> None:
+    """Write a synthetic vocabulary of `n_ranks` ranks (`synthetic_ranks`) + the 256 K3 special
+    slots, plus the Hugging Face files of the same vocabulary (SERVING.md PRM-5)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lines = [f"{base64.b64encode(bytes([b])).decode()} {b}" for b in range(256)]
+    lines = [f"{base64.b64encode(t).decode()} {r}" for r, t in enumerate(synthetic_ranks(n_ranks))]
     (out_dir / "tiktoken.model").write_text("\n".join(lines) + "\n")
     flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
-    decoder = {str(256 + off): {"content": name, **flags}
+    decoder = {str(n_ranks + off): {"content": name, **flags}
                for name, off in sorted(K3_SPECIAL_OFFSETS.items(), key=lambda kv: kv[1])}
     config = {"added_tokens_decoder": decoder, "bos_token": "[BOS]", "eos_token": "<|end_of_msg|>",
               "pad_token": "[PAD]", "unk_token": "[UNK]"}
@@ -156,6 +186,44 @@ def write_tiny_tokenizer(out_dir: Path) -> None:
     from k3backend.hf_tokenizer import write_hf_tokenizer  # imports this module
 
     write_hf_tokenizer(out_dir, out_dir)
+
+
+def write_tiny_tokenizer(out_dir: Path) -> None:
+    """The tiny checkpoint's vocabulary: 256 single-byte ranks + the 256 K3 special slots.
+
+    Every byte is its own token, so multi-byte characters always span tokens: that is what makes
+    the tiny model a good test of UTF-8-safe streaming.
+    """
+    write_tokenizer(out_dir, 256)
+
+
+def check_tokenizer_matches(config: K3Config, tokenizer: Tokenizer) -> None:
+    """Raise ConfigError unless the tokenizer fits the model config.json describes.
+
+    The vocabularies must be the same size: the model may sample any id below vocab_size, and every
+    id of the tokenizer must have an embedding row. The special ids config.json names must be the
+    tokenizer's: bos_token_id its `[BOS]`, each eos_token_id one of its 256 special slots, and
+    media_placeholder_token_id (where config.json states it, or the model has a vision tower) its
+    `<|media_pad|>`.
+    """
+    vocab = config.text.vocab_size
+    if tokenizer.vocab_size != vocab:
+        raise ConfigError(f"tokenizer: {tokenizer.vocab_size} token ids ({tokenizer.n_ranks} ranks + {N_SPECIAL} "
+                          f"specials) but text_config.vocab_size is {vocab}; they must be equal")
+    specials = range(tokenizer.n_ranks, tokenizer.vocab_size)
+    bos = tokenizer.special_ids.get("[BOS]")
+    if config.bos_token_id is not None and config.bos_token_id != bos and (bos is not None
+                                                                         or config.bos_token_id not in specials):
+        raise ConfigError(f"bos_token_id: {config.bos_token_id} in config.json but the tokenizer's [BOS] is {bos}")
+    for eos in config.eos_token_id:
+        if eos not in specials:
+            raise ConfigError(f"eos_token_id: {eos} in config.json is not a special token of the tokenizer "
+                              f"(ids {specials.start}..{specials.stop - 1})")
+    stated = "media_placeholder_token_id" in config.raw or "media_placeholder_token_id" in config.raw.get(
+        "text_config", {}) or config.vision is not None
+    if stated and config.media_placeholder_token_id != tokenizer.media_pad_id:
+        raise ConfigError(f"media_placeholder_token_id: {config.media_placeholder_token_id} in config.json but "
+                          f"the tokenizer's {MEDIA_PAD} is {tokenizer.media_pad_id}")
 
 
 def split_text_placeholders(text: str) -> list[str]:

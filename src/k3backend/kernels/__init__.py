@@ -29,7 +29,17 @@ from k3backend.kernels.kda_ref import (
     short_conv_seq,
 )
 from k3backend.kernels.mla_ref import mla_absorbed, mla_decode, mla_mha, mla_prefill, mla_write
-from k3backend.kernels.moe_ref import Activation, experts, glu, glu_linear, route, silu_and_mul, situ_and_mul
+from k3backend.kernels.moe_ref import (
+    Activation,
+    dequant_mxfp4,
+    experts,
+    experts_mxfp4,
+    glu,
+    glu_linear,
+    route,
+    silu_and_mul,
+    situ_and_mul,
+)
 from k3backend.kernels.norm_ref import (
     acc_dtype,
     attn_res_mix,
@@ -51,6 +61,7 @@ FAST_OPS: dict[str, str] = {
     **dict.fromkeys(("kda_decode_fused", "kda_decode", "short_conv"), "k3backend.kernels.kda"),
     "kda_prefill": "k3backend.kernels.kda_chunk",
     "experts": "k3backend.kernels.moe",
+    "experts_mxfp4": "k3backend.kernels.moe",
     "glu_linear": "k3backend.kernels.moe",
     "route": "k3backend.kernels.moe",
     "mla_decode": "k3backend.kernels.mla",
@@ -120,7 +131,8 @@ def reference_ops() -> Iterator[None]:
         globals().update(fast)
 
 __all__ = [
-    "Activation", "acc_dtype", "attn_res_mix", "attn_res_mix_norm", "experts", "gated_rms_norm", "glu", "kda_chunked",
+    "Activation", "acc_dtype", "attn_res_mix", "attn_res_mix_norm", "dequant_mxfp4", "experts", "experts_mxfp4",
+    "gated_rms_norm", "glu", "kda_chunked",
     "kda_decode", "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "race_draw", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
     "situ_and_mul", "glu_linear", "kda_decode_fused",

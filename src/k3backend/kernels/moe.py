@@ -17,6 +17,14 @@ width (the latent), I expert width, BM the block of rows that share one expert.
   4. sum     out [T, D] = bf(scaling · Σ_j fp32(y[t·k + j])), j in slot order; slots whose expert
              is outside [0, E) (another rank's, §9.4) are skipped. No atomics in the reduction.
 glu_linear: the up step over x's rows against one weight (DENSE), optionally on the fp32 accumulator.
+
+experts_mxfp4 (w4a16, §7.7): the same four steps and tiles on MXFP4 weights, codes [.., K/2] uint8
+(two E2M1 a byte, low nibble first) and E8M0 exponents [.., K/32]. Hopper has no FP4 arithmetic, so
+each K step loads the packed tile (a quarter of the bf16 bytes, plus 1/32 for the exponents) and
+expands it to bf16 in registers before the same bf16 tensor-core MMA with fp32 accumulation: the
+products equal those of the dequantized weights (every dequantized value is exact in bf16), only the
+accumulation order can differ. Two expansions (`ExpertsConfig.decode`): tl.dot_scaled's own e2m1
+upcast (0), or `_mx_expand` (1), which bench/kernels_mxfp4.py --sweep times against each other.
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ from k3backend.kernels.moe_ref import Activation
 _GPU = not triton.knobs.runtime.interpret
 
 _MAX_EXPERTS = 4096  # route: one program holds a token's E scores in registers
+# How experts_mxfp4 expands MXFP4 tiles (ExpertsConfig.decode): 0 tl.dot_scaled, 1 `_mx_expand`; the
+# faster on the GPU per bench/kernels_mxfp4.py --sweep (both are checked there and under the interpreter).
+MX_DECODE = 0
 
 
 # ----------------------------------------------------------------------------- scalar math
@@ -288,52 +299,108 @@ def _align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch
 
 
 # ----------------------------------------------------------------------------- experts: GEMMs
+@triton.jit
+def _mx_expand(w, s, BLOCK_K: tl.constexpr):
+    """MXFP4 tile -> bf16 [BK, BN] by hand (DECODE 1): w [BK/2, BN] codes (low nibble = even k),
+    s [BN, BK/32] E8M0 exponents. E2M1 codes become fp16 bit patterns (value · 2^-14; the 0.5 code
+    is an fp16 subnormal, which conversions keep), then fp32 · 2^14 · 2^(s-127): exact."""
+    BN: tl.constexpr = w.shape[1]
+    wt = tl.trans(w)  # [BN, BK/2]
+    c = tl.join(wt & 0xF, wt >> 4).reshape(BN, BLOCK_K).to(tl.uint16)  # [BN, BK], k interleaved
+    bits = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.uint16)  # (the shifts may have promoted c to int32)
+    v = bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    sc = tl.where(s == 0, 0x00400000, s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s-127)
+    v = (v.reshape(BN, BLOCK_K // 32, 32) * sc[:, :, None]).reshape(BN, BLOCK_K)
+    return tl.trans(v.to(tl.bfloat16))
+
+
+@triton.jit
+def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
+           DECODE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a · (one K step of a weight tile): w_ptrs [BK, BN] in a's dtype, or MXFP4 (w_ptrs [BK/2, BN]
+    codes, s_ptrs [BN, BK/32] exponents) expanded to bf16 in registers: by tl.dot_scaled (DECODE 0,
+    Triton's own e2m1 upcast on Hopper; fast_math: no NaN select, the loader refuses the NaN
+    exponent 255; its bf16 scale flushes exponent byte 0, 2^-127, to zero, which leaves out weights
+    below 2^-124) or by `_mx_expand` (DECODE 1). k_left: K elements left from this step on."""
+    if MX:
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            s = tl.load(s_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[:, None], other=0)
+            s = tl.load(s_ptrs, mask=(tl.arange(0, BLOCK_K // 32) < k_left // 32)[None, :], other=127)
+        if DECODE == 0:
+            return tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc, fast_math=True)
+        else:
+            return _mma(a, _mx_expand(w, s, BLOCK_K), acc, GPU)
+    else:
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[:, None], other=0.0)
+        return _mma(a, w, acc, GPU)
+
+
+@triton.jit
+def _w_ptrs(w_ptr, s_ptr, rows, stride_wn, stride_sn, MX: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pointers of the first K step of weight rows `rows` [BN] (int64): w [BK, BN] (MXFP4: codes
+    [BK/2, BN] and exponents [BN, BK/32]), views of wᵀ; step them by BK (BK/2, BK/32)."""
+    if MX:
+        w = w_ptr + rows[None, :] * stride_wn + tl.arange(0, BLOCK_K // 2)[:, None]
+        s = s_ptr + rows[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
+    else:
+        w = w_ptr + rows[None, :] * stride_wn + tl.arange(0, BLOCK_K)[:, None]
+        s = s_ptr
+    return w, s
+
+
 @triton.jit(do_not_specialize=["n", "num_blocks"])
-def _up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, n, D, I, num_blocks,
-               stride_xt, stride_we, stride_wn, stride_hm, inv_beta, beta, inv_lam, lam,
+def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, n, D, I, num_blocks,
+               stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm, inv_beta, beta, inv_lam, lam,
                TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
-               ROUND_GU: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+               ROUND_GU: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
+               DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_M: tl.constexpr):
     """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
 
     DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
-    activation reads the fp32 accumulator (the fused MoE front, §7.6).
+    activation reads the fp32 accumulator (the fused MoE front, §7.6). MX: w13 holds MXFP4 codes
+    [E, 2I, D/2] and s13 their exponents [E, 2I, D/32].
     """
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if DENSE:
         a_idx = rows
-        w_ptr = w13_ptr
+        w_ptr, s_ptr = w13_ptr, s13_ptr
     else:
         e = tl.load(block_expert_ptr + pid_m)
         if e < 0:
             return
         a_idx = tl.load(sorted_ptr + rows)
-        w_ptr = w13_ptr + e.to(tl.int64) * stride_we
+        w_ptr, s_ptr = w13_ptr + e.to(tl.int64) * stride_we, s13_ptr + e.to(tl.int64) * stride_se
     tok = tl.where(a_idx < n, a_idx // TOP_K, 0).to(tl.int64)  # padding rows read token 0, never stored
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    g_ptrs = w_ptr + (offs_n % I).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN] view of w1ᵀ;
-    # % I keeps the edge block in bounds
-    u_ptrs = g_ptrs + I * stride_wn
+    g_ptrs, gs_ptrs = _w_ptrs(w_ptr, s_ptr, (offs_n % I).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)  # w1ᵀ;
+    u_ptrs, us_ptrs = g_ptrs + I * stride_wn, gs_ptrs + I * stride_sn  # % I keeps the edge block in bounds
+    step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
+    step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
+        k_left = D - k0 * BLOCK_K
         if EVEN_K:
             xa = tl.load(x_ptrs)
-            wg = tl.load(g_ptrs)
-            wu = tl.load(u_ptrs)
         else:
-            k_ok = offs_k < D - k0 * BLOCK_K
-            xa = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        acc_g = _mma(xa, wg, acc_g, GPU)
-        acc_u = _mma(xa, wu, acc_u, GPU)
+            xa = tl.load(x_ptrs, mask=(offs_k < k_left)[None, :], other=0.0)
+        acc_g = _w_dot(xa, acc_g, g_ptrs, gs_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
+        acc_u = _w_dot(xa, acc_u, u_ptrs, us_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
         x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        g_ptrs += step_w
+        u_ptrs += step_w
+        gs_ptrs += step_s
+        us_ptrs += step_s
     dt = h_ptr.dtype.element_ty
     if ROUND_GU:  # gu = bf(x·w13ᵀ): the reference's rounding point
         acc_g = _round(acc_g, dt, GPU).to(tl.float32)
@@ -344,11 +411,13 @@ def _up_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, n, D, I, num
 
 
 @triton.jit(do_not_specialize=["n", "num_blocks"])
-def _down_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, n, D, I, num_blocks,
-                 stride_hm, stride_we, stride_wn, stride_yn, stride_pt, stride_pk,
-                 TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """y[a, n-block] = bf(w_a · fp32(h[row]·w2ᵀ)) for the rows of one expert block."""
+def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, n, D, I, num_blocks,
+                 stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_yn, stride_pt, stride_pk,
+                 TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
+                 DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """y[a, n-block] = bf(w_a · fp32(h[row]·w2ᵀ)) for the rows of one expert block (MX: w2 codes
+    [E, D, I/2], s2 exponents [E, D, I/32])."""
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(D, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
@@ -359,20 +428,21 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
-    w_ptrs = (w2_ptr + e.to(tl.int64) * stride_we + (offs_n % D).to(tl.int64)[None, :] * stride_wn
-              + offs_k[:, None])  # [BK, BN] view of w2ᵀ
+    w_ptrs, s_ptrs = _w_ptrs(w2_ptr + e.to(tl.int64) * stride_we, s2_ptr + e.to(tl.int64) * stride_se,
+                             (offs_n % D).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)  # w2ᵀ
+    step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
+    step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
+        k_left = I - k0 * BLOCK_K
         if EVEN_K:
             ha = tl.load(h_ptrs, mask=real[:, None], other=0.0)
-            wb = tl.load(w_ptrs)
         else:
-            k_ok = offs_k < I - k0 * BLOCK_K
-            ha = tl.load(h_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
-            wb = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = _mma(ha, wb, acc, GPU)
+            ha = tl.load(h_ptrs, mask=real[:, None] & (offs_k < k_left)[None, :], other=0.0)
+        acc = _w_dot(ha, acc, w_ptrs, s_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
         h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += step_w
+        s_ptrs += step_s
     a_safe = tl.where(real, a_idx, 0)
     wt = tl.load(weights_ptr + (a_safe // TOP_K) * stride_pt + (a_safe % TOP_K) * stride_pk, mask=real, other=0.0)
     y = _round(acc * wt[:, None], y_ptr.dtype.element_ty, GPU)
@@ -398,15 +468,17 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it,
 
 @dataclass(frozen=True)
 class ExpertsConfig:
-    """Tiles of the two grouped GEMMs; both share block_m (the align step's padding)."""
+    """Tiles of the two grouped GEMMs; both share block_m (the align step's padding). decode: how
+    MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_expand` + tl.dot); bf16 weights ignore it."""
 
     block_m: int
     up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
     down: tuple[int, int, int, int]
     group_m: int = 8
+    decode: int = 0
 
 
-def experts_config(T: int, k: int, E: int, D: int, I: int) -> ExpertsConfig:
+def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
     """Tiles keyed on the mean rows per expert m = T·k/E (a pure function of the shape: nothing is
     autotuned, so a captured graph replays the kernels it was captured with).
 
@@ -417,6 +489,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int) -> ExpertsConfig:
       BM 128 × BN 128, 8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why
       BM grows only with m (K3 at 8 K tokens: m ≈ 146).
     Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 160 KB of 228.
+    mxfp4: the same tiles (a weight tile is a quarter of the bytes), BK at least 64 (two exponent groups).
     """
     m = T * k / max(E, 1)
     if m <= 16:
@@ -435,27 +508,31 @@ def experts_config(T: int, k: int, E: int, D: int, I: int) -> ExpertsConfig:
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
         bn, bk, warps, stages = tiles  # tiny test sizes: no tile wider than the (padded) matrix
-        return min(bn, max(16, triton.next_power_of_2(N))), min(bk, max(16, triton.next_power_of_2(K))), warps, stages
+        bk = min(bk, max(16, triton.next_power_of_2(K)))
+        return min(bn, max(16, triton.next_power_of_2(N))), max(64, bk) if mxfp4 else bk, warps, stages
 
-    return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I))
+    return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=MX_DECODE if mxfp4 else 0)
 
 
-def _launch_up(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor, sorted_ids: torch.Tensor | None,
-               block_expert: torch.Tensor | None, n: int, k: int, act: Activation, cfg: ExpertsConfig, *,
-               dense: bool, round_gu: bool) -> None:
-    """The gate-up GEMM + activation over n rows: sorted expert blocks, or (dense) x's rows against one w."""
+def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torch.Tensor,
+               sorted_ids: torch.Tensor | None, block_expert: torch.Tensor | None, n: int, k: int, act: Activation,
+               cfg: ExpertsConfig, *, dense: bool, round_gu: bool) -> None:
+    """The gate-up GEMM + activation over n rows: sorted expert blocks, or (dense) x's rows against one w.
+    s: the MXFP4 exponents of w (then w holds codes), or None for weights in x's dtype."""
     D, I = x.shape[1], w.shape[-2] // 2
     nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
     situ, lam = act.kind == "situ", act.linear_beta
     bn, bk, warps, stages = cfg.up
     _up_kernel[(nb * triton.cdiv(I, bn),)](
-        x_ptr=x, w13_ptr=w, h_ptr=h, sorted_ptr=x if dense else sorted_ids,
+        x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, h_ptr=h, sorted_ptr=x if dense else sorted_ids,
         block_expert_ptr=x if dense else block_expert, n=n, D=D, I=I, num_blocks=nb, stride_xt=x.stride(0),
-        stride_we=0 if dense else w.stride(0), stride_wn=w.stride(-2), stride_hm=h.stride(0),
+        stride_we=0 if dense else w.stride(0), stride_wn=w.stride(-2), stride_se=0 if s is None else s.stride(0),
+        stride_sn=0 if s is None else s.stride(-2), stride_hm=h.stride(0),
         inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
         inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
         HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, GPU=_GPU, EVEN_K=D % bk == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
+        MX=s is not None, DECODE=cfg.decode, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        num_warps=warps, num_stages=stages,
     )
 
 
@@ -465,11 +542,26 @@ def _act_supported(act: Activation) -> tuple[bool, str]:
     return True, ""
 
 
+def _routing_supported(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *tensors: torch.Tensor,
+                       act: Activation) -> tuple[bool, str]:
+    """What both experts ops need of x, the routing and the devices."""
+    if not (x.is_cuda or not _GPU):
+        return False, "x not on a GPU"
+    T = x.shape[0]
+    if ids.dim() != 2 or ids.shape[0] != T or ids.dtype not in (torch.int32, torch.int64):
+        return False, f"ids: expected int32/int64 [{T}, k], got {ids.dtype} {list(ids.shape)}"
+    if tuple(weights.shape) != tuple(ids.shape) or weights.dtype != torch.float32:
+        return False, f"weights: expected float32 {list(ids.shape)}, got {weights.dtype} {list(weights.shape)}"
+    if any(t.stride(-1) != 1 for t in (x, *tensors)):
+        return False, "x and the expert weights: expected unit stride in the last dimension"
+    if len({t.device for t in (x, weights, ids, *tensors)}) != 1:
+        return False, "x, weights, ids and the expert weights on different devices"
+    return _act_supported(act)
+
+
 def experts_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, act: Activation, scaling: float = 1.0) -> tuple[bool, str]:
     """(ok, reason): bf16/fp16 activations and weights of one dtype, fp32 routing weights, unit inner strides."""
-    if not (x.is_cuda or not _GPU):
-        return False, "x not on a GPU"
     if x.dtype not in (torch.bfloat16, torch.float16):
         return False, f"x: expected bfloat16 or float16, got {x.dtype} (fp32 tl.dot would use tf32)"
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
@@ -482,15 +574,31 @@ def experts_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
         return False, f"expected w13 [E, 2I, {D}] and w2 [E, {D}, I], got {list(w13.shape)}, {list(w2.shape)}"
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         return False, f"weights: expected {x.dtype}, got w13 {w13.dtype}, w2 {w2.dtype}"
-    if ids.dim() != 2 or ids.shape[0] != T or ids.dtype not in (torch.int32, torch.int64):
-        return False, f"ids: expected int32/int64 [{T}, k], got {ids.dtype} {list(ids.shape)}"
-    if tuple(weights.shape) != tuple(ids.shape) or weights.dtype != torch.float32:
-        return False, f"weights: expected float32 {list(ids.shape)}, got {weights.dtype} {list(weights.shape)}"
-    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
-        return False, "x, w13, w2: expected unit stride in the last dimension"
-    if len({t.device for t in (x, weights, ids, w13, w2)}) != 1:
-        return False, "x, weights, ids, w13, w2 on different devices"
-    return _act_supported(act)
+    return _routing_supported(x, weights, ids, w13, w2, act=act)
+
+
+def experts_mxfp4_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                           w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, act: Activation,
+                           scaling: float = 1.0) -> tuple[bool, str]:
+    """(ok, reason): bf16 activations (fp16 cannot hold every E8M0 scale), uint8 codes and exponents
+    of one expert layout, widths in whole groups of 32, unit inner strides."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        return False, f"x: expected bfloat16 [T, D], got {x.dtype} {list(x.shape)}"
+    T, D = x.shape
+    if w13.dim() != 3 or w2.dim() != 3:
+        return False, f"expected w13 [E, 2I, D/2], w2 [E, D, I/2], got {list(w13.shape)}, {list(w2.shape)}"
+    E, two_i, I = w13.shape[0], w13.shape[1], w2.shape[2] * 2
+    want = {"w13": (E, two_i, D // 2), "w13_scale": (E, two_i, D // 32), "w2": (E, D, I // 2),
+            "w2_scale": (E, D, I // 32)}
+    got = {"w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale}
+    if D % 32 or I % 32 or two_i != 2 * I or any(tuple(got[n].shape) != want[n] for n in want):
+        return False, (f"expected uint8 w13 [E, 2I, {D // 2}], w13_scale [E, 2I, {D // 32}], w2 [E, {D}, I/2], "
+                       f"w2_scale [E, {D}, I/32] with D, I multiples of 32, got "
+                       + ", ".join(f"{n} {list(t.shape)}" for n, t in got.items()))
+    if any(t.dtype != torch.uint8 for t in got.values()):
+        return False, "MXFP4 codes and exponents: expected uint8, got " + ", ".join(
+            f"{n} {t.dtype}" for n, t in got.items())
+    return _routing_supported(x, weights, ids, *got.values(), act=act)
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -501,12 +609,26 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torc
     return experts_with(x, weights, ids, w13, w2, act, scaling, cfg)
 
 
+def experts_mxfp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                  w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, act: Activation,
+                  scaling: float = 1.0) -> torch.Tensor:
+    """Routed experts on MXFP4 weights (§7.4, §7.7), w4a16: the same kernels, which read the packed
+    codes and exponents and expand them to bf16 in registers; see moe_ref.experts_mxfp4."""
+    (T, D), k = x.shape, ids.shape[1]
+    cfg = experts_config(T, k, w13.shape[0], D, w2.shape[2] * 2, mxfp4=True)
+    return experts_with(x, weights, ids, w13, w2, act, scaling, cfg, (w13_scale, w2_scale))
+
+
 def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                 act: Activation, scaling: float, cfg: ExpertsConfig) -> torch.Tensor:
-    """`experts` with explicit tiles (bench/kernels_moe.py --sweep compares configs with it)."""
+                 act: Activation, scaling: float, cfg: ExpertsConfig,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`experts` (or, with scales = (w13_scale, w2_scale), `experts_mxfp4`) with explicit tiles
+    (bench/kernels_moe.py --sweep compares configs with it)."""
     T, D = x.shape
     k = ids.shape[1]
-    E, I = w13.shape[0], w13.shape[1] // 2
+    E = w13.shape[0]
+    I = w13.shape[1] // 2
+    s13, s2 = scales if scales is not None else (None, None)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0 or k == 0:
         return out.zero_()
@@ -514,14 +636,15 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     nb = block_expert.numel()
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
-    _launch_up(x, w13, h, sorted_ids, block_expert, T * k, k, act, cfg, dense=False, round_gu=True)
+    _launch_up(x, w13, s13, h, sorted_ids, block_expert, T * k, k, act, cfg, dense=False, round_gu=True)
     bn, bk, warps, stages = cfg.down
     _down_kernel[(nb * triton.cdiv(D, bn),)](
-        h_ptr=h, w2_ptr=w2, y_ptr=y, weights_ptr=weights, sorted_ptr=sorted_ids, block_expert_ptr=block_expert,
-        n=T * k, D=D, I=I, num_blocks=nb, stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1),
-        stride_yn=y.stride(0), stride_pt=weights.stride(0), stride_pk=weights.stride(1), TOP_K=k,
-        GPU=_GPU, EVEN_K=I % bk == 0, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps,
-        num_stages=stages,
+        h_ptr=h, w2_ptr=w2, s2_ptr=w2 if s2 is None else s2, y_ptr=y, weights_ptr=weights, sorted_ptr=sorted_ids,
+        block_expert_ptr=block_expert, n=T * k, D=D, I=I, num_blocks=nb, stride_hm=h.stride(0),
+        stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=0 if s2 is None else s2.stride(0),
+        stride_sn=0 if s2 is None else s2.stride(1), stride_yn=y.stride(0), stride_pt=weights.stride(0),
+        stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
+        BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
     )
     block_d = min(1024, triton.next_power_of_2(D))
     block_t = max(1, 2048 // block_d)
@@ -561,5 +684,5 @@ def glu_linear(x: torch.Tensor, w_gu: torch.Tensor, act: Activation, fp32_front:
     if T == 0:
         return h
     cfg = experts_config(T, 1, 1, D, I)
-    _launch_up(x, w_gu, h, None, None, T, 1, act, cfg, dense=True, round_gu=not fp32_front)
+    _launch_up(x, w_gu, None, h, None, None, T, 1, act, cfg, dense=True, round_gu=not fp32_front)
     return h

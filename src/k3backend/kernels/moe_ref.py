@@ -5,6 +5,7 @@ Shapes: T tokens, E experts, k = top-k, D expert input width (latent 3584 in K3,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,13 +96,75 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torc
     returns bf(scaling·Σ_e fp32(y_e)) [T, D]. Expert ids outside [0, E) are skipped (another
     rank's experts under expert parallelism).
     """
+    return _experts(x, weights, ids, w13.shape[0], lambda e: (w13[e], w2[e]), act, scaling)
+
+
+def experts_mxfp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                  w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, act: Activation,
+                  scaling: float = 1.0) -> torch.Tensor:
+    """`experts` on MXFP4 weights (§7.7): each expert's matrices dequantized exactly to x.dtype, then
+    the same op. The logical function of the real checkpoint's experts; the fused w4a16 kernel
+    expands the codes in registers instead of in memory.
+
+    w13: [E, 2I, D/2] uint8 codes, w13_scale: [E, 2I, D/32] uint8 exponents ([w1; w3] rows);
+    w2: [E, D, I/2], w2_scale: [E, D, I/32]. Only the experts a token chose are dequantized.
+    """
+    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return dequant_mxfp4(w13[e], w13_scale[e], x.dtype), dequant_mxfp4(w2[e], w2_scale[e], x.dtype)
+
+    return _experts(x, weights, ids, w13.shape[0], expert, act, scaling)
+
+
+def _experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+             expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]], act: Activation,
+             scaling: float) -> torch.Tensor:
+    """The §7.4 loop over the experts hit; expert(e) -> (w13 [2I, D], w2 [D, I]) in x.dtype."""
     a = acc_dtype(x)
     T, k = ids.shape
-    y = torch.zeros(T, k, w2.shape[1], dtype=x.dtype, device=x.device)  # y_e per (token, slot)
+    D = expert(0)[1].shape[0] if T == 0 else None
+    y = None  # y_e per (token, slot), [T, k, D]
     for e in ids.unique().tolist():
-        if not 0 <= e < w13.shape[0]:
+        if not 0 <= e < num_experts:
             continue
+        w13, w2 = expert(e)
+        if y is None:
+            y = torch.zeros(T, k, w2.shape[0], dtype=x.dtype, device=x.device)
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        h = glu(F.linear(x[tok], w13[e]), act, x.dtype)  # [n, I]
-        y[tok, slot] = (F.linear(h.to(a), w2[e].to(a)) * weights[tok, slot, None].to(a)).to(x.dtype)
+        h = glu(F.linear(x[tok], w13), act, x.dtype)  # [n, I]
+        y[tok, slot] = (F.linear(h.to(a), w2.to(a)) * weights[tok, slot, None].to(a)).to(x.dtype)
+    if y is None:  # no local expert hit
+        return torch.zeros(T, D if D is not None else expert(0)[1].shape[0], dtype=x.dtype, device=x.device)
     return (scaling * y.to(a).sum(1)).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- MXFP4 (§7.7)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of code c & 7; bit 3 is the sign
+E8M0_NAN = 255  # the one scale byte that is not a power of two (OCP MX)
+
+
+def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP4 (compressed-tensors, group 32) -> dtype (§7.7). packed [.., out, in/2] uint8, scale [.., out, in/32]
+    uint8 -> [.., out, in].
+
+    Low nibble = even input index; code bit 3 = sign, E2M1[c & 7] the magnitude; scale byte s is
+    2^(s-127), and 255 is NaN. Every value is a 2-bit significand times a power of two, computed
+    exactly (in fp64 for a fp64 result, else fp32, where only an overflow to inf can happen) and
+    rounded once to dtype: exact in bf16 and fp32 wherever the value is finite there.
+    """
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    lut = torch.tensor(E2M1, dtype=work, device=packed.device)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()  # [.., out, in]
+    mag = lut[codes & 7]
+    vals = torch.where(codes & 8 != 0, -mag, mag)
+    return (vals * e8m0_scale(scale, work).repeat_interleave(32, dim=-1)).to(dtype)
+
+
+def e8m0_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2^(s-127) of each uint8 s in dtype (float32 or float64), 255 -> NaN, written as exponent bits
+    (exact on every device: 2^-127 is fp32's subnormal 0x00400000)."""
+    s = scale.to(torch.int64)
+    if dtype == torch.float64:
+        out = ((s + (1023 - 127)) << 52).view(torch.float64)
+    else:
+        out = torch.where(s == 0, 0x00400000, s << 23).to(torch.int32).view(torch.float32)
+    return torch.where(s == E8M0_NAN, torch.nan, out)

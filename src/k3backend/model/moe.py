@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3backend import kernels
-from k3backend.config import TextConfig
+from k3backend.config import MXFP4, MXFP4_GROUP, TextConfig
 from k3backend.model.norm import RMSNorm
-from k3backend.model.parallel import SINGLE, Parallel
+from k3backend.model.parallel import SINGLE, Parallel, ParallelConfigError
 
 
 def make_act(cfg: TextConfig, *, routed: bool) -> kernels.Activation:
@@ -70,26 +70,53 @@ class Experts(nn.Module):
     The checkpoint's per-expert `experts.{e}.w1/w2/w3` tensors are stacked at load time. This rank
     holds experts [e0, e0 + E_r) of its expert group (EP) and the intermediate slice of its moe-TP
     rank in each (w1/w3 rows, w2 columns; §9.2, §9.4).
+
+    quant "mxfp4" (§7.7): the checkpoint's `weight_packed` / `weight_scale` stay packed, 4.25 bits
+    a weight: w13 [E_r, 2I_r, D/2] and w2 [E_r, D, I_r/2] uint8 (two E2M1 codes a byte, low nibble
+    first), w13_scale [E_r, 2I_r, D/32] and w2_scale [E_r, D, I_r/32] uint8 (E8M0 exponents). The
+    experts op expands them in registers; nothing is dequantized in memory.
     """
 
-    def __init__(self, num_experts: int, dim: int, intermediate: int, par: Parallel = SINGLE) -> None:
+    def __init__(self, num_experts: int, dim: int, intermediate: int, par: Parallel = SINGLE,
+                 quant: str | None = None) -> None:
         super().__init__()
-        self.par = par
+        self.par, self.quant = par, quant
         n_local = par.split(num_experts, "num_experts", par.ep_size)
         i_local = par.split(intermediate, "moe_intermediate_size", par.moe_tp_size)
         self.e0 = par.ep_rank * n_local  # global id of the first local expert
-        self.w13 = nn.Parameter(torch.zeros(n_local, 2 * i_local, dim))
-        self.w2 = nn.Parameter(torch.zeros(n_local, dim, i_local))
+        self.intermediate = i_local
+        if quant is None:
+            self.w13 = nn.Parameter(torch.zeros(n_local, 2 * i_local, dim))
+            self.w2 = nn.Parameter(torch.zeros(n_local, dim, i_local))
+            return
+        if quant != MXFP4:
+            raise ValueError(f"routed experts: unknown storage {quant!r}")
+        if i_local % MXFP4_GROUP:
+            raise ParallelConfigError(f"moe_intermediate_size / moe-TP = {i_local} is not a multiple of the MXFP4 "
+                                      f"group {MXFP4_GROUP} (tensor_parallel_size {par.tp_size}, "
+                                      f"expert_parallel_size {par.ep_size})")
+        def u8(*shape: int) -> nn.Parameter:  # integer parameters cannot require grad
+            return nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)
+
+        self.w13, self.w13_scale = u8(n_local, 2 * i_local, dim // 2), u8(n_local, 2 * i_local, dim // MXFP4_GROUP)
+        self.w2, self.w2_scale = u8(n_local, dim, i_local // 2), u8(n_local, dim, i_local // MXFP4_GROUP)
 
     def local_expert(self, e: int) -> int | None:
         """This rank's index of global expert e, or None when another expert group holds it."""
         return e - self.e0 if self.e0 <= e < self.e0 + self.w13.shape[0] else None
 
     def shard(self, w: str) -> tuple[int, int, int]:
-        """(dim, start, end) of checkpoint tensor experts.{e}.{w} this rank loads: its intermediate slice."""
-        n = self.w2.shape[2]
-        r = self.par.moe_tp_rank
+        """(dim, start, end) of checkpoint tensor experts.{e}.{w} this rank loads: its intermediate slice
+        (for MXFP4, of the unpacked matrix: the loader maps it to bytes and groups)."""
+        n, r = self.intermediate, self.par.moe_tp_rank
         return (1 if w == "w2" else 0, r * n, (r + 1) * n)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act: kernels.Activation,
+                scaling: float) -> torch.Tensor:
+        """x [T, D], weights / local ids [T, k] -> this rank's Σ over its experts [T, D] (§7.4)."""
+        if self.quant is None:
+            return kernels.experts(x, weights, ids, self.w13, self.w2, act, scaling)
+        return kernels.experts_mxfp4(x, weights, ids, self.w13, self.w13_scale, self.w2, self.w2_scale, act, scaling)
 
 
 class MoE(nn.Module):
@@ -112,7 +139,7 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(latent, D, bias=False)
             self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
         self.latent = latent is not None
-        self.experts = Experts(E, latent or D, cfg.moe_intermediate_size, par)
+        self.experts = Experts(E, latent or D, cfg.moe_intermediate_size, par, cfg.routed_expert_quant)
         self.shared_experts = (MLP(cfg, D, cfg.moe_intermediate_size * cfg.num_shared_experts, par,
                                    "moe_intermediate_size * num_shared_experts") if cfg.num_shared_experts > 0 else None)
         self.act = make_act(cfg, routed=True)
@@ -130,7 +157,7 @@ class MoE(nn.Module):
                                self.topk_group, self.renormalize, 1.0)
         local_ids = ids - self.experts.e0 if self.experts.e0 else ids
         zl = self.routed_expert_down_proj(h) if self.latent else h  # [T, latent]
-        out = kernels.experts(zl, w, local_ids, self.experts.w13, self.experts.w2, self.act, self.scaling)
+        out = self.experts(zl, w, local_ids, self.act, self.scaling)
         shared = None if self.shared_experts is None else self.shared_experts(h, fp32_front=self.latent, reduce=False)
         if not self.latent:
             return self.par.all_reduce(out if shared is None else out + shared)

@@ -128,10 +128,11 @@ class LmServer:
         tok_dir = Path(p.str("tokenizer_path")) if p.str("tokenizer_path") else ckpt
         t0 = time.monotonic()
         from k3backend.checkpoint import load_config
-        from k3backend.tokenizer import Tokenizer
+        from k3backend.tokenizer import Tokenizer, check_tokenizer_matches
 
         cfg = load_config(ckpt)
         self.tokenizer = Tokenizer.from_dir(tok_dir)
+        check_tokenizer_matches(cfg, self.tokenizer)  # every id the model samples must detokenize
         text = cfg.text
         gen = load_generation_defaults(ckpt)
         log.info("%s: sampling defaults from generation_config.json: %s", MODEL, gen or "none")  # [CFG-L4]

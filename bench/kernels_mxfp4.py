@@ -1,0 +1,241 @@
+"""The w4a16 MXFP4 experts kernel (kernels/moe.py experts_mxfp4, K3_LM.md §7.7) at real sizes, beside
+the bf16 experts kernel on the same weights dequantized (issue 18's targets), on one GPU.
+
+    python bench/kernels_mxfp4.py                 # memory, check, time: one table per shape
+    python bench/kernels_mxfp4.py --sweep         # then tiles and the two expansions, one change at a time
+    TRITON_INTERPRET=1 python bench/kernels_mxfp4.py --smoke --sweep   # tiny sizes on a CPU: the harness
+
+Shapes: `small` (E 64 top-6, latent D 1024, I 1024) and K3 (E 896 top-16, D 3584, I 3072: 15.7 GB packed,
+59 GB dequantized, one layer), at T ∈ {1, 16, 64, 256, 2048, 8192, 16384} tokens, routed as in
+bench/kernels_moe.py (a per-expert popularity skew). Weights: random codes and exponents by
+make-checkpoint's rule; the bf16 copy is their exact dequantization.
+
+Columns: ms of experts_mxfp4, with each in-register expansion (d0 tl.dot_scaled, d1 the hand one;
+the first row is kernels/moe.py MX_DECODE, the one the engine runs); TB/s in packed bytes (codes + exponents of the experts hit, plus x and
+the output; the 1-64 token target is >= 70 % of 4.27 TB/s, the measured copy ceiling); TFLOP/s of the
+useful 2·T·k·3·I·D (the 8-16 K target is >= 450); x bf16 = the bf16 kernel's time / this one's (the
+1-64 token target is >= 2.5); check: every element within 2 bf16 ulps of the row's largest |output|
+against moe_ref.experts_mxfp4 (dequantize exactly, then the bf16 reference op), and how many
+elements differ at all from the bf16 kernel on the dequantized weights (only accumulation order
+separates the two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels import HBM_TBS, Case, time_fn  # noqa: E402
+from kernels_moe import CHECK_ULPS, K3, SITU, SMALL, Shape  # noqa: E402
+
+from k3backend.kernels import moe_ref  # noqa: E402
+
+TOKENS = (1, 16, 64, 256, 2048, 8192, 16384)
+SMOKE = Shape("smoke", 7, 3, 96, 64)
+
+
+class MxLayer:
+    """One MoE layer's routed experts as MXFP4 codes + exponents and as their bf16 values, seeded."""
+
+    def __init__(self, s: Shape, device: str) -> None:
+        from k3backend.presets import random_tensor
+
+        g = torch.Generator(device=device).manual_seed(0)
+        self.s, self.device, self.gen = s, device, g
+        shapes = {"w13": (s.E, 2 * s.I, s.D // 2), "w13_scale": (s.E, 2 * s.I, s.D // 32),
+                  "w2": (s.E, s.D, s.I // 2), "w2_scale": (s.E, s.D, s.I // 32)}
+        self.mx = {n: random_tensor(f"experts.{n}", shape, torch.uint8, g, device) for n, shape in shapes.items()}
+        self.bf16 = {w: self._dequant(w) for w in ("w13", "w2")}
+        self.popularity = torch.randn(s.E, generator=g, device=device) * 0.15
+        self.bias = torch.randn(s.E, generator=g, device=device) * 0.01
+
+    def _dequant(self, w: str) -> torch.Tensor:
+        packed, scale = self.mx[w], self.mx[f"{w}_scale"]
+        out = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=torch.bfloat16, device=self.device)
+        for e in range(packed.shape[0]):  # one expert at a time: no fp32 copy of 59 GB
+            out[e] = moe_ref.dequant_mxfp4(packed[e], scale[e], torch.bfloat16)
+        return out
+
+    def inputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = torch.randn(T, self.s.E, generator=self.gen, device=self.device) + self.popularity
+        w, ids = moe_ref.route(logits, self.bias, self.s.k, 1, 1, True, 1.0)
+        return torch.randn(T, self.s.D, generator=self.gen, device=self.device).bfloat16(), w, ids
+
+    def mx_args(self, x, w, ids) -> tuple:
+        m = self.mx
+        return x, w, ids, m["w13"], m["w13_scale"], m["w2"], m["w2_scale"], SITU, 1.0
+
+    def bf16_args(self, x, w, ids) -> tuple:
+        return x, w, ids, self.bf16["w13"], self.bf16["w2"], SITU, 1.0
+
+    def memory(self) -> str:
+        packed = sum(t.nbytes for t in self.mx.values())
+        full = sum(t.nbytes for t in self.bf16.values())
+        codes = self.mx["w13"].nbytes + self.mx["w2"].nbytes
+        return (f"{self.s.name}: expert memory of one layer: MXFP4 {packed / 1e9:.3f} GB (codes {codes / 1e9:.3f} + "
+                f"exponents), bf16 {full / 1e9:.3f} GB: {packed / full:.4f}x (4.25/16 = {4.25 / 16:.4f})")
+
+
+def _bytes_flops(s: Shape, T: int, hit: int) -> tuple[float, float]:
+    packed_expert = 3 * s.I * s.D * (0.5 + 1 / 32)
+    return hit * packed_expert + 2 * T * s.D * 2, 2.0 * T * s.k * 3 * s.I * s.D
+
+
+def check(layer: MxLayer, args: tuple, cfg=None) -> str:
+    """Every element against dequantize-then-reference; bit differences from the bf16 kernel."""
+    from k3backend.kernels import moe
+
+    x, w, ids = args[:3]
+    s = layer.s
+    cfg = cfg or moe.experts_config(x.shape[0], s.k, s.E, s.D, s.I, mxfp4=True)
+    run = lambda: moe.experts_with(x, w, ids, layer.mx["w13"], layer.mx["w2"], SITU, 1.0, cfg,  # noqa: E731
+                                   (layer.mx["w13_scale"], layer.mx["w2_scale"]))
+    got = run()
+    assert torch.equal(got, run()), "experts_mxfp4: two runs differ (row placement must not matter)"
+    want = moe_ref.experts_mxfp4(*layer.mx_args(x, w, ids))
+    assert not got.isnan().any(), "experts_mxfp4: NaN in the output"
+    ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
+    worst = ((got.float() - want.float()).abs() / ulp).max().item()
+    assert worst <= CHECK_ULPS, f"experts_mxfp4: max error {worst:.2f} bf16 ulps > {CHECK_ULPS}"
+    bf16 = moe.experts(*layer.bf16_args(x, w, ids))
+    return f"max {worst:.2f} ulp <= {CHECK_ULPS}; {(got != bf16).float().mean().item():.2%} differ from the bf16 kernel"
+
+
+def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list[str]:
+    """Check and time experts_mxfp4 with each expansion (moe.MX_DECODE's first) and the bf16 kernel
+    at each T; returns the table rows (one per T and expansion)."""
+    from k3backend.kernels import moe
+
+    s, rows = layer.s, []
+    for T in tokens:
+        x, w, ids = layer.inputs(T)
+        hit = int(torch.unique(ids).numel())
+        nbytes, flops = _bytes_flops(s, T, hit)
+        chosen = moe.experts_config(T, s.k, s.E, s.D, s.I, mxfp4=True)
+        t_bf = time_fn(lambda: moe.experts(*layer.bf16_args(x, w, ids)), True, iters)
+        for cfg in (chosen, dataclasses.replace(chosen, decode=1 - chosen.decode)):
+            shape = f"T{T} hit{hit}/{s.E} BM{cfg.block_m} d{cfg.decode}"
+            try:
+                status = check(layer, (x, w, ids), cfg) if do_check else ""
+            except AssertionError as e:
+                status = f"FAILED {e}"
+            try:
+                t = time_fn(lambda: moe.experts_with(x, w, ids, layer.mx["w13"], layer.mx["w2"], SITU, 1.0, cfg,
+                                                     (layer.mx["w13_scale"], layer.mx["w2_scale"])), True, iters)
+            except Exception as e:  # noqa: BLE001 - an expansion that does not compile here: report, go on
+                rows.append(f"{'experts_mxfp4_' + s.name:<20} {shape:<26} FAILED {type(e).__name__}: {str(e)[:200]}")
+                print(rows[-1], flush=True)
+                continue
+            rows.append(f"{'experts_mxfp4_' + s.name:<20} {shape:<26} {t * 1e3:>9.3f} {nbytes / t / 1e12:>6.2f} "
+                        f"{nbytes / t / 1e12 / HBM_TBS:>6.1%} {flops / t / 1e12:>8.1f} {t_bf * 1e3:>9.3f} "
+                        f"{t_bf / t:>7.2f}x  {status}")
+            print(rows[-1], flush=True)
+    return rows
+
+
+HEADER = (f"{'case':<20} {'shape (d: expansion)':<26} {'ms':>9} {'TB/s':>6} {'%HBM':>6} {'TFLOP/s':>8} "
+          f"{'bf16 ms':>9} {'x bf16':>8}  check")
+
+
+def candidates(cfg) -> list:
+    """The chosen tiles and expansion, then one change at a time."""
+    r = dataclasses.replace
+    (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
+    out = [cfg, r(cfg, decode=1 - cfg.decode)]
+    out += [r(cfg, up=(ubn, bk, uw, us), down=(dbn, bk, dw, ds)) for bk in (64, 128, 256) if bk != ubk]
+    out += [r(cfg, up=(ubn, ubk, uw, st), down=(dbn, dbk, dw, st)) for st in (2, 3, 5) if st != us]
+    out += [r(cfg, up=(bn, ubk, uw, us), down=(bn, dbk, dw, ds)) for bn in (32, 64, 128) if bn != ubn]
+    out += [r(cfg, up=(ubn, ubk, w, us), down=(dbn, dbk, w, ds)) for w in (4, 8) if w != uw]
+    if cfg.block_m >= 64:
+        out += [r(cfg, block_m=bm) for bm in (64, 128) if bm != cfg.block_m] + [r(cfg, group_m=16)]
+    return out
+
+
+def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
+    """Time experts_with over the candidates at each T; the fastest marked *, one line per candidate."""
+    from k3backend.kernels import moe
+
+    s = layer.s
+    for T in tokens:
+        x, w, ids = layer.inputs(T)
+        nbytes, flops = _bytes_flops(s, T, int(torch.unique(ids).numel()))
+        scales = (layer.mx["w13_scale"], layer.mx["w2_scale"])
+        timed = []
+        for cfg in candidates(moe.experts_config(T, s.k, s.E, s.D, s.I, mxfp4=True)):
+            try:
+                t = time_fn(lambda: moe.experts_with(x, w, ids, layer.mx["w13"], layer.mx["w2"], SITU, 1.0, cfg,
+                                                     scales), True, iters)
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit: report, go on
+                print(f"  {s.name} T{T} {cfg}: failed ({type(e).__name__}: {str(e)[:100]})", flush=True)
+                continue
+            timed.append((t, cfg))
+        best = min(t for t, _ in timed) if timed else 0
+        for t, cfg in timed:
+            print(f"{'*' if t == best else ' '} {s.name} T{T:<6} {t * 1e3:9.3f} ms {nbytes / t / 1e12:5.2f} TB/s "
+                  f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m} "
+                  f"decode{cfg.decode}", flush=True)
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    """bench/kernels.py --families mxfp4: the mxfp4 kernel per T; its `ref` is the bf16 kernel on the
+    dequantized weights, so the table's `vs ref` column is the speed-up over it."""
+    from k3backend.kernels import moe
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = []
+    for shape in ((SMOKE,) if args.smoke else (SMALL, K3)):
+        layer = MxLayer(shape, device)
+        for T in ((1, 5, 61) if args.smoke else TOKENS):
+            x, w, ids = layer.inputs(T)
+            nbytes, flops = _bytes_flops(shape, T, int(torch.unique(ids).numel()))
+            out.append(Case(family="mxfp4", name=f"experts_mxfp4_{shape.name}", shape=f"T{T}",
+                            run=lambda a=layer.mx_args(x, w, ids): moe.experts_mxfp4(*a),
+                            ref=lambda a=layer.bf16_args(x, w, ids): moe.experts(*a), bytes=nbytes, flops=flops,
+                            check=lambda layer=layer, a=(x, w, ids): check(layer, a)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import triton
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=["small", "k3"], choices=["small", "k3"])
+    ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="then time tile and expansion variants")
+    ap.add_argument("--sweep-tokens", type=int, nargs="*", default=[1, 16, 64, 8192, 16384])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter runs of the harness)")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print("$ python bench/kernels_mxfp4.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"triton {triton.__version__}; ceiling {HBM_TBS} TB/s")
+    shapes = [SMOKE] if args.smoke else [{"small": SMALL, "k3": K3}[n] for n in args.shapes]
+    tokens = [1, 5, 61] if args.smoke else args.tokens
+    rows, failed = [], False
+    for shape in shapes:
+        t0 = time.monotonic()
+        layer = MxLayer(shape, device)
+        print(f"{layer.memory()} (built in {time.monotonic() - t0:.0f} s)", flush=True)
+        print(HEADER)
+        rows += [layer.memory(), HEADER] + table(layer, tokens, not args.no_check, args.iters)
+        if args.sweep:
+            sweep(layer, [5] if args.smoke else args.sweep_tokens, args.iters)
+        failed |= any("FAILED" in r for r in rows)
+        del layer
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    print("\n" + "\n".join(rows))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
