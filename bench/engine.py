@@ -162,12 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--random-weights", choices=["tiny", "small"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--num-requests", default="64", help="a comma list runs one workload per entry (one model load)")
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", default="16", help="a comma list, zipped with --num-requests and --output-len")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--prompt-len-std", type=float, default=0.0)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-len", default="128", help="a comma list, zipped with --concurrency")
     ap.add_argument("--output-len-std", type=float, default=0.0)
     ap.add_argument("--shared-prefix-len", type=int, default=0)
     ap.add_argument("--shared-prefix-fraction", type=float, default=0.0)
@@ -222,11 +222,35 @@ def main(argv: list[str] | None = None) -> int:
     info = executor.info
     core = EngineCore(executor, cfg)
     print(f"model ready in {time.monotonic() - t0:.1f} s")
-    jobs = workload(args, info.vocab_size, info.media_pad_id)
-    run(core, jobs[:args.warmup], min(args.concurrency, args.warmup), 1)
-    before, coord0 = core.stats(), getattr(executor, "coordination_s", 0.0)
-    r = run(core, jobs[args.warmup:], args.concurrency, 1 + args.warmup)
-    after, coord = core.stats(), getattr(executor, "coordination_s", 0.0) - coord0
+    first = 1
+    for w in workloads(args):
+        jobs = workload(w, info.vocab_size, info.media_pad_id)
+        run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first)
+        before, coord0 = core.stats(), getattr(executor, "coordination_s", 0.0)
+        r = run(core, jobs[w.warmup:], w.concurrency, first + w.warmup)
+        first += len(jobs)
+        after, coord = core.stats(), getattr(executor, "coordination_s", 0.0) - coord0
+        report(w, r, before, after, coord, executor, counts)
+        if model is not None:
+            print(roofline(model, w, r))
+    if model is not None:
+        print(graph_times(executor))
+    executor.close()
+    return 0
+
+
+def workloads(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """One namespace per entry of the comma lists (--concurrency, --num-requests, --output-len)."""
+    lists = {k: [int(v) for v in str(getattr(args, k)).split(",")] for k in ("concurrency", "num_requests",
+                                                                            "output_len")}
+    n = max(map(len, lists.values()))
+    if any(len(v) not in (1, n) for v in lists.values()):
+        raise SystemExit(f"--concurrency, --num-requests and --output-len: lists of one length, got {lists}")
+    return [argparse.Namespace(**{**vars(args), **{k: v[i if len(v) > 1 else 0] for k, v in lists.items()}})
+            for i in range(n)]
+
+
+def report(args: argparse.Namespace, r: dict, before, after, coord: float, executor, counts) -> None:
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
     print(f"\n{r['n']} requests, concurrency {args.concurrency}, prompt {args.prompt_len}±{args.prompt_len_std:g}, "
@@ -245,11 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{r['tokens'] / r['wall']:>12.1f} {pct(r['ttft'], 50) * 1e3:>12.1f} {pct(r['ttft'], 99) * 1e3:>12.1f} "
           f"{pct(r['itl'], 50) * 1e3:>11.2f} {pct(r['itl'], 99) * 1e3:>11.2f} "
           f"{(hits / queries if queries else 0):>10.1%}")
-    if model is not None:
-        print(roofline(model, args, r))
-        print(graph_times(executor))
-    executor.close()
-    return 0
 
 
 def graph_times(executor) -> str:

@@ -774,3 +774,12 @@ def test_load_generation_defaults_rejects_bad_values(tmp_path, config: dict, mat
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
         load_generation_defaults(tmp_path)
+
+
+def test_image_inputs_on_a_text_only_checkpoint_are_invalid_arg():
+    """k3_lm called directly with image rows, on a checkpoint without a vision tower."""
+    text_only = LmDefaults(vocab_size=VOCAB, hidden_size=HIDDEN, has_vision=False, model_type="kimi_linear")
+    with pytest.raises(InvalidArgument, match=r"this checkpoint has no vision tower \(model_type kimi_linear\): "
+                                              "it serves text only"):
+        parse(defaults=text_only, text_input=IMAGE_PLACEHOLDER_TEXT, **images())
+    assert parse(defaults=text_only, text_input="hi").images is None

@@ -140,7 +140,8 @@ class LmServer:
             vocab_size=text.vocab_size, hidden_size=text.hidden_size,
             default_max_tokens=p.int("default_max_tokens", lo=1), exclude_input_in_output=p.bool("exclude_input_in_output"),
             default_thinking=p.bool("default_thinking"), max_prompt_bytes=p.int("max_prompt_bytes", lo=1),
-            allow_stop_by_request_id=p.bool("allow_stop_by_request_id"), **gen)
+            allow_stop_by_request_id=p.bool("allow_stop_by_request_id"),
+            has_vision=cfg.vision is not None, model_type=cfg.model_type, **gen)
         own = tuple(cfg.eos_token_id) or (self.tokenizer.eos_id,)
         self.eos_ids = tuple(dict.fromkeys(own + generation_eos_ids(ckpt)))
         engine_cfg = EngineConfig(

@@ -82,6 +82,8 @@ class LmDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    has_vision: bool = True  # False: a text-only checkpoint, image inputs are refused
+    model_type: str = "kimi_k3"
 
 
 @dataclass(frozen=True)
@@ -363,6 +365,9 @@ def parse_request(get: TensorGetter, parameters: Mapping[str, Any], request_id: 
     outputs = _output_options(inputs, js, ps, defaults)
     sampling, max_tokens = _resolve_sampling(inputs, js, ps, defaults, outputs)
     images = _images(inputs, defaults.hidden_size)
+    if images is not None and not defaults.has_vision:
+        raise InvalidArgument(f"this checkpoint has no vision tower (model_type {defaults.model_type}): "
+                              "it serves text only")
     if n_image_parts and images is None:
         raise InvalidArgument("images need k3_ensemble or precomputed image_embeds")
     return ParsedRequest(request_id=request_id, text_input=None if messages is not None else text,

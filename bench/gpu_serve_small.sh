@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The served path at engine speed (issue 15), measured as a user would, on one GPU at the `small` shape:
+# make-checkpoint --preset small (bf16), tritonserver on it, closed-loop gRPC streaming load through k3_lm and
+# k3_ensemble (bench/serving_load.py) at concurrency 1, 64 and 256, py-spy of the k3_lm stub and engine core at
+# 256, then bench/engine.py (the engine core in process) on the same checkpoint, lengths and concurrencies.
+# Carry .dev (bench/make_gpu_bundle.sh). Writes serve-small.txt, server.log, profile-*.txt under $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
+TS=/tmp/k3ts; mkdir -p $TS && tar -xJf .dev/tritonserver.tar.xz -C $TS
+python3 -m pip install -q --no-index --no-deps .dev/whl/numpy-1.26.4-*.whl 2>&1 | tail -1
+python3 -m pip install -q --no-index --no-deps --target /tmp/k3site .dev/whl/tritonclient-*.whl \
+  .dev/whl/python_rapidjson-*.whl .dev/whl/py_spy-*.whl 2>&1 | tail -1
+echo "$ROOT/src" > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/k3backend-src.pth"
+export PYTHONPATH=/tmp/k3site PYTHONUNBUFFERED=1
+R="$OUT/serve-small.txt"; : > "$R"
+say() { echo "$*" | tee -a "$R"; }
+CK=/tmp/k3small
+T0=$(date +%s)
+[ -f $CK/config.json ] || python3 -m k3backend make-checkpoint --preset small --out $CK 2>&1 | tail -2 | tee -a "$R"
+say "checkpoint ready after $(( $(date +%s) - T0 )) s"
+REPO=/tmp/k3repo; rm -rf $REPO; cp -r model_repository $REPO
+for m in k3_lm k3_vision; do
+  sed -i "s|key: \"model_path\" value: { string_value: \"[^\"]*\"|key: \"model_path\" value: { string_value: \"$CK\"|" $REPO/$m/config.pbtxt
+done
+sed -i 's|key: "dtype" value: { string_value: "[^"]*"|key: "dtype" value: { string_value: "bfloat16"|; s|key: "gpu_memory_utilization" value: { string_value: "[^"]*"|key: "gpu_memory_utilization" value: { string_value: "0.80"|' $REPO/k3_lm/config.pbtxt
+LIBDIR=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
+LD_LIBRARY_PATH=$TS/ts/libs:$LIBDIR $TS/ts/bin/tritonserver --model-repository=$REPO --backend-directory=$TS/ts/backends \
+  --cuda-memory-pool-byte-size=0:1073741824 --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 \
+  >"$OUT/server.log" 2>&1 &
+SERVER=$!
+python3 - <<'PY' || { tail -60 "$OUT/server.log"; kill $SERVER; exit 1; }
+import time, urllib.request
+for _ in range(400):
+    try:
+        if urllib.request.urlopen("http://localhost:8000/v2/models/k3_ensemble/ready", timeout=2).status == 200:
+            print("k3_ensemble ready"); break
+    except Exception:
+        time.sleep(1)
+else:
+    raise SystemExit("server not ready")
+PY
+say "server ready after $(( $(date +%s) - T0 )) s"
+grep -E "k3_lm: (stub|worker)|cache: |loaded" "$OUT/server.log" | head -8 | tee -a "$R"
+STUB=$(grep -oP 'k3_lm: stub pid \K[0-9]+' "$OUT/server.log" | head -1)
+CORE=$(grep -oP 'engine core pid \K[0-9]+' "$OUT/server.log" | head -1)
+L="python3 bench/serving_load.py --url localhost:8001 --tokenizer $CK --prompt-len 284 --procs 8"
+for model in k3_lm k3_ensemble; do
+  timeout 120 $L --model $model --concurrency 1 --num-requests 12 --output-len 256 --warmup 2 2>&1 | tail -2 | tee -a "$R"
+  timeout 120 $L --model $model --concurrency 64 --num-requests 256 --output-len 128 2>&1 | tail -2 | tee -a "$R"
+  if [ $model = k3_lm ]; then
+    SPY=/tmp/k3site/bin/py-spy
+    ( sleep 12; $SPY record -r 100 -d 8 --nonblocking -f raw -o "$OUT/profile-stub.txt" -p "$STUB" >/dev/null 2>&1 ) &
+    ( sleep 12; $SPY record -r 100 -d 8 --nonblocking -f raw -o "$OUT/profile-core.txt" -p "$CORE" >/dev/null 2>&1 ) &
+  fi
+  timeout 150 $L --model $model --concurrency 256 --num-requests 512 --output-len 64 2>&1 | tail -2 | tee -a "$R"
+done
+wait
+kill $SERVER; wait $SERVER
+grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm|CudaDriver" | head -10 | tee -a "$R"
+say "== in process, same checkpoint and lengths"
+timeout 240 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
+  --concurrency 1,64,256 --num-requests 12,256,512 --output-len 256,128,64 2>&1 \
+  | grep -E "requests, concurrency|output tok/s|^ +[0-9]|roofline|model ready|decode graph" | tee -a "$R"
+say "total $(( $(date +%s) - T0 )) s"
+for f in "$OUT"/profile-*.txt; do
+  [ -f "$f" ] || continue
+  python3 - "$f" <<'PY' | tee -a "$R"
+import collections, sys
+c = collections.Counter()
+total = 0
+for line in open(sys.argv[1]):
+    stack, _, n = line.rpartition(" ")
+    total += int(n)
+    for fr in set(f.split(" (")[0] for f in stack.split(";")):
+        c[fr] += int(n)
+print(f"== {sys.argv[1]}: {total} samples; frames in the most samples (inclusive)")
+for fr, n in c.most_common(25):
+    print(f"{100 * n / total:5.1f}%  {fr}")
+PY
+done
