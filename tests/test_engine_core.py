@@ -201,3 +201,73 @@ def test_a_request_that_can_never_fit_fails_fast(model64, tok):
     assert "does not fit in the cache (32 tokens)" in str(out.error)
     assert engine.stats().steps == 0
     engine.close()
+
+
+# ---- faults the tests above could not see (issue 21) --------------------------------------------
+
+def test_repeated_blocks_after_a_shared_beginning_reuse_only_their_own_prefix(model64, tok):
+    """Prefix-cache keys chain: a block of tokens that repeats is cached once per context. After a
+    prompt of one block repeated five times, prompts sharing its first two or four blocks reuse the
+    last snapshot point inside what they share (8 and 16 tokens), not a later copy of the repeated
+    block; one with another first block reuses nothing. Each equals its run alone."""
+    head, rep, tail = [70, 71, 72, 73], [80, 81, 82, 83], [90, 91, 92]
+    first = Request("first", head + rep * 5 + tail, SamplingParams(max_tokens=6, temperature=0.0))
+    shares = {  # request -> (prompt, cached tokens)
+        "two-blocks": (head + rep * 2 + [95, 96, 97, 98] + rep, 8),
+        "four-blocks": (head + rep * 3 + [95, 96] + rep, 16),
+        "other-head": ([75, 76, 77, 78] + rep * 4 + tail, 0),
+    }
+    engine = new_engine(model64, tok, **PAGED)
+    assert run(engine, [first])["first"].token_ids == reference(model64, first)
+    for rid, (ids, cached) in shares.items():
+        req = Request(rid, ids, SamplingParams(max_tokens=6, temperature=0.0))
+        out = run(engine, [req])[rid]
+        assert (out.num_cached_tokens, out.token_ids) == (cached, reference(model64, req)), rid
+    engine.close()
+
+
+CHUNKED_PREEMPTION = {
+    # one 40-token prompt beside a decoding request, no spare KDA slot: preempted mid-prefill, it is
+    # re-admitted in the same step into the slot it just gave up
+    "one-prefill": ([40], {"num_blocks": 13, "num_slots": 3, "max_num_seqs": 2, "prefix_caching": False}),
+    # two prompts prefilled side by side (chunks end at snapshot points): both run out of blocks
+    # with nothing decoding, and only preempting the newer lets the older go on
+    "two-prefills": ([38, 14], {"num_blocks": 13, "num_slots": 6, "max_num_seqs": 3, "prefix_caching": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNKED_PREEMPTION))
+def test_preemption_during_a_chunked_prefill_changes_no_output(model64, tok, case):
+    """Long prompts prefilled at most 7 tokens a step beside a decoding request, in 12 blocks of 4:
+    the pool runs dry while a prompt is part done, so it is preempted mid-prefill and recomputed
+    later. Every output equals its run alone, and everything is freed at the end."""
+    lengths, pools = CHUNKED_PREEMPTION[case]
+    reqs = [Request("decoding", tok.encode("go:", allow_special=True),
+                    SamplingParams(max_tokens=23, temperature=0.7, seed=5, ignore_eos=True))]
+    reqs += [Request(f"long{i}", list(range(100 + 40 * i, 100 + 40 * i + n)),
+                     SamplingParams(max_tokens=6 - 5 * i, temperature=0.0, ignore_eos=True))
+             for i, n in enumerate(lengths)]
+    engine = new_engine(model64, tok, block_size=4, snapshot_interval=8, max_num_batched_tokens=7, **pools)
+    outs = run(engine, reqs)
+    for r in reqs:
+        assert outs[r.request_id].error is None, outs[r.request_id].error
+        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and (stats.kv_cache_usage, stats.state_slots_usage) == (0.0, 0.0)
+    engine.close()
+
+
+def test_strong_repetition_penalty_covers_the_prompt(model64, tok):
+    """Greedy with repetition_penalty 3.0 equals the reference sampler's loop. The prompt ends where
+    the unpenalized greedy continuation repeats one of its tokens, so the prompt's tokens alone
+    change the first token (nothing is generated yet): a sampler not handed the prompt ids differs."""
+    ids = tok.encode("1 2 3 4 5 6", allow_special=True)
+    cont = reference(model64, Request("c", ids, SamplingParams(max_tokens=16, temperature=0.0)))
+    k = next(i for i, t in enumerate(cont) if t in ids + cont[:i])
+    plain = Request("plain", ids + cont[:k], SamplingParams(max_tokens=8, temperature=0.0))
+    penalized = replace(plain, request_id="penalized", params=replace(plain.params, repetition_penalty=3.0))
+    want = reference(model64, penalized)
+    assert reference(model64, plain)[0] in plain.prompt_ids and want[0] != reference(model64, plain)[0]
+    engine = new_engine(model64, tok)
+    assert run(engine, [penalized])["penalized"].token_ids == want
+    engine.close()
