@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3backend.checkpoint import load_model
-from k3backend.engine.request import FinishReason, Request
+from k3backend.engine.request import FinishReason, Request, RequestOutput
 from k3backend.engine.sampling_params import SamplingParams
 from k3backend.errors import InvalidArgument
 from test_engine import Collector, check_events, ckpt, new_engine, one_thread, reference, run, tok  # noqa: F401 - fixtures
@@ -25,6 +25,14 @@ def model64(ckpt):
 
 
 PAGED = {"block_size": 4, "snapshot_interval": 8}
+
+
+def assert_each_alone(model, reqs: list[Request], outs: dict[str, RequestOutput]) -> None:
+    """Every request ended without an error (which names an engine failure) and equals its run alone."""
+    for r in reqs:
+        out = outs[r.request_id]
+        assert out.error is None, f"{r.request_id}: {out.error!r}"
+        assert out.token_ids == reference(model, r), r.request_id
 
 
 def image_request(tok, rid: str, model, digest: str, seed: int, text: str = "look at this:") -> Request:
@@ -46,8 +54,7 @@ def test_sixteen_mixed_requests_with_images_equal_each_alone(model64, tok):
     reqs += [image_request(tok, "img-a", model64, "a", 1), image_request(tok, "img-b", model64, "b", 2)]
     engine = new_engine(model64, tok, max_num_seqs=5, max_num_batched_tokens=24, **PAGED)
     outs = run(engine, reqs)
-    for r in reqs:
-        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert_each_alone(model64, reqs, outs)
     assert engine.stats().steps > 5
     engine.close()
 
@@ -68,8 +75,7 @@ def test_padded_decode_steps_of_the_graph_buffers_change_no_output(model64, tok)
     run_graph = runner.graphs.run
     runner.graphs.run = lambda chunks: calls.append(len(chunks)) or run_graph(chunks)
     outs = run(engine, reqs)
-    for r in reqs:
-        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert_each_alone(model64, reqs, outs)
     assert {3, 1} <= set(calls), calls  # padded (3 -> 4) and exact-size steps both ran
     engine.close()
 
@@ -93,8 +99,7 @@ def test_padded_prefill_chunks_of_the_graph_buffers_change_no_output(model64, to
     run_graph = runner.prefill_graphs.run
     runner.prefill_graphs.run = lambda chunk: calls.append((len(chunk.token_ids), chunk.start)) or run_graph(chunk)
     outs = run(engine, reqs)
-    for r in reqs:
-        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert_each_alone(model64, reqs, outs)
     lengths = {n for n, _ in calls}
     assert {1, 3, 4} <= lengths and max(lengths) == 4, calls  # padded (1 -> 2, 3 -> 4), exact; 8-token chunks eager
     assert any(start > 0 and start % 8 for _, start in calls), calls  # a chunk continuing its prompt
@@ -120,8 +125,7 @@ def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, 
     graphed = runner._graphed
     runner._graphed = lambda decodes, chunk: steps.append((len(decodes), len(chunk))) or graphed(decodes, chunk)
     outs = run(engine, reqs)
-    for r in reqs:
-        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert_each_alone(model64, reqs, outs)
     assert any(d > 0 and c == 1 for d, c in steps), steps  # mixed steps split into two replays
     assert any(c == 0 for _, c in steps), steps  # decode-only steps too
     assert engine.stats().steps > len(steps)  # and some steps (several chunks, images) ran as one forward
@@ -137,8 +141,7 @@ def test_preemption_under_a_tiny_pool_changes_no_output(model64, tok):
     engine = new_engine(model64, tok, block_size=4, snapshot_interval=8, num_blocks=13, num_slots=6,
                         prefix_caching=False)
     outs = run(engine, reqs)
-    for r in reqs:
-        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert_each_alone(model64, reqs, outs)
     stats = engine.stats()
     assert stats.num_preemptions > 0
     assert (stats.kv_cache_usage, stats.state_slots_usage) == (0.0, 0.0)  # everything freed
@@ -249,9 +252,7 @@ def test_preemption_during_a_chunked_prefill_changes_no_output(model64, tok, cas
              for i, n in enumerate(lengths)]
     engine = new_engine(model64, tok, block_size=4, snapshot_interval=8, max_num_batched_tokens=7, **pools)
     outs = run(engine, reqs)
-    for r in reqs:
-        assert outs[r.request_id].error is None, outs[r.request_id].error
-        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert_each_alone(model64, reqs, outs)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and (stats.kv_cache_usage, stats.state_slots_usage) == (0.0, 0.0)
     engine.close()

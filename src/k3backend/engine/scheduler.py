@@ -167,11 +167,14 @@ class Scheduler:
         return cancelled
 
     def pop_all(self) -> list[Sequence]:
+        """Every sequence, removed: the engine is failing or closing. The pools start over instead of
+        taking each release, which would raise again on the state that failed the step (a double
+        free) and leave the requests unanswered."""
         seqs = self.all()
-        for seq in seqs:
-            self._release(seq)
         self.waiting.clear()
         self.running = []
+        self.blocks = BlockManager(self.blocks.num_blocks, self.bs)
+        self.slots = StateSlots(self.slots.num_slots)
         return seqs
 
     def remove_finished(self) -> list[Sequence]:
