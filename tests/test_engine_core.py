@@ -225,6 +225,7 @@ def test_repeated_blocks_after_a_shared_beginning_reuse_only_their_own_prefix(mo
     for rid, (ids, cached) in shares.items():
         req = Request(rid, ids, SamplingParams(max_tokens=6, temperature=0.0))
         out = run(engine, [req])[rid]
+        assert out.error is None, f"{rid}: {out.error!r}"
         assert (out.num_cached_tokens, out.token_ids) == (cached, reference(model64, req)), rid
     engine.close()
 

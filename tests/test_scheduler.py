@@ -236,6 +236,19 @@ def test_prefills_short_of_blocks_with_nothing_decoding_preempt_the_newest():
     assert seen and seen[0][:2] == ("second", True) and seen[0][2] > 0, seen
 
 
+def test_the_same_ids_with_another_image_share_only_the_blocks_before_it():
+    """[IMG-4]: image rows are part of the prefix keys. After a request with image a, the same ids
+    with image b reuse the 8 tokens before the pads; the same ids with image a again reuse all
+    but the last block, past the image."""
+    ids = [50] * 8 + [PAD] * 4 + [51] * 9
+    d = Driver(num_blocks=40, num_slots=8, snapshot_interval=4)
+    seqs = [make_seq("a", ids, 3, "a" * 32), make_seq("b", ids, 3, "b" * 32), make_seq("a2", ids, 3, "a" * 32)]
+    for seq in seqs:
+        d.add(seq)
+        d.run()
+    assert [s.num_cached_tokens for s in seqs] == [0, 8, 20]
+
+
 # ---- leaks, and many requests against small pools ----------------------------------------------
 
 def test_a_leaked_block_fails_the_next_step_naming_it():
