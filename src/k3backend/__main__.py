@@ -63,8 +63,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from k3backend.presets import make_checkpoint
 
-    out = make_checkpoint(args.preset, args.out, seed=args.seed)
-    print(f"wrote {args.preset} checkpoint (seed {args.seed}) to {out}")
+    out = make_checkpoint(args.preset, args.out, seed=args.seed, text_only=args.text_only)
+    print(f"wrote {args.preset}{' text-only' if args.text_only else ''} checkpoint (seed {args.seed}) to {out}")
     return 0
 
 
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--preset", default="tiny")
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--text-only", action="store_true", help="a kimi_linear checkpoint: the language model alone")
     m.set_defaults(fn=_make_checkpoint)
 
     h = sub.add_parser("hf-tokenizer", help="write the Hugging Face tokenizer dir (for GenAI-Perf and the OpenAI "

@@ -252,9 +252,24 @@ def randomize_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
     return model
 
 
-def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, num_shards: int = 2) -> Path:
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id")
+
+
+def text_only_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The `kimi_linear` config.json of a kimi_k3 config's language model: its text_config at the top
+    level with the token ids (the layout of a text-only Kimi Linear checkpoint)."""
+    return {**raw["text_config"], "architectures": ["KimiLinearForCausalLM"],
+            **{k: raw[k] for k in TOKEN_IDS if k in raw}}
+
+
+def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, num_shards: int = 2,
+                    text_only: bool = False) -> Path:
     """Write a deterministic random-weight checkpoint of a preset: config.json, generation_config.json,
-    safetensors (sharded, with an index), tokenizer files and preprocessor_config.json."""
+    safetensors (sharded, with an index), tokenizer files and preprocessor_config.json.
+
+    text_only: a `kimi_linear` checkpoint of the language model alone (no tower, no preprocessor
+    config); its weights equal those of the same preset and seed with the tower (drawn first).
+    """
     from k3backend.checkpoint import save_checkpoint
     from k3backend.config import K3Config
     from k3backend.model.k3 import K3Model
@@ -264,6 +279,8 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, num_shards: 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     raw = preset_config(preset)
+    if text_only:
+        raw = text_only_config(raw)
     cfg = K3Config.from_dict(raw)
     with torch.device("meta"):
         model = K3Model(cfg)
@@ -278,7 +295,8 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, num_shards: 
     save_checkpoint(model, out, cfg.model_type, num_shards=num_shards,
                     a_log_pad=cfg.text.linear_attn_config.head_dim)
     write_tiny_tokenizer(out)
-    PreprocessConfig().to_json(out / "preprocessor_config.json")
+    if cfg.vision is not None:
+        PreprocessConfig().to_json(out / "preprocessor_config.json")
     return out
 
 
