@@ -232,7 +232,8 @@ def text_only_checkpoint(out: Path, kind: str) -> Path:
 
 
 @pytest.mark.parametrize("kind,what", [("kimi_linear", "model_type kimi_linear"),
-                                       ("kimi_k3", "model_type kimi_k3, no vision_config")])
+                                       ("kimi_k3", "model_type kimi_k3, no vision_config")],
+                         ids=["kimi_linear", "kimi_k3-without-vision_config"])
 def test_a_checkpoint_without_a_tower_serves_text_and_refuses_images(tmp_path, caplog, kind, what) -> None:
     """k3_vision loads without a tower (so k3_ensemble serves text-only checkpoints): text-only and
     stop requests have no outputs as always; every request with images or placeholders is INVALID_ARG."""
