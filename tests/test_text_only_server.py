@@ -25,7 +25,9 @@ def server(triton_server, tmp_path_factory):
     ckpt = make_checkpoint("tiny", tmp_path_factory.mktemp("text_only") / "ckpt", text_only=True)
     repo = repo_copy(tmp_path_factory.mktemp("text_only_repo") / "repo",
                      k3_vision={"model_path": str(ckpt)}, k3_lm={"model_path": str(ckpt)})
-    return triton_server(repo, ["k3_vision", "k3_lm", "k3_ensemble"])
+    server = triton_server(repo, ["k3_vision", "k3_lm", "k3_ensemble"], fresh=True)
+    yield server
+    server.stop()  # no later module uses this repository: free its memory now
 
 
 def test_k3_vision_logs_that_it_loaded_without_a_tower(server):
