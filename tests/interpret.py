@@ -126,20 +126,35 @@ def triton_and_reference(run: Callable[[], Any]) -> tuple[Any, Any, list[str]]:
     return fast, ref, seen
 
 
+GUARD = 4096  # NaN elements after each poisoned buffer (at least its own size): what a store past its end hits
+
+
 @contextlib.contextmanager
 def poisoned_empty() -> Iterator[None]:
-    """Inside the block torch.empty returns NaN-filled floating tensors: an op that leaves an element
-    of a buffer it allocated unwritten then fails its comparison."""
+    """Inside the block torch.empty and torch.empty_like return NaN-filled floating tensors, each
+    followed by a NaN guard region. An op that leaves an element of a buffer it allocated unwritten
+    then fails its comparison; one that writes past the end (a store without its mask) fails here
+    with an assertion instead of corrupting memory (under the interpreter: crashing the child)."""
     import torch
 
-    real = torch.empty
+    real, real_like = torch.empty, torch.empty_like
+    guarded: list[tuple[torch.Tensor, int, list[int]]] = []
 
-    def empty(*args: Any, **kwargs: Any) -> Any:
-        t = real(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        n = t.numel()
+        buf = real(n + max(GUARD, n), dtype=t.dtype, device=t.device).fill_(float("nan"))
+        guarded.append((buf, n, list(t.shape)))
+        return buf.as_strided(t.size(), t.stride())  # the layout torch chose (dense: spans exactly n)
 
-    torch.empty = empty
+    torch.empty = lambda *args, **kwargs: poison(real(*args, **kwargs))
+    torch.empty_like = lambda *args, **kwargs: poison(real_like(*args, **kwargs))
     try:
         yield
     finally:
-        torch.empty = real
+        torch.empty, torch.empty_like = real, real_like
+    for buf, n, shape in guarded:
+        past = int((~buf[n:].isnan()).sum())
+        assert past == 0, (f"wrote {past} elements past the end of a {shape} {buf.dtype} buffer allocated "
+                           f"with torch.empty or empty_like (a store without its mask?)")

@@ -15,7 +15,7 @@ import torch
 from k3backend.checkpoint import load_model
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampling_params import SamplingParams
-from test_engine import ckpt, new_core, one_thread, reference, run, tok  # noqa: F401 - fixtures
+from test_engine import Completion, ckpt, new_core, one_thread, reference, run, tok  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,14 @@ def model64(ckpt):
 
 
 PAGED = {"block_size": 4, "snapshot_interval": 8}
+
+
+def assert_each_alone(model, reqs: list[Request], outs: dict[str, Completion]) -> None:
+    """Every request ended without an error (which names an engine failure) and equals its run alone."""
+    for r in reqs:
+        out = outs[r.request_id]
+        assert out.error is None, f"{r.request_id}: {out.error!r}"
+        assert out.token_ids == reference(model, r), r.request_id
 
 
 def image_request(tok, rid: str, model, digest: str, seed: int, text: str = "look at this:") -> Request:
@@ -45,8 +53,7 @@ def test_sixteen_mixed_requests_with_images_equal_each_alone(model64, tok):
     reqs += [image_request(tok, "img-a", model64, "a", 1), image_request(tok, "img-b", model64, "b", 2)]
     core = new_core(model64, max_num_seqs=5, max_num_batched_tokens=24, **PAGED)
     outs = run(core, reqs)
-    for r in reqs:
-        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert_each_alone(model64, reqs, outs)
     assert core.stats().steps > 5
 
 
@@ -66,8 +73,7 @@ def test_padded_decode_steps_of_the_graph_buffers_change_no_output(model64, tok)
     run_graph = runner.graphs.run
     runner.graphs.run = lambda chunks: calls.append(len(chunks)) or run_graph(chunks)
     outs = run(core, reqs)
-    for r in reqs:
-        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert_each_alone(model64, reqs, outs)
     assert {3, 1} <= set(calls), calls  # padded (3 -> 4) and exact-size steps both ran
 
 
@@ -90,8 +96,7 @@ def test_padded_prefill_chunks_of_the_graph_buffers_change_no_output(model64, to
     run_graph = runner.prefill_graphs.run
     runner.prefill_graphs.run = lambda chunk: calls.append((len(chunk.token_ids), chunk.start)) or run_graph(chunk)
     outs = run(core, reqs)
-    for r in reqs:
-        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert_each_alone(model64, reqs, outs)
     lengths = {n for n, _ in calls}
     assert {1, 3, 4} <= lengths and max(lengths) == 4, calls  # padded (1 -> 2, 3 -> 4), exact; 8-token chunks eager
     assert any(start > 0 and start % 8 for _, start in calls), calls  # a chunk continuing its prompt
@@ -116,8 +121,7 @@ def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, 
     graphed = runner._graphed
     runner._graphed = lambda decodes, chunk: steps.append((len(decodes), len(chunk))) or graphed(decodes, chunk)
     outs = run(core, reqs)
-    for r in reqs:
-        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert_each_alone(model64, reqs, outs)
     assert any(d > 0 and c == 1 for d, c in steps), steps  # mixed steps split into two replays
     assert any(c == 0 for _, c in steps), steps  # decode-only steps too
     assert core.stats().steps > len(steps)  # and some steps (several chunks, images) ran as one forward
@@ -132,8 +136,7 @@ def test_preemption_under_a_tiny_pool_changes_no_output(model64, tok):
     core = new_core(model64, block_size=4, snapshot_interval=8, num_blocks=13, num_slots=6,
                         prefix_caching=False)
     outs = run(core, reqs)
-    for r in reqs:
-        assert outs[r.request_id].token_ids == reference(model64, r), r.request_id
+    assert_each_alone(model64, reqs, outs)
     stats = core.stats()
     assert stats.num_preemptions > 0
     assert (stats.kv_cache_usage, stats.state_slots_usage) == (0.0, 0.0)  # everything freed
@@ -189,3 +192,77 @@ def test_a_request_that_can_never_fit_fails_fast(model64, tok):
     assert out.finish is FinishReason.ERROR and out.error[0] == "INVALID_ARG"
     assert "does not fit in the cache (32 tokens)" in out.error[1]
     assert core.stats().steps == 0
+
+
+# ---- faults the tests above could not see (issue 21) --------------------------------------------
+
+def test_repeated_blocks_after_a_shared_beginning_reuse_only_their_own_prefix(model64, tok):
+    """Prefix-cache keys chain: a block of tokens that repeats is cached once per context. After a
+    prompt of one block repeated five times, prompts sharing its first two or four blocks reuse the
+    last snapshot point inside what they share (8 and 16 tokens), not a later copy of the repeated
+    block; one with another first block reuses nothing. Each equals its run alone."""
+    head, rep, tail = [70, 71, 72, 73], [80, 81, 82, 83], [90, 91, 92]
+    first = Request("first", head + rep * 5 + tail, SamplingParams(max_tokens=6, temperature=0.0))
+    shares = {  # request -> (prompt, cached tokens)
+        "two-blocks": (head + rep * 2 + [95, 96, 97, 98] + rep, 8),
+        "four-blocks": (head + rep * 3 + [95, 96] + rep, 16),
+        "other-head": ([75, 76, 77, 78] + rep * 4 + tail, 0),
+    }
+    core = new_core(model64, **PAGED)
+    assert run(core, [first])["first"].token_ids == reference(model64, first)
+    for rid, (ids, cached) in shares.items():
+        req = Request(rid, ids, SamplingParams(max_tokens=6, temperature=0.0))
+        out = run(core, [req])[rid]
+        assert out.error is None, f"{rid}: {out.error!r}"
+        assert (out.num_cached_tokens, out.token_ids) == (cached, reference(model64, req)), rid
+
+
+CHUNKED_PREEMPTION = {
+    # one 40-token prompt beside a decoding request, no spare KDA slot: preempted mid-prefill, it is
+    # re-admitted in the same step into the slot it just gave up
+    "one-prefill": ([40], {"num_blocks": 13, "num_slots": 3, "max_num_seqs": 2, "prefix_caching": False}),
+    # two prompts prefilled side by side (chunks end at snapshot points): both run out of blocks
+    # with nothing decoding, and only preempting the newer lets the older go on
+    "two-prefills": ([38, 14], {"num_blocks": 13, "num_slots": 6, "max_num_seqs": 3, "prefix_caching": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNKED_PREEMPTION))
+def test_preemption_during_a_chunked_prefill_changes_no_output(model64, tok, case):
+    """Long prompts prefilled at most 7 tokens a step beside a decoding request, in 12 blocks of 4:
+    the pool runs dry while a prompt is part done, so it is preempted mid-prefill and recomputed
+    later. Every output equals its run alone, and everything is freed at the end."""
+    lengths, pools = CHUNKED_PREEMPTION[case]
+    reqs = [Request("decoding", tok.encode("go:", allow_special=True),
+                    SamplingParams(max_tokens=23, temperature=0.7, seed=5, ignore_eos=True))]
+    reqs += [Request(f"long{i}", list(range(100 + 40 * i, 100 + 40 * i + n)),
+                     SamplingParams(max_tokens=6 - 5 * i, temperature=0.0, ignore_eos=True))
+             for i, n in enumerate(lengths)]
+    core = new_core(model64, block_size=4, snapshot_interval=8, max_num_batched_tokens=7, **pools)
+    outs = run(core, reqs)
+    assert_each_alone(model64, reqs, outs)
+    stats = core.stats()
+    assert stats.num_preemptions > 0 and (stats.kv_cache_usage, stats.state_slots_usage) == (0.0, 0.0)
+
+
+def test_strong_repetition_penalty_covers_the_prompt(model64, tok):
+    """Greedy with repetition_penalty 3.0 equals the reference sampler's loop. The prompt ends where
+    the unpenalized greedy continuation repeats one of its tokens, so the prompt's tokens alone
+    change the first token (nothing is generated yet): a sampler not handed the prompt ids differs.
+    The first of a few prompts whose continuation repeats that way (on this random model) is used."""
+    for text in ("1 2 3 4 5 6", "a b c d e f", "the cat sat on the mat", "xy" * 8, "0 1 0 1 0 1"):
+        ids = tok.encode(text, allow_special=True)
+        cont = reference(model64, Request("c", ids, SamplingParams(max_tokens=48, temperature=0.0)))
+        k = next((i for i, t in enumerate(cont) if t in ids + cont[:i]), None)
+        if k is None:
+            continue
+        plain = Request("plain", ids + cont[:k], SamplingParams(max_tokens=8, temperature=0.0))
+        penalized = replace(plain, request_id="penalized", params=replace(plain.params, repetition_penalty=3.0))
+        want = reference(model64, penalized)
+        if want[0] != reference(model64, plain)[0]:
+            break
+    else:
+        pytest.fail("no prompt whose greedy continuation a repetition penalty on the prompt changes")
+    assert reference(model64, plain)[0] in plain.prompt_ids
+    core = new_core(model64)
+    assert run(core, [penalized])["penalized"].token_ids == want

@@ -3,14 +3,13 @@
 Every check runs under TRITON_INTERPRET=1 in one child process (tests/interpret.py) with
 K3_KERNELS=triton, at small odd sizes (K = 12, V = 10 pad to 16-wide tiles): varlen batches, slots in
 a permuted order, zero and carried state, padding rows pointing at the null slot 0. Outputs are
-poisoned (`torch.empty` returns NaN while a kernel runs), pool slots no row uses hold NaN, and every
-element is compared: the rows' slots against the reference, the other slots against their NaN
-sentinels. Slot 0 is not compared (rows pointing at it may scribble it, the contract allows that).
+poisoned (`interpret.poisoned_empty`: NaN, and a NaN guard past the end that no store may reach),
+pool slots no row uses hold NaN, and every element is compared: the rows' slots against the
+reference, the other slots against their NaN sentinels. Slot 0 is not compared (rows pointing at it may scribble it, the contract allows that).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import math
@@ -18,7 +17,7 @@ import math
 import pytest
 import torch
 
-from interpret import Cases, run_checks
+from interpret import Cases, poisoned_empty, run_checks
 from tolerances import KERNEL, KERNEL_PREFILL
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -28,23 +27,6 @@ UNUSED = [1, 4, 6, 8]  # slots no row points at: NaN sentinels
 
 
 # ---------------------------------------------------------------- helpers (run in the child)
-@contextlib.contextmanager
-def poisoned_outputs():
-    """While active, torch.empty / empty_like return NaN-filled float tensors, so an output element a
-    kernel forgot to write shows as NaN."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(math.nan) if t.is_floating_point() else t
-
-    torch.empty = lambda *a, **kw: nan(empty(*a, **kw))
-    torch.empty_like = lambda *a, **kw: nan(empty_like(*a, **kw))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = empty, empty_like
-
-
 def acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -93,7 +75,7 @@ def check_kda_decode_fused(dtype: str, lower_bound: float | None, seed: int) -> 
             pool(gen, (N, H, K, V), a, fresh=[5]), si, 1e-5]
     ref = clone_all(args)
     before_conv, before_S = args[2].clone(), args[10].clone()
-    with poisoned_outputs():
+    with poisoned_empty():
         y = kda.kda_decode_fused(*args)
     y_ref = kda_ref.kda_decode_fused(*ref)
     torch.testing.assert_close(y, y_ref, **KERNEL[dt], msg=lambda m: f"y (every row, padding rows too): {m}")
@@ -116,7 +98,7 @@ def check_kda_decode(dtype: str, seed: int) -> None:
             pool(gen, (N, H, K, Vd), a, fresh=[5]), si]
     ref = clone_all(args)
     before = args[5].clone()
-    with poisoned_outputs():
+    with poisoned_empty():
         o = kda.kda_decode(*args)
     torch.testing.assert_close(o, kda_ref.kda_decode(*ref), **KERNEL[a], msg=lambda m: f"o: {m}")
     assert_slots(args[5], ref[5], before, SLOTS, KERNEL[a], "S_pool")
@@ -136,7 +118,7 @@ def check_short_conv(dtype: str, seed: int) -> None:
             pool(gen, (N, W - 1, C), dt, fresh=[]), cu, torch.tensor(slots, dtype=torch.int32), has]
     ref = clone_all(args)
     before = args[2].clone()
-    with poisoned_outputs():
+    with poisoned_empty():
         out = kda.short_conv(*args)
     torch.testing.assert_close(out, kda_ref.short_conv(*ref), **KERNEL[dt], msg=lambda m: f"out: {m}")
     assert_slots(args[2], ref[2], before, slots, {"rtol": 0.0, "atol": 0.0}, "conv_pool")
@@ -167,7 +149,7 @@ def check_kda_prefill(dtype: str, gate: str, seed: int) -> None:
             has]
     ref = clone_all(args)
     before = args[5].clone()
-    with poisoned_outputs():
+    with poisoned_empty():
         o = kda_chunk.kda_prefill(*args)
     torch.testing.assert_close(o, kda_ref.kda_prefill(*ref), **KERNEL_PREFILL[dt], msg=lambda m: f"o: {m}")
     assert_slots(args[5], ref[5], before, slots, KERNEL_PREFILL[dt], "S_pool")

@@ -218,6 +218,47 @@ def test_client_errors_are_invalid_arg(server: VisionServer, request_: VisionReq
     assert str(err) == message
 
 
+NO_TOWER = "this checkpoint has no vision tower ({}): it serves text only"
+
+
+def text_only_checkpoint(out: Path, kind: str) -> Path:
+    """kimi_linear: the text-only layout; kimi_k3: the tiny checkpoint with its vision_config removed."""
+    if kind == "kimi_linear":
+        return make_checkpoint("tiny", out, text_only=True)
+    make_checkpoint("tiny", out)
+    raw = json.loads((out / "config.json").read_text())
+    del raw["vision_config"]
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+@pytest.mark.parametrize("kind,what", [("kimi_linear", "model_type kimi_linear"),
+                                       ("kimi_k3", "model_type kimi_k3, no vision_config")],
+                         ids=["kimi_linear", "kimi_k3-without-vision_config"])
+def test_a_checkpoint_without_a_tower_serves_text_and_refuses_images(tmp_path, caplog, kind, what) -> None:
+    """k3_vision loads without a tower (so k3_ensemble serves text-only checkpoints): text-only and
+    stop requests have no outputs as always; every request with images or placeholders is INVALID_ARG."""
+    ckpt = text_only_checkpoint(tmp_path / kind, kind)
+    threads = torch.get_num_threads()
+    with caplog.at_level("INFO", logger="k3backend.serving.vision_adapter"):
+        s = VisionServer.from_model_config(model_config(model_path=str(ckpt)))
+        s.warm_up()
+    torch.set_num_threads(threads)
+    assert s.model is None and f"k3_vision: loaded without a vision tower (checkpoint {ckpt}, {what})" in caplog.text
+    data_uri = b"data:image/png;base64," + b64(40, 30)
+    chat = b'[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "' + data_uri + b'"}}]}]'
+    images = [VisionRequest(text_input=f"a {PH} b".encode(), image=[b64(40, 30)]),
+              VisionRequest(text_input=PH.encode(), image_url_input=[data_uri]),
+              VisionRequest(text_input=b"no placeholder", image=[b64(8, 8)]),
+              VisionRequest(text_input=PH.encode()),
+              VisionRequest(text_input=b"", messages=chat)]
+    results = s.execute([VisionRequest(text_input=b"hello"), VisionRequest(image=[b"x"], stop=True), *images])
+    assert results[:2] == [{}, {}]
+    for err in results[2:]:
+        assert isinstance(err, K3Error) and err.code == "INVALID_ARG" and str(err) == NO_TOWER.format(what), err
+    s.close()
+
+
 def test_token_limit_checked_before_the_tower(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     threads = torch.get_num_threads()
     s = VisionServer.from_model_config(model_config(model_path=str(checkpoint), max_image_tokens_per_request="20"))

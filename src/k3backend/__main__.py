@@ -64,11 +64,11 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     from k3backend.presets import make_checkpoint
 
     t0 = time.perf_counter()
-    out = make_checkpoint(args.preset, args.out, seed=args.seed, experts=args.experts)
+    out = make_checkpoint(args.preset, args.out, seed=args.seed, experts=args.experts, text_only=args.text_only)
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    print(f"wrote {args.preset} checkpoint (seed {args.seed}, {args.experts} routed experts) to {out} in "
+    print(f"wrote {args.preset}{' text-only' if args.text_only else ''} checkpoint (seed {args.seed}, {args.experts} routed experts) to {out} in "
           f"{time.perf_counter() - t0:.1f} s, peak host memory {peak:.1f} GiB")
     return 0
 
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4"],
                    help="routed experts in bf16, or in MXFP4 as the K3 release stores them (compressed-tensors)")
+    m.add_argument("--text-only", action="store_true", help="a kimi_linear checkpoint: the language model alone")
     m.set_defaults(fn=_make_checkpoint)
 
     h = sub.add_parser("hf-tokenizer", help="write the Hugging Face tokenizer dir (for GenAI-Perf and the OpenAI "

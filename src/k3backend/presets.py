@@ -274,8 +274,18 @@ def randomize_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
     return model
 
 
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id")
+
+
+def text_only_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The `kimi_linear` config.json of a kimi_k3 config's language model: its text_config at the top
+    level with the token ids (the layout of a text-only Kimi Linear checkpoint)."""
+    return {**raw["text_config"], "architectures": ["KimiLinearForCausalLM"],
+            **{k: raw[k] for k in TOKEN_IDS if k in raw}}
+
+
 def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, experts: str = "bf16",
-                    num_shards: int | None = None, threads: int | None = None) -> Path:
+                    num_shards: int | None = None, threads: int | None = None, text_only: bool = False) -> Path:
     """Write a deterministic random-weight checkpoint of a preset: config.json, generation_config.json,
     bf16 safetensors (sharded, with an index), the tokenizer files and preprocessor_config.json.
 
@@ -283,7 +293,8 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, experts: str
     written a shard at a time (`checkpoint_write.write_tensors`): no full-precision copy of the model
     exists, and the values depend on the seed alone. experts="mxfp4": the routed experts as the K3
     release stores them (`weight_packed` + `weight_scale`, compressed-tensors, §7.7). The tokenizer
-    covers the preset's whole vocabulary (`tokenizer.write_tokenizer`).
+    covers the preset's whole vocabulary (`tokenizer.write_tokenizer`). text_only: a `kimi_linear`
+    checkpoint of the preset's language model alone (no tower, no preprocessor config).
     """
     from k3backend.config import K3Config, mxfp4_quantization_config
     from k3backend.model.k3 import K3Model
@@ -297,6 +308,8 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, experts: str
     raw = preset_config(preset)
     if experts == "mxfp4":
         raw["quantization_config"] = mxfp4_quantization_config()
+    if text_only:
+        raw = text_only_config(raw)
     cfg = K3Config.from_dict(raw)
     with torch.device("meta"):
         model = K3Model(cfg)
@@ -308,7 +321,8 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, experts: str
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     write_tokenizer(out, cfg.text.vocab_size - N_SPECIAL)
     check_tokenizer_matches(cfg, Tokenizer.from_dir(out))
-    PreprocessConfig().to_json(out / "preprocessor_config.json")
+    if cfg.vision is not None:
+        PreprocessConfig().to_json(out / "preprocessor_config.json")
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -99,10 +99,23 @@ class BlockManager:
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference per block; a block nobody holds becomes the most recently freed."""
         for b in blocks:
+            assert self._ref[b] > 0, f"block {b} released more often than taken (a double free)"
             self._ref[b] -= 1
-            assert self._ref[b] >= 0, f"block {b} released more often than taken"
             if self._ref[b] == 0:
                 self._free[b] = None
+
+    def check(self, tables: Iterable[Sequence[int]], context: str = "") -> None:
+        """Internal invariant (O(num_blocks): tests, leak reports): each block's reference count is the
+        number of `tables` holding it, and the free list is exactly the unreferenced blocks."""
+        holders = [0] * self.num_blocks
+        for table in tables:
+            for b in table:
+                holders[b] += 1
+        wrong = [f"block {b} has {self._ref[b]} references but {holders[b]} holders"
+                 for b in range(1, self.num_blocks) if self._ref[b] != holders[b]]
+        assert not wrong, context + "; ".join(wrong[:8]) + (f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else "")
+        misplaced = [b for b in range(1, self.num_blocks) if (self._ref[b] == 0) != (b in self._free)]
+        assert not misplaced, context + f"blocks {misplaced[:8]}: free-list membership disagrees with their references"
 
     def register(self, block: int, key: bytes) -> None:
         """The block's content is computed: later prefixes with this key may reuse it."""

@@ -4,7 +4,8 @@ Spec: SERVING.md §5.5 (termination), §6 (cancellation); the engine contract's 
 continuous batching with every decoding sequence first and prefill chunks after them, all in one
 forward, under `max_num_batched_tokens` (decode tokens count) and `max_num_seqs`. A sequence is
 admitted only when a KDA slot and MLA blocks for its first chunk are free; when a decoding
-sequence needs a block and none is free, the newest running sequence is preempted: it gives up
+sequence needs a block and none is free, or when no running sequence can take a step at all
+(every one a prefill short of blocks), the newest running sequence is preempted: it gives up
 its blocks and slot and is recomputed later from prompt + output so far, which changes none of
 its output ([STR-7]).
 
@@ -154,11 +155,14 @@ class Scheduler:
         return cancelled
 
     def pop_all(self) -> list[Sequence]:
+        """Every sequence, removed: the engine is failing or closing. The pools start over instead of
+        taking each release, which would raise again on the state that failed the step (a double
+        free) and leave the requests unanswered."""
         seqs = self.all()
-        for seq in seqs:
-            self._release(seq)
         self.waiting.clear()
         self.running = []
+        self.blocks = BlockManager(self.blocks.num_blocks, self.bs)
+        self.slots = StateSlots(self.slots.num_slots)
         return seqs
 
     def remove_finished(self) -> list[Sequence]:
@@ -176,8 +180,19 @@ class Scheduler:
 
     def schedule(self) -> tuple[StepPlan, list[Sequence]]:
         """The next step's plan and, in the plan's order, the sequence of each scheduled row."""
-        plan = StepPlan(freed=self._freed)
-        self._freed = []
+        if not self.running:
+            self._check_idle()
+        plan, seqs = self._plan()
+        while plan.empty and self.running:  # every running sequence is a prefill short of blocks:
+            self._preempt(self.running[-1])  # the newest gives its blocks to the older ones
+            plan, seqs = self._plan()
+        # slots freed up to now, preemptions and failed admissions of this step included: the
+        # runner drops them before it registers `plan.new`, which may hand one straight back out
+        plan.freed, self._freed = self._freed, []
+        return plan, seqs
+
+    def _plan(self) -> tuple[StepPlan, list[Sequence]]:
+        plan = StepPlan()
         seqs: list[Sequence] = []
         budget = self.cfg.max_num_batched_tokens
         for seq in list(self.running):  # decodes first, oldest first
@@ -328,6 +343,13 @@ class Scheduler:
         seq.num_computed = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _check_idle(self) -> None:
+        """Nothing runs, so nothing may hold a block or a slot: a leak would starve every later
+        request (a hang); this fails the step instead, naming the blocks."""
+        if self.blocks.num_free != self.blocks.capacity:
+            self.blocks.check((), "no sequence is running but ")  # O(num_blocks): only to name them
+        assert self.slots.usage == 0, f"no sequence is running but {self.slots.usage:.0%} of the KDA slots are held"
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.release(seq.blocks)

@@ -21,6 +21,10 @@ batch whose images made large transient allocations the freed heap goes back to 
 
 A stop request (`stop` = true) is answered at once with no outputs: its other inputs are ignored
 [CAN-3], so they are neither read nor validated; k3_lm, the next step, does the stopping.
+
+A checkpoint without a vision tower (a text-only `kimi_linear` one, or `kimi_k3` without a
+`vision_config`) loads with no model: text-only requests pass through as always, so `k3_ensemble`
+serves it, and a request with images or image placeholders fails with INVALID_ARG.
 """
 
 from __future__ import annotations
@@ -167,15 +171,18 @@ VisionResult = dict[str, Any] | K3Error
 class VisionServer:
     """Tower + projector of one model instance and the per-request logic of SERVING.md §3.5."""
 
-    def __init__(self, params: VisionParams, model: torch.nn.Module, preprocess_cfg: PreprocessConfig,
-                 tokenizer: Tokenizer, embeds_dtype: torch.dtype, metrics: NullMetrics | None = None) -> None:
+    def __init__(self, params: VisionParams, model: torch.nn.Module | None, preprocess_cfg: PreprocessConfig,
+                 tokenizer: Tokenizer, embeds_dtype: torch.dtype, metrics: NullMetrics | None = None,
+                 no_tower: str = "") -> None:
+        """model None: the checkpoint has no tower; `no_tower` then says which checkpoint (error messages)."""
         self.params = params
         self.model = model
+        self.no_tower = no_tower
         self.preprocess_cfg = preprocess_cfg
         self.tokenizer = tokenizer
         self.embeds_dtype = embeds_dtype
         self.metrics = metrics or NullMetrics()
-        self.device = next(model.parameters()).device
+        self.device = next(model.parameters()).device if model is not None else torch.device("cpu")
         self.reader = ImageReader(params.limits, UrlFetcher(params.url_policy))
         self._config_digest = preprocess_digest(preprocess_cfg)
 
@@ -187,13 +194,19 @@ class VisionServer:
         `model_instance_device_id` is Triton's; with KIND_MODEL the GPU is `gpu_device_ids`.
         """
         from k3backend.checkpoint import load_vision
+        from k3backend.config import K3Config
         from k3backend.presets import ensure_default_checkpoint
 
         params = VisionParams.from_model_config(model_config)
         embeds_dtype = _declared_embeds_dtype(model_config)
         device, dtype = _device_and_dtype(params, _instance_count(model_config))
         path = Path(params.model_path) if params.model_path else ensure_default_checkpoint()
-        model, preprocess_cfg = load_vision(path, dtype=dtype, device=device, progress=False)
+        cfg = K3Config.from_json(path)
+        model, preprocess_cfg, no_tower = None, PreprocessConfig(), ""
+        if cfg.vision is not None:
+            model, preprocess_cfg = load_vision(path, dtype=dtype, device=device, progress=False)
+        else:
+            no_tower = f"model_type {cfg.model_type}" + (", no vision_config" if cfg.model_type == "kimi_k3" else "")
         overrides = {k: v for k, v in (("in_patch_limit", params.in_patch_limit),
                                        ("patch_limit_on_one_side", params.patch_limit_on_one_side)) if v is not None}
         preprocess_cfg = dataclasses.replace(preprocess_cfg, **overrides)
@@ -201,14 +214,20 @@ class VisionServer:
             raise ConfigError(f"{MODEL}: {path} has no tokenizer (tiktoken.model); it is needed to count "
                               f"image placeholders [VIS-6]")
         tokenizer = Tokenizer.from_dir(path)
-        logger.info("%s: tower on %s (%s), embeddings %s, checkpoint %s, instance device id %s",
-                    MODEL, device, dtype, embeds_dtype, path, model_instance_device_id)
-        return cls(params, model, preprocess_cfg, tokenizer, embeds_dtype, metrics)
+        if model is None:
+            logger.info("%s: loaded without a vision tower (checkpoint %s, %s): text-only requests pass "
+                        "through, image inputs fail with INVALID_ARG", MODEL, path, no_tower)
+        else:
+            logger.info("%s: tower on %s (%s), embeddings %s, checkpoint %s, instance device id %s",
+                        MODEL, device, dtype, embeds_dtype, path, model_instance_device_id)
+        return cls(params, model, preprocess_cfg, tokenizer, embeds_dtype, metrics, no_tower)
 
     def warm_up(self) -> None:
         """One image through preprocessing, tower and projector [HLT-3]; not counted in metrics."""
         from PIL import Image
 
+        if self.model is None:
+            return
         image = Image.new("RGB", _WARMUP_SIZE, (128, 64, 32))
         (embeds,) = self._encode([preprocess_image(image, self.preprocess_cfg)])
         logger.info("%s: warm-up image %dx%d -> %s embeddings", MODEL, *_WARMUP_SIZE, list(embeds.shape))
@@ -266,6 +285,8 @@ class VisionServer:
         placeholders = count_placeholders(text, parts, self.tokenizer)
         if not sources and not placeholders:
             return []
+        if self.model is None:
+            raise InvalidArgument(f"this checkpoint has no vision tower ({self.no_tower}): it serves text only")
         check_placeholder_count(placeholders, len(sources))  # before any image is read [VIS-6]
         images = self.reader.open_all(sources)
         tokens = 0

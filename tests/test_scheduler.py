@@ -1,0 +1,320 @@
+"""The scheduler, driven step by step without a model, against a record of what the caches hold.
+
+`CacheModel` executes each `StepPlan` the way `ModelRunner` does (freed slots dropped, new slots
+registered, snapshot copies in, the forward, snapshot copies out), but instead of tensors it
+records the stream prefix every KDA slot and every MLA block position was computed from. Each
+row must then find exactly its own prefix in its slot and its blocks, and each sampling row the
+runner's sampling state of its own request. A chunk that starts past its cache, a block reused
+under another context, or a slot freed while its request still holds it fails at the step where
+it happens, naming the request, the position and what the cache held instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from k3backend.engine.plan import CacheCapacity, StepPlan
+from k3backend.engine.request import Request
+from k3backend.engine.sampling_params import SamplingParams
+from k3backend.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+
+PAD = 21  # the media pad id the fake requests use
+_RIDS = itertools.count(1)
+Item = tuple[int, object]  # one stream position: (token id, image row identity or None)
+
+
+def make_seq(key: str, prompt: list[int], max_tokens: int = 8, image: str | None = None,
+             repetition_penalty: float = 1.0) -> Sequence:
+    """A bound sequence; `image`: a 32-hex-digit hash for the prompt's pad positions."""
+    pads = prompt.count(PAD)
+    return Sequence(next(_RIDS), Request(key, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1,
+                                                                           repetition_penalty=repetition_penalty),
+                                         image_embeds=torch.zeros(pads, 1) if pads else None,
+                                         image_token_counts=(pads,) if pads else (),
+                                         image_hashes=(image,) if pads else ()), pad_id=PAD)
+
+
+def next_token(seq: Sequence) -> int:
+    """The fake model's sample: a function of the request and the output position only, so a
+    recomputed request continues exactly as it would have."""
+    return 30 + (sum(map(ord, seq.request.request_id)) * 7 + len(seq.output_ids) * 13) % 60
+
+
+def stream(seq: Sequence, end: int) -> tuple[Item, ...]:
+    """The first `end` positions of the request's stream, image rows told apart by hash and row."""
+    r, pads = seq.request, {p: i for i, p in enumerate(seq.pads)}
+    return tuple((t, (r.image_hashes[0], pads[p]) if p in pads else None)
+                 for p, t in enumerate(seq.tokens(0, end)))
+
+
+class CacheModel:
+    """What each slot and block position holds: the stream prefix it was computed from."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: dict[int, tuple[Item, ...]] = {}  # KDA slot -> prefix its state is of
+        self.blocks: dict[tuple[int, int], tuple[Item, ...]] = {}  # (block, offset) -> prefix ending there
+        self.sampling: dict[int, tuple[str, list[int]]] = {}  # the runner's per-slot (request, output ids)
+
+    def execute(self, plan: StepPlan, seqs: list[Sequence]) -> list[int]:
+        """Run one plan; returns the sampled ids of its sampling rows, in order."""
+        for slot in plan.freed:
+            self.sampling.pop(slot, None)
+        for new in plan.new:
+            seq = next(s for sch, s in zip(plan.seqs, seqs) if sch.slot == new.slot)
+            assert list(new.output_ids) == seq.output_ids, f"{seq.request.request_id}: admitted with output {new.output_ids}"
+            assert tuple(new.prompt_ids) == (tuple(seq.request.prompt_ids) if seq.request.params.repetition_penalty
+                                             != 1.0 else ()), f"{seq.request.request_id}: the sampler gets prompt {new.prompt_ids}"
+            self.sampling[new.slot] = (seq.request.request_id, list(new.output_ids))
+        for src, dst in plan.copies:
+            self.slots[dst] = self.slots[src]
+        used = [sch.slot for sch in plan.seqs]
+        assert len(set(used)) == len(used), f"two rows share a slot: {used}"
+        writes = {}
+        for sch, seq in zip(plan.seqs, seqs):  # every row reads the cache as it was before the step
+            end = sch.start + len(sch.token_ids)
+            full = stream(seq, end)
+            assert sch.token_ids == tuple(t for t, _ in full[sch.start:]), f"{seq.request.request_id}: wrong tokens at {sch.start}"
+            assert sch.has_initial_state == (sch.start > 0)
+            if sch.start:
+                held = self.slots.get(sch.slot, ())
+                whose = "this" if held == full[:len(held)] else "another"
+                assert held == full[:sch.start], (f"{seq.request.request_id}: chunk starts at {sch.start} but slot {sch.slot} holds "
+                                                  f"the state of {len(held)} tokens of {whose} stream")
+            for p in range(sch.start):
+                at = (sch.block_table[p // self.block_size], p % self.block_size)
+                assert self.blocks.get(at) == full[:p + 1], (f"{seq.request.request_id}: position {p} in block {at[0]} was not "
+                                                             f"computed from this prefix")
+            for p in range(sch.start, end):
+                at = (sch.block_table[p // self.block_size], p % self.block_size)
+                assert at[0] != 0, f"{seq.request.request_id}: position {p} written into the null block"
+                assert at not in writes, f"block {at[0]} written by two rows in one step"
+                writes[at] = full[:p + 1]
+            self.slots[sch.slot] = full
+            if sch.sample:
+                assert end == seq.num_prompt_tokens + len(seq.output_ids), f"{seq.request.request_id}: samples at {end}"
+                owner = self.sampling.get(sch.slot)
+                assert owner is not None and owner[0] == seq.request.request_id, (
+                    f"{seq.request.request_id} samples in slot {sch.slot}, whose sampling state the runner has "
+                    f"{'dropped (plan.freed)' if owner is None else 'for ' + owner[0]}")
+                assert owner[1] == seq.output_ids, f"{seq.request.request_id}: the runner's output ids {owner[1]}"
+        self.blocks.update(writes)
+        for src, dst in plan.snapshots:
+            self.slots[dst] = self.slots[src]
+        tokens = []
+        for sch, seq in zip(plan.seqs, seqs):
+            if sch.sample:
+                tokens.append(next_token(seq))
+                self.sampling[sch.slot][1].append(tokens[-1])
+        return tokens
+
+
+def held_refs(sched: Scheduler, outside: list[int] = ()) -> None:
+    """Every block's reference count is the number of running sequences holding it."""
+    sched.blocks.check([s.blocks for s in sched.running] + [outside])
+    for s in sched.waiting:
+        assert (s.blocks, s.slot) == ([], None), f"{s.request.request_id} waits holding blocks {s.blocks} / slot {s.slot}"
+
+
+class Driver:
+    """The engine's step loop (`Engine._step`) over a scheduler and a `CacheModel`."""
+
+    def __init__(self, *, num_blocks: int, num_slots: int, block_size: int = 4, max_num_seqs: int = 4,
+                 budget: int = 64, prefix_caching: bool = True, snapshot_interval: int = 8) -> None:
+        cfg = SchedulerConfig(max_num_seqs, budget, prefix_caching, snapshot_interval)
+        self.sched = Scheduler(cfg, CacheCapacity(num_blocks, num_slots, block_size))
+        self.cache = CacheModel(block_size)
+        self.done: dict[str, list[int]] = {}
+        self.steps = 0
+        self.outside: list[int] = []  # blocks taken from outside the scheduler (hog)
+
+    def hog(self) -> None:
+        """Take every free block, so the next block any request needs preempts."""
+        self.outside = self.sched.blocks.allocate(self.sched.blocks.num_free)
+
+    def unhog(self) -> None:
+        self.sched.blocks.release(self.outside)
+        self.outside = []
+
+    def add(self, *seqs: Sequence) -> None:
+        for s in seqs:
+            self.sched.add(s)
+
+    def step(self) -> tuple[StepPlan, list[Sequence]]:
+        s = self.sched
+        for seq in s.pop_cancelled():
+            self.done[seq.request.request_id] = seq.output_ids
+        plan, seqs = s.schedule()
+        if plan.empty and s.all():
+            raise AssertionError(f"nothing scheduled with {len(s.running)} running, {len(s.waiting)} waiting, "
+                                 f"{s.blocks.num_free} free blocks: no step can ever change that")
+        tokens = iter(self.cache.execute(plan, seqs))
+        s.update(plan, seqs)
+        for sch, seq in zip(plan.seqs, seqs):
+            assert seq.num_computed == sch.start + len(sch.token_ids)
+            if sch.sample:
+                seq.append_token(next(tokens))
+        for seq in s.remove_finished():
+            self.done[seq.request.request_id] = seq.output_ids
+        held_refs(s, self.outside)
+        self.steps += 1
+        return plan, seqs
+
+    def run(self, max_steps: int = 2000) -> dict[str, list[int]]:
+        while self.sched.all():
+            assert self.steps < max_steps, f"no end after {max_steps} steps: {self.sched.num_preemptions} preemptions"
+            self.step()
+        assert self.sched.blocks.num_free == self.sched.blocks.capacity
+        assert self.sched.slots.usage == 0
+        return self.done
+
+
+def alone(seq: Sequence) -> list[int]:
+    """The request's output with a roomy pool to itself (no preemption, no prefix cache)."""
+    d = Driver(num_blocks=64, num_slots=4, prefix_caching=False)
+    d.add(make_seq(seq.request.request_id, seq.request.prompt_ids, seq.request.params.max_tokens,
+                   seq.request.image_hashes[0] if seq.pads else None))
+    return d.run()[seq.request.request_id]
+
+
+# ---- computed-token counts across preemption -------------------------------------------------
+
+STAGES = {  # when the pool runs dry, in terms of the victim's progress
+    "first-chunk": lambda v: v.num_computed > 0,
+    "mid-prefill": lambda v: v.num_computed >= 10 and not v.output_ids,
+    "prefill-done": lambda v: len(v.output_ids) == 1,
+    "decoding": lambda v: len(v.output_ids) == 3,
+}
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_preempted_request_restarts_from_its_cache_at_every_stage(stage, caching):
+    """`old` decodes while `victim` (20-token prompt, chunks of at most 6) runs; at `stage` every
+    free block is taken, so old's next block preempts the newest request, victim. At that moment
+    victim holds nothing and counts nothing computed; it resumes where its cache really ends
+    (CacheModel), and both outputs equal their runs alone."""
+    d = Driver(num_blocks=12, num_slots=3 + 2 * caching, max_num_seqs=2, budget=7, prefix_caching=caching)
+    old, victim = make_seq("old", [5, 6, 7], max_tokens=20), make_seq("victim", list(range(40, 60)), max_tokens=6)
+    d.add(old)
+    d.step()
+    d.add(victim)
+    while not STAGES[stage](victim):
+        d.step()
+    seen = []
+    preempt = d.sched._preempt
+
+    def spy(seq: Sequence) -> None:
+        preempt(seq)
+        seen.append((seq.request.request_id, seq.num_computed, list(seq.blocks), seq.slot, seq.num_registered))
+
+    d.sched._preempt = spy
+    d.hog()
+    while not seen:
+        d.step()
+    d.unhog()
+    assert seen[0] == ("victim", 0, [], None, 0), f"preempted at {stage}: (request, computed, blocks, slot, registered)"
+    out = d.run()
+    assert out == {"old": alone(old), "victim": alone(victim)}
+
+
+def test_prefills_short_of_blocks_with_nothing_decoding_preempt_the_newest():
+    """Two prompts prefilled side by side (chunks end at every 4-token snapshot point) fill the pool
+    before either is done, and nothing decodes, so no decode preempts. The step that could schedule
+    nothing preempts the newer prompt instead, and both finish as alone."""
+    d = Driver(num_blocks=10, num_slots=3, max_num_seqs=2, budget=6, snapshot_interval=4)
+    first, second = make_seq("first", [40] * 25, max_tokens=1), make_seq("second", [41] * 31, max_tokens=4)
+    d.add(first, second)
+    seen = []
+    preempt = d.sched._preempt
+    d.sched._preempt = lambda seq: (seen.append((seq.request.request_id, seq.prefilling, seq.num_computed)), preempt(seq))
+    out = d.run()
+    assert out == {"first": alone(first), "second": alone(second)}
+    assert seen and seen[0][:2] == ("second", True) and seen[0][2] > 0, seen
+
+
+def test_the_same_ids_with_another_image_share_only_the_blocks_before_it():
+    """[IMG-4]: image rows are part of the prefix keys. After a request with image a, the same ids
+    with image b reuse the 8 tokens before the pads; the same ids with image a again reuse all
+    but the last block, past the image."""
+    ids = [50] * 8 + [PAD] * 4 + [51] * 9
+    d = Driver(num_blocks=40, num_slots=8, snapshot_interval=4)
+    seqs = [make_seq("a", ids, 3, "a" * 32), make_seq("b", ids, 3, "b" * 32), make_seq("a2", ids, 3, "a" * 32)]
+    for seq in seqs:
+        d.add(seq)
+        d.run()
+    assert [s.num_cached_tokens for s in seqs] == [0, 8, 20]
+
+
+# ---- leaks, and many requests against small pools ----------------------------------------------
+
+def test_a_leaked_block_fails_the_next_step_naming_it():
+    """A block still referenced when nothing runs would starve later requests (a hang): the next
+    schedule() fails instead."""
+    d = Driver(num_blocks=6, num_slots=3)
+    d.add(make_seq("a", [5, 6, 7, 8, 9], max_tokens=2))
+    d.run()
+    leaked = d.sched.blocks.allocate(1)[0]  # a reference nobody will release
+    d.add(make_seq("b", [5, 6], max_tokens=2))
+    with pytest.raises(AssertionError, match=rf"no sequence is running but block {leaked} has 1 references but 0"):
+        d.sched.schedule()
+
+
+def random_workload(rng: random.Random, n: int) -> list[tuple[int, Sequence]]:
+    """(arrival step, request): prompts built from a few 4-token blocks, so that requests share
+    beginnings, repeat blocks after other beginnings, and carry one of two images."""
+    blocks = [[rng.randrange(30, 90) for _ in range(4)] for _ in range(4)]
+    out = []
+    for i in range(n):
+        ids = [t for _ in range(rng.randrange(1, 7)) for t in rng.choice(blocks)]
+        image = None
+        if rng.random() < 0.25:
+            at = rng.randrange(len(ids) + 1)
+            ids[at:at] = [PAD] * rng.choice([3, 4, 6])
+            image = rng.choice("ab") * 32
+        ids += [rng.randrange(30, 90) for _ in range(rng.randrange(0, 4))]
+        out.append((rng.randrange(0, 3 * n), make_seq(f"r{i}", ids, rng.randrange(1, 12), image,
+                                                      rng.choice([1.0, 1.3]))))
+    return sorted(out, key=lambda x: x[0])
+
+
+def run_random(seed: int) -> Driver:
+    """One random workload (random_workload) with random cancellations on a random small pool."""
+    rng = random.Random(seed)
+    work = random_workload(rng, 10)
+    requests = {s.request.request_id: s for _, s in work}
+    longest = max(s.num_prompt_tokens + s.request.params.max_tokens for s in requests.values())
+    d = Driver(num_blocks=1 + -(-longest // 4) + rng.randrange(0, 6), num_slots=rng.randrange(3, 7),
+               max_num_seqs=rng.randrange(1, 5), budget=rng.randrange(3, 20), prefix_caching=seed % 3 != 0,
+               snapshot_interval=rng.choice([4, 8]))
+    step, cancelled = 0, set()
+    while work or d.sched.all():
+        while work and work[0][0] <= step:
+            d.add(work.pop(0)[1])
+        if d.sched.running and rng.random() < 0.03:
+            victim = rng.choice(d.sched.running)
+            victim.cancelled = True
+            cancelled.add(victim.request.request_id)
+        if d.sched.all():
+            d.step()
+        step += 1
+        assert step < 3000, "no end after 3000 steps"
+    assert d.sched.blocks.num_free == d.sched.blocks.capacity and d.sched.slots.usage == 0
+    assert d.done.keys() == requests.keys()
+    for key, out in d.done.items():
+        want = alone(requests[key])
+        assert out == want[:len(out)] if key in cancelled else out == want, key
+    return d
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_requests_on_small_pools_read_only_their_own_cache(seed):
+    """Random arrivals, cancellations, budgets and pool sizes (tight pools: many preemptions,
+    prefix hits on repeated blocks and images): every step reads only its own cache (CacheModel),
+    block references always match their holders, no step is empty while requests wait, and every
+    request ends with its output alone (a prefix of it when cancelled)."""
+    run_random(seed)
