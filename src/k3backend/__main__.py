@@ -1,4 +1,4 @@
-"""Command line: `python -m k3backend {generate,make-checkpoint,hf-tokenizer,serve}`. Argument parsing only."""
+"""Command line: `python -m k3backend {generate,make-checkpoint,hf-tokenizer,serve,openai}`. Argument parsing only."""
 
 from __future__ import annotations
 
@@ -76,6 +76,16 @@ def _hf_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _openai(args: argparse.Namespace) -> int:
+    from k3backend.openai.app import GatewayConfig, serve
+    from k3backend.openai.options import api_key
+
+    return serve(GatewayConfig(
+        triton_url=args.triton_url, host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=api_key(args), triton_model=args.triton_model, max_request_bytes=args.max_request_bytes,
+        grpc_channels=args.grpc_channels))
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
@@ -117,7 +127,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="the template's thinking default; match k3_lm's default_thinking parameter")
     h.set_defaults(fn=_hf_tokenizer)
 
-    sub.add_parser("serve", help="run tritonserver on model_repository in the foreground (options pass through)")
+    sub.add_parser("serve", help="run tritonserver on model_repository in the foreground (options pass through; "
+                                 "--openai starts the OpenAI gateway beside it)")
+
+    from k3backend.openai.options import add_options
+
+    o = sub.add_parser("openai", help="serve the OpenAI API (chat, completions) in front of a running tritonserver")
+    o.add_argument("--triton-url", required=True, help="tritonserver's gRPC endpoint, HOST:PORT (e.g. localhost:8001)")
+    add_options(o)
+    o.set_defaults(fn=_openai)
 
     args = p.parse_args(argv)
     return args.fn(args)
