@@ -34,7 +34,7 @@ LIMIT = 2 * 2**20  # the gateway's --max-request-bytes here
 
 @pytest.fixture(scope="module")
 def server(triton_server, tmp_path_factory):
-    os.environ["K3_DEFAULT_CHECKPOINT"] = str(tmp_path_factory.mktemp("ckpt") / "tiny-seed0")
+    os.environ.setdefault("K3_DEFAULT_CHECKPOINT", str(tmp_path_factory.mktemp("ckpt") / "tiny-seed0"))
     return triton_server(REPO, MODELS)
 
 
