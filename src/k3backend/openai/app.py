@@ -38,6 +38,7 @@ class GatewayConfig:
     triton_model: str = "k3_ensemble"
     max_request_bytes: int = 64 * 2**20
     grpc_channels: int = 1
+    reuse_port: bool = False  # one of several processes on this port (--workers)
 
 
 POOL = web.AppKey("pool", TritonPool)
@@ -216,7 +217,7 @@ async def _merged(streams: list[TritonStream]) -> AsyncIterator[tuple[int, Delta
 async def _serve(cfg: GatewayConfig) -> None:
     runner = web.AppRunner(make_app(cfg), handler_cancellation=True, access_log=None, shutdown_timeout=5)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_port=cfg.reuse_port or None)
     await site.start()
     logger.info("OpenAI API on http://%s:%d/v1 (model %r) -> Triton %s model %s%s", cfg.host, cfg.port,
                 cfg.served_model_name, cfg.triton_url, cfg.triton_model, ", API key required" if cfg.api_key else "")

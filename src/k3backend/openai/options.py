@@ -22,7 +22,11 @@ def add_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument("--triton-model", default="k3_ensemble", help="the Triton model to call (default %(default)s)")
     p.add_argument("--max-request-bytes", type=int, default=64 * 2**20,
                    help="larger request bodies get 413 (default %(default)s, room for base64 images)")
-    p.add_argument("--grpc-channels", type=int, default=1, help="gRPC channels to Triton (default %(default)s)")
+    p.add_argument("--grpc-channels", type=int, default=1, help="gRPC channels to Triton per process "
+                                                               "(default %(default)s)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="gateway processes sharing the port (SO_REUSEPORT), each taking whole connections; "
+                        "one process handles a few thousand streamed tokens per second (default %(default)s)")
 
 
 def gateway_argv(args: argparse.Namespace, triton_url: str, prefix: str = "") -> list[str]:
@@ -30,7 +34,8 @@ def gateway_argv(args: argparse.Namespace, triton_url: str, prefix: str = "") ->
     get = lambda name: getattr(args, (prefix + name).replace("-", "_"))  # noqa: E731
     return ["--triton-url", triton_url, "--host", get("host"), "--port", str(get("port")),
             "--served-model-name", args.served_model_name, "--triton-model", args.triton_model,
-            "--max-request-bytes", str(args.max_request_bytes), "--grpc-channels", str(args.grpc_channels)]
+            "--max-request-bytes", str(args.max_request_bytes), "--grpc-channels", str(args.grpc_channels),
+            "--workers", str(args.workers)]
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -37,6 +37,7 @@ class _Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    times: dict[str, int] | None = None
 
 
 class Answer:
@@ -64,6 +65,7 @@ class Answer:
         c.cached_tokens = d.num_cached_tokens or c.cached_tokens
         if d.final:
             c.finish_reason = FINISH_REASONS.get(d.finish_reason, d.finish_reason or "stop")
+            c.times = d.times
         logprobs = None
         if self.plan.logprobs and d.logprobs is not None:
             logprobs = self._logprobs(c, d.logprobs)
@@ -80,6 +82,8 @@ class Answer:
             out = {"index": index, "text": d.text}
         out["logprobs"] = logprobs
         out["finish_reason"] = c.finish_reason
+        if d.final and self.plan.perf_metrics:
+            out["perf_metrics"] = c.times
         return out
 
     def _logprobs(self, c: _Choice, entries: list[dict]) -> dict:
@@ -139,6 +143,8 @@ class Answer:
             else:
                 choice = {"index": i, "text": text, "logprobs": _join_legacy(c.logprobs) if self.plan.logprobs else None}
             choice["finish_reason"] = c.finish_reason
+            if self.plan.perf_metrics:
+                choice["perf_metrics"] = c.times
             choices.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}

@@ -43,7 +43,7 @@ OFF_VALUES: dict[str, tuple] = {
     "suffix": ("",), "best_of": (1,),
 }
 COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "stop", "seed", "stop_token_ids",
-          *SAMPLING, *VLLM_SWITCHES, *IGNORED}
+          "return_perf_metrics", *SAMPLING, *VLLM_SWITCHES, *IGNORED}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "thinking",
                         "chat_template_kwargs", "logit_bias", "tools", "functions", "tool_choice",
                         "function_call", "response_format", "modalities", "audio", "prediction",
@@ -71,6 +71,7 @@ class Plan:
     include_usage: bool  # streaming: a last chunk with usage
     logprobs: bool
     top_logprobs: int
+    perf_metrics: bool  # extension: k3_lm's *_time_ns outputs in each choice's last chunk
 
 
 def chat_plan(body: dict, served_name: str) -> Plan:
@@ -132,7 +133,8 @@ def _plan(kind: str, body: dict, per_prompt: list[dict], max_tokens: int | None,
     common = _sampling(body, max_tokens)
     common.update({"stream": (stream, "BOOL"), "return_finish_reason": (True, "BOOL"),
                    "return_num_input_tokens": (True, "BOOL"), "return_num_output_tokens": (True, "BOOL")})
-    if include_usage or not stream:  # usage.prompt_tokens_details.cached_tokens
+    perf_metrics = bool(_get(body, "return_perf_metrics", bool))
+    if include_usage or not stream or perf_metrics:  # usage.prompt_tokens_details.cached_tokens
         common["return_perf_metrics"] = (True, "BOOL")
     if logprobs:
         common["return_logprobs"] = (True, "BOOL")
@@ -147,7 +149,7 @@ def _plan(kind: str, body: dict, per_prompt: list[dict], max_tokens: int | None,
             if seed is not None:  # choice j draws with seed + j, so n > 1 gives n different samples
                 inputs["seed"] = ((seed + j) % 2**64, "UINT64")
             jobs.append(Job(f"oai-{uuid.uuid4().hex}", inputs, p * n + j, p))
-    return Plan(kind, jobs, stream, include_usage, logprobs, top_logprobs)
+    return Plan(kind, jobs, stream, include_usage, logprobs, top_logprobs, perf_metrics)
 
 
 def _sampling(body: dict, max_tokens: int | None) -> dict[str, tuple[Any, str]]:

@@ -1,10 +1,15 @@
-"""The gateway's side of Triton: gRPC streams to k3_ensemble, one per choice (tritonclient.grpc.aio).
+"""The gateway's side of Triton: one gRPC `ModelStreamInfer` call per choice.
 
-Each `TritonStream` is one `ModelStreamInfer` call carrying one request; its responses become
-`Delta`s. A stream closed before its final response (the HTTP client went away) is stopped with
-the stop + request-id convention (docs/client-api.md "Cancellation"), because a gRPC cancel of
-a k3_ensemble stream does not reach k3_lm; the gRPC call is cancelled too, which is what frees
-a request when the gateway talks to k3_lm directly.
+The calls go through grpc.aio with tritonclient's service definitions (`tritonclient.grpc.
+service_pb2*`), building the request protobuf directly: measured on the 2-core CI machine,
+`tritonclient.grpc.aio.InferenceServerClient.stream_infer` with `InferInput`s cost 0.5 ms more CPU
+per request (numpy arrays and wrappers) and 5 % more per response, all of it on the path of the
+first token (docs/openai.md "Overhead").
+
+A `TritonStream` closed before its final response (the HTTP client went away) is stopped with the
+stop + request-id convention (docs/client-api.md "Cancellation"), because a gRPC cancel of a
+k3_ensemble stream does not reach k3_lm; the call is cancelled too, which is what frees a request
+when the gateway talks to k3_lm directly.
 """
 
 from __future__ import annotations
@@ -14,13 +19,10 @@ import itertools
 import json
 import logging
 import struct
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
-import tritonclient.grpc as grpcclient
-import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from k3backend.openai.errors import ApiError, from_rpc, from_triton
 from k3backend.openai.translate import Job
@@ -28,8 +30,12 @@ from k3backend.openai.translate import Job
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
-_NP = {"BYTES": np.object_, "INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_, "UINT64": np.uint64}
-_INT32 = struct.Struct("<i")
+READY_TIMEOUT_S = 2.0
+# As tritonclient sets them: images make requests far larger than gRPC's 4 MiB default.
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
+_INT32, _INT64 = struct.Struct("<i"), struct.Struct("<q")
+_PACK = {"INT32": "i", "FP32": "f", "BOOL": "?", "UINT64": "Q"}
+_TIMES = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
 
 
 @dataclass
@@ -43,36 +49,43 @@ class Delta:
     logprobs: list | None  # k3's per-token JSON entries (docs/client-api.md "Log-probabilities")
     num_input_tokens: int
     num_cached_tokens: int
+    times: dict[str, int] | None  # the *_time_ns outputs (return_perf_metrics)
     final: bool
 
 
-def make_inputs(inputs: dict[str, tuple[object, str]]) -> list[grpcclient.InferInput]:
-    """{name: (value or list, dtype)} -> InferInputs with the batch dim: scalars [1, 1], lists [1, n]."""
-    out = []
+def request_pb(model: str, request_id: str, inputs: dict[str, tuple[object, str]]) -> service_pb2.ModelInferRequest:
+    """{name: (value or list, dtype)} -> the request, each tensor [1, 1] or [1, n] in raw form."""
+    req = service_pb2.ModelInferRequest(model_name=model, id=request_id)
     for name, (value, dtype) in inputs.items():
         items = value if isinstance(value, list) else [value]
-        arr = np.array([[v.encode() if isinstance(v, str) else v for v in items]], dtype=_NP[dtype])
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
+        req.inputs.add(name=name, datatype=dtype, shape=[1, len(items)])
+        if dtype == "BYTES":  # each element: 4-byte little-endian length, then its bytes
+            data = [v.encode() if isinstance(v, str) else v for v in items]
+            raw = b"".join(_INT32.pack(len(d)) + d for d in data)
+        else:
+            raw = struct.pack(f"<{len(items)}{_PACK[dtype]}", *items)
+        req.raw_input_contents.append(raw)
+    return req
 
 
-def parse_delta(result: grpcclient.InferResult) -> Delta:
-    """Read the one-element outputs straight from the raw contents (each is [1, 1])."""
-    resp = result.get_response()
+def parse_delta(resp: service_pb2.ModelInferResponse) -> Delta:
+    """Read the one-element outputs straight from the raw contents."""
     values: dict[str, object] = {}
     for output, raw in zip(resp.outputs, resp.raw_output_contents):
-        if output.datatype == "BYTES":  # 4-byte length, then the bytes
+        dtype = output.datatype
+        if dtype == "BYTES":  # 4-byte length, then the bytes
             values[output.name] = raw[4:4 + _INT32.unpack_from(raw)[0]].decode("utf-8", "replace")
-        elif output.datatype == "INT32":
+        elif dtype == "INT32":
             values[output.name] = _INT32.unpack_from(raw)[0]
+        elif dtype == "INT64":
+            values[output.name] = _INT64.unpack_from(raw)[0]
     lp = values.get("logprobs")
     return Delta(
         text=values.get("text_output", ""), reasoning=values.get("reasoning_output", ""),
         n_tokens=values.get("num_output_tokens", 0), finish_reason=values.get("finish_reason", ""),
         logprobs=json.loads(lp) if lp is not None else None,
         num_input_tokens=values.get("num_input_tokens", 0), num_cached_tokens=values.get("num_cached_tokens", 0),
+        times={k: values[k] for k in _TIMES} if _TIMES[0] in values else None,
         final=resp.parameters["triton_final_response"].bool_param,
     )
 
@@ -84,8 +97,8 @@ class TritonStream:
         self.job = job
         self._pool = pool
         self._done = False
-        request = {"model_name": pool.model, "inputs": make_inputs(job.inputs), "request_id": job.request_id}
-        self._call = pool.client().stream_infer(_once(request))
+        # A one-element request iterator: gRPC half-closes after it, and Triton still sends every response.
+        self._call = pool.stub().ModelStreamInfer(iter([request_pb(pool.model, job.request_id, job.inputs)]))
 
     def __aiter__(self) -> TritonStream:
         return self
@@ -94,16 +107,16 @@ class TritonStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            result, error = await self._call.__anext__()
+            msg = await self._call.read()
         except grpc.RpcError as e:  # the connection failed: the request may still be running
             raise from_rpc(e) from None
-        except StopAsyncIteration:
+        if msg is grpc.aio.EOF:
             self._done = True
-            raise ApiError(502, "Triton closed the stream before the final response", "server_error") from None
-        if error is not None:  # an error is the request's last response ([ERR-1])
+            raise ApiError(502, "Triton closed the stream before the final response", "server_error")
+        if msg.error_message:  # an error is the request's last response ([ERR-1])
             self._done = True
-            raise from_triton(error.message())
-        delta = parse_delta(result)
+            raise from_triton(msg.error_message)
+        delta = parse_delta(msg.infer_response)
         self._done = delta.final
         return delta
 
@@ -119,11 +132,12 @@ class TritonPool:
 
     def __init__(self, url: str, model: str, channels: int = 1) -> None:
         self.url, self.model = url, model
-        self._clients = [grpcaio.InferenceServerClient(url) for _ in range(channels)]
-        self._next = itertools.cycle(self._clients)
+        self._channels = [grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for _ in range(channels)]
+        self._stubs = [service_pb2_grpc.GRPCInferenceServiceStub(c) for c in self._channels]
+        self._next = itertools.cycle(self._stubs)
         self._stops: set[asyncio.Task] = set()
 
-    def client(self) -> grpcaio.InferenceServerClient:
+    def stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
         return next(self._next)
 
     def open(self, job: Job) -> TritonStream:
@@ -136,46 +150,31 @@ class TritonPool:
 
     async def _stop(self, request_id: str) -> None:
         """Send the stop request for `request_id` and wait for its one final response."""
-        request = {"model_name": self.model, "request_id": request_id,
-                   "inputs": make_inputs({"text_input": ("", "BYTES"), "stop": (True, "BOOL")})}
-        call = self.client().stream_infer(_once(request))
+        stop = request_pb(self.model, request_id, {"text_input": ("", "BYTES"), "stop": (True, "BOOL")})
+        call = self.stub().ModelStreamInfer(iter([stop]))
         try:
-            error = await asyncio.wait_for(_final_error(call), STOP_TIMEOUT_S)
-            if error:
-                logger.warning("stop of request %s failed: %s", request_id, error)
+            msg = await asyncio.wait_for(call.read(), STOP_TIMEOUT_S)
+            if msg is grpc.aio.EOF or msg.error_message:
+                logger.warning("stop of request %s failed: %s", request_id, getattr(msg, "error_message", "no answer"))
         except (grpc.RpcError, asyncio.TimeoutError) as e:
             logger.warning("stop of request %s failed: %r", request_id, e)
         finally:
             call.cancel()
 
     async def ready(self) -> bool:
-        """Server and model ready (GET /health); any failure to ask counts as not ready."""
-        client = self._clients[0]
+        """Server and model ready (GET /health); failing to ask counts as not ready."""
+        stub = self._stubs[0]
         try:
-            return await client.is_server_ready(client_timeout=2) and await client.is_model_ready(
-                self.model, client_timeout=2)
-        except Exception as e:  # noqa: BLE001 - an unreachable server is simply not ready
-            logger.debug("readiness check failed: %r", e)
+            server = await stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=READY_TIMEOUT_S)
+            model = await stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=READY_TIMEOUT_S)
+        except grpc.RpcError as e:
+            logger.debug("readiness check failed: %s", e.code())
             return False
+        return server.ready and model.ready
 
     async def close(self) -> None:
         """Let pending stop requests finish (they free engine work), then close the channels."""
         if self._stops:
             await asyncio.wait(set(self._stops), timeout=STOP_TIMEOUT_S)
-        for client in self._clients:
-            await client.close()
-
-
-async def _once(request: dict) -> AsyncIterator[dict]:
-    """The request side of a stream: one request, then half-close (Triton still sends every response)."""
-    yield request
-
-
-async def _final_error(call) -> str | None:
-    """Read a one-request stream to its final response; its error message, or None."""
-    async for result, error in call:
-        if error is not None:
-            return error.message()
-        if result.get_response().parameters["triton_final_response"].bool_param:
-            return None
-    return "the stream ended before the final response"
+        for channel in self._channels:
+            await channel.close()
