@@ -115,11 +115,14 @@ def test_completion_equals_the_ensembles_greedy_output(server, client, stream, e
                             "exclude_input_in_output": not echo})
     kwargs = dict(model="k3", prompt=prompt, max_tokens=20, temperature=0, echo=echo)
     if stream:
-        chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"return_perf_metrics": True}))
         text = "".join(c.text for ch in chunks for c in ch.choices)
         finish = [c.finish_reason for ch in chunks for c in ch.choices][-1]
         usage = chunks[-1].usage
         assert all(ch.usage is None for ch in chunks[:-1]) and not chunks[-1].choices
+        times = chunks[-2].choices[0].perf_metrics  # the extension, in the choice's last chunk
+        assert 0 < times["arrival_time_ns"] <= times["first_token_time_ns"] <= times["last_token_time_ns"]
     else:
         r = client.completions.create(**kwargs)
         text, finish, usage = r.choices[0].text, r.choices[0].finish_reason, r.usage
@@ -292,9 +295,9 @@ def test_disconnect_during_a_whole_answer_stops_it_too(server, gateway):
 
 
 def test_sixteen_concurrent_streams_are_each_exact(server, gateway):
-    prompts = [f"Concurrent prompt {i}: once upon a time" for i in range(16)]
+    prompts = [f"Concurrent prompt {i}: once upon a time" for i in range(16)]  # 16 x 16 tokens
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
-    refs = collect(grpc, [("k3_ensemble", {"text_input": p, "max_tokens": 24, "temperature": 0.0, "stream": True,
+    refs = collect(grpc, [("k3_ensemble", {"text_input": p, "max_tokens": 16, "temperature": 0.0, "stream": True,
                                            "return_num_output_tokens": True}, f"c{i}")
                           for i, p in enumerate(prompts)])
     grpc.close()
@@ -304,7 +307,7 @@ def test_sixteen_concurrent_streams_are_each_exact(server, gateway):
 
         async def one(p: str) -> tuple[str, int]:
             text, usage = [], None
-            async for ch in await c.completions.create(model="k3", prompt=p, max_tokens=24, temperature=0, stream=True,
+            async for ch in await c.completions.create(model="k3", prompt=p, max_tokens=16, temperature=0, stream=True,
                                                        stream_options={"include_usage": True}):
                 text += [x.text for x in ch.choices]
                 usage = ch.usage or usage

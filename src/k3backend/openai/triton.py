@@ -85,7 +85,7 @@ def parse_delta(resp: service_pb2.ModelInferResponse) -> Delta:
         n_tokens=values.get("num_output_tokens", 0), finish_reason=values.get("finish_reason", ""),
         logprobs=json.loads(lp) if lp is not None else None,
         num_input_tokens=values.get("num_input_tokens", 0), num_cached_tokens=values.get("num_cached_tokens", 0),
-        times={k: values[k] for k in _TIMES} if _TIMES[0] in values else None,
+        times={k: values[k] for k in _TIMES if k in values} or None,
         final=resp.parameters["triton_final_response"].bool_param,
     )
 
