@@ -139,11 +139,18 @@ def _process(load: Load) -> list[Row]:
 
 
 def cpu_seconds(pid: int | None) -> float:
-    """utime + stime of a process on this host (0 when unknown)."""
+    """utime + stime of a process and its children (the --workers processes) on this host; 0 if unknown."""
     if pid is None:
         return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        if int(stat.parent.name) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def measure(pool, path: str, url: str, model: str, concurrency: int, requests: int, args,

@@ -108,6 +108,8 @@ class Answer:
     # ---- streamed ---------------------------------------------------------------------------
 
     def chunk(self, choice: dict) -> bytes:
+        if self.plan.continuous_usage:
+            return (self._head + _dumps(choice) + '],"usage":' + _dumps(self.usage()) + "}\n\n").encode()
         return (self._head + _dumps(choice) + self._tail).encode()
 
     def role_chunks(self) -> bytes:

@@ -69,6 +69,7 @@ class Plan:
     jobs: list[Job]
     stream: bool
     include_usage: bool  # streaming: a last chunk with usage
+    continuous_usage: bool  # streaming (vLLM's continuous_usage_stats): usage so far in every chunk
     logprobs: bool
     top_logprobs: int
     perf_metrics: bool  # extension: k3_lm's *_time_ns outputs in each choice's last chunk
@@ -125,6 +126,7 @@ def _plan(kind: str, body: dict, per_prompt: list[dict], max_tokens: int | None,
     if unknown:
         raise bad_request(f"unknown key {unknown[0]!r} in stream_options", "stream_options")
     include_usage = stream and options.get("include_usage") is True
+    continuous_usage = stream and options.get("continuous_usage_stats") is True
     n = _get(body, "n", int)
     n = 1 if n is None else n
     if not 1 <= n or n * len(per_prompt) > MAX_CHOICES:
@@ -134,7 +136,7 @@ def _plan(kind: str, body: dict, per_prompt: list[dict], max_tokens: int | None,
     common.update({"stream": (stream, "BOOL"), "return_finish_reason": (True, "BOOL"),
                    "return_num_input_tokens": (True, "BOOL"), "return_num_output_tokens": (True, "BOOL")})
     perf_metrics = bool(_get(body, "return_perf_metrics", bool))
-    if include_usage or not stream or perf_metrics:  # usage.prompt_tokens_details.cached_tokens
+    if include_usage or continuous_usage or not stream or perf_metrics:  # usage.prompt_tokens_details.cached_tokens
         common["return_perf_metrics"] = (True, "BOOL")
     if logprobs:
         common["return_logprobs"] = (True, "BOOL")
@@ -149,7 +151,7 @@ def _plan(kind: str, body: dict, per_prompt: list[dict], max_tokens: int | None,
             if seed is not None:  # choice j draws with seed + j, so n > 1 gives n different samples
                 inputs["seed"] = ((seed + j) % 2**64, "UINT64")
             jobs.append(Job(f"oai-{uuid.uuid4().hex}", inputs, p * n + j, p))
-    return Plan(kind, jobs, stream, include_usage, logprobs, top_logprobs, perf_metrics)
+    return Plan(kind, jobs, stream, include_usage, continuous_usage, logprobs, top_logprobs, perf_metrics)
 
 
 def _sampling(body: dict, max_tokens: int | None) -> dict[str, tuple[Any, str]]:
