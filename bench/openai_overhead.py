@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -36,7 +37,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 FILLER = "the quick brown fox jumps over the lazy dog and keeps running through the long green field "
 
 
-Row = tuple[float, float, float, int, int]  # sent, first response, last response, tokens, responses
+# sent, first response, last response (monotonic s), tokens, responses, and the serving path's time in ms:
+# (k3_lm's arrival_time_ns - sent) + (final response received - last_token_time_ns), wall clock. The final
+# response is sent as soon as the last token is sampled; the first can wait for text (UTF-8 and markup
+# hold-back), which differs from prompt to prompt.
+Row = tuple[float, float, float, int, int, float]
 
 
 @dataclass(frozen=True)
@@ -69,29 +74,36 @@ async def via_grpc(client, load: Load, text: str) -> Row:
     inputs = [tensor("text_input", text, "BYTES"), tensor("max_tokens", load.max_tokens, "INT32"),
               tensor("min_tokens", load.max_tokens, "INT32"), tensor("ignore_eos", True, "BOOL"),
               tensor("temperature", 0.0, "FP32"), tensor("stream", True, "BOOL"),
-              tensor("return_num_output_tokens", True, "BOOL")]
+              tensor("return_num_output_tokens", True, "BOOL"), tensor("return_perf_metrics", True, "BOOL")]
 
     async def once():
         yield {"model_name": load.model, "inputs": inputs, "request_id": uuid.uuid4().hex}
 
-    t0 = time.monotonic()
+    sent_ns, t0 = time.time_ns(), time.monotonic()
     first, n, events = None, 0, 0
     async for result, error in client.stream_infer(once()):
         if error is not None:
             raise RuntimeError(error.message())
-        t = time.monotonic()
-        first, events = first or t, events + 1
+        t, last_ns = time.monotonic(), time.time_ns()
+        first = first or t
+        events += 1
         n += int(result.as_numpy("num_output_tokens").reshape(-1)[0])
         if result.get_response().parameters["triton_final_response"].bool_param:
+            times = {k: int(result.as_numpy(k).reshape(-1)[0]) for k in ("arrival_time_ns", "last_token_time_ns")}
             break
-    return t0, first, t, n, events
+    return t0, first, t, n, events, _serving_ms(sent_ns, last_ns, times)
+
+
+def _serving_ms(sent_ns: int, last_ns: int, times: dict) -> float:
+    return ((times["arrival_time_ns"] - sent_ns) + (last_ns - times["last_token_time_ns"])) / 1e6
 
 
 async def via_openai(session, load: Load, text: str) -> Row:
     body = {"model": load.model, "prompt": text, "max_tokens": load.max_tokens, "min_tokens": load.max_tokens,
-            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.monotonic()
-    first = last = None
+            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "return_perf_metrics": True}
+    sent_ns, t0 = time.time_ns(), time.monotonic()
+    first = last = last_ns = times = None
     n = events = 0
     async with session.post(load.url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
@@ -103,9 +115,11 @@ async def via_openai(session, load: Load, text: str) -> Row:
             if event.get("usage"):
                 n = event["usage"]["completion_tokens"]
                 continue
-            last = time.monotonic()
-            first, events = first or last, events + 1
-    return t0, first, last, n, events
+            last, last_ns = time.monotonic(), time.time_ns()
+            first = first or last
+            events += 1
+            times = event["choices"][0].get("perf_metrics") or times  # in the final chunk
+    return t0, first, last, n, events, _serving_ms(sent_ns, last_ns, times)
 
 
 async def run_load(load: Load) -> list[Row]:
@@ -166,18 +180,21 @@ def measure(pool, path: str, url: str, model: str, concurrency: int, requests: i
     ttft = [(r[1] - r[0]) * 1e3 for r in rows]
     decode = [(r[3] - 1) / (r[2] - r[1]) for r in rows if r[3] > 1 and r[2] > r[1]]
     wall = max(r[2] for r in rows) - min(r[0] for r in rows)
+    serving = [r[5] for r in rows]
     bad = [r[3] for r in rows if r[3] != args.max_tokens]
     if bad:
         raise RuntimeError(f"{path}: {len(bad)} requests returned other than {args.max_tokens} tokens: {bad[:5]}")
-    return {"requests": len(rows), "ttft": ttft, "decode": decode, "tokens": sum(r[3] for r in rows), "wall": wall,
-            "responses": sum(r[4] for r in rows), "cpu": cpu}
+    return {"requests": len(rows), "ttft": ttft, "serving": serving, "decode": decode, "wall": wall, "cpu": cpu,
+            "tokens": sum(r[3] for r in rows), "responses": sum(r[4] for r in rows)}
 
 
 def summary(results: list[dict]) -> dict:
     ttft = [x for r in results for x in r["ttft"]]
+    serving = [x for r in results for x in r["serving"]]
     decode = [x for r in results for x in r["decode"]]
     total = {k: sum(r[k] for r in results) for k in ("requests", "tokens", "wall", "responses", "cpu")}
     return {**total, "p50": statistics.median(ttft), "p90": float(np.percentile(ttft, 90)),
+            "serving": statistics.median(serving),
             "decode": statistics.median(decode), "throughput": total["tokens"] / total["wall"]}
 
 
@@ -197,6 +214,7 @@ def main() -> int:
     ap.add_argument("--gateway-args", default="", help="extra arguments for a gateway this bench starts")
     ap.add_argument("--gateway-pid", type=int, help="pid of the --openai-url gateway on this host, for its CPU time")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops what it started
     print("command:", " ".join(sys.argv))
     versions = ", ".join(f"{p} {metadata.version(p)}" for p in ("tritonclient", "grpcio", "aiohttp"))
     print(f"python {platform.python_version()}, {versions}, {platform.machine()}, {mp.cpu_count()} CPUs")
@@ -238,13 +256,17 @@ def main() -> int:
         if server is not None:
             server.stop()
     print(f"{'concurrency':>11}  {'path':<22} {'requests':>8} {'TTFT p50 ms':>11} {'TTFT p90 ms':>11} "
-          f"{'decode tok/s/req':>16} {'output tok/s':>12}")
+          f"{'serving p50 ms':>14} {'decode tok/s/req':>16} {'output tok/s':>12}")
     for c, direct, gw in table:
         for name, s in ((f"{args.triton_model} gRPC", direct), ("OpenAI gateway", gw)):
-            print(f"{c:>11}  {name:<22} {s['requests']:>8} {s['p50']:>11.2f} {s['p90']:>11.2f} {s['decode']:>16.1f} "
-                  f"{s['throughput']:>12.1f}")
+            print(f"{c:>11}  {name:<22} {s['requests']:>8} {s['p50']:>11.2f} {s['p90']:>11.2f} {s['serving']:>14.2f} "
+                  f"{s['decode']:>16.1f} {s['throughput']:>12.1f}")
         print(f"{'':>11}  {'gateway Δ':<22} {'':>8} {gw['p50'] - direct['p50']:>+11.2f} {gw['p90'] - direct['p90']:>+11.2f} "
-              f"{100 * (gw['decode'] / direct['decode'] - 1):>+15.1f}% {100 * (gw['throughput'] / direct['throughput'] - 1):>+11.1f}%")
+              f"{gw['serving'] - direct['serving']:>+14.2f} {100 * (gw['decode'] / direct['decode'] - 1):>+15.1f}% "
+              f"{100 * (gw['throughput'] / direct['throughput'] - 1):>+11.1f}%")
+    print("\nserving = the time each request spends outside k3_lm: (k3_lm arrival - sent) + (final response received"
+          " - last token sampled),\nfrom k3_lm's return_perf_metrics times: what a path adds to TTFT, without the "
+          "engine's queueing and prefill noise.")
     if gateway_pid is not None:
         print("\ngateway process CPU (what it would need at any speed of the model):")
         for c, _, gw in table:
