@@ -154,17 +154,12 @@ def _process(load: Load) -> list[Row]:
 
 def cpu_seconds(pid: int | None) -> float:
     """utime + stime of a process and its children (the --workers processes) on this host; 0 if unknown."""
+    from serverutil import proc_stats
+
     if pid is None:
         return 0.0
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
-        if int(stat.parent.name) == pid or int(fields[1]) == pid:
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    ticks = sum(int(f[11]) + int(f[12]) for p, f in proc_stats() if p == pid or int(f[1]) == pid)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def measure(pool, path: str, url: str, model: str, concurrency: int, requests: int, args,
@@ -235,6 +230,9 @@ def main() -> int:
                               "--served-model-name", args.served_model_name, *args.gateway_args.split())
             openai_url = gateway.url
         gateway_pid = gateway.process.pid if gateway is not None else args.gateway_pid
+        idle = cpu_seconds(gateway_pid)
+        time.sleep(2.0)
+        idle_rate = (cpu_seconds(gateway_pid) - idle) / 2.0  # gRPC's and asyncio's own polling, subtracted below
         print(f"server {grpc_url} ({args.triton_model}), gateway {openai_url}; {args.max_tokens} output tokens, "
               f"prompt {args.prompt_chars} characters, greedy, streaming\n")
         table = []
@@ -268,11 +266,11 @@ def main() -> int:
           " - last token sampled),\nfrom k3_lm's return_perf_metrics times: what a path adds to TTFT, without the "
           "engine's queueing and prefill noise.")
     if gateway_pid is not None:
-        print("\ngateway process CPU (what it would need at any speed of the model):")
+        print(f"\ngateway CPU beyond its idle {1e3 * idle_rate:.1f} ms/s (what it needs at any speed of the model):")
         for c, _, gw in table:
-            print(f"  concurrency {c}: {1e3 * gw['cpu'] / gw['requests']:.2f} ms per request, "
-                  f"{1e6 * gw['cpu'] / gw['responses']:.0f} us per streamed response, "
-                  f"{100 * gw['cpu'] / gw['wall']:.0f} % of one core")
+            busy = max(0.0, gw["cpu"] - idle_rate * gw["wall"])
+            print(f"  concurrency {c}: {1e3 * busy / gw['requests']:.2f} ms per request, "
+                  f"{1e6 * busy / gw['responses']:.0f} us per streamed response, {100 * busy / gw['wall']:.1f} % of one core")
     return 0
 
 

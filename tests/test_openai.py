@@ -298,9 +298,10 @@ def test_sixteen_concurrent_streams_are_each_exact(server, gateway):
     prompts = [f"Concurrent prompt {i}: once upon a time" for i in range(16)]  # 16 x 16 tokens
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
     refs = collect(grpc, [("k3_ensemble", {"text_input": p, "max_tokens": 16, "temperature": 0.0, "stream": True,
-                                           "return_num_output_tokens": True}, f"c{i}")
+                                           "return_num_output_tokens": True}, f"c{i}-{uuid.uuid4().hex}")
                           for i, p in enumerate(prompts)])
     grpc.close()
+    refs = list(refs.values())  # in the order sent
 
     async def run() -> list[tuple[str, int]]:
         c = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -319,4 +320,4 @@ def test_sixteen_concurrent_streams_are_each_exact(server, gateway):
             await c.close()
 
     got = asyncio.run(run())
-    assert got == [(refs[f"c{i}"].text, refs[f"c{i}"].total("num_output_tokens")) for i in range(16)]
+    assert got == [(ref.text, ref.total("num_output_tokens")) for ref in refs]

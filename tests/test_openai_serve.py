@@ -20,24 +20,12 @@ import pytest
 
 from gatewayutil import http_status
 from k3client import http_post, metric, metrics
-from serverutil import alive, group_pids, repo_copy, wait_until
+from serverutil import alive, child_pids, group_pids, repo_copy, wait_until
 
 from k3backend.tritonserver import _free_ports
 
 KEY = "serve-key"
 MESSAGES = [{"role": "user", "content": "Tell me a long story"}]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 @dataclass
@@ -52,7 +40,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-openai")
-    repo = repo_copy(tmp / "repo", k3_lm={"max_num_seqs": "1", "max_queued_requests": "1"})
+    repo = repo_copy(tmp / "repo", k3_lm={"max_num_seqs": "1", "max_queued_requests": "1", "cpu_cache_gb": "1"})
     http, grpc, metrics_port, port = _free_ports(4)
     # The checkpoint of the modules before this one, if any: building one takes half a minute.
     ckpt = os.environ.get("K3_DEFAULT_CHECKPOINT") or str(tmp_path_factory.mktemp("ckpt") / "tiny-seed0")
@@ -71,7 +59,7 @@ def served(tmp_path_factory):
         assert proc.poll() is None, served.log_path.read_text()
         yield served
     finally:
-        children = _children(proc.pid)
+        children = child_pids(proc.pid)
         if proc.poll() is None:  # a test failed before the SIGTERM test: stop both the same way
             proc.send_signal(signal.SIGTERM)
             try:
@@ -127,7 +115,7 @@ def test_unloaded_model_is_503(served):
 
 
 def test_sigterm_stops_both_and_leaves_nothing_running(served):
-    children = _children(served.proc.pid)  # tritonserver and the gateway, each in its own process group
+    children = child_pids(served.proc.pid)  # tritonserver and the gateway, each in its own process group
     assert len(children) == 2
     served.proc.send_signal(signal.SIGTERM)
     assert served.proc.wait(90) == 0, served.log_path.read_text()[-3000:]

@@ -8,8 +8,11 @@ first token (docs/openai.md "Overhead").
 
 A `TritonStream` closed before its final response (the HTTP client went away) is stopped with the
 stop + request-id convention (docs/client-api.md "Cancellation"), because a gRPC cancel of a
-k3_ensemble stream does not reach k3_lm; the call is cancelled too, which is what frees a request
-when the gateway talks to k3_lm directly.
+k3_ensemble stream does not reach k3_lm. Its call is then read to its final response in the
+background instead of being cancelled: Triton 2.51 can keep a cancelled in-flight ensemble request
+forever, and with it k3_ensemble "live", so that an unload or shutdown waits out its exit timeout
+(seen in tests/test_openai_serve.py). Only a call that does not end within `STOP_TIMEOUT_S` is
+cancelled.
 """
 
 from __future__ import annotations
@@ -123,8 +126,7 @@ class TritonStream:
     def close(self) -> None:
         if not self._done:
             self._done = True
-            self._pool.stop_later(self.job.request_id)
-        self._call.cancel()
+            self._pool.stop_later(self.job.request_id, self._call)
 
 
 class TritonPool:
@@ -143,22 +145,24 @@ class TritonPool:
     def open(self, job: Job) -> TritonStream:
         return TritonStream(self, job)
 
-    def stop_later(self, request_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._stop(request_id))
+    def stop_later(self, request_id: str, call: grpc.aio.StreamStreamCall) -> None:
+        task = asyncio.get_running_loop().create_task(self._stop(request_id, call))
         self._stops.add(task)
         task.add_done_callback(self._stops.discard)
 
-    async def _stop(self, request_id: str) -> None:
-        """Send the stop request for `request_id` and wait for its one final response."""
+    async def _stop(self, request_id: str, target: grpc.aio.StreamStreamCall) -> None:
+        """Send the stop request for `request_id`, then read the target's call to its end."""
         stop = request_pb(self.model, request_id, {"text_input": ("", "BYTES"), "stop": (True, "BOOL")})
         call = self.stub().ModelStreamInfer(iter([stop]))
         try:
-            msg = await asyncio.wait_for(call.read(), STOP_TIMEOUT_S)
+            msg = await asyncio.wait_for(call.read(), STOP_TIMEOUT_S)  # the stop request's one response
             if msg is grpc.aio.EOF or msg.error_message:
                 logger.warning("stop of request %s failed: %s", request_id, getattr(msg, "error_message", "no answer"))
+            await asyncio.wait_for(_drain(target), STOP_TIMEOUT_S)
+            logger.debug("stopped request %s", request_id)
         except (grpc.RpcError, asyncio.TimeoutError) as e:
-            logger.warning("stop of request %s failed: %r", request_id, e)
-        finally:
+            logger.warning("stop of request %s: %r; cancelling its call", request_id, e)
+            target.cancel()
             call.cancel()
 
     async def ready(self) -> bool:
@@ -178,3 +182,12 @@ class TritonPool:
             await asyncio.wait(set(self._stops), timeout=STOP_TIMEOUT_S)
         for channel in self._channels:
             await channel.close()
+
+
+async def _drain(call: grpc.aio.StreamStreamCall) -> None:
+    """Read a call until its final response, an error response or its end."""
+    while True:
+        msg = await call.read()
+        if (msg is grpc.aio.EOF or msg.error_message
+                or msg.infer_response.parameters["triton_final_response"].bool_param):
+            return
