@@ -23,6 +23,7 @@ import tritonclient.grpc as grpcclient
 
 from gatewayutil import Gateway, http_status
 from k3client import collect, http_post, metric, metrics, png_data_uri, stream_one
+from serverutil import alive, child_pids
 
 from k3backend.tritonserver import free_port
 
@@ -321,3 +322,16 @@ def test_sixteen_concurrent_streams_are_each_exact(server, gateway):
 
     got = asyncio.run(run())
     assert got == [(ref.text, ref.total("num_output_tokens")) for ref in refs]
+
+
+def test_workers_share_the_port_and_stop_together(server, tmp_path):
+    gw = Gateway(server.grpc_url, tmp_path / "gateway.log", "--workers", "2")
+    workers = child_pids(gw.process.pid)
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+        texts = {c.completions.create(model="k3", prompt="Workers", max_tokens=4, temperature=0).choices[0].text
+                 for _ in range(3)}
+        assert len(texts) == 1 and len(workers) == 2  # two gateway processes behind one port
+    finally:
+        assert gw.stop() == 0
+    assert not any(alive(pid) for pid in workers)
