@@ -9,29 +9,10 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
-TS=/tmp/k3ts; mkdir -p $TS && tar -xJf .dev/tritonserver.tar.xz -C $TS
-python3 -m pip install -q --no-index --no-deps .dev/whl/numpy-1.26.4-*.whl 2>&1 | tail -1
-python3 -m pip install -q --no-index --no-deps --target /tmp/k3site .dev/whl/tritonclient-*.whl \
-  .dev/whl/python_rapidjson-*.whl .dev/whl/py_spy-*.whl 2>&1 | tail -1
-echo "$ROOT/src" > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/k3backend-src.pth"
-export PYTHONPATH=/tmp/k3site K3_DEFAULT_CHECKPOINT=/tmp/k3ck PYTHONUNBUFFERED=1
+. bench/gpu_common.sh
+k3_gpu_prepare
 python3 -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__, torch.cuda.get_device_name())"
-LIBDIR=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
-LD_LIBRARY_PATH=$TS/ts/libs:$LIBDIR $TS/ts/bin/tritonserver --model-repository="$ROOT/model_repository" \
-  --backend-directory=$TS/ts/backends --cuda-memory-pool-byte-size=0:1073741824 --http-address=127.0.0.1 \
-  --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 >"$OUT/server.log" 2>&1 &
-SERVER=$!
-python3 - <<'PY' || { tail -50 "$OUT/server.log"; kill $SERVER; exit 1; }
-import time, urllib.request
-for _ in range(300):
-    try:
-        if urllib.request.urlopen("http://localhost:8000/v2/models/k3_ensemble/ready", timeout=2).status == 200:
-            print("k3_ensemble ready"); break
-    except Exception:
-        time.sleep(1)
-else:
-    raise SystemExit("server not ready")
-PY
+k3_gpu_serve "$ROOT/model_repository" || exit 1
 grep -E "k3_lm: (stub|worker)|cache:" "$OUT/server.log" | head -20
 STUB=$(grep -oP 'k3_lm: stub pid \K[0-9]+' "$OUT/server.log" | head -1)
 WORKER=$(grep -oP 'k3_lm: worker rank 0 pid \K[0-9]+' "$OUT/server.log" | head -1)

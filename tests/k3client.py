@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import queue
 import urllib.error
@@ -10,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from PIL import Image
 
 TYPES = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32), str: ("BYTES", np.object_),
          bytes: ("BYTES", np.object_)}  # bytes: sent as they are (e.g. not UTF-8)
@@ -94,10 +97,11 @@ def stream_one(url: str, model: str, values: dict, request_id: str = "r1", timeo
         client.close()
 
 
-def http_post(url: str, path: str, body: dict, timeout: float = 120) -> tuple[int, str]:
-    """POST JSON to `url` (http://host:port) + `path`; returns (status, body) for errors too."""
-    req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+def http_post(url: str, path: str, body: dict | None, timeout: float = 120, headers: dict | None = None,
+              raw: bytes | None = None) -> tuple[int, str]:
+    """POST JSON (or `raw` bytes) to `url` (http://host:port) + `path`; returns (status, body) for errors too."""
+    req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode() if raw is None else raw,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
@@ -126,3 +130,11 @@ def metric(values: dict[str, float], name: str, **labels: str) -> float:
         if all(f'{k}="{val}"' in key for k, val in labels.items()):
             total += v
     return total
+
+
+def png_data_uri(w: int = 64, h: int = 48, seed: int = 0) -> str:
+    """A random w x h RGB PNG as a data URI."""
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

@@ -54,17 +54,25 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
-def group_pids(pgid: int) -> list[int]:
-    """Live processes of process group `pgid` (the server's: its stubs and the k3_lm guardian)."""
-    pids = []
+def proc_stats():
+    """(pid, stat fields after the command name) of every live process."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[-1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            pids.append(int(stat.parent.name))
-    return pids
+        if fields[0] not in ("Z", "X"):
+            yield int(stat.parent.name), fields
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (the server's: its stubs and the k3_lm guardian)."""
+    return [pid for pid, fields in proc_stats() if int(fields[2]) == pgid]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live children of `pid`."""
+    return [child for child, fields in proc_stats() if int(fields[1]) == pid]
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str, period: float = 0.1) -> float:

@@ -6,8 +6,6 @@ created under K3_DEFAULT_CHECKPOINT (a per-session temp dir here) on first load.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import re
@@ -19,9 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from PIL import Image
-
-from k3client import collect, http_post, make_inputs, metric, metrics, stream_one
+from k3client import collect, http_post, make_inputs, metric, metrics, png_data_uri, stream_one
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 MODELS = ["k3_vision", "k3_lm", "k3_ensemble"]
@@ -31,13 +27,6 @@ MODELS = ["k3_vision", "k3_lm", "k3_ensemble"]
 def server(triton_server, tmp_path_factory):
     os.environ["K3_DEFAULT_CHECKPOINT"] = str(tmp_path_factory.mktemp("ckpt") / "tiny-seed0")
     return triton_server(REPO, MODELS)
-
-
-def png_data_uri(w: int = 64, h: int = 48, seed: int = 0) -> str:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 GREEDY = {"temperature": 0.0}

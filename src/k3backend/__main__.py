@@ -1,9 +1,10 @@
-"""Command line: `python -m k3backend {generate,make-checkpoint,hf-tokenizer,serve}`. Argument parsing only."""
+"""Command line: `python -m k3backend {generate,make-checkpoint,hf-tokenizer,serve,openai}`. Argument parsing only."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -81,6 +82,24 @@ def _hf_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _openai(args: argparse.Namespace) -> int:
+    from k3backend.openai.options import API_KEY_ENV, api_key, gateway_argv
+
+    if args.workers > 1:  # N copies of this command on one port, started and stopped together
+        from k3backend.supervise import Child, run_together
+
+        argv = [sys.executable, "-m", "k3backend", "openai", *gateway_argv(args, args.triton_url), "--reuse-port"]
+        argv[argv.index("--workers") + 1] = "1"
+        env = {**os.environ, API_KEY_ENV: api_key(args) or ""}
+        return run_together([Child(f"gateway worker {i}", argv, env) for i in range(args.workers)])
+    from k3backend.openai.app import GatewayConfig, serve
+
+    return serve(GatewayConfig(
+        triton_url=args.triton_url, host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=api_key(args), triton_model=args.triton_model, max_request_bytes=args.max_request_bytes,
+        grpc_channels=args.grpc_channels, reuse_port=args.reuse_port))
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
@@ -125,7 +144,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="the template's thinking default; match k3_lm's default_thinking parameter")
     h.set_defaults(fn=_hf_tokenizer)
 
-    sub.add_parser("serve", help="run tritonserver on model_repository in the foreground (options pass through)")
+    sub.add_parser("serve", help="run tritonserver on model_repository in the foreground (options pass through; "
+                                 "--openai starts the OpenAI gateway beside it)")
+
+    from k3backend.openai.options import add_options
+
+    o = sub.add_parser("openai", help="serve the OpenAI API (chat, completions) in front of a running tritonserver")
+    o.add_argument("--triton-url", required=True, help="tritonserver's gRPC endpoint, HOST:PORT (e.g. localhost:8001)")
+    add_options(o)
+    o.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for --workers' processes
+    o.set_defaults(fn=_openai)
 
     args = p.parse_args(argv)
     return args.fn(args)

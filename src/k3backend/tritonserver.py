@@ -398,18 +398,25 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
 
     Options not listed here go to tritonserver unchanged, e.g.
     `--model-control-mode=explicit --load-model=k3_ensemble --exit-timeout-secs=30`.
+    With `--openai` this process stays, runs tritonserver and the OpenAI gateway side by side
+    and stops both together (k3backend.supervise).
     """
     cmd, env, urls = serve_command(argv)
+    gateway = openai_command(argv)
     # This is the CLI's user-facing output, printed before the process becomes tritonserver.
-    for line in urls:
+    for line in urls if gateway is None else [*urls, gateway[2]]:
         print(line, flush=True)
     print(f"$ {' '.join(cmd)}", flush=True)
-    os.execve(cmd[0], cmd, env)
-    return 0  # not reached
+    if gateway is None:
+        os.execve(cmd[0], cmd, env)
+        return 0  # not reached
+    from k3backend.supervise import Child, run_together
+
+    print(f"$ {' '.join(gateway[0])}", flush=True)
+    return run_together([Child("tritonserver", cmd, env), Child("openai gateway", gateway[0], gateway[1])])
 
 
-def serve_command(argv: Sequence[str] | None = None) -> tuple[list[str], dict[str, str], list[str]]:
-    """`k3backend serve`'s argv, environment and the URL lines it prints; exits on bad options."""
+def _serve_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="k3backend serve",
         description="Run tritonserver on the k3backend model repository. "
@@ -429,7 +436,19 @@ def serve_command(argv: Sequence[str] | None = None) -> tuple[list[str], dict[st
         help="writable directory that receives backends/ with this Python's stub "
         "(default: %(default)s)",
     )
+    parser.add_argument("--openai", action="store_true",
+                        help="also run the OpenAI API gateway (docs/openai.md); its options follow")
+    if "--openai" in (sys.argv[1:] if argv is None else argv):
+        from k3backend.openai.options import add_options
+
+        add_options(parser, prefix="openai-")
     args, extra = parser.parse_known_args(argv)
+    return parser, args, extra
+
+
+def serve_command(argv: Sequence[str] | None = None) -> tuple[list[str], dict[str, str], list[str]]:
+    """`k3backend serve`'s argv, environment and the URL lines it prints; exits on bad options."""
+    parser, args, extra = _serve_args(argv)
     if not args.model_repository.is_dir():
         parser.error(f"--model-repository: {args.model_repository} is not a directory")
     try:
@@ -445,6 +464,25 @@ def serve_command(argv: Sequence[str] | None = None) -> tuple[list[str], dict[st
     urls = [f"HTTP    http://{host}:{args.http_port}", f"gRPC    {host}:{args.grpc_port}",
             f"metrics http://{host}:{args.metrics_port}/metrics"]
     return cmd, server_env(install), urls
+
+
+def openai_command(argv: Sequence[str] | None = None) -> tuple[list[str], dict[str, str], str] | None:
+    """The gateway's argv, environment and URL line for `serve --openai`, else None. The API key
+    travels in the environment, not on the command line, where `ps` would show it."""
+    _, args, _ = _serve_args(argv)
+    if not args.openai:
+        return None
+    from k3backend.openai.options import API_KEY_ENV, api_key, gateway_argv
+
+    grpc_host = "127.0.0.1" if args.address == "0.0.0.0" else args.address
+    cmd = [sys.executable, "-m", "k3backend", "openai",
+           *gateway_argv(args, f"{grpc_host}:{args.grpc_port}", prefix="openai-")]
+    env = dict(os.environ)
+    key = api_key(args)
+    if key:
+        env[API_KEY_ENV] = key
+    host = "localhost" if args.openai_host in ("127.0.0.1", "0.0.0.0") else args.openai_host
+    return cmd, env, f"OpenAI  http://{host}:{args.openai_port}/v1"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The OpenAI gateway's overhead on a GPU machine: bench/openai_overhead.py (TTFT p50 and decode
+# speed through the gateway vs k3_ensemble over gRPC, concurrency 1 and 64) against tritonserver
+# serving the `small` checkpoint (random weights, bf16), with 1 and with 4 gateway processes.
+#
+# Carried inputs as for bench/gpu_serving.sh (.dev/tritonserver.tar.xz and .dev/whl/, built by
+# bench/make_gpu_bundle.sh; setup shared in bench/gpu_common.sh); the GPU image has aiohttp and
+# grpcio. Writes under $OUT (or /tmp/k3out): server.log, openai.txt (the tables). The `small`
+# checkpoint is written to /tmp/k3small first if missing (a few minutes, about 12 GB of disk; do it in
+# a call of its own where calls are limited to 10 minutes); CKPT=tiny serves the built-in one instead.
+set -uo pipefail
+OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
+. bench/gpu_common.sh
+k3_gpu_prepare
+REPO=$ROOT/model_repository
+if [ "${CKPT:-small}" = small ]; then
+  [ -e /tmp/k3small/config.json ] || timeout 900 python3 -m k3backend make-checkpoint --preset small --out /tmp/k3small \
+    || { echo "make-checkpoint failed"; exit 1; }
+  REPO=/tmp/k3repo; rm -rf $REPO; cp -r "$ROOT/model_repository" $REPO
+  # k3_lm only: `small` is text-only (kimi_linear), which k3_vision cannot load; it keeps the built-in
+  # checkpoint and passes the bench's text-only requests through.
+  sed -i 's|key: "model_path" value: { string_value: "" }|key: "model_path" value: { string_value: "/tmp/k3small" }|' \
+    $REPO/k3_lm/config.pbtxt
+fi
+k3_gpu_serve "$REPO" 900 || exit 1
+grep -E "k3_lm: (stub|worker)|cache:|engine started" "$OUT/server.log" | head -10
+for W in 1 4; do
+  timeout "${T:-400}" python3 bench/openai_overhead.py --grpc-url 127.0.0.1:8001 --concurrency 1 64 \
+    --max-tokens 128 --prompt-chars 512 --client-procs 8 --gateway-args "--workers $W" 2>&1 \
+    | grep -v INFO | tee -a "$OUT/openai.txt"
+done
+kill $SERVER; wait $SERVER
+grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm" | head -20

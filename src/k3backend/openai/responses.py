@@ -1,0 +1,161 @@
+"""Deltas from Triton -> OpenAI bodies: chat.completion / text_completion, their stream chunks, usage.
+
+One `Answer` per HTTP request accumulates every choice's deltas (for the non-streamed body and
+for usage) and renders each delta as one server-sent event in OpenAI's chunk format.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from k3backend.openai.translate import Plan
+from k3backend.openai.triton import Delta
+
+# k3's `cancelled` (someone sent a stop for this request id) has no OpenAI name; vLLM says abort.
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+DONE = b"data: [DONE]\n\n"
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: object) -> bytes:
+    return f"data: {_dumps(obj)}\n\n".encode()
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    n_tokens: int = 0
+    offset: int = 0  # legacy logprobs' text_offset: characters before the next token
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    times: dict[str, int] | None = None
+
+
+class Answer:
+    """The OpenAI answer to one request, built from the deltas of its choices."""
+
+    def __init__(self, plan: Plan, model: str) -> None:
+        self.plan = plan
+        self.chat = plan.kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.choices = [_Choice() for _ in plan.jobs]
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        # Every chunk shares this envelope; with include_usage each carries "usage": null but the last.
+        self._head = f'data: {{"id":"{self.id}","object":"{obj}","created":{self.created},"model":{_dumps(model)},"choices":['
+        self._tail = ("],\"usage\":null}\n\n" if plan.include_usage else "]}\n\n")
+
+    # ---- accumulate ---------------------------------------------------------------------------
+
+    def add(self, index: int, d: Delta) -> dict:
+        """Record one delta of choice `index`; returns that delta as an OpenAI choice (chunk form)."""
+        c = self.choices[index]
+        c.n_tokens += d.n_tokens
+        c.prompt_tokens = d.num_input_tokens or c.prompt_tokens
+        c.cached_tokens = d.num_cached_tokens or c.cached_tokens
+        if d.final:
+            c.finish_reason = FINISH_REASONS.get(d.finish_reason, d.finish_reason or "stop")
+            c.times = d.times
+        logprobs = None
+        if self.plan.logprobs and d.logprobs is not None:
+            logprobs = self._logprobs(c, d.logprobs)
+        if d.text:
+            c.text.append(d.text)
+        if d.reasoning:
+            c.reasoning.append(d.reasoning)
+        if self.chat:
+            delta = {"content": d.text} if d.text else {}
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
+            out = {"index": index, "delta": delta}
+        else:
+            out = {"index": index, "text": d.text}
+        out["logprobs"] = logprobs
+        out["finish_reason"] = c.finish_reason
+        if d.final and self.plan.perf_metrics:
+            out["perf_metrics"] = c.times
+        return out
+
+    def _logprobs(self, c: _Choice, entries: list[dict]) -> dict:
+        """k3's entries (sampled token first, then the top ones; they may overlap) in OpenAI's form."""
+        top = self.plan.top_logprobs
+        picked = [(next(iter(e.values())), sorted((v for v in e.values() if v["rank"] <= top),
+                                                  key=lambda v: v["rank"])) for e in entries]
+        if self.chat:
+            content = [{**_token(s), "top_logprobs": [_token(t) for t in tops]} for s, tops in picked]
+            c.logprobs += content
+            return {"content": content}
+        offsets = []
+        for s, _ in picked:
+            offsets.append(c.offset)
+            c.offset += len(s["decoded_token"])
+        out = {"tokens": [s["decoded_token"] for s, _ in picked], "token_logprobs": [s["logprob"] for s, _ in picked],
+               "top_logprobs": [{t["decoded_token"]: t["logprob"] for t in tops} for _, tops in picked],
+               "text_offset": offsets}
+        c.logprobs.append(out)
+        return out
+
+    # ---- streamed ---------------------------------------------------------------------------
+
+    def chunk(self, choice: dict) -> bytes:
+        if self.plan.continuous_usage:
+            return (self._head + _dumps(choice) + '],"usage":' + _dumps(self.usage()) + "}\n\n").encode()
+        return (self._head + _dumps(choice) + self._tail).encode()
+
+    def role_chunks(self) -> bytes:
+        """Chat streams open each choice with the assistant role, as OpenAI's do."""
+        return b"".join(self.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}) for i in range(len(self.choices)))
+
+    def usage_chunk(self) -> bytes:
+        return sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created, "model": self.model, "choices": [], "usage": self.usage()})
+
+    # ---- whole ------------------------------------------------------------------------------
+
+    def usage(self) -> dict:
+        """prompt tokens once per prompt (n choices share it), completion tokens over all choices."""
+        prompts: dict[int, _Choice] = {}
+        for job, c in zip(self.plan.jobs, self.choices):
+            prompts.setdefault(job.prompt_index, c)
+        prompt = sum(c.prompt_tokens for c in prompts.values())
+        completion = sum(c.n_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in prompts.values())}}
+
+    def body(self) -> dict:
+        choices = []
+        for i, c in enumerate(self.choices):
+            text = "".join(c.text)
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                if c.reasoning:
+                    message["reasoning_content"] = "".join(c.reasoning)
+                choice = {"index": i, "message": message, "logprobs": {"content": c.logprobs} if self.plan.logprobs else None}
+            else:
+                choice = {"index": i, "text": text, "logprobs": _join_legacy(c.logprobs) if self.plan.logprobs else None}
+            choice["finish_reason"] = c.finish_reason
+            if self.plan.perf_metrics:
+                choice["perf_metrics"] = c.times
+            choices.append(choice)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+
+
+def _token(v: dict) -> dict:
+    tok = v["decoded_token"]
+    return {"token": tok, "logprob": v["logprob"], "bytes": list(tok.encode("utf-8"))}
+
+
+def _join_legacy(parts: list[dict]) -> dict:
+    return {key: [x for p in parts for x in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}

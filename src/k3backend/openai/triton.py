@@ -1,0 +1,193 @@
+"""The gateway's side of Triton: one gRPC `ModelStreamInfer` call per choice.
+
+The calls go through grpc.aio with tritonclient's service definitions (`tritonclient.grpc.
+service_pb2*`), building the request protobuf directly: measured on the 2-core CI machine,
+`tritonclient.grpc.aio.InferenceServerClient.stream_infer` with `InferInput`s cost 0.5 ms more CPU
+per request (numpy arrays and wrappers) and 5 % more per response, all of it on the path of the
+first token (docs/openai.md "Overhead").
+
+A `TritonStream` closed before its final response (the HTTP client went away) is stopped with the
+stop + request-id convention (docs/client-api.md "Cancellation"), because a gRPC cancel of a
+k3_ensemble stream does not reach k3_lm. Its call is then read to its final response in the
+background instead of being cancelled: Triton 2.51 can keep a cancelled in-flight ensemble request
+forever, and with it k3_ensemble "live", so that an unload or shutdown waits out its exit timeout
+(seen in tests/test_openai_serve.py). Only a call that does not end within `STOP_TIMEOUT_S` is
+cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import struct
+from dataclasses import dataclass
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from k3backend.openai.errors import ApiError, from_rpc, from_triton
+from k3backend.openai.translate import Job
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 10.0
+READY_TIMEOUT_S = 2.0
+# As tritonclient sets them: images make requests far larger than gRPC's 4 MiB default.
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
+_INT32, _INT64 = struct.Struct("<i"), struct.Struct("<q")
+_PACK = {"INT32": "i", "FP32": "f", "BOOL": "?", "UINT64": "Q"}
+_TIMES = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+
+
+@dataclass
+class Delta:
+    """One Triton response: the text since the previous one and the tokens it covers."""
+
+    text: str
+    reasoning: str
+    n_tokens: int
+    finish_reason: str  # "" before the final response, then stop / length / cancelled
+    logprobs: list | None  # k3's per-token JSON entries (docs/client-api.md "Log-probabilities")
+    num_input_tokens: int
+    num_cached_tokens: int
+    times: dict[str, int] | None  # the *_time_ns outputs (return_perf_metrics)
+    final: bool
+
+
+def request_pb(model: str, request_id: str, inputs: dict[str, tuple[object, str]]) -> service_pb2.ModelInferRequest:
+    """{name: (value or list, dtype)} -> the request, each tensor [1, 1] or [1, n] in raw form."""
+    req = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    for name, (value, dtype) in inputs.items():
+        items = value if isinstance(value, list) else [value]
+        req.inputs.add(name=name, datatype=dtype, shape=[1, len(items)])
+        if dtype == "BYTES":  # each element: 4-byte little-endian length, then its bytes
+            data = [v.encode() if isinstance(v, str) else v for v in items]
+            raw = b"".join(_INT32.pack(len(d)) + d for d in data)
+        else:
+            raw = struct.pack(f"<{len(items)}{_PACK[dtype]}", *items)
+        req.raw_input_contents.append(raw)
+    return req
+
+
+def parse_delta(resp: service_pb2.ModelInferResponse) -> Delta:
+    """Read the one-element outputs straight from the raw contents."""
+    values: dict[str, object] = {}
+    for output, raw in zip(resp.outputs, resp.raw_output_contents):
+        dtype = output.datatype
+        if dtype == "BYTES":  # 4-byte length, then the bytes
+            values[output.name] = raw[4:4 + _INT32.unpack_from(raw)[0]].decode("utf-8", "replace")
+        elif dtype == "INT32":
+            values[output.name] = _INT32.unpack_from(raw)[0]
+        elif dtype == "INT64":
+            values[output.name] = _INT64.unpack_from(raw)[0]
+    lp = values.get("logprobs")
+    return Delta(
+        text=values.get("text_output", ""), reasoning=values.get("reasoning_output", ""),
+        n_tokens=values.get("num_output_tokens", 0), finish_reason=values.get("finish_reason", ""),
+        logprobs=json.loads(lp) if lp is not None else None,
+        num_input_tokens=values.get("num_input_tokens", 0), num_cached_tokens=values.get("num_cached_tokens", 0),
+        times={k: values[k] for k in _TIMES if k in values} or None,
+        final=resp.parameters["triton_final_response"].bool_param,
+    )
+
+
+class TritonStream:
+    """The responses of one Job; `close()` (idempotent) stops the request if it has not ended."""
+
+    def __init__(self, pool: TritonPool, job: Job) -> None:
+        self.job = job
+        self._pool = pool
+        self._done = False
+        # A one-element request iterator: gRPC half-closes after it, and Triton still sends every response.
+        self._call = pool.stub().ModelStreamInfer(iter([request_pb(pool.model, job.request_id, job.inputs)]))
+
+    def __aiter__(self) -> TritonStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            msg = await self._call.read()
+        except grpc.RpcError as e:  # the connection failed: the request may still be running
+            raise from_rpc(e) from None
+        if msg is grpc.aio.EOF:
+            self._done = True
+            raise ApiError(502, "Triton closed the stream before the final response", "server_error")
+        if msg.error_message:  # an error is the request's last response ([ERR-1])
+            self._done = True
+            raise from_triton(msg.error_message)
+        delta = parse_delta(msg.infer_response)
+        self._done = delta.final
+        return delta
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._pool.stop_later(self.job.request_id, self._call)
+
+
+class TritonPool:
+    """A few gRPC channels to one tritonserver, used round-robin; owns the background stop tasks."""
+
+    def __init__(self, url: str, model: str, channels: int = 1) -> None:
+        self.url, self.model = url, model
+        self._channels = [grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for _ in range(channels)]
+        self._stubs = [service_pb2_grpc.GRPCInferenceServiceStub(c) for c in self._channels]
+        self._next = itertools.cycle(self._stubs)
+        self._stops: set[asyncio.Task] = set()
+
+    def stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        return next(self._next)
+
+    def open(self, job: Job) -> TritonStream:
+        return TritonStream(self, job)
+
+    def stop_later(self, request_id: str, call: grpc.aio.StreamStreamCall) -> None:
+        task = asyncio.get_running_loop().create_task(self._stop(request_id, call))
+        self._stops.add(task)
+        task.add_done_callback(self._stops.discard)
+
+    async def _stop(self, request_id: str, target: grpc.aio.StreamStreamCall) -> None:
+        """Send the stop request for `request_id`, then read the target's call to its end."""
+        stop = request_pb(self.model, request_id, {"text_input": ("", "BYTES"), "stop": (True, "BOOL")})
+        call = self.stub().ModelStreamInfer(iter([stop]))
+        try:
+            msg = await asyncio.wait_for(call.read(), STOP_TIMEOUT_S)  # the stop request's one response
+            if msg is grpc.aio.EOF or msg.error_message:
+                logger.warning("stop of request %s failed: %s", request_id, getattr(msg, "error_message", "no answer"))
+            await asyncio.wait_for(_drain(target), STOP_TIMEOUT_S)
+            logger.debug("stopped request %s", request_id)
+        except (grpc.RpcError, asyncio.TimeoutError) as e:
+            logger.warning("stop of request %s: %r; cancelling its call", request_id, e)
+            target.cancel()
+            call.cancel()
+
+    async def ready(self) -> bool:
+        """Server and model ready (GET /health); failing to ask counts as not ready."""
+        stub = self._stubs[0]
+        try:
+            server = await stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=READY_TIMEOUT_S)
+            model = await stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=READY_TIMEOUT_S)
+        except grpc.RpcError as e:
+            logger.debug("readiness check failed: %s", e.code())
+            return False
+        return server.ready and model.ready
+
+    async def close(self) -> None:
+        """Let pending stop requests finish (they free engine work), then close the channels."""
+        if self._stops:
+            await asyncio.wait(set(self._stops), timeout=STOP_TIMEOUT_S)
+        for channel in self._channels:
+            await channel.close()
+
+
+async def _drain(call: grpc.aio.StreamStreamCall) -> None:
+    """Read a call until its final response, an error response or its end."""
+    while True:
+        msg = await call.read()
+        if (msg is grpc.aio.EOF or msg.error_message
+                or msg.infer_response.parameters["triton_final_response"].bool_param):
+            return
