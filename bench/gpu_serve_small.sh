@@ -23,7 +23,7 @@ REPO=/tmp/k3repo; rm -rf $REPO; cp -r model_repository $REPO
 for m in k3_lm k3_vision; do
   sed -i "s|key: \"model_path\" value: { string_value: \"[^\"]*\"|key: \"model_path\" value: { string_value: \"$CK\"|" $REPO/$m/config.pbtxt
 done
-sed -i 's|key: "dtype" value: { string_value: "[^"]*"|key: "dtype" value: { string_value: "bfloat16"|; s|key: "gpu_memory_utilization" value: { string_value: "[^"]*"|key: "gpu_memory_utilization" value: { string_value: "0.80"|' $REPO/k3_lm/config.pbtxt; s|key: "max_model_len" value: { string_value: "[^"]*"|key: "max_model_len" value: { string_value: "4096"|
+sed -i -e 's|key: "dtype" value: { string_value: "[^"]*"|key: "dtype" value: { string_value: "bfloat16"|' -e 's|key: "gpu_memory_utilization" value: { string_value: "[^"]*"|key: "gpu_memory_utilization" value: { string_value: "0.80"|' -e 's|key: "max_model_len" value: { string_value: "[^"]*"|key: "max_model_len" value: { string_value: "4096"|' $REPO/k3_lm/config.pbtxt
 LIBDIR=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
 LD_LIBRARY_PATH=$TS/ts/libs:$LIBDIR $TS/ts/bin/tritonserver --model-repository=$REPO --backend-directory=$TS/ts/backends \
   --cuda-memory-pool-byte-size=0:1073741824 --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 \
