@@ -246,7 +246,8 @@ def workloads(args: argparse.Namespace) -> list[argparse.Namespace]:
     n = max(map(len, lists.values()))
     if any(len(v) not in (1, n) for v in lists.values()):
         raise SystemExit(f"--concurrency, --num-requests and --output-len: lists of one length, got {lists}")
-    return [argparse.Namespace(**{**vars(args), **{k: v[i if len(v) > 1 else 0] for k, v in lists.items()}})
+    return [argparse.Namespace(**{**vars(args), **{k: v[i if len(v) > 1 else 0] for k, v in lists.items()},
+                                  "seed": args.seed + 1000 * i})  # other prompts: no prefix hits on the last workload's
             for i in range(n)]
 
 

@@ -19,6 +19,10 @@ CK=/tmp/k3small
 T0=$(date +%s)
 [ -f $CK/config.json ] || python3 -m k3backend make-checkpoint --preset small --out $CK 2>&1 | tail -2 | tee -a "$R"
 say "checkpoint ready after $(( $(date +%s) - T0 )) s"
+say "== in process, same checkpoint and lengths"
+timeout 150 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
+  --concurrency 1,64,256 --num-requests 12,256,512 --output-len 256,128,64 2>&1 \
+  | grep -E "requests, concurrency|output tok/s|^ +[0-9]|roofline|model ready|decode graph" | tee -a "$R"
 REPO=/tmp/k3repo; rm -rf $REPO; cp -r model_repository $REPO
 for m in k3_lm k3_vision; do
   sed -i "s|key: \"model_path\" value: { string_value: \"[^\"]*\"|key: \"model_path\" value: { string_value: \"$CK\"|" $REPO/$m/config.pbtxt
@@ -46,7 +50,7 @@ STUB=$(grep -oP 'k3_lm: stub pid \K[0-9]+' "$OUT/server.log" | head -1)
 CORE=$(grep -oP 'engine core pid \K[0-9]+' "$OUT/server.log" | head -1)
 L="python3 bench/serving_load.py --url localhost:8001 --tokenizer $CK --prompt-len 284 --procs 8"
 for model in k3_lm k3_ensemble; do
-  timeout 120 $L --model $model --concurrency 1 --num-requests 12 --output-len 256 --warmup 2 2>&1 | tail -2 | tee -a "$R"
+  [ $model = k3_lm ] && timeout 120 $L --model $model --concurrency 1 --num-requests 12 --output-len 256 --warmup 2 2>&1 | tail -2 | tee -a "$R"
   timeout 120 $L --model $model --concurrency 64 --num-requests 256 --output-len 128 2>&1 | tail -2 | tee -a "$R"
   if [ $model = k3_lm ]; then
     SPY=/tmp/k3site/bin/py-spy
@@ -58,10 +62,6 @@ done
 wait
 kill $SERVER; wait $SERVER
 grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm|CudaDriver" | head -10 | tee -a "$R"
-say "== in process, same checkpoint and lengths"
-timeout 240 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
-  --concurrency 1,64,256 --num-requests 12,256,512 --output-len 256,128,64 2>&1 \
-  | grep -E "requests, concurrency|output tok/s|^ +[0-9]|roofline|model ready|decode graph" | tee -a "$R"
 say "total $(( $(date +%s) - T0 )) s"
 for f in "$OUT"/profile-*.txt; do
   [ -f "$f" ] || continue

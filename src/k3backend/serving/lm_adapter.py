@@ -69,6 +69,7 @@ PARAMETERS = {  # SERVING.md §4.4 with defaults
 }
 LIFECYCLE_PERIOD_S = 0.25  # gauges, server shutdown and engine-health checks
 WARMUP_TIMEOUT_S = 600.0
+MAX_POLLS_PER_S = 1000  # is_cancelled() calls per second, all requests together
 
 
 class _Inbox:
@@ -403,10 +404,14 @@ class LmServer:
             log.exception("%s: sending a response of request %r failed", MODEL, client_id)
 
     def _poll_cancellations(self, open_: dict) -> None:
-        """[CAN-1]: ask each open sender `is_cancelled()` at most once per period, never after its final."""
+        """[CAN-1]: ask each open sender `is_cancelled()` at most once per period, never after its final.
+
+        Each ask is a round trip to the server, as a send is: beyond MAX_POLLS_PER_S in all the
+        period stretches, so that polls never crowd out the responses (docs/parameters.md)."""
         now = time.monotonic()
+        period = max(self.period_s, len(open_) / MAX_POLLS_PER_S)
         for stream in open_:
-            if stream.done or now - stream.last_poll < self.period_s:
+            if stream.done or now - stream.last_poll < period:
                 continue
             stream.last_poll = now
             try:
@@ -433,8 +438,9 @@ class LmServer:
         self.metrics.observe("request_queue_time_seconds", max(0.0, time_ns / 1e9 - stream.parsed.arrival_time))
 
     def _count_response(self, stream: RequestStream, final: bool) -> None:
-        """Time to the first data response; one time-per-output-token observation per token after
-        the first, the tokens a response covers sharing its interval evenly."""
+        """Time to the first data response; one time-per-output-token observation per response: the
+        mean over the tokens it covers (one token per engine step unless the client reads slower
+        than the engine generates; then one observation covers several, docs/metrics.md)."""
         now = time.monotonic()
         if stream.first_sent is None:
             stream.first_sent = now
@@ -443,9 +449,7 @@ class LmServer:
         start_ns = prev_ns or stream.first_token_ns
         intervals = n if prev_ns else n - 1
         if intervals > 0 and last_ns and start_ns:
-            per_token = max(0.0, (last_ns - start_ns) / 1e9 / intervals)
-            for _ in range(intervals):
-                self.metrics.observe("time_per_output_token_seconds", per_token)
+            self.metrics.observe("time_per_output_token_seconds", max(0.0, (last_ns - start_ns) / 1e9 / intervals))
         stream.metrics_token_ns = last_ns or prev_ns
 
     def _count_final(self, stream: RequestStream) -> None:
