@@ -1,4 +1,4 @@
-# Sourced by bench/gpu_serving.sh and bench/gpu_openai.sh (with ROOT and OUT set, cwd = ROOT):
+# Sourced by bench/gpu_serving.sh, bench/gpu_openai.sh and bench/gpu_serve_small.sh (with ROOT and OUT set, cwd = ROOT):
 # the server and client setup they share on a GPU machine without network.
 #   k3_gpu_prepare       unpack .dev/tritonserver.tar.xz to /tmp/k3ts, install the carried wheels (numpy 1.26.4
 #                        into python3 itself: the stub needs numpy<2; the others under /tmp/k3site), put src/ on

@@ -4,15 +4,13 @@
 # k3_ensemble (bench/serving_load.py) at concurrency 1, 64 and 256, py-spy of the k3_lm stub and engine core at
 # 256, then bench/engine.py (the engine core in process) on the same checkpoint, lengths and concurrencies.
 # Carry .dev (bench/make_gpu_bundle.sh). Writes serve-small.txt, server.log, profile-*.txt under $OUT.
+# On a fresh machine the first runs compile Triton kernels (cold cache): for a side-by-side ratio, run the
+# script twice on the same machine and compare the second run's figures.
 set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
-TS=/tmp/k3ts; mkdir -p $TS && tar -xJf .dev/tritonserver.tar.xz -C $TS
-python3 -m pip install -q --no-index --no-deps .dev/whl/numpy-1.26.4-*.whl 2>&1 | tail -1
-python3 -m pip install -q --no-index --no-deps --target /tmp/k3site .dev/whl/tritonclient-*.whl \
-  .dev/whl/python_rapidjson-*.whl .dev/whl/py_spy-*.whl 2>&1 | tail -1
-echo "$ROOT/src" > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/k3backend-src.pth"
-export PYTHONPATH=/tmp/k3site PYTHONUNBUFFERED=1
+. bench/gpu_common.sh
+k3_gpu_prepare
 R="$OUT/serve-small.txt"; : > "$R"
 say() { echo "$*" | tee -a "$R"; }
 CK=/tmp/k3small
@@ -28,22 +26,7 @@ for m in k3_lm k3_vision; do
   sed -i "s|key: \"model_path\" value: { string_value: \"[^\"]*\"|key: \"model_path\" value: { string_value: \"$CK\"|" $REPO/$m/config.pbtxt
 done
 sed -i -e 's|key: "dtype" value: { string_value: "[^"]*"|key: "dtype" value: { string_value: "bfloat16"|' -e 's|key: "gpu_memory_utilization" value: { string_value: "[^"]*"|key: "gpu_memory_utilization" value: { string_value: "0.80"|' -e 's|key: "max_model_len" value: { string_value: "[^"]*"|key: "max_model_len" value: { string_value: "4096"|' $REPO/k3_lm/config.pbtxt
-LIBDIR=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
-LD_LIBRARY_PATH=$TS/ts/libs:$LIBDIR $TS/ts/bin/tritonserver --model-repository=$REPO --backend-directory=$TS/ts/backends \
-  --cuda-memory-pool-byte-size=0:1073741824 --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 \
-  >"$OUT/server.log" 2>&1 &
-SERVER=$!
-python3 - <<'PY' || { tail -60 "$OUT/server.log"; kill $SERVER; exit 1; }
-import time, urllib.request
-for _ in range(400):
-    try:
-        if urllib.request.urlopen("http://localhost:8000/v2/models/k3_ensemble/ready", timeout=2).status == 200:
-            print("k3_ensemble ready"); break
-    except Exception:
-        time.sleep(1)
-else:
-    raise SystemExit("server not ready")
-PY
+k3_gpu_serve $REPO 400 || exit 1
 say "server ready after $(( $(date +%s) - T0 )) s"
 grep -E "k3_lm: (stub|worker)|cache: |loaded" "$OUT/server.log" | head -8 | tee -a "$R"
 STUB=$(grep -oP 'k3_lm: stub pid \K[0-9]+' "$OUT/server.log" | head -1)
