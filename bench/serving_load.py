@@ -11,7 +11,9 @@ words, cut to `--prompt-len` tokens with the checkpoint's tokenizer (`k3_lm` is 
 verbatim; the lengths it sees are printed). Per request: TTFT (send to first response) and,
 per response, its interval spread over the tokens it carries (`num_output_tokens`: a response
 can carry several when the client reads slower than the engine). Prints one line: output tok/s,
-TTFT p50/p99, ITL p50/p99, responses per token.
+TTFT p50/p99, ITL p50/p99, responses per token. With `--metrics-url`, a second line splits the mean
+TTFT: k3_lm's own time to first token and its queue time (receipt to the first step with the
+request) over the measured requests, from its metrics, the rest being the client and gRPC.
 """
 
 from __future__ import annotations
@@ -122,6 +124,21 @@ def run(url: str, model: str, texts: list[str], n_out: int, concurrency: int, pr
     return out
 
 
+def server_means(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """k3_lm's (sum, count) of the TTFT and queue-time histograms, from its Prometheus text."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
+    out = {}
+    for name in ("time_to_first_token_seconds", "request_queue_time_seconds"):
+        parts = []
+        for suffix in ("_sum", "_count"):
+            rows = [ln for ln in text.splitlines() if f":{name}{suffix}{{" in ln and 'model="k3_lm"' in ln]
+            parts.append(float(rows[0].rsplit(" ", 1)[1]) if rows else float("nan"))
+        out[name] = (parts[0], parts[1])
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
@@ -153,15 +170,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--metrics-url", default="", help="Triton's metrics endpoint, e.g. localhost:8002 (splits TTFT)")
     args = ap.parse_args(argv)
     warm = args.warmup or args.concurrency
     texts = prompts(args.tokenizer, warm + args.num_requests, args.prompt_len, args.seed)
     run(args.url, args.model, texts[:warm], args.output_len, min(args.concurrency, warm), args.procs)
-    s = summarize(run(args.url, args.model, texts[warm:], args.output_len, args.concurrency, args.procs))
+    before = server_means(args.metrics_url) if args.metrics_url else {}
+    rows = run(args.url, args.model, texts[warm:], args.output_len, args.concurrency, args.procs)
+    s = summarize(rows)
     print(f"served {args.model}: concurrency {args.concurrency}, {args.num_requests} requests, prompt {args.prompt_len}, "
           f"output {args.output_len}: {s['tok/s']:.1f} tok/s, TTFT p50 {s['ttft50'] * 1e3:.1f} p99 "
           f"{s['ttft99'] * 1e3:.1f} ms, ITL p50 {s['itl50'] * 1e3:.2f} p99 {s['itl99'] * 1e3:.2f} ms, "
           f"{s['responses/token']:.2f} responses per token, {len(s['errors'])} errors")
+    if before:
+        time.sleep(0.5)  # metrics go through a queue drained by a thread
+        after = server_means(args.metrics_url)
+        mean = {k: (after[k][0] - before[k][0]) / max(after[k][1] - before[k][1], 1) for k in after}
+        client = [r[1][0] - r[0] for r in rows if r[1]]
+        print(f"  TTFT mean {sum(client) / len(client) * 1e3:.1f} ms at the client = k3_lm "
+              f"{mean['time_to_first_token_seconds'] * 1e3:.1f} ms (queue {mean['request_queue_time_seconds'] * 1e3:.1f}"
+              f" ms, then steps until the first token) + client and gRPC")
     for e in s["errors"][:5]:
         print("  error:", e, file=sys.stderr)
     return 1 if s["errors"] else 0

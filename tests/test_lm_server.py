@@ -428,6 +428,9 @@ def test_repeated_long_prompt_is_served_from_the_prefix_cache(server):
     assert first["num_cached_tokens"] == 0 and n > 128
     assert second["num_cached_tokens"] == (n - 1) // 64 * 64  # every full block before the last token
     assert second["text_output"] == first["text_output"]
+    for r in (first, second):  # waited, then scheduled, then its first and last token
+        times = [r[k] for k in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")]
+        assert times == sorted(times) and times[1] < times[2], times
 
     def delta(name: str) -> float:
         return metric(after, name) - metric(before, name)

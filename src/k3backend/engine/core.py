@@ -87,6 +87,7 @@ class EngineCore:
             del self._seqs[seq.rid]
             rows.end(seq.rid, FinishReason.CANCELLED)
         plan, seqs = self.sched.schedule()
+        rows.scheduled_ns = time.time_ns()
         for seq in seqs:
             if not seq.started:
                 seq.started = True
@@ -139,6 +140,7 @@ class _Rows:
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     errors: dict[int, tuple[str, str]] = field(default_factory=dict)
     started: list[tuple[int, int]] = field(default_factory=list)
+    scheduled_ns: int = 0
 
     def end(self, rid: int, reason: FinishReason, error: tuple[str, str] | None = None) -> None:
         self.ids.append(rid)
@@ -158,7 +160,7 @@ class _Rows:
         started = np.array(self.started, dtype=np.int64).reshape(-1, 2)
         return StepOutputs(np.array(self.ids, dtype=np.int64), np.array(self.tokens, dtype=np.int64),
                            np.array(self.finish, dtype=np.int8), self.logprobs, self.errors, started[:, 0].copy(),
-                           started[:, 1].astype(np.int32), time.time_ns(), stats)
+                           started[:, 1].astype(np.int32), time.time_ns(), self.scheduled_ns, stats)
 
 
 @dataclass

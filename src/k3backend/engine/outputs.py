@@ -47,6 +47,7 @@ class StepOutputs:
     started: np.ndarray = field(default_factory=lambda: _ints(np.int64))  # ids first scheduled this step
     cached: np.ndarray = field(default_factory=lambda: _ints(np.int32))  # their prompt tokens from the prefix cache
     time_ns: int = 0  # wall clock when the step's tokens reached the host
+    scheduled_ns: int = 0  # wall clock when the step was scheduled (its start, for queue times)
     stats: EngineStats = field(default_factory=EngineStats)
 
     def __len__(self) -> int:

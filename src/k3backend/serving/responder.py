@@ -164,8 +164,8 @@ class Responder:
         for rid, cached in zip(out.started.tolist(), out.cached.tolist()):
             stream = self.registry.by_rid(rid)
             if stream is not None and not stream.done:
-                stream.on_started(out.time_ns, cached)
-                self._count_admission(stream, out.time_ns)
+                stream.on_started(out.scheduled_ns, cached)
+                self._count_admission(stream, out.scheduled_ns)
         generated = 0
         for rid, token, finish in zip(out.ids.tolist(), out.tokens.tolist(), out.finish.tolist()):
             stream = self.registry.by_rid(rid)
