@@ -3,7 +3,7 @@
 #   kernels  bench/kernels_mxfp4.py: expert memory, check (every element) and time of the w4a16 kernel, both
 #            in-register expansions, beside the bf16 kernel at 1..16384 tokens, small and K3 shapes (<= 9 min)
 #   engine   bench/engine.py --random-weights small: MXFP4 vs the same weights as bf16, decode at batch 1 and
-#            64 (weights, cache size, ITL, roofline share of the experts) (4 runs, <= 140 s each)
+#            64 (weights, cache size, ITL, roofline share of the experts) (2 runs, <= 200 s each)
 #   sweep    kernels_mxfp4 at small: tiles and the two expansions, one change at a time (<= 6 min)
 #   ckpt     make-checkpoint --preset small (bf16, then --experts mxfp4) timed, and the MXFP4 one loaded from
 #            disk and run by the in-process engine (<= 3 min)
@@ -22,10 +22,9 @@ kernels() { T=${T:-540} step python3 -X faulthandler bench/kernels_mxfp4.py --it
 sweep() { T=${T:-360} step python3 -X faulthandler bench/kernels_mxfp4.py --shapes small --no-check --tokens 1 --sweep \
   --sweep-tokens 1 16 64 8192 16384 --iters 20; }
 engine() {
-  local T=${T:-140}
+  local T=${T:-200}
   for e in mxfp4 mxfp4-as-bf16; do
-    kept $B --experts $e --concurrency 1 --num-requests 4 --warmup 1 --prompt-len 256 --output-len 256
-    kept $B --experts $e --concurrency 64 --num-requests 128 --warmup 64 --prompt-len 256 --output-len 128
+    kept $B --experts $e --concurrency 1,64 --num-requests 4,128 --warmup 8 --prompt-len 256 --output-len 256,128
   done
 }
 ckpt() {

@@ -15,7 +15,7 @@ R="$OUT/serve-small.txt"; : > "$R"
 say() { echo "$*" | tee -a "$R"; }
 CK=/tmp/k3small
 T0=$(date +%s)
-[ -f $CK/config.json ] || python3 -m k3backend make-checkpoint --preset small --out $CK 2>&1 | tail -2 | tee -a "$R"
+[ -f $CK/config.json ] || python3 -m k3backend make-checkpoint --preset small --out $CK 2>&1 | tail -3 | tee -a "$R"
 say "checkpoint ready after $(( $(date +%s) - T0 )) s"
 say "== in process, same checkpoint and lengths"
 timeout 150 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
@@ -31,16 +31,16 @@ say "server ready after $(( $(date +%s) - T0 )) s"
 grep -E "k3_lm: (stub|worker)|cache: |loaded" "$OUT/server.log" | head -8 | tee -a "$R"
 STUB=$(grep -oP 'k3_lm: stub pid \K[0-9]+' "$OUT/server.log" | head -1)
 CORE=$(grep -oP 'engine core pid \K[0-9]+' "$OUT/server.log" | head -1)
-L="python3 bench/serving_load.py --url localhost:8001 --tokenizer $CK --prompt-len 284 --procs 8"
+L="python3 bench/serving_load.py --url localhost:8001 --metrics-url localhost:8002 --tokenizer $CK --prompt-len 284 --procs 8"
 for model in k3_lm k3_ensemble; do
-  [ $model = k3_lm ] && timeout 120 $L --model $model --concurrency 1 --num-requests 12 --output-len 256 --warmup 2 2>&1 | tail -2 | tee -a "$R"
-  timeout 120 $L --model $model --concurrency 64 --num-requests 256 --output-len 128 2>&1 | tail -2 | tee -a "$R"
+  [ $model = k3_lm ] && timeout 120 $L --model $model --concurrency 1 --num-requests 12 --output-len 256 --warmup 2 2>&1 | tail -3 | tee -a "$R"
+  timeout 120 $L --model $model --concurrency 64 --num-requests 256 --output-len 128 2>&1 | tail -3 | tee -a "$R"
   if [ $model = k3_lm ]; then
     SPY=/tmp/k3site/bin/py-spy
     ( sleep 12; $SPY record -r 100 -d 8 --nonblocking -f raw -o "$OUT/profile-stub.txt" -p "$STUB" >/dev/null 2>&1 ) &
     ( sleep 12; $SPY record -r 100 -d 8 --nonblocking -f raw -o "$OUT/profile-core.txt" -p "$CORE" >/dev/null 2>&1 ) &
   fi
-  timeout 150 $L --model $model --concurrency 256 --num-requests 512 --output-len 64 2>&1 | tail -2 | tee -a "$R"
+  timeout 150 $L --model $model --concurrency 256 --num-requests 512 --output-len 64 2>&1 | tail -3 | tee -a "$R"
 done
 wait
 kill $SERVER; wait $SERVER
