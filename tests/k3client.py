@@ -6,6 +6,7 @@ import base64
 import io
 import json
 import queue
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -119,6 +120,19 @@ def metrics(url: str) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             out[key] = float(value)
     return out
+
+
+def settled_metrics(url: str, name: str = "k3:generation_tokens_total", timeout: float = 5.0) -> dict[str, float]:
+    """`metrics(url)` once `name` has stopped moving for 0.3 s: updates of earlier requests go through
+    the metrics thread's queue and may still land after their final response (docs/metrics.md)."""
+    values, deadline = metrics(url), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        again = metrics(url)
+        if metric(again, name) == metric(values, name):
+            return again
+        values = again
+    return values
 
 
 def metric(values: dict[str, float], name: str, **labels: str) -> float:

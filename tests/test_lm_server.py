@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from k3client import collect, http_post, make_inputs, metric, metrics, png_data_uri, stream_one
+from k3client import collect, http_post, make_inputs, metric, metrics, png_data_uri, settled_metrics, stream_one
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 MODELS = ["k3_vision", "k3_lm", "k3_ensemble"]
@@ -286,7 +286,7 @@ def test_http_generate_number_conversion_is_triton_s_on_2_51(server):
 
 
 def test_metrics_counters_move(server):
-    before = metrics(server.metrics_url)
+    before = settled_metrics(server.metrics_url)
     s = stream_one(server.grpc_url, "k3_ensemble", {"text_input": "count me", "max_tokens": 5, "ignore_eos": True,
                                                     "min_tokens": 5, "return_num_input_tokens": True})
     assert s.error is None
@@ -420,8 +420,7 @@ def test_repeated_long_prompt_is_served_from_the_prefix_cache(server):
     num_cached_tokens (return_perf_metrics) and the prefix-cache counters show it; text is the same."""
     body = {"text_input": "a long shared system prompt, " * 12, "max_tokens": 4, "temperature": 0,
             "return_perf_metrics": True, "return_num_input_tokens": True}
-    time.sleep(0.6)  # counters follow the engine within a 0.25 s period: earlier tests' hits land first
-    before = metrics(server.metrics_url)
+    before = settled_metrics(server.metrics_url, "k3:prefix_cache_queries_total")
     first = json.loads(http_post(server.http_url, "/v2/models/k3_lm/generate", body)[1])
     second = json.loads(http_post(server.http_url, "/v2/models/k3_lm/generate", body)[1])
     n = first["num_input_tokens"]
