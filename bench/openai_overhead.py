@@ -162,6 +162,17 @@ def cpu_seconds(pid: int | None) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def idle_cpu_rate(pid: int | None, window_s: float = 1.5) -> float:
+    """CPU seconds per second of an idle gateway: the least of three windows, because `--workers`
+    children may still be starting (importing) in the first ones."""
+    rates = []
+    for _ in range(3):
+        before = cpu_seconds(pid)
+        time.sleep(window_s)
+        rates.append((cpu_seconds(pid) - before) / window_s)
+    return min(rates)
+
+
 def measure(pool, path: str, url: str, model: str, concurrency: int, requests: int, args,
             gateway_pid: int | None = None) -> dict:
     procs = min(args.client_procs, concurrency)
@@ -230,9 +241,7 @@ def main() -> int:
                               "--served-model-name", args.served_model_name, *args.gateway_args.split())
             openai_url = gateway.url
         gateway_pid = gateway.process.pid if gateway is not None else args.gateway_pid
-        idle = cpu_seconds(gateway_pid)
-        time.sleep(2.0)
-        idle_rate = (cpu_seconds(gateway_pid) - idle) / 2.0  # gRPC's and asyncio's own polling, subtracted below
+        idle_rate = idle_cpu_rate(gateway_pid)  # gRPC's and asyncio's own polling, subtracted below
         print(f"server {grpc_url} ({args.triton_model}), gateway {openai_url}; {args.max_tokens} output tokens, "
               f"prompt {args.prompt_chars} characters, greedy, streaming\n")
         table = []
