@@ -9,8 +9,10 @@ so a decode step can be captured as a CUDA graph.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -79,15 +81,24 @@ class MLACache:
 LayerCache = KDACache | MLACache
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, except that on the CPU the pages come zeroed from the OS (calloc) and count as
+    memory only once written: `cpu_cache_gb` is a budget, not a resident size from the start."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def layer_cache(attn: torch.nn.Module, num_slots: int, num_blocks: int, block_size: int, dtype: torch.dtype,
                 device: torch.device) -> LayerCache:
     """Zeroed pools of one attention layer (KDA: `cache_shapes()`; MLA: `cache_width`)."""
     if attn.is_kda:
         (H, K, V), (W1, C) = attn.cache_shapes()
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        return KDACache(torch.zeros(num_slots, H, K, V, dtype=state_dtype, device=device),
-                        torch.zeros(num_slots, W1, C, dtype=dtype, device=device))
-    return MLACache(torch.zeros(num_blocks, block_size, attn.cache_width, dtype=dtype, device=device))
+        return KDACache(_zeros((num_slots, H, K, V), state_dtype, device), _zeros((num_slots, W1, C), dtype, device))
+    return MLACache(_zeros((num_blocks, block_size, attn.cache_width), dtype, device))
 
 
 @dataclass
