@@ -26,12 +26,13 @@ from k3backend.kernels.varlen import KDA_CHUNK
 # row, a chunk continuing its cached prefix and a fresh one; then three decode rows and a fresh chunk
 STEPS = [([66, 9, 0, 0], [0, 1], 0), ([6, 1, 10, 0], [1, 0, 2], 1), ([1, 1, 1, 5], [0, 1, 2, 3], 3)]
 VARLEN_OPS = ("short_conv", "kda_prefill", "mla_prefill")
-MUTATIONS = {  # name: layout -> mutated layout, each in bounds
+MUTATIONS = {  # name: layout -> mutated layout, each in bounds; KDA's tables at fp64, MLA's at fp32
     "seq_ids": lambda lay: dataclasses.replace(lay, seq_ids=lay.seq_ids.flip(0)),
     "first_chunk": lambda lay: dataclasses.replace(lay, first_chunk=lay.first_chunk.roll(1)),
     "fresh": lambda lay: dataclasses.replace(lay, fresh=~lay.fresh),
     "latent_rows": lambda lay: dataclasses.replace(lay, latent_rows=lay.latent_rows.roll(1)),
 }
+MUTATED = {"fp64": ("seq_ids", "first_chunk"), "fp32": ("fresh", "latent_rows")}
 
 
 def test_layout_tables_equal_a_host_walk_of_the_batch():
@@ -147,40 +148,48 @@ def _run_steps(dtype: str, mutations=(), counts: dict | None = None) -> tuple[di
 
 
 def _small_lm(dt: torch.dtype):
-    """tiny with three layers, KDA, KDA, MLA (the interpreter's time grows with every layer)."""
+    """tiny with three layers (KDA, KDA, MLA) of two heads: the interpreter's time grows with each."""
     from k3backend.presets import preset_config
     from test_decode import tiny_lm
 
-    lac = {**preset_config("tiny")["text_config"]["linear_attn_config"], "kda_layers": [1, 2], "full_attn_layers": [3]}
-    return tiny_lm(dt, seed=11, num_hidden_layers=3, linear_attn_config=lac)
+    lac = {**preset_config("tiny")["text_config"]["linear_attn_config"], "kda_layers": [1, 2], "full_attn_layers": [3],
+           "num_heads": 2}
+    return tiny_lm(dt, seed=11, num_hidden_layers=3, linear_attn_config=lac, num_attention_heads=2,
+                   num_key_value_heads=2)
 
 
 def _max_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(float((g - w).abs().max()) for g, w in zip(got, want))
 
 
-def check_mixed_steps_equal_each_alone_fp64() -> None:
+def _check_steps(dtype: str, atol: float) -> dict[str, int]:
+    """Every sequence's logits over the mixed steps equal its fresh forward alone; each of the dtype's
+    planted layout mutations breaks that. Returns the unmutated run's counts."""
+    counts: dict[str, int] = {}
+    got, alone = _run_steps(dtype, mutations=MUTATED[dtype], counts=counts)
+    d = _max_diff(got[""], alone)
+    assert d <= atol, f"max |logit difference| {d:.3g} > {atol}"
+    for name in MUTATED[dtype]:
+        d = _max_diff(got[name], alone)
+        assert not d <= 1e-2, f"the layout with {name} mutated changes the logits by {d:.3g} only: unread?"
+    return counts
+
+
+def check_mixed_steps_equal_each_alone_and_layout_mutations_break_them_fp64() -> None:
+    """short_conv and kda_prefill on their fast path (the Triton MLA takes no fp64)."""
     from tolerances import PATH_FP64_ATOL
 
-    counts: dict[str, int] = {}
-    got, alone = _run_steps("fp64", counts=counts)
-    d = _max_diff(got[""], alone)
-    assert d <= PATH_FP64_ATOL, f"max |logit difference| {d:.3g} > {PATH_FP64_ATOL}"
+    counts = _check_steps("fp64", PATH_FP64_ATOL)
     # one layout per step (each has prefill rows), two searchsorted each; built per layer it was 2 per
     # KDA layer and 1 per MLA layer: 5 a step here, 17 in tiny, 42 in small
     assert counts == {"layouts": len(STEPS), "searchsorted": 2 * len(STEPS)}, counts
 
 
-def check_mixed_steps_equal_each_alone_and_each_layout_mutation_breaks_them_fp32() -> None:
-    """fp32, where mla_prefill takes its fast path too."""
+def check_mixed_steps_equal_each_alone_and_layout_mutations_break_them_fp32() -> None:
+    """mla_prefill on its fast path too."""
     from tolerances import PATH_FP32_ATOL
 
-    got, alone = _run_steps("fp32", mutations=tuple(MUTATIONS))
-    d = _max_diff(got[""], alone)
-    assert d <= PATH_FP32_ATOL, f"max |logit difference| {d:.3g} > {PATH_FP32_ATOL}"
-    for name in MUTATIONS:
-        d = _max_diff(got[name], alone)
-        assert not d <= 1e-2, f"the layout with {name} mutated changes the logits by {d:.3g} only: unread?"
+    _check_steps("fp32", PATH_FP32_ATOL)
 
 
 CHECKS = Checks(__file__, env={"K3_KERNELS": "triton"})
