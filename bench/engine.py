@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=1.0, help="--workload: request counts times this (a quick run)")
     args = ap.parse_args(argv)
+    runs = workloads(args)  # a bad --workload or list fails before the model loads
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # cache, kernels, graphs
 
     from k3backend.engine.runner import InProcessExecutor
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     core = EngineCore(executor, cfg)
     print(f"model ready in {time.monotonic() - t0:.1f} s")
     first, results = 1, []
-    for w in workloads(args):
+    for w in runs:
         jobs = workload(w, info.vocab_size, info.media_pad_id)
         run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first, info.hidden_size, dtype)
         before, coord0 = core.stats(), getattr(executor, "coordination_s", 0.0)

@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = argparse.Namespace(checkpoint=None, random_weights=args.random_weights, seed=0, experts=args.experts,
                             layers=args.layers)
     device = torch.device(args.device)
+    if device.type == "cpu" and args.random_weights == "tiny":
+        torch.set_num_threads(1)  # tiny ops: more threads only contend
     print("$ python bench/profile_step.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, {args.random_weights} x {args.layers or 'preset'} layers, {args.dtype}")
