@@ -282,10 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append((w, r))
         if model is not None:
             print(roofline(model, w, r))
+        if args.workload:  # the table so far after each run: a time limit still leaves the finished ones
+            print(summary(results))
     if model is not None:
         print(graph_times(executor))
-    if args.workload:
-        print(summary(results))
     executor.close()
     return 0
 

@@ -6,7 +6,8 @@
 #   git -C /work/main archive t15m src | tar -x -C .old     # then carry .old and run with OLD_SRC=.old/src
 #   OLD_SRC=.old/src bash bench/gpu_traffic.sh
 # Writes traffic.txt (the table) and engine-*.txt / kinds-*.txt (full output) under $OUT (or /tmp/k3out).
-# T_ENGINE / T_KINDS: seconds per engine / profile run (170 / 70: both trees fit in ~9 minutes);
+# T_ENGINE / T_KINDS: seconds per engine / profile run (190 / 60: both trees fit in ~9 minutes; the
+# engine prints its table after each workload, so a run cut short still reports the finished ones);
 # DEPTH=1 adds the step kinds at 48 layers for this tree (host time against depth).
 set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
@@ -22,9 +23,9 @@ if [ -n "${OLD_SRC:-}" ]; then TREES="old:$(cd "$OLD_SRC" && pwd) $TREES"; fi
 tree() {  # name src: both benches with PYTHONPATH=src (nothing else of k3backend on the path)
   local name=$1 src=$2
   echo; echo "== $name: $(PYTHONPATH=$src python3 -c 'import k3backend; print(k3backend.__file__)')"
-  PYTHONPATH=$src timeout -s ABRT "${T_ENGINE:-170}" $ENGINE >"$OUT/engine-$name.txt" 2>&1
+  PYTHONPATH=$src timeout -s ABRT "${T_ENGINE:-190}" $ENGINE >"$OUT/engine-$name.txt" 2>&1
   grep -E "$KEEP" "$OUT/engine-$name.txt" | awk '!seen[$0]++' | tail -30
-  PYTHONPATH=$src timeout -s ABRT "${T_KINDS:-70}" $KINDS >"$OUT/kinds-$name.txt" 2>&1
+  PYTHONPATH=$src timeout -s ABRT "${T_KINDS:-60}" $KINDS >"$OUT/kinds-$name.txt" 2>&1
   grep -vE " INFO |^INFO" "$OUT/kinds-$name.txt" | tail -9
 }
 
@@ -34,7 +35,7 @@ tree() {  # name src: both benches with PYTHONPATH=src (nothing else of k3backen
   for t in $TREES; do tree "${t%%:*}" "${t#*:}"; done
   if [ "${DEPTH:-0}" = 1 ]; then
     echo; echo "== new, 48 layers"
-    PYTHONPATH=$ROOT/src timeout -s ABRT "${T_KINDS:-70}" $KINDS --layers 48 2>&1 | grep -vE " INFO |^INFO" | tail -8
+    PYTHONPATH=$ROOT/src timeout -s ABRT "${T_KINDS:-60}" $KINDS --layers 48 2>&1 | grep -vE " INFO |^INFO" | tail -8
   fi
   echo; echo "== side by side (old -> new)"
   python3 - "$OUT" $TREES <<'PY'
@@ -45,7 +46,7 @@ def rows(path, first):  # lines of a table after its header line, keyed by their
         lines = open(path).read().splitlines()
     except OSError:
         return {}
-    start = next((i for i, l in enumerate(lines) if l.startswith(first)), None)
+    start = max((i for i, l in enumerate(lines) if l.startswith(first)), default=None)  # the last table
     got = {}
     for l in lines[start + 1:] if start is not None else []:
         if not l.strip():
