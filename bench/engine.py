@@ -347,8 +347,8 @@ def summary(results: list[tuple[argparse.Namespace, dict]]) -> str:
         images = f"{w.image_rows}x{w.image_share:g}" if w.image_rows else "-"
         lines.append(f"{w.name:<12} {w.concurrency:>4} {f'{w.prompt_len}±{w.prompt_len_std:g}':>9} "
                      f"{f'{w.output_len}±{w.output_len_std:g}':>8} {images:>7} {r['tokens'] / r['wall']:>9.1f} "
-                     f"{pct(r['ttft'], 50) * 1e3:>9.1f} {pct(r['ttft'], 99) * 1e3:>9.1f} {pct(r['itl'], 50) * 1e3:>8.2f} "
-                     f"{pct(r['itl'], 99) * 1e3:>8.2f}")
+                     f"{pct(r['ttft'], 50) * 1e3:>9.1f} {pct(r['ttft'], 99) * 1e3:>9.1f} "
+                     f"{pct(r['itl'], 50) * 1e3:>8.2f} {pct(r['itl'], 99) * 1e3:>8.2f}")
     return "\n".join(lines)
 
 
