@@ -3,6 +3,7 @@
     python bench/engine.py --random-weights tiny --concurrency 16 --num-requests 64
     python bench/engine.py --random-weights small --dtype bfloat16 --concurrency 64 --num-requests 256
     python bench/engine.py --checkpoint /path/to/ckpt --shared-prefix-len 2048 --shared-prefix-fraction 1.0
+    python bench/engine.py --random-weights small --dtype bfloat16 --workload steady,staggered,long-prompt,images
 
 A closed loop drives `EngineCore.step()` in this process (no serving layer, no process boundary)
 and keeps `--concurrency` requests in flight until `--num-requests` have finished (after a short
@@ -12,7 +13,9 @@ start with one common prefix (a system prompt), which the prefix cache should co
 `--random-weights PRESET` builds `tiny` or `small` in memory, drawn on the device, without a
 checkpoint (`--experts mxfp4`: routed experts packed as in the K3 release; `mxfp4-as-bf16`: the same
 weights dequantized, the 16-bit baseline); `--expert-stats` reports how evenly the routers spread
-tokens over experts.
+tokens over experts. `--workload` runs named traffic shapes instead of the length flags (`WORKLOADS`:
+steady, staggered arrivals, long prompts, a share of requests with image rows) and ends with one
+table of them all.
 """
 
 from __future__ import annotations
@@ -45,12 +48,24 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         from k3backend.presets import preset_config, randomize_weights_
 
         raw = preset_config(args.random_weights)
+        if getattr(args, "layers", None):
+            set_layers(raw, args.layers)
         if args.experts != "bf16":
             raw["quantization_config"] = mxfp4_quantization_config()
         model = randomize_weights_(empty_model(K3Config.from_dict(raw), dtype, device), args.seed)
     if args.experts == "mxfp4-as-bf16":
         dequantize_experts_(model, dtype)
     return model.eval().requires_grad_(False)
+
+
+def set_layers(raw: dict, n: int) -> None:
+    """The preset with n decoder layers in K3's pattern (MLA every 4th and the last, KDA the others):
+    how host time grows with depth."""
+    text = raw["text_config"]
+    mla = sorted({i for i in range(4, n + 1, 4)} | {n})
+    text["num_hidden_layers"] = n
+    text["linear_attn_config"] = {**text["linear_attn_config"], "full_attn_layers": mla,
+                                  "kda_layers": [i for i in range(1, n + 1) if i not in mla]}
 
 
 @torch.no_grad()
@@ -72,8 +87,23 @@ def dequantize_experts_(model, dtype: torch.dtype) -> None:
             m.quant = None
 
 
-def workload(args: argparse.Namespace, vocab: int, pad_id: int) -> list[tuple[list[int], int]]:
-    """Random prompt ids (never the image pad, which would need image rows) and output lengths."""
+# name -> its runs (flags of this script); the text of each issue-16 workload. Warm-ups: the first run of
+# a process compiles and captures, so the first workload of a list warms up with a full wave.
+WORKLOADS: dict[str, list[dict]] = {
+    "steady": [dict(concurrency=64, num_requests=192, prompt_len=284, output_len=128)],  # admitted together
+    "staggered": [dict(concurrency=64, num_requests=256, prompt_len=256, prompt_len_std=64.0, output_len=128,
+                       output_len_std=48.0)],  # requests end and arrive at different times
+    "long-prompt": [dict(concurrency=16, num_requests=32, prompt_len=8192, output_len=64),
+                    dict(concurrency=1, num_requests=3, prompt_len=4096, output_len=1)],
+    # half the requests carry one image of 256 rows (448 x 448 pixels: 32 x 32 patches merged 2 x 2)
+    "images": [dict(concurrency=64, num_requests=192, prompt_len=284, output_len=128, image_share=0.5,
+                    image_rows=256)],
+}
+
+
+def workload(args: argparse.Namespace, vocab: int, pad_id: int) -> list[tuple[list[int], int, int]]:
+    """Random prompt ids (never the image pad outside an image), output lengths and image rows: a share
+    `image_share` of the prompts carries `image_rows` pads after its first 16 tokens."""
     rng = random.Random(args.seed)
     draw = lambda: next(t for t in iter(lambda: rng.randrange(vocab), None) if t != pad_id)  # noqa: E731
     prefix = [draw() for _ in range(args.shared_prefix_len)]
@@ -82,23 +112,35 @@ def workload(args: argparse.Namespace, vocab: int, pad_id: int) -> list[tuple[li
         n_in = max(1, int(rng.gauss(args.prompt_len, args.prompt_len_std)))
         n_out = max(1, int(rng.gauss(args.output_len, args.output_len_std)))
         ids = [draw() for _ in range(n_in)]
+        rows = args.image_rows if args.image_rows and rng.random() < args.image_share else 0
+        ids = ids[:16] + [pad_id] * rows + ids[16:]
         if prefix and rng.random() < args.shared_prefix_fraction:
             ids = prefix + ids
-        out.append((ids, n_out))
+        out.append((ids, n_out, rows))
     return out
 
 
-def run(core: EngineCore, jobs: list[tuple[list[int], int]], concurrency: int, first_id: int) -> dict:
+def image_request(rid: int, ids: list[int], params: SamplingParams, rows: int, hidden: int,
+                  dtype: torch.dtype) -> Request:
+    """A request whose `rows` image pads get random projector rows (distinct per request: no prefix hits)."""
+    embeds = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rid)).to(dtype)
+    return Request(f"bench-{rid}", ids, params, image_embeds=embeds, image_token_counts=(rows,),
+                   image_hashes=(f"{rid:032x}",))
+
+
+def run(core: EngineCore, jobs: list[tuple[list[int], int, int]], concurrency: int, first_id: int,
+        hidden: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """Closed loop over the engine core's steps: per-request TTFT, inter-token intervals, tokens."""
     pending = list(enumerate(jobs, first_id))[::-1]
     live: dict[int, list[float]] = {}  # id -> [submitted, time of its last token]
     ttft, itl, tokens, done = [], [], 0, 0
+    images = sum(1 for _, _, rows in jobs if rows)
     start = time.monotonic()
     while pending or live:
         while pending and len(live) < concurrency:
-            rid, (ids, n_out) = pending.pop()
+            rid, (ids, n_out, rows) = pending.pop()
             p = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=1.0, seed=rid)
-            core.add(rid, Request(f"bench-{rid}", ids, p))
+            core.add(rid, image_request(rid, ids, p, rows, hidden, dtype) if rows else Request(f"bench-{rid}", ids, p))
             live[rid] = [time.monotonic(), 0.0]
         out = core.step()
         now = time.monotonic()
@@ -114,7 +156,7 @@ def run(core: EngineCore, jobs: list[tuple[list[int], int]], concurrency: int, f
                 del live[rid]
                 done += 1
     wall = time.monotonic() - start
-    return {"wall": wall, "ttft": ttft, "itl": itl, "tokens": tokens, "n": done}
+    return {"wall": wall, "ttft": ttft, "itl": itl, "tokens": tokens, "n": done, "images": images}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -171,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len-std", type=float, default=0.0)
     ap.add_argument("--shared-prefix-len", type=int, default=0)
     ap.add_argument("--shared-prefix-fraction", type=float, default=0.0)
+    ap.add_argument("--image-share", type=float, default=0.0, help="fraction of the requests with an image")
+    ap.add_argument("--image-rows", type=int, default=0, help="image rows (media pads) of such a request")
+    ap.add_argument("--workload", help="a comma list of named workloads (" + ", ".join(WORKLOADS) + "): each sets "
+                    "the concurrency, request count and lengths itself")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=32768)
@@ -186,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="> 1: worker processes (one per rank; needs --checkpoint); reports the coordination time")
     ap.add_argument("--expert-parallel-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scale", type=float, default=1.0, help="--workload: request counts times this (a quick run)")
     args = ap.parse_args(argv)
+    runs = workloads(args)  # a bad --workload or list fails before the model loads
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # cache, kernels, graphs
 
     from k3backend.engine.runner import InProcessExecutor
@@ -222,17 +270,20 @@ def main(argv: list[str] | None = None) -> int:
     info = executor.info
     core = EngineCore(executor, cfg)
     print(f"model ready in {time.monotonic() - t0:.1f} s")
-    first = 1
-    for w in workloads(args):
+    first, results = 1, []
+    for w in runs:
         jobs = workload(w, info.vocab_size, info.media_pad_id)
-        run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first)
+        run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first, info.hidden_size, dtype)
         before, coord0 = core.stats(), getattr(executor, "coordination_s", 0.0)
-        r = run(core, jobs[w.warmup:], w.concurrency, first + w.warmup)
+        r = run(core, jobs[w.warmup:], w.concurrency, first + w.warmup, info.hidden_size, dtype)
         first += len(jobs)
         after, coord = core.stats(), getattr(executor, "coordination_s", 0.0) - coord0
         report(w, r, before, after, coord, executor, counts)
+        results.append((w, r))
         if model is not None:
             print(roofline(model, w, r))
+        if args.workload:  # the table so far after each run: a time limit still leaves the finished ones
+            print(summary(results))
     if model is not None:
         print(graph_times(executor))
     executor.close()
@@ -240,23 +291,39 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def workloads(args: argparse.Namespace) -> list[argparse.Namespace]:
-    """One namespace per entry of the comma lists (--concurrency, --num-requests, --output-len)."""
+    """One namespace per run of the named --workload list, else per entry of the comma lists
+    (--concurrency, --num-requests, --output-len)."""
+    if args.workload:
+        names = args.workload.split(",")
+        unknown = [n for n in names if n not in WORKLOADS]
+        if unknown:
+            raise SystemExit(f"--workload: unknown {unknown}; known: {', '.join(WORKLOADS)}")
+        base = {**vars(args), "prompt_len_std": 0.0, "output_len_std": 0.0, "image_share": 0.0, "image_rows": 0}
+        runs = [(n, spec) for n in names for spec in WORKLOADS[n]]
+        scale = args.scale
+        return [argparse.Namespace(**{**base, **spec, "num_requests": max(1, int(spec["num_requests"] * scale)),
+                                      "warmup": max(1, int((spec["concurrency"] if i == 0 else
+                                                            min(spec["concurrency"], 16)) * scale)),
+                                      "name": name, "seed": args.seed + 1000 * i})
+                for i, (name, spec) in enumerate(runs)]
     lists = {k: [int(v) for v in str(getattr(args, k)).split(",")] for k in ("concurrency", "num_requests",
                                                                             "output_len")}
     n = max(map(len, lists.values()))
     if any(len(v) not in (1, n) for v in lists.values()):
         raise SystemExit(f"--concurrency, --num-requests and --output-len: lists of one length, got {lists}")
     return [argparse.Namespace(**{**vars(args), **{k: v[i if len(v) > 1 else 0] for k, v in lists.items()},
-                                  "seed": args.seed + 1000 * i})  # other prompts: no prefix hits on the last workload's
-            for i in range(n)]
+                                  "seed": args.seed + 1000 * i, "name": ""})  # other prompts: no prefix hits on the
+            for i in range(n)]                                                 # last workload's
 
 
 def report(args: argparse.Namespace, r: dict, before, after, coord: float, executor, counts) -> None:
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
-    print(f"\n{r['n']} requests, concurrency {args.concurrency}, prompt {args.prompt_len}±{args.prompt_len_std:g}, "
-          f"output {args.output_len}±{args.output_len_std:g}, shared prefix {args.shared_prefix_len} x "
-          f"{args.shared_prefix_fraction:g}, preemptions {after.num_preemptions - before.num_preemptions}")
+    images = f", {r['images']} with an image of {args.image_rows} rows" if args.image_rows else ""
+    print(f"\n{args.name + ': ' if args.name else ''}{r['n']} requests, concurrency {args.concurrency}, prompt "
+          f"{args.prompt_len}±{args.prompt_len_std:g}, output {args.output_len}±{args.output_len_std:g}, shared prefix "
+          f"{args.shared_prefix_len} x {args.shared_prefix_fraction:g}{images}, preemptions "
+          f"{after.num_preemptions - before.num_preemptions}")
     if counts:
         print(f"expert load: {spread(counts)}")
     steps = after.steps - before.steps
@@ -270,6 +337,19 @@ def report(args: argparse.Namespace, r: dict, before, after, coord: float, execu
     print(f"{r['tokens'] / r['wall']:>12.1f} {pct(r['ttft'], 50) * 1e3:>12.1f} {pct(r['ttft'], 99) * 1e3:>12.1f} "
           f"{pct(r['itl'], 50) * 1e3:>11.2f} {pct(r['itl'], 99) * 1e3:>11.2f} "
           f"{(hits / queries if queries else 0):>10.1%}")
+
+
+def summary(results: list[tuple[argparse.Namespace, dict]]) -> str:
+    """One line per workload run: the table the traffic benchmarks compare (bench/gpu_traffic.sh)."""
+    lines = [f"\n{'workload':<12} {'conc':>4} {'prompt':>9} {'output':>8} {'images':>7} {'tok/s':>9} "
+             f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)"]
+    for w, r in results:
+        images = f"{w.image_rows}x{w.image_share:g}" if w.image_rows else "-"
+        lines.append(f"{w.name:<12} {w.concurrency:>4} {f'{w.prompt_len}±{w.prompt_len_std:g}':>9} "
+                     f"{f'{w.output_len}±{w.output_len_std:g}':>8} {images:>7} {r['tokens'] / r['wall']:>9.1f} "
+                     f"{pct(r['ttft'], 50) * 1e3:>9.1f} {pct(r['ttft'], 99) * 1e3:>9.1f} "
+                     f"{pct(r['itl'], 50) * 1e3:>8.2f} {pct(r['itl'], 99) * 1e3:>8.2f}")
+    return "\n".join(lines)
 
 
 def graph_times(executor) -> str:

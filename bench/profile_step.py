@@ -1,11 +1,20 @@
-"""Where the device time of one engine step goes: torch.profiler over one decode step (a replay of
-the captured graph, or eager with --enforce-eager) and one prefill, on random `small` weights.
+"""Where the time of one engine step goes: torch.profiler over one decode step (a replay of the
+captured graph, or eager with --enforce-eager) and one prefill, on random `small` weights; and, with
+--step-kinds, the host and device time of each kind of step the engine runs.
 
     python bench/profile_step.py --batch 1 --context 256 --prefill 4096 --rows 25
     python bench/profile_step.py --batch --prefill 0 --after-prefix 3072:1024 4080:16   # chunks that continue a prefix
+    python bench/profile_step.py --step-kinds                    # decode, chunks, decode + chunks, image rows
+    python bench/profile_step.py --step-kinds --layers 48        # how host time grows with depth
+    python bench/profile_step.py --step-kinds --random-weights tiny --device cpu
 
 Prints, per step, the number of kernels, their summed device time and the top kernels by device
 time (name, calls, total, mean), so a slow step can be traced to the kernel that makes it slow.
+--step-kinds runs each kind through `ModelRunner.logits` (the engine's path: graph replays where the
+runner takes them, else one eager forward) and prints one table: host ms (until the call returns,
+the Python and launch time), wall ms (until the device is done), kernels and their summed device
+time (torch.profiler), and the torch.searchsorted calls of the step (the device tables derived from
+the layout: once per step, or once per layer before the shared prefill layout).
 """
 
 from __future__ import annotations
@@ -20,7 +29,9 @@ import torch
 from engine import build_model
 from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch
 from k3backend.engine.config import EngineConfig
+from k3backend.engine.plan import ScheduledSeq, SlotRequest, StepPlan
 from k3backend.engine.runner import InProcessExecutor
+from k3backend.engine.sampling_params import SamplingParams
 
 
 def table(prof, rows: int) -> str:
@@ -51,6 +62,82 @@ def profiled(fn, rows: int, label: str) -> None:
     except Exception as e:  # noqa: BLE001 - another torch's event API: its own table then
         text = f"({e})\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
     print(f"\n== {label}\n{text}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_kinds(args: argparse.Namespace) -> list[tuple[str, int, list[tuple[int, int]]]]:
+    """(label, decode rows, [(chunk tokens, image rows)]) of each kind of step."""
+    b, c = args.kind_batch, args.kind_chunk
+    return [(f"decode {b}", b, []), (f"1 chunk of {2 * c}", 0, [(2 * c, 0)]), (f"4 chunks of {c}", 0, [(c, 0)] * 4),
+            (f"decode {b} + 1 chunk of {c}", b, [(c, 0)]), (f"decode {b} + 2 chunks of {c}", b, [(c, 0)] * 2),
+            (f"1 chunk of {2 * c}, {args.kind_image_rows} image rows", 0, [(2 * c, args.kind_image_rows)])]
+
+
+def kind_plan(runner, n_decode: int, chunks: list[tuple[int, int]], context: int, hidden: int) -> StepPlan:
+    """A step of n_decode decode rows at `context` and fresh chunks, each sequence on its own slot and
+    blocks; a chunk's image rows are the pads after its first 8 tokens."""
+    bs, seqs, new, next_block = runner.pools.block_size, [], [], 1
+    for i, (n, rows) in enumerate([(1, 0)] * n_decode + chunks):
+        start = context if i < n_decode else 0
+        nb = blocks_for(start + n, bs)
+        table = tuple(range(next_block, next_block + nb))
+        next_block += nb
+        offsets = tuple(range(8, 8 + rows))
+        seqs.append(ScheduledSeq(i + 1, tuple(1 + (t * 7) % 1000 for t in range(n)), start, i < n_decode, table,
+                                 True, 0, offsets))
+        embeds = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(i)) if rows else None
+        new.append(SlotRequest(i + 1, SamplingParams(), 0, (), (), (), (), embeds))
+    return StepPlan(seqs=seqs, num_decode=n_decode, new=new)
+
+
+def kinds_table(runner, args: argparse.Namespace, device: torch.device, hidden: int) -> None:
+    """Host / wall / device time of each step kind through runner.logits (see the module docstring)."""
+    print(f"\n{'step kind':<40} {'host ms':>8} {'wall ms':>8} {'kernels':>8} {'device ms':>9} {'searchsorted':>12}")
+    for label, nd, chunks in step_kinds(args):
+        plan = kind_plan(runner, nd, chunks, args.context, hidden)
+        step = lambda: runner.logits(plan)  # noqa: E731
+        for _ in range(2):  # warm: compilation, autotuning, graph buffers
+            step()
+        sync(device)
+        searches, real = [0], torch.searchsorted
+
+        def counted(*a, **k):
+            searches[0] += 1
+            return real(*a, **k)
+        torch.searchsorted = counted
+        try:
+            step()
+        finally:
+            torch.searchsorted = real
+        host, wall = [], []
+        for _ in range(args.iters):
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - t0)
+            sync(device)
+            wall.append(time.perf_counter() - t0)
+        kernels, busy = device_busy(step, device)
+        med = lambda v: sorted(v)[len(v) // 2] * 1e3  # noqa: E731
+        print(f"{label:<40} {med(host):>8.2f} {med(wall):>8.2f} {kernels:>8} {busy:>9} {searches[0]:>12}", flush=True)
+
+
+def device_busy(step, device: torch.device) -> tuple[str, str]:
+    """(kernels, their summed device ms) of one step, from torch.profiler; '-' on a CPU."""
+    if device.type != "cuda":
+        return "-", "-"
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    times = [e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return str(len(times)), f"{sum(times) / 1e3:.3f}"
 
 
 def wall_ms(fn, iters: int = 10) -> float:
@@ -102,17 +189,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4", "mxfp4-as-bf16"],
                     help="routed experts of the random small model (bench/engine.py --experts)")
+    ap.add_argument("--random-weights", default="small", choices=["tiny", "small"])
+    ap.add_argument("--layers", type=int, help="decoder layers of the preset (K3's KDA/MLA pattern)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--step-kinds", action="store_true", help="only the table of host and device time per step kind")
+    ap.add_argument("--kind-batch", type=int, default=64, help="--step-kinds: decode rows")
+    ap.add_argument("--kind-chunk", type=int, default=256, help="--step-kinds: tokens of a prefill chunk")
+    ap.add_argument("--kind-image-rows", type=int, default=256, help="--step-kinds: image rows of the image step")
+    ap.add_argument("--iters", type=int, default=5, help="--step-kinds: timed runs of each kind (the median)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    ns = argparse.Namespace(checkpoint=None, random_weights="small", seed=0, experts=args.experts)
-    device = torch.device("cuda")
+    ns = argparse.Namespace(checkpoint=None, random_weights=args.random_weights, seed=0, experts=args.experts,
+                            layers=args.layers)
+    device = torch.device(args.device)
+    if device.type == "cpu" and args.random_weights == "tiny":
+        torch.set_num_threads(1)  # tiny ops: more threads only contend
+    print("$ python bench/profile_step.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"torch {torch.__version__}, {args.random_weights} x {args.layers or 'preset'} layers, {args.dtype}")
     model = build_model(ns, device, getattr(torch, args.dtype))
     after = [tuple(int(v) for v in a.split(":")) for a in args.after_prefix]
-    longest = max([args.context + 1, args.prefill] + [c + n for c, n in after])
-    cfg = EngineConfig(max_num_seqs=max(args.batch, default=1), max_model_len=longest + 64,
-                       enforce_eager=args.enforce_eager)
+    longest = max([args.context + 1, args.prefill, 2 * args.kind_chunk] + [c + n for c, n in after])
+    seqs = max(args.batch + [args.kind_batch + 4] if args.step_kinds else args.batch or [1])
+    cfg = EngineConfig(max_num_seqs=seqs, max_model_len=longest + 64, enforce_eager=args.enforce_eager,
+                       **({} if device.type == "cuda" else {"cpu_cache_gb": 1.0}))
     ex = InProcessExecutor(model, cfg)
     runner, bs = ex.runner, cfg.block_size
+    if args.step_kinds:
+        kinds_table(runner, args, device, model.cfg.text.hidden_size)
+        return 0
     nb = blocks_for(args.context + 1, bs)
     with torch.inference_mode():
         for b in args.batch:  # sequence i: slot i + 1, its own blocks

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3backend.kernels.varlen import varlen_layout
 from k3backend.model.cache import ForwardBatch
 
 
@@ -53,13 +54,19 @@ def build_forward_batch(chunks: Sequence[SeqChunk], num_decode: int, block_size:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
     cu_t = t(cu, torch.int32)
+    block_tables = t(tables, torch.int32).view(len(chunks), width)
+    context_lens = t([c.start + len(c.token_ids) for c in chunks], torch.int32)
+    prefill_cu = t([x - cu[num_decode] for x in cu[num_decode:]], torch.int32)
+    num_prefill = cu[-1] - cu[num_decode]
+    layout = varlen_layout(prefill_cu, num_prefill, context_lens[num_decode:], block_tables[num_decode:], block_size) \
+        if num_prefill else None  # the step's prefill tables, once for every layer
     return ForwardBatch(
         input_ids=t(ids, torch.int64), cu_seqlens=cu_t, num_decode=num_decode,
         state_indices=t([c.slot for c in chunks], torch.int32),
         has_initial_state=t([c.has_initial_state for c in chunks], torch.bool),
-        slot_mapping=t(slot_mapping, torch.int64), block_tables=t(tables, torch.int32).view(len(chunks), width),
-        context_lens=t([c.start + len(c.token_ids) for c in chunks], torch.int32), logits_indices=t(logits, torch.int64),
-        prefill_cu_seqlens=t([x - num_decode for x in cu[num_decode:]], torch.int32),
+        slot_mapping=t(slot_mapping, torch.int64), block_tables=block_tables,
+        context_lens=context_lens, logits_indices=t(logits, torch.int64),
+        prefill_cu_seqlens=prefill_cu, prefill_layout=layout,
         mm_positions=t(list(mm_positions), torch.int64) if len(mm_positions) else None,
         mm_embeds=mm_embeds if len(mm_positions) else None)
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from k3backend.engine.batch import SeqChunk
+from k3backend.kernels.varlen import varlen_layout
 from k3backend.model.cache import ForwardBatch
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ def prefill_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
 
 class _Graphs:
     """Graphs over static buffers, one per size: `batch(size)` is the ForwardBatch of those buffers
-    that `forward` (the model over the pools, no host sync) is captured on."""
+    that `forward` (the model over the pools, no host sync) is captured on. `batch` is called inside
+    the capture: the tables it derives on the device (the prefill layout) are rebuilt by each replay."""
 
     what = ""
 
@@ -88,14 +90,13 @@ class _Graphs:
         try:
             for size in reversed(self.sizes):
                 self._prepare(size)
-                batch = self.batch(size)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
-                    self.forward(batch)  # warm-up outside the capture
+                    self.forward(self.batch(size))  # warm-up outside the capture
                 torch.cuda.current_stream(device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[size] = self.forward(batch)
+                    self.outputs[size] = self.forward(self.batch(size))
                 self.graphs[size] = graph
             torch.cuda.synchronize(device)
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: run these steps eagerly
@@ -209,7 +210,8 @@ class PrefillGraphs(_Graphs):
             input_ids=self.input_ids[:t], cu_seqlens=self.cu_seqlens, num_decode=0, state_indices=self.state_indices,
             has_initial_state=self.has_initial_state, slot_mapping=self.slot_mapping[:t],
             block_tables=self.block_tables, context_lens=self.context_lens, logits_indices=self.logits_index,
-            prefill_cu_seqlens=self.cu_seqlens)
+            prefill_cu_seqlens=self.cu_seqlens,
+            prefill_layout=varlen_layout(self.cu_seqlens, t, self.context_lens, self.block_tables, self.block_size))
 
     def _prepare(self, size: int) -> None:
         self._fill_lengths(size, size + PREFILL_PAD, 0, 0, False)  # on the null slot and block

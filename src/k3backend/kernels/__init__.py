@@ -49,6 +49,7 @@ from k3backend.kernels.norm_ref import (
     rms_norm,
 )
 from k3backend.kernels.sample_ref import race_draw
+from k3backend.kernels.varlen import VarlenLayout, varlen_layout
 
 log = logging.getLogger(__name__)
 
@@ -135,5 +136,5 @@ __all__ = [
     "gated_rms_norm", "glu", "kda_chunked",
     "kda_decode", "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "race_draw", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
-    "situ_and_mul", "glu_linear", "kda_decode_fused",
+    "situ_and_mul", "glu_linear", "kda_decode_fused", "VarlenLayout", "varlen_layout",
 ]

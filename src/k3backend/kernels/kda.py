@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3backend.kernels.varlen import VarlenLayout, layout_problem, varlen_layout
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton itself does
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_TILE = 128 * 128  # K·V elements of one head's state held in registers by one program
@@ -371,7 +373,7 @@ def _short_conv_history_kernel(x, conv_pool, cu_seqlens, state_indices, has_init
         tl.store(hist + o_r[:, None] * C + o_c[None, :], new, mask=m)
 
 
-def _short_conv_problem(x, weight, conv_pool, cu_seqlens, state_indices, has_initial_state) -> str:
+def _short_conv_problem(x, weight, conv_pool, cu_seqlens, state_indices, has_initial_state, layout=None) -> str:
     if x.dim() != 2 or weight.dim() != 2 or conv_pool.dim() != 3:
         return (f"expected x [T, C], weight [C, W], conv_pool [N, W-1, C]; got x {list(x.shape)}, "
                 f"weight {list(weight.shape)}, conv_pool {list(conv_pool.shape)}")
@@ -385,28 +387,31 @@ def _short_conv_problem(x, weight, conv_pool, cu_seqlens, state_indices, has_ini
         _shape_problem("state_indices", state_indices, (B,), (torch.int32, torch.int64)),
         _shape_problem("has_initial_state", has_initial_state, (B,), (torch.bool,)),
         "" if W >= 2 else f"conv width {W} < 2",
+        layout_problem(layout, T, B),
         _device_problem(x, weight, conv_pool, cu_seqlens, state_indices, has_initial_state),
     )
 
 
 def short_conv_supports(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, cu_seqlens: torch.Tensor,
-                        state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> tuple[bool, str]:
-    problem = _short_conv_problem(x, weight, conv_pool, cu_seqlens, state_indices, has_initial_state)
+                        state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+                        layout: VarlenLayout | None = None) -> tuple[bool, str]:
+    problem = _short_conv_problem(x, weight, conv_pool, cu_seqlens, state_indices, has_initial_state, layout)
     return not problem, problem
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, cu_seqlens: torch.Tensor,
-               state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
-    """`kda_ref.short_conv` in two launches: the outputs (grid T/BT × C/BC, token → sequence found on the
-    device), then each sequence's new history (grid B × C/BC)."""
-    _raise_if(_short_conv_problem(x, weight, conv_pool, cu_seqlens, state_indices, has_initial_state), "short_conv")
+               state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+               layout: VarlenLayout | None = None) -> torch.Tensor:
+    """`kda_ref.short_conv` in two launches: the outputs (grid T/BT × C/BC, the sequence of each token
+    from `layout.seq_ids`, built here when None), then each sequence's new history (grid B × C/BC)."""
+    _raise_if(_short_conv_problem(x, weight, conv_pool, cu_seqlens, state_indices, has_initial_state, layout),
+              "short_conv")
     T, C = x.shape
     W, B = weight.shape[1], state_indices.shape[0]
     out = torch.empty_like(x)
     if T == 0 or B == 0:
         return out
-    seq_ids = torch.searchsorted(cu_seqlens[1:], torch.arange(T, dtype=cu_seqlens.dtype, device=x.device),
-                                 right=True, out_int32=True)  # [T] sequence of each token
+    seq_ids = (layout if layout is not None else varlen_layout(cu_seqlens, T)).seq_ids  # [T] int32
     BT, BC = 16, min(128, triton.next_power_of_2(C))  # 96 registers a thread: five programs per SM
     _short_conv_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
         x=x, weight=weight, conv_pool=conv_pool, seq_ids=seq_ids, cu_seqlens=cu_seqlens, state_indices=state_indices,

@@ -13,6 +13,7 @@ import triton.language as tl
 from k3backend.kernels.kda import (
     _FLOATS, _INTERPRET, _acc, _device_problem, _first, _num_sms, _raise_if, _round, _shape_problem,
 )
+from k3backend.kernels.varlen import KDA_CHUNK, VarlenLayout, layout_problem, varlen_layout
 
 # Three launches (fla's chunk_kda has the same split): `_kda_intra_kernel` per (chunk, head, 16-row block)
 # builds the blocks of A_kk = −β_i Σ_d k_i k_j e^{Γ_i−Γ_j} and A_qk and the rows β e^Γ k, q e^Γ and
@@ -25,7 +26,7 @@ from k3backend.kernels.kda import (
 # tf32, as in fla / SGLang (§5.8 "Numerics"); with fp32 / fp64 everything stays in that dtype (fp32
 # products as tf32x3).
 
-BT: int = 64  # chunk size (§5.8)
+BT: int = KDA_CHUNK  # chunk size (§5.8); the step's chunk table is built once, in kernels/varlen.py
 
 
 @triton.jit
@@ -312,24 +313,7 @@ def _kda_state_kernel(w, u, qg, kg, Aqk, gl, S_pool, state_indices, has_initial_
         tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S)
 
 
-def _chunk_table(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Device-side chunk list (no host sync): (chunk_seq [NC] int32, −1 past the last chunk; chunk_start
-    [NC] int64; first_chunk [B] int64; NC = T/64 + B, an upper bound from shapes alone)."""
-    B = cu_seqlens.shape[0] - 1
-    cu = cu_seqlens.long()
-    n = (cu[1:] - cu[:-1] + BT - 1) // BT  # chunks per sequence
-    ends = n.cumsum(0)
-    NC = triton.cdiv(T, BT) + B
-    ids = torch.arange(NC, device=cu.device)
-    seq = torch.searchsorted(ends, ids, right=True)
-    valid = seq < B
-    seq = seq.clamp(max=B - 1)
-    first = ends - n
-    start = cu[seq] + BT * (ids - first[seq])
-    return torch.where(valid, seq, -1).to(torch.int32), start, first, NC
-
-
-def _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state) -> str:
+def _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout=None) -> str:
     if q.dim() != 3 or v.dim() != 3 or S_pool.dim() != 4:
         return (f"expected q [T, H, K], v [T, H, V], S_pool [N, H, K, V]; got q {list(q.shape)}, "
                 f"v {list(v.shape)}, S_pool {list(S_pool.shape)}")
@@ -348,6 +332,7 @@ def _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_in
         _shape_problem("state_indices", state_indices, (B,), (torch.int32, torch.int64)),
         _shape_problem("has_initial_state", has_initial_state, (B,), (torch.bool,)),
         "" if K <= 128 and V <= 128 else f"head dims K = {K}, V = {V}: more than 128",
+        layout_problem(layout, T, B),
         "" if not inner else "q, k, v, g need contiguous [H, D] rows (got strides "
         + ", ".join(str(t.stride()) for t in inner) + ")",
         _device_problem(beta, S_pool, cu_seqlens, state_indices, has_initial_state)
@@ -357,17 +342,18 @@ def _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_in
 
 def kda_prefill_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          S_pool: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
-                         has_initial_state: torch.Tensor) -> tuple[bool, str]:
-    problem = _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state)
+                         has_initial_state: torch.Tensor, layout: VarlenLayout | None = None) -> tuple[bool, str]:
+    problem = _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout)
     return not problem, problem
 
 
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 S_pool: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
-                has_initial_state: torch.Tensor) -> torch.Tensor:
+                has_initial_state: torch.Tensor, layout: VarlenLayout | None = None) -> torch.Tensor:
     """`kda_ref.kda_prefill`: chunks of 64 (§5.8), three launches, no host sync. q, k, g and v may have
-    a token stride (v is a view of the conv output); their [H, D] rows must be contiguous."""
-    _raise_if(_prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state),
+    a token stride (v is a view of the conv output); their [H, D] rows must be contiguous. `layout`:
+    the step's chunk table (`varlen.varlen_layout` of cu_seqlens), built here when None."""
+    _raise_if(_prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout),
               "kda_prefill")
     T, H, K = q.shape
     V, B = v.shape[-1], state_indices.shape[0]
@@ -382,7 +368,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     # model (ieee fp32 dots spill badly on sm_90), exact for fp64; the 16×16 inverse is always exact
     PREC = "tf32" if low else "tf32x3" if acc == torch.float32 else "ieee"
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
-    chunk_seq, chunk_start, first_chunk, NC = _chunk_table(cu_seqlens, T)
+    lay = layout if layout is not None else varlen_layout(cu_seqlens, T)
+    chunk_seq, chunk_start, first_chunk, NC = lay.chunk_seq, lay.chunk_start, lay.first_chunk, lay.num_chunks
     Akk = torch.empty(T, H, BT, dtype=acc, device=dev)
     Aqk = torch.empty(T, H, BT, dtype=mid, device=dev)
     kb, qg, kg, w = (torch.empty(T, H, K, dtype=mid, device=dev) for _ in range(4))

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from k3backend.kernels.norm_ref import acc_dtype, gated_rms_norm, l2_norm
+from k3backend.kernels.varlen import VarlenLayout
 
 
 def short_conv_seq(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,12 +110,14 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 # ---- the ops the model calls: varlen, pool-indexed, in place -------------------------------------
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, cu_seqlens: torch.Tensor,
-               state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+               state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+               layout: VarlenLayout | None = None) -> torch.Tensor:
     """Prefill chunks: causal conv + SiLU per sequence, continuing from and updating its conv slot.
 
     x: [T, C] raw rows of B sequences laid end to end (`cu_seqlens` [B+1]); weight: [C, W] fp32;
     conv_pool: [N, W-1, C]; state_indices: [B] slots; has_initial_state: [B] (false: zero history).
     Returns [T, C] = bf(silu(conv)); conv_pool[slot] becomes the sequence's last W-1 raw rows.
+    `layout` (the step's shared tables, `kernels/varlen.py`) is for the fast op: this walks cu_seqlens.
     """
     out = torch.empty_like(x)
     bounds, slots, init = cu_seqlens.tolist(), state_indices.tolist(), has_initial_state.tolist()
@@ -142,11 +145,11 @@ def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Te
 
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 S_pool: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
-                has_initial_state: torch.Tensor) -> torch.Tensor:
+                has_initial_state: torch.Tensor, layout: VarlenLayout | None = None) -> torch.Tensor:
     """Chunked KDA (§5.8) over varlen prefill chunks; initial states from, final states into, `S_pool`.
 
     q, k: [T, H, K] (l2-normalised, q scaled); v: [T, H, V]; g: [T, H, K] log-decay; beta: [T, H];
-    S_pool: [N, H, K, V]. Returns o [T, H, V] in the state's dtype.
+    S_pool: [N, H, K, V]. Returns o [T, H, V] in the state's dtype. `layout`: as in `short_conv`.
     """
     o = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=S_pool.dtype, device=q.device)
     bounds, slots, init = cu_seqlens.tolist(), state_indices.tolist(), has_initial_state.tolist()

@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3backend.kernels.norm import interpreting, to_dtype
+from k3backend.kernels.varlen import VarlenLayout, layout_problem, varlen_layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_RANK = 512  # kv_lora_rank: the [BLOCK_M, r] fp32 accumulator lives in registers
@@ -387,12 +388,14 @@ def num_splits(tiles: int, max_kv: int, device: torch.device, ctas_per_sm: int =
 
 def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor, *, cu_seqlens: torch.Tensor | None,
-                     splits: int, config: dict[str, int], skip_fresh: bool = False) -> torch.Tensor:
+                     splits: int, config: dict[str, int], skip_fresh: bool = False,
+                     tiles: torch.Tensor | None = None) -> torch.Tensor:
     """ô = bf(softmax(q̂·c_kvᵀ + q_pe·k_peᵀ)·c_kv) into `out` [T, N, r] (model dtype), in place.
 
     q_hat [T, N, r], q_pe [T, N, dr] (any strides, last dim contiguous); cu_seqlens None: decode
     (T = B, one query per sequence). Rows of the chunks `skip_fresh` leaves out are not written
-    (one split) or written as zeros (several).
+    (one split) or written as zeros (several). tiles [B+1] int32: the step's tile offsets
+    (`VarlenLayout.tile_offsets(N, BLOCK_M)`), computed here when None.
     """
     T, N, r = q_hat.shape
     B, dr = context_lens.shape[0], q_pe.shape[-1]
@@ -402,9 +405,7 @@ def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor
         grid_m, tile_cu, cu = B * tiles_per_seq, context_lens, context_lens  # (cu, tile_cu unused)
     else:
         tiles_per_seq = 0
-        lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        tile_cu = torch.zeros(B + 1, dtype=torch.int32, device=q_hat.device)
-        tile_cu[1:] = torch.cumsum(torch.div(lens * N + bm - 1, bm, rounding_mode="floor"), 0)
+        tile_cu = tiles if tiles is not None else varlen_layout(cu_seqlens, T).tile_offsets(N, bm)
         grid_m, cu = -(-T * N // bm) + B, cu_seqlens
     if grid_m == 0:
         return out
@@ -438,18 +439,16 @@ def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor
 
 def mha_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
                   cu_seqlens: torch.Tensor, context_lens: torch.Tensor, dv: int, scale: float, out: torch.Tensor,
-                  config: dict[str, int] = PREFILL_MHA) -> torch.Tensor:
+                  config: dict[str, int] = PREFILL_MHA, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Causal expanded-form attention of the fresh chunks into `out` [T, N, dv], in place.
 
     kv [T, N, dn+dv] = bf(c_kv·W_kvbᵀ) of each token's own latent row; k_pe [T, dr]. Rows of chunks
-    with a cached prefix are not written.
+    with a cached prefix are not written. tiles: as in `latent_attention`, one row per token.
     """
     T, N, dn = q_nope.shape
     B, dr = context_lens.shape[0], q_pe.shape[-1]
     bm = config["BLOCK_M"]
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    tile_cu = torch.zeros(B + 1, dtype=torch.int32, device=q_nope.device)
-    tile_cu[1:] = torch.cumsum(torch.div(lens + bm - 1, bm, rounding_mode="floor"), 0)
+    tile_cu = tiles if tiles is not None else varlen_layout(cu_seqlens, T).tile_offsets(1, bm)
     grid_m = -(-T // bm) + B
     if T == 0:
         return out
@@ -530,13 +529,14 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_t
 
 def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, cu_seqlens: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, kv_b: torch.Tensor, w_kc: torch.Tensor,
-                w_vc: torch.Tensor, scale: float) -> torch.Tensor:
+                w_vc: torch.Tensor, scale: float, layout: VarlenLayout | None = None) -> torch.Tensor:
     """Causal attention of varlen prefill chunks over their paged context (`mla_ref.mla_prefill`).
 
     A chunk that is its sequence's whole context runs the expanded form over bf(c_kv·W_kvbᵀ) of its
     own rows; a chunk with a cached prefix runs the absorbed form over the pool. Both are computed
     for every token (the choice is per sequence and known only on the device) and selected per row.
-    Memory is O(T·N·r): no [N, T, S] scores. Returns [T, N·dv].
+    Memory is O(T·N·r): no [N, T, S] scores. Returns [T, N·dv]. `layout`: the step's token
+    positions, latent rows and tile offsets (`varlen.varlen_layout`), built here when None.
     """
     _check(q_nope, q_pe, pool, block_tables, context_lens, w_kc, w_vc)
     T, N, dn = q_nope.shape
@@ -545,24 +545,29 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, cu
         raise ValueError(f"cu_seqlens: expected shape [{B + 1}], got {list(cu_seqlens.shape)}")
     if tuple(kv_b.shape) != (N * (dn + dv), r):
         raise ValueError(f"kv_b: expected shape [{N * (dn + dv)}, {r}], got {list(kv_b.shape)}")
+    _raise_if_layout(layout, T, B)
     if T == 0:
         return q_nope.new_empty(0, N * dv)
     dev, bs = q_nope.device, pool.shape[1]
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    tok = torch.arange(T, device=dev, dtype=cu_seqlens.dtype)
-    seq = torch.searchsorted(cu_seqlens[1:].contiguous(), tok, right=True)  # [T] sequence of each token
-    pos = (tok - cu_seqlens[seq] + (context_lens - lens)[seq]).long()  # absolute position in its sequence
-    lat = pool.view(-1, pool.shape[-1])[block_tables[seq, pos // bs].long() * bs + pos % bs]  # [T, r+dr]
-    fresh = (context_lens == lens)[seq]  # [T]: the expanded form (no cached prefix)
-
+    if layout is None or layout.latent_rows is None:
+        layout = varlen_layout(cu_seqlens, T, context_lens, block_tables, bs)
+    lat = pool.view(-1, pool.shape[-1])[layout.latent_rows]  # [T, r+dr]: each token's own row
     kv = (lat[:, :r] @ kv_b.t()).view(T, N, dn + dv)  # bf(c_kv·W_kvbᵀ)
     o_mha = mha_attention(q_nope, q_pe, kv, lat[:, r:], cu_seqlens, context_lens, dv, scale,
-                          q_nope.new_empty(T, N, dv))
-    splits = num_splits(-(-T * N // PREFILL_LATENT["BLOCK_M"]) + B, block_tables.shape[1] * bs, dev)
+                          q_nope.new_empty(T, N, dv), tiles=layout.tile_offsets(1, PREFILL_MHA["BLOCK_M"]))
+    bm = PREFILL_LATENT["BLOCK_M"]
+    splits = num_splits(-(-T * N // bm) + B, block_tables.shape[1] * bs, dev)
     o_hat = latent_attention(_absorb(q_nope, w_kc), q_pe, pool, block_tables, context_lens, scale,
                              _empty_heads_major(T, N, r, q_nope), cu_seqlens=cu_seqlens, splits=splits,
-                             config=PREFILL_LATENT, skip_fresh=True)
-    return torch.where(fresh[:, None], o_mha.view(T, N * dv), _unabsorb(o_hat, w_vc))
+                             config=PREFILL_LATENT, skip_fresh=True, tiles=layout.tile_offsets(N, bm))
+    # the expanded form where the sequence has no cached prefix
+    return torch.where(layout.fresh[:, None], o_mha.view(T, N * dv), _unabsorb(o_hat, w_vc))
+
+
+def _raise_if_layout(layout: VarlenLayout | None, T: int, B: int) -> None:
+    problem = layout_problem(layout, T, B)
+    if problem:
+        raise ValueError(problem)
 
 
 # ---- verifiers: (ok, reason); a decline runs the torch reference -----------------------------------
@@ -593,7 +598,8 @@ def mla_decode_supports(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Te
 
 def mla_prefill_supports(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, cu_seqlens: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, kv_b: torch.Tensor,
-                         w_kc: torch.Tensor, w_vc: torch.Tensor, scale: float) -> tuple[bool, str]:
+                         w_kc: torch.Tensor, w_vc: torch.Tensor, scale: float,
+                         layout: VarlenLayout | None = None) -> tuple[bool, str]:
     ok, why = _supports(q_nope, q_pe, pool, w_kc, w_vc, cu_seqlens, block_tables, context_lens, kv_b)
     if ok and kv_b.dtype != q_nope.dtype:
         return False, f"kv_b is {kv_b.dtype}, q_nope {q_nope.dtype}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from k3backend.kernels.norm_ref import acc_dtype
+from k3backend.kernels.varlen import VarlenLayout
 
 
 MAX_SCORES = 1 << 26  # scores held at once: queries are taken in blocks so that N·block·S stays below
@@ -110,11 +111,12 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, blo
 
 def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, cu_seqlens: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, kv_b: torch.Tensor, w_kc: torch.Tensor,
-                w_vc: torch.Tensor, scale: float) -> torch.Tensor:
+                w_vc: torch.Tensor, scale: float, layout: VarlenLayout | None = None) -> torch.Tensor:
     """Causal attention of each prefill chunk over its sequence's context (cached prefix + chunk).
 
     q_nope: [T, N, dn]; q_pe: [T, N, dr] for the chunks laid end to end (`cu_seqlens` [B+1]);
-    context_lens: [B] tokens in the cache after this step's writes. Returns [T, N·dv].
+    context_lens: [B] tokens in the cache after this step's writes. Returns [T, N·dv]. `layout` (the
+    step's shared tables, `kernels/varlen.py`) is for the fast op: this walks cu_seqlens on the host.
     """
     r = w_kc.shape[-1]
     out = torch.empty(q_nope.shape[0], q_nope.shape[1] * w_vc.shape[-1], dtype=q_nope.dtype, device=q_nope.device)

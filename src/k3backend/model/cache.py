@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from k3backend.kernels.varlen import VarlenLayout
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -26,7 +28,9 @@ class ForwardBatch:
     context_lens [B] int32 (tokens in the MLA cache after this step's writes); logits_indices [S]
     int64 (rows whose logits are computed); mm_positions [M] int64 and mm_embeds [M, H]: image
     rows that replace the embeddings at those flat positions. `prefill_cu_seqlens` is cu_seqlens
-    of the prefill part alone (rows num_decode..T), derived once by the builder.
+    of the prefill part alone (rows num_decode..T) and `prefill_layout` every table derived from it
+    that the layers' varlen ops share (None without prefill rows), both built once per step by the
+    batch builder (engine/batch.py, or inside a captured graph from its static buffers).
     """
 
     input_ids: torch.Tensor
@@ -39,6 +43,7 @@ class ForwardBatch:
     context_lens: torch.Tensor
     logits_indices: torch.Tensor
     prefill_cu_seqlens: torch.Tensor
+    prefill_layout: VarlenLayout | None = None
     mm_positions: torch.Tensor | None = None
     mm_embeds: torch.Tensor | None = None
 

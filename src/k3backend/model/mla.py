@@ -81,7 +81,8 @@ class MLA(nn.Module):
                                       batch.context_lens[:nd], w_kc, w_vc, self.scale),
             batch.has_prefill and kernels.mla_prefill(q_nope[nd:], q_pe[nd:], cache.latent, batch.prefill_cu_seqlens,
                                                       batch.block_tables[nd:], batch.context_lens[nd:],
-                                                      self.kv_b_proj.weight, w_kc, w_vc, self.scale))
+                                                      self.kv_b_proj.weight, w_kc, w_vc, self.scale,
+                                                      layout=batch.prefill_layout))
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))  # bf(O ⊙ bf(σ(z))) (§6.4)
         return self.par.all_reduce(self.o_proj(o))  # row-parallel o_proj (§9.3 item 2)

@@ -1,0 +1,99 @@
+"""The tables of one step's varlen prefill part that every layer's varlen ops share (ENGINE.md §3).
+
+A step's prefill chunks have one layout for all layers: which sequence each token belongs to, its
+position, the pool row of its own latent row, whether its sequence has a cached prefix, the KDA
+64-token chunk list, the MLA kernels' tile offsets. The fast ops used to derive these from
+`cu_seqlens` inside every call (the KDA chunk table 18 times a step at the `small` shape);
+`varlen_layout` builds them once per step, with device ops only (no host sync: a captured graph
+rebuilds them on each replay from its static buffers), and the layers pass the one object to every
+op. The torch references take it and ignore it: they walk `cu_seqlens` on the host, which is the
+definition the tables must agree with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+KDA_CHUNK = 64  # tokens of a KDA chunk (K3_LM §5.8); kernels/kda_chunk.py tiles by it
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """B sequences of T tokens laid end to end (the prefill rows of a step).
+
+    cu_seqlens [B+1] int32; lens [B]; seq_ids [T] int32 (sequence of each token); positions [T]
+    int64 (position in its sequence: cached prefix + offset in the chunk); fresh [T] bool (its
+    sequence has no cached prefix); latent_rows [T] int64 (pool row of the token's own latent
+    row; None without block tables); chunk_seq [NC] int32 (sequence of each KDA chunk, −1 past the
+    last), chunk_start [NC] int64 (its first token), first_chunk [B] int64, num_chunks NC = T/64 + B
+    (an upper bound from shapes alone).
+    """
+
+    cu_seqlens: torch.Tensor
+    num_tokens: int
+    lens: torch.Tensor
+    seq_ids: torch.Tensor
+    positions: torch.Tensor
+    fresh: torch.Tensor
+    latent_rows: torch.Tensor | None
+    chunk_seq: torch.Tensor
+    chunk_start: torch.Tensor
+    first_chunk: torch.Tensor
+    num_chunks: int
+    _tiles: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+    def tile_offsets(self, rows_per_token: int, block_m: int) -> torch.Tensor:
+        """[B+1] int32: offsets of each sequence's first tile of `block_m` query rows, a token being
+        `rows_per_token` rows (its heads in the latent MQA, 1 in the MHA kernel). Built at the first
+        call of a step and shared by the later layers (a graph captures it once too)."""
+        key = (rows_per_token, block_m)
+        if key not in self._tiles:
+            tiles = torch.zeros(self.num_seqs + 1, dtype=torch.int32, device=self.lens.device)
+            tiles[1:] = torch.cumsum(torch.div(self.lens * rows_per_token + block_m - 1, block_m,
+                                               rounding_mode="floor"), 0)
+            self._tiles[key] = tiles
+        return self._tiles[key]
+
+
+def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int, context_lens: torch.Tensor | None = None,
+                  block_tables: torch.Tensor | None = None, block_size: int = 0) -> VarlenLayout:
+    """The layout of `num_tokens` tokens in sequences `cu_seqlens` [B+1]; context_lens [B] (tokens in
+    the cache after this step; None: no cached prefix) and block_tables [B, W] with block_size give the
+    positions and latent rows. Device ops only, sizes from shapes alone."""
+    B, T = cu_seqlens.shape[0] - 1, num_tokens
+    dev = cu_seqlens.device
+    cu = cu_seqlens.long()
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]  # [B]
+    tok = torch.arange(T, device=dev, dtype=cu_seqlens.dtype)
+    seq_ids = torch.searchsorted(cu_seqlens[1:].contiguous(), tok, right=True, out_int32=True)  # [T]
+    prefix = (context_lens - lens).long() if context_lens is not None else torch.zeros(B, dtype=torch.long, device=dev)
+    positions = tok.long() - cu[seq_ids] + prefix[seq_ids]
+    fresh = (prefix == 0)[seq_ids]
+    rows = None
+    if block_tables is not None:
+        rows = block_tables[seq_ids, positions // block_size].long() * block_size + positions % block_size
+    n = (lens.long() + KDA_CHUNK - 1) // KDA_CHUNK  # KDA chunks per sequence
+    ends = n.cumsum(0)
+    NC = -(-T // KDA_CHUNK) + B
+    ids = torch.arange(NC, device=dev)
+    chunk_seq = torch.searchsorted(ends, ids, right=True)
+    valid = chunk_seq < B
+    chunk_seq = chunk_seq.clamp(max=max(B - 1, 0))
+    first = ends - n
+    start = cu[chunk_seq] + KDA_CHUNK * (ids - first[chunk_seq]) if B else ids
+    return VarlenLayout(cu_seqlens, T, lens, seq_ids, positions, fresh, rows,
+                        torch.where(valid, chunk_seq, -1).to(torch.int32), start, first, NC)
+
+
+def layout_problem(layout: VarlenLayout | None, num_tokens: int, num_seqs: int) -> str:
+    """'' when `layout` (or None) fits an op's T tokens of B sequences, else what does not."""
+    if layout is None or (layout.num_tokens, layout.num_seqs) == (num_tokens, num_seqs):
+        return ""
+    return (f"layout: expected {num_tokens} tokens of {num_seqs} sequences, got {layout.num_tokens} tokens of "
+            f"{layout.num_seqs}")
