@@ -118,8 +118,8 @@ def teacher_forced_logits(model: K3Model, prompts: Sequence[Sequence[int]], cont
 
 def table_row(name: str, e: LogitErrors, verdict: str = "") -> str:
     """One line of the numerics table (`TABLE_HEADER`'s columns)."""
-    return (f"{name:<40} {e.rel_l2:>9.4g} {e.cosine:>9.6f} {e.top1:>7.2%} {e.dlp_mean:>10.4g} {e.dlp_max:>9.4g}"
+    return (f"{name:<44} {e.rel_l2:>9.4g} {e.cosine:>9.6f} {e.top1:>7.2%} {e.dlp_mean:>10.4g} {e.dlp_max:>9.4g}"
             f"  {verdict}")
 
 
-TABLE_HEADER = f"{'path vs reference':<40} {'rel L2':>9} {'cosine':>9} {'top-1':>7} {'|dlp| mean':>10} {'|dlp| max':>9}"
+TABLE_HEADER = f"{'phase, path vs reference':<44} {'rel L2':>9} {'cosine':>9} {'top-1':>7} {'|dlp| mean':>10} {'|dlp| max':>9}"
