@@ -17,7 +17,8 @@ unrelated to fp32 ones whatever the kernels do.
 
 `--plant OP` scales the output of the fast `kernels.OP` by `--plant-scale` (1 + 2^-6) in the fast path
 only (the references strip it: its `__wrapped__` is the clean reference), to show what the check
-catches that the greedy table does not.
+catches that the greedy table does not. `--ref-op OP` (repeatable) runs OP by its torch reference in
+the fast path too: which fused op a failure comes from.
 
 Greedy (`--output-len` > 0): the fast engine generates greedily from the same prompts; the bf16 and
 fp32 references run one teacher-forced forward over each prompt + output, and at every output
@@ -68,26 +69,30 @@ def cast(model: K3Model, dtype: torch.dtype) -> K3Model:
 
 
 @contextlib.contextmanager
-def planted(op: str | None, scale: float) -> Iterator[None]:
-    """kernels.<op>'s output (its first output, for a tuple) times `scale` inside this block: a subtly
-    wrong fused op. Its `__wrapped__` is the clean reference, so `kernels.reference_ops()` runs clean."""
-    if op is None:
-        yield
-        return
-    if op not in kernels.FAST_OPS:
-        raise SystemExit(f"--plant: expected one of {', '.join(sorted(kernels.FAST_OPS))}, got {op!r}")
-    fast = getattr(kernels, op)
+def fast_path(plant: str | None, scale: float, ref_ops: list[str]) -> Iterator[None]:
+    """The fast path as --plant and --ref-op make it inside this block: kernels.<plant>'s output (its first
+    output, for a tuple) times `scale`, a subtly wrong fused op whose `__wrapped__` is the clean reference
+    (so `kernels.reference_ops()` runs clean); each op of ref_ops its torch reference (to bisect a failure)."""
+    for op in [*ref_ops, *([plant] if plant else [])]:
+        if op not in kernels.FAST_OPS:
+            raise SystemExit(f"--plant / --ref-op: expected one of {', '.join(sorted(kernels.FAST_OPS))}, got {op!r}")
+    saved = {op: getattr(kernels, op) for op in [*ref_ops, *([plant] if plant else [])]}
+    for op in ref_ops:
+        setattr(kernels, op, getattr(saved[op], "__wrapped__", saved[op]))
+    if plant:
+        fast = getattr(kernels, plant)
 
-    def wrong(*args, **kwargs):
-        out = fast(*args, **kwargs)
-        return (out[0] * scale, *out[1:]) if isinstance(out, tuple) else out * scale
+        def wrong(*args, **kwargs):
+            out = fast(*args, **kwargs)
+            return (out[0] * scale, *out[1:]) if isinstance(out, tuple) else out * scale
 
-    wrong.__wrapped__ = getattr(fast, "__wrapped__", fast)  # type: ignore[attr-defined]
-    setattr(kernels, op, wrong)
+        wrong.__wrapped__ = getattr(fast, "__wrapped__", fast)  # type: ignore[attr-defined]
+        setattr(kernels, plant, wrong)
     try:
         yield
     finally:
-        setattr(kernels, op, fast)
+        for op, f in saved.items():
+            setattr(kernels, op, f)
 
 
 def teacher_forced(args: argparse.Namespace, ref: K3Model, fast: K3Model, prompts: list[list[int]]) -> bool:
@@ -100,11 +105,12 @@ def teacher_forced(args: argparse.Namespace, ref: K3Model, fast: K3Model, prompt
         want = numerics.reference_logits(ref, prompts, conts)
         floor = numerics.teacher_forced_logits(fast, prompts, conts, graphs=False)
     t1 = time.monotonic()
-    with planted(args.plant, args.plant_scale):
+    with fast_path(args.plant, args.plant_scale, args.ref_op):
         got = numerics.teacher_forced_logits(fast, prompts, conts, graphs=fast.language_model.lm_head.weight.is_cuda)
     t2 = time.monotonic()
     low, high = args.dtype, args.ref_dtype
-    fast_name = f"fused {low}" + (f" +{args.plant} x{args.plant_scale:.5g}" if args.plant else "")
+    fast_name = (f"fused {low}" + (f" +{args.plant} x{args.plant_scale:.5g}" if args.plant else "")
+                 + "".join(f" -{op}" for op in args.ref_op))
     print(f"\nteacher-forced: {len(prompts)} x {args.prompt_len} prompt rows (prefill), then {args.decode_steps} "
           f"cached decode steps of all {len(prompts)} sequences; {high} reference and {low} reference "
           f"{t1 - t0:.1f} s, fused {t2 - t1:.1f} s")
@@ -127,7 +133,7 @@ def greedy(args: argparse.Namespace, ref: K3Model, fast: K3Model, prompts: list[
     cfg = EngineConfig(max_num_seqs=max(len(prompts), 1), max_model_len=args.prompt_len + args.output_len + 64)
     params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     t0 = time.monotonic()
-    with planted(args.plant, args.plant_scale):
+    with fast_path(args.plant, args.plant_scale, args.ref_op):
         executor = InProcessExecutor(fast, cfg)
         outs = [c.token_ids for c in run_requests(EngineCore(executor, cfg),
                                                    [Request(f"p{i}", p, params) for i, p in enumerate(prompts)])]
@@ -187,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--margin", type=float, default=0.05, help="reference top-1 lead, in logits, of a clear position")
     ap.add_argument("--plant", default=None, metavar="OP", help="scale the fast path's kernels.OP output (e.g. rms_norm)")
     ap.add_argument("--plant-scale", type=float, default=1 + 2 ** -6)
+    ap.add_argument("--ref-op", action="append", default=[], metavar="OP",
+                    help="run kernels.OP by its torch reference in the fast path too (repeatable; bisects a failure)")
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="the fast path and its torch reference")
     ap.add_argument("--ref-dtype", default="float32", choices=DTYPES, help="the independent reference (float64 on a CPU)")
     ap.add_argument("--seed", type=int, default=0)
