@@ -73,9 +73,6 @@ def fast_path(plant: str | None, scale: float, ref_ops: list[str]) -> Iterator[N
     """The fast path as --plant and --ref-op make it inside this block: kernels.<plant>'s output (its first
     output, for a tuple) times `scale`, a subtly wrong fused op whose `__wrapped__` is the clean reference
     (so `kernels.reference_ops()` runs clean); each op of ref_ops its torch reference (to bisect a failure)."""
-    for op in [*ref_ops, *([plant] if plant else [])]:
-        if op not in kernels.FAST_OPS:
-            raise SystemExit(f"--plant / --ref-op: expected one of {', '.join(sorted(kernels.FAST_OPS))}, got {op!r}")
     saved = {op: getattr(kernels, op) for op in [*ref_ops, *([plant] if plant else [])]}
     for op in ref_ops:
         setattr(kernels, op, getattr(saved[op], "__wrapped__", saved[op]))
@@ -199,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref-dtype", default="float32", choices=DTYPES, help="the independent reference (float64 on a CPU)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    for op in [*args.ref_op, *([args.plant] if args.plant else [])]:
+        if op not in kernels.FAST_OPS:
+            ap.error(f"--plant / --ref-op: expected one of {', '.join(sorted(kernels.FAST_OPS))}, got {op!r}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # cache, kernels, graphs
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.monotonic()
