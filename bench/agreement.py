@@ -42,6 +42,7 @@ import torch
 from k3backend import kernels, numerics
 from k3backend.checkpoint import empty_model, param_dtype
 from k3backend.config import K3Config
+from k3backend.engine.batch import blocks_for
 from k3backend.engine.config import EngineConfig
 from k3backend.engine.core import EngineCore, run_requests
 from k3backend.engine.request import Request
@@ -127,7 +128,10 @@ def teacher_forced(args: argparse.Namespace, ref: K3Model, fast: K3Model, prompt
 def greedy(args: argparse.Namespace, ref: K3Model, fast: K3Model, prompts: list[list[int]]) -> None:
     """Print the greedy agreement table of the fast engine against both references."""
     device = fast.language_model.lm_head.weight.device
-    cfg = EngineConfig(max_num_seqs=max(len(prompts), 1), max_model_len=args.prompt_len + args.output_len + 64)
+    max_len = args.prompt_len + args.output_len + 64
+    n = len(prompts)  # pools for these sequences only (not 90 % of the GPU, nor cpu_cache_gb on a CPU)
+    cfg = EngineConfig(max_num_seqs=n, max_model_len=max_len, prefix_caching=False, num_slots=n + 1,
+                       num_blocks=n * blocks_for(max_len, EngineConfig.block_size) + 1)
     params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     t0 = time.monotonic()
     with fast_path(args.plant, args.plant_scale, args.ref_op):
