@@ -65,11 +65,12 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     from k3backend.presets import make_checkpoint
 
     t0 = time.perf_counter()
-    out = make_checkpoint(args.preset, args.out, seed=args.seed, experts=args.experts, text_only=args.text_only)
+    out = make_checkpoint(args.preset, args.out, seed=args.seed, experts=args.experts, text_only=args.text_only,
+                          conditioned=args.conditioned)
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    print(f"wrote {args.preset}{' text-only' if args.text_only else ''} checkpoint (seed {args.seed}, {args.experts} routed experts) to {out} in "
+    print(f"wrote {args.preset}{' text-only' if args.text_only else ''}{' conditioned' if args.conditioned else ''} checkpoint (seed {args.seed}, {args.experts} routed experts) to {out} in "
           f"{time.perf_counter() - t0:.1f} s, peak host memory {peak:.1f} GiB")
     return 0
 
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4"],
                    help="routed experts in bf16, or in MXFP4 as the K3 release stores them (compressed-tensors)")
     m.add_argument("--text-only", action="store_true", help="a kimi_linear checkpoint: the language model alone")
+    m.add_argument("--conditioned", action="store_true",
+                   help="well-conditioned weights (stable routing, damped sub-layer outputs) for numerics checks")
     m.set_defaults(fn=_make_checkpoint)
 
     h = sub.add_parser("hf-tokenizer", help="write the Hugging Face tokenizer dir (for GenAI-Perf and the OpenAI "

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 
 from k3backend.checkpoint_write import TensorToWrite, expected_checkpoint_tensors, pad_a_log, shard_count, \
     stored_dtype, write_tensors
-from k3backend.config import MXFP4_GROUP
+from k3backend.config import MXFP4_GROUP, TextConfig
 from k3backend.kernels.moe_ref import E2M1
 
 TINY_SPECIAL_BASE = 256  # first special id in the tiny vocabulary (163584 in K3)
@@ -241,22 +242,66 @@ def _init_rule(name: str, shape: torch.Size) -> tuple[str, float, float]:
 _E2M1_MEAN_SQUARE = sum(v * v for v in E2M1) / len(E2M1)
 
 
+@dataclass(frozen=True)
+class Conditioning:
+    """A well-conditioned random model (issue 17): the same architecture, weights whose bf16 rounding
+    errors do not compound chaotically, so an end-to-end numerics check (bench/agreement.py) can tell
+    a kernel error from rounding.
+
+    The default init routes every token through near ties: a bf16 rounding of the router's input
+    flips an expert choice of a few percent of the tokens in each layer, each flip moves that token's
+    layer output by tens of percent, and after 24 layers bf16 logits are unrelated to fp32 ones.
+    Here each MoE layer's `e_score_correction_bias` lifts top_k experts of one group (drawn per layer)
+    by `bias` > 1, more than any sigmoid score difference, so selection never depends on rounding
+    (the routing weights still depend on the token); and the sub-layers' output projections are
+    scaled by `out_scale`, so each layer's rounding adds less to the stream the next layers read.
+    """
+
+    top_k: int
+    num_groups: int
+    bias: float = 2.0
+    out_scale: float = 0.5
+
+    @classmethod
+    def of(cls, text: TextConfig) -> Conditioning:
+        return cls(text.num_experts_per_token or 0, text.num_expert_group)
+
+
+_OUTPUT_PROJECTIONS = (".o_proj.weight", ".down_proj.weight", ".routed_expert_up_proj.weight")  # what a sub-layer adds
+
+
 def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator,
-                  device: str | torch.device = "cpu") -> torch.Tensor:
+                  device: str | torch.device = "cpu", cond: Conditioning | None = None) -> torch.Tensor:
     """A random value of one tensor by `_init_rule` (parameter and checkpoint names both work), in dtype,
     with at most one fp32 temporary. uint8 tensors are MXFP4: exponents where the name ends in `scale`
-    (fan-in = 32 × their last dim), codes (uniform bytes) otherwise."""
+    (fan-in = 32 × their last dim), codes (uniform bytes) otherwise. cond: the conditioned variant."""
     if dtype == torch.uint8:
         if name.endswith("scale"):
             s0 = round(127 - 0.5 * math.log2(_E2M1_MEAN_SQUARE * 1.75 * shape[-1] * MXFP4_GROUP))
             return (torch.randint(-1, 2, shape, generator=g, device=device, dtype=torch.int16) + s0).to(dtype)
         return torch.randint(0, 256, shape, generator=g, device=device, dtype=dtype)
+    if cond is not None and name.endswith("e_score_correction_bias"):
+        return _fixed_routing_bias(shape[0], cond, g, device).to(dtype)
     kind, scale, offset = _init_rule(name, shape)
+    if cond is not None and name.endswith(_OUTPUT_PROJECTIONS) and not name.startswith("vision"):
+        scale *= cond.out_scale
     if kind == "a_log":
         x = torch.rand(shape, generator=g, device=device).mul_(15).add_(1).log_()
     else:
         x = torch.randn(shape, generator=g, device=device).mul_(scale).add_(offset)
     return x.to(dtype)
+
+
+def _fixed_routing_bias(num_experts: int, cond: Conditioning, g: torch.Generator,
+                        device: str | torch.device) -> torch.Tensor:
+    """`cond.bias` on top_k random experts of one random group, 0 elsewhere: grouped top-k then picks
+    that group and those experts for every token (group scores sum biased scores too, §7.3)."""
+    per_group = num_experts // cond.num_groups
+    if per_group < cond.top_k:
+        raise ValueError(f"conditioned init: {per_group} experts per group < num_experts_per_token {cond.top_k}")
+    group = int(torch.randint(0, cond.num_groups, (), generator=g, device=device))
+    chosen = group * per_group + torch.randperm(per_group, generator=g, device=device)[:cond.top_k]
+    return torch.zeros(num_experts, device=device).index_fill_(0, chosen, cond.bias)
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -265,12 +310,15 @@ def tensor_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def randomize_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+def randomize_weights_(model: torch.nn.Module, seed: int = 0, *, conditioned: bool = False) -> torch.nn.Module:
     """Random weights by the same rules, drawn on the model's device in its dtypes (benchmarks of
-    big presets without a checkpoint: `bench/engine.py --random-weights small`)."""
+    big presets without a checkpoint: `bench/engine.py --random-weights small`). conditioned: the
+    `Conditioning` of the model's config (a K3Model or K3ForCausalLM)."""
+    text = getattr(model.cfg, "text", model.cfg)
+    cond = Conditioning.of(text) if conditioned else None
     for name, p in model.named_parameters():
         g = torch.Generator(device=p.device).manual_seed(tensor_seed(seed, name))
-        p.copy_(random_tensor(name, tuple(p.shape), p.dtype, g, p.device))
+        p.copy_(random_tensor(name, tuple(p.shape), p.dtype, g, p.device, cond))
     return model
 
 
@@ -285,7 +333,8 @@ def text_only_config(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, experts: str = "bf16",
-                    num_shards: int | None = None, threads: int | None = None, text_only: bool = False) -> Path:
+                    num_shards: int | None = None, threads: int | None = None, text_only: bool = False,
+                    conditioned: bool = False) -> Path:
     """Write a deterministic random-weight checkpoint of a preset: config.json, generation_config.json,
     bf16 safetensors (sharded, with an index), the tokenizer files and preprocessor_config.json.
 
@@ -294,7 +343,8 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, experts: str
     exists, and the values depend on the seed alone. experts="mxfp4": the routed experts as the K3
     release stores them (`weight_packed` + `weight_scale`, compressed-tensors, §7.7). The tokenizer
     covers the preset's whole vocabulary (`tokenizer.write_tokenizer`). text_only: a `kimi_linear`
-    checkpoint of the preset's language model alone (no tower, no preprocessor config).
+    checkpoint of the preset's language model alone (no tower, no preprocessor config). conditioned:
+    the well-conditioned variant of the weights (`Conditioning`).
     """
     from k3backend.config import K3Config, mxfp4_quantization_config
     from k3backend.model.k3 import K3Model
@@ -313,7 +363,8 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, experts: str
     cfg = K3Config.from_dict(raw)
     with torch.device("meta"):
         model = K3Model(cfg)
-    recipes = [_recipe(name, p, seed, cfg.text.linear_attn_config.head_dim)
+    cond = Conditioning.of(cfg.text) if conditioned else None
+    recipes = [_recipe(name, p, seed, cfg.text.linear_attn_config.head_dim, cond)
                for name, p in expected_checkpoint_tensors(model, cfg.model_type)]
     write_tensors(out, recipes, num_shards or shard_count(recipes), threads or min(16, os.cpu_count() or 1))
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
@@ -326,14 +377,14 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, *, experts: str
     return out
 
 
-def _recipe(name: str, p: torch.Tensor, seed: int, a_log_pad: int) -> TensorToWrite:
+def _recipe(name: str, p: torch.Tensor, seed: int, a_log_pad: int, cond: Conditioning | None) -> TensorToWrite:
     """How to make checkpoint tensor `name` (p: its meta tensor): drawn, cast, A_log padded (§13)."""
     dtype = stored_dtype(name, p.dtype, torch.bfloat16)
     pad = a_log_pad if name.endswith("A_log") else None
 
     def make() -> torch.Tensor:
         g = torch.Generator().manual_seed(tensor_seed(seed, name))
-        return pad_a_log(random_tensor(name, tuple(p.shape), dtype, g), pad)
+        return pad_a_log(random_tensor(name, tuple(p.shape), dtype, g, cond=cond), pad)
 
     return TensorToWrite(name, (pad,) if pad else tuple(p.shape), dtype, make)
 
