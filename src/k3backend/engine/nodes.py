@@ -59,6 +59,19 @@ class NodePlan:
     master_port: int = 0
     dist_timeout_s: float = 300.0  # how long each side waits for the other at the rendezvous
 
+    def check(self, world_size: int, node_rank: int) -> None:
+        """ValueError naming the setting that cannot work (both the k3_lm load and the worker command)."""
+        if self.nnodes < 1 or world_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {world_size} is not divisible by nnodes {self.nnodes} "
+                             "(every host runs the same number of ranks)")
+        if not 0 <= node_rank < self.nnodes:
+            raise ValueError(f"node_rank {node_rank} is not in [0, {self.nnodes - 1}] (nnodes {self.nnodes})")
+        if self.nnodes > 1 and not (self.master_addr and 0 < self.master_port < 65536):
+            raise ValueError(f"nnodes {self.nnodes} needs master_addr (the Triton host's address that the other "
+                             f"hosts reach) and a master_port in [1, 65535], got {self.master_addr!r}:{self.master_port}")
+        if not self.dist_timeout_s > 0:
+            raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s:g}")
+
     def ranks_of(self, node: int, world_size: int) -> list[int]:
         per = world_size // self.nnodes
         return list(range(node * per, (node + 1) * per))

@@ -261,6 +261,11 @@ def stop_processes(procs: list, timeout: float) -> None:
             p.join(grace)
 
 
+def resolve_backend(backend: str, on_gpus: bool) -> str:
+    """`auto`: NCCL between GPUs, gloo between CPUs."""
+    return ("nccl" if on_gpus else "gloo") if backend == "auto" else backend
+
+
 def visible_gpu(index: int) -> str:
     """The device a rank gets for GPU `index` among those this process sees: an entry of our own
     CUDA_VISIBLE_DEVICES (an ordinal or a UUID) when it is set, else the ordinal itself."""
@@ -288,7 +293,7 @@ class MultiProcessExecutor:
         local = plan.ranks_of(0, world_size)
         if gpus is not None and len(gpus) != len(local):
             raise ValueError(f"{len(local)} ranks on this host need {len(local)} GPUs, got gpu ids {gpus}")
-        backend = ("nccl" if gpus is not None else "gloo") if backend == "auto" else backend
+        backend = resolve_backend(backend, gpus is not None)
         self.world_size, self.step_timeout_s = world_size, step_timeout_s
         template = WorkerSpec(-1, world_size, ep_size, None, backend, ("", 0), "", dtype, cfg,
                               max(startup_timeout_s, step_timeout_s))
