@@ -157,7 +157,7 @@ class RemoteNode:
 
     def failure(self) -> str:
         return (f"{self.where}: its worker agent pid {self.pid} {self.lost} (host lost, network cut or agent "
-                f"killed): worker ranks {self.ranks} are gone")
+                f"killed): lost worker rank {', '.join(map(str, self.ranks))}")
 
 
 class RemoteRank:

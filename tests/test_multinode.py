@@ -1,0 +1,187 @@
+"""One k3_lm over two "hosts" on this machine: the Triton host (node 0) and a `python -m k3backend
+worker` (node 1) as separate process trees, meeting on loopback ports, gloo, the tiny checkpoint
+at float64, TP=2 x EP=2 (one rank and one expert group per host). Network namespaces joined by a
+veth pair are not used: the link is loopback (docs/deployment.md).
+
+Rendezvous: a missing node fails the start-up naming it; workers with another dtype, checkpoint
+or TP size are refused naming the difference on both sides, then a matching one joins and gives
+one rank's logits. Served: greedy text equals one process's; SIGKILL of node 1's rank, then of a
+restarted node 1's whole agent, ends the stream in flight with UNAVAILABLE naming node and rank
+within 10 s and makes k3_lm not ready; every process of both trees exits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from k3backend.checkpoint import load_model
+from k3backend.detokenizer import detokenize_all
+from k3backend.engine.nodes import NodePlan
+from k3backend.engine.sampling_params import SamplingParams
+from k3backend.engine.workers import MultiProcessExecutor, WorkerFailure
+from k3backend.generate import full_forward, generate
+from k3backend.presets import ensure_default_checkpoint, make_checkpoint
+from k3backend.tokenizer import Tokenizer
+from k3client import http_post
+from serverutil import alive, child_pids, load_repository_model, none_ready, repo_copy, wait_until, worker_pids
+from test_lm_faults import LONG, Watch
+from test_workers import CFG, prefill_plan
+
+TP, EP = "2", "2"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def default_checkpoint(tmp_path_factory):
+    os.environ["K3_DEFAULT_CHECKPOINT"] = str(tmp_path_factory.mktemp("ckpt") / "tiny-seed0")
+    return ensure_default_checkpoint()  # before any worker fingerprints it
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(ckpt, port: int, *extra: str, timeout_s: float = 120) -> subprocess.Popen:
+    """Node 1 as its own process tree (own session), as on another host."""
+    args = {"--checkpoint": str(ckpt), "--nnodes": "2", "--node-rank": "1", "--master-addr": "127.0.0.1",
+            "--master-port": str(port), "--tensor-parallel-size": TP, "--expert-parallel-size": EP,
+            "--device": "cpu", "--dtype": "float64", "--dist-timeout-s": str(timeout_s)}
+    for key, value in zip(extra[::2], extra[1::2]):
+        args[key] = value
+    argv = [sys.executable, "-m", "k3backend", "worker", *[x for kv in args.items() for x in kv]]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and its live descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if alive(p):
+            out.append(p)
+            todo += child_pids(p)
+    return out
+
+
+def test_a_missing_node_fails_start_up_naming_it():
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"node\(s\) \[1\] did not join within dist_timeout_s 2 .*master_port"):
+        MultiProcessExecutor(os.environ["K3_DEFAULT_CHECKPOINT"], CFG, dtype="float64", gpus=None, world_size=2,
+                             ep_size=2, nodes=NodePlan(2, "127.0.0.1", free_port(), 2.0))
+    assert time.monotonic() - start < 30
+
+
+def test_mismatched_workers_are_refused_naming_the_difference_then_a_matching_one_joins(default_checkpoint,
+                                                                                        tmp_path, caplog):
+    caplog.set_level(logging.ERROR, logger="k3backend.engine.nodes")
+    port = free_port()
+    other = make_checkpoint("tiny", tmp_path / "seed1", seed=1)
+    built: dict = {}
+
+    def coordinator():
+        try:
+            built["ex"] = MultiProcessExecutor(str(default_checkpoint), CFG, dtype="float64", gpus=None, world_size=2,
+                                               ep_size=2, nodes=NodePlan(2, "127.0.0.1", port, 120.0))
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            built["error"] = e
+
+    thread = threading.Thread(target=coordinator)
+    thread.start()
+    bad = {"dtype: worker 'float32' != Triton host 'float64'": start_worker(default_checkpoint, port, "--dtype", "float32"),
+           "weights_sha256: worker": start_worker(other, port),
+           "tensor_parallel_size: worker 4 != Triton host 2": start_worker(default_checkpoint, port,
+                                                                             "--tensor-parallel-size", "4")}
+    ex = None
+    try:
+        for why, worker in bad.items():
+            out, _ = worker.communicate(timeout=120)
+            refusal = [line for line in out.splitlines() if "refused by the Triton host" in line]
+            assert worker.returncode == 2 and len(refusal) == 1 and why in refusal[0], out
+            assert "config_sha256" not in refusal[0]  # each differs in the one field it names (seed 1: weights)
+        for why in bad:
+            assert any(why in r.getMessage() and "refused" in r.getMessage() for r in caplog.records), why
+        good = start_worker(default_checkpoint, port)
+        thread.join(120)
+        assert "error" not in built, built.get("error")
+        ex = built["ex"]
+        ids = list(range(10, 47))
+        ref = full_forward(load_model(default_checkpoint, dtype=torch.float64, progress=False), ids)[-1]
+        torch.testing.assert_close(ex.logits(prefill_plan(ids))[0], ref, atol=1e-12, rtol=0)
+        remote = ex._procs[1]
+        assert remote.pid in tree(good.pid) and ex.workers_alive == 2
+    finally:
+        if ex is not None:
+            ex.close()
+        thread.join(5)
+    good.wait(20)
+    assert good.returncode == 0
+    assert not tree(good.pid) and not any(alive(p.pid) for p in ex._procs)
+
+
+def test_two_hosts_serve_like_one_and_a_lost_remote_rank_or_host_fails_k3_lm(triton_server, tmp_path,
+                                                                               default_checkpoint):
+    port = free_port()
+    worker = start_worker(default_checkpoint, port)
+    repo = repo_copy(tmp_path / "repo", k3_lm={"tensor_parallel_size": TP, "expert_parallel_size": EP,
+                                               "dtype": "float64", "nnodes": "2", "master_addr": "127.0.0.1",
+                                               "master_port": str(port), "dist_timeout_s": "120"})
+    srv = triton_server(repo, ["k3_ensemble"], ["--model-control-mode=explicit", "--load-model=k3_ensemble"],
+                        fresh=True)
+    pids = worker_pids(srv.log_path)
+    assert sorted(pids) == [0, 1] and pids[1] in tree(worker.pid) and pids[0] not in tree(worker.pid)
+
+    # greedy text over two hosts equals one process's (float64)
+    prompt = "The capital of France is"
+    status, body = http_post(srv.http_url, "/v2/models/k3_ensemble/generate",
+                             {"text_input": prompt, "max_tokens": 12, "min_tokens": 12, "ignore_eos": True,
+                              "temperature": 0})
+    assert status == 200, body
+    tok = Tokenizer.from_dir(default_checkpoint)
+    ref = [s.token for s in generate(load_model(default_checkpoint, dtype=torch.float64, progress=False),
+                                     tok.encode_text_input(prompt),
+                                     SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, ignore_eos=True))]
+    assert json.loads(body)["text_output"] == detokenize_all(tok, ref)[0]
+
+    def lose(victim: int, what: str) -> float:
+        """SIGKILL `victim` mid-stream: UNAVAILABLE naming node 1 and rank 1 within 10 s, k3_lm not ready."""
+        watch = Watch(srv.grpc_url, "k3_lm", {"text_input": "long", **LONG}, what)
+        try:
+            wait_until(lambda: watch.responses, 60, "the first response")
+            os.kill(victim, signal.SIGKILL)
+            took = wait_until(watch.final.is_set, 10, "the stream to end")
+            assert watch.error and "UNAVAILABLE" in watch.error, watch.error
+            assert "node 1" in watch.error and "rank 1" in watch.error, watch.error
+        finally:
+            watch.close()
+        wait_until(lambda: none_ready(srv.http_url, "k3_lm", "k3_ensemble"), 10, "k3_lm to be not ready")
+        return took
+
+    took = lose(pids[1], "rank")
+    print(f"node 1's rank killed: stream ended in {took:.2f} s")
+    worker.wait(20)
+    assert worker.returncode == 1  # its rank was lost
+    wait_until(lambda: not tree(worker.pid) and not any(alive(p) for p in pids.values()), 20,
+               "every process of both trees to exit")
+
+    # node 1 restarted, k3_lm reloaded: it joins again; then the whole agent (the host) is lost
+    worker = start_worker(default_checkpoint, port)
+    load_repository_model(srv.http_url, "k3_ensemble")
+    fresh = worker_pids(srv.log_path)
+    assert fresh[1] in tree(worker.pid) and set(fresh.values()).isdisjoint(pids.values())
+    took = lose(worker.pid, "host")
+    print(f"node 1's agent killed: stream ended in {took:.2f} s")
+    wait_until(lambda: not tree(worker.pid) and not any(alive(p) for p in fresh.values()), 20,
+               "every process of both trees to exit")
