@@ -5,7 +5,8 @@ veth pair are not used: the link is loopback (docs/deployment.md).
 
 Rendezvous: a missing node fails the start-up naming it; workers with another dtype, checkpoint
 or TP size are refused naming the difference on both sides, then a matching one joins and gives
-one rank's logits. Served: greedy text equals one process's; SIGKILL of node 1's rank, then of a
+one rank's logits; once its whole tree is stopped (no EOF, as for a hung host or a cut link) the
+next step fails naming node 1 after SILENCE_S. Served: greedy text equals one process's; SIGKILL of node 1's rank, then of a
 restarted node 1's whole agent, ends the stream in flight with UNAVAILABLE naming node and rank
 within 10 s and makes k3_lm not ready; every process of both trees exits.
 """
@@ -26,7 +27,7 @@ import torch
 
 from k3backend.checkpoint import load_model
 from k3backend.detokenizer import detokenize_all
-from k3backend.engine.nodes import NodePlan
+from k3backend.engine.nodes import SILENCE_S, NodePlan
 from k3backend.engine.sampling_params import SamplingParams
 from k3backend.engine.workers import MultiProcessExecutor, WorkerFailure
 from k3backend.generate import full_forward, generate
@@ -84,8 +85,8 @@ def test_a_missing_node_fails_start_up_naming_it():
     assert time.monotonic() - start < 30
 
 
-def test_mismatched_workers_are_refused_naming_the_difference_then_a_matching_one_joins(default_checkpoint,
-                                                                                        tmp_path, caplog):
+def test_mismatched_workers_are_refused_naming_the_difference_then_one_joins_until_its_host_is_silent(
+        default_checkpoint, tmp_path, caplog):
     caplog.set_level(logging.ERROR, logger="k3backend.engine.nodes")
     port = free_port()
     other = make_checkpoint("tiny", tmp_path / "seed1", seed=1)
@@ -122,12 +123,25 @@ def test_mismatched_workers_are_refused_naming_the_difference_then_a_matching_on
         torch.testing.assert_close(ex.logits(prefill_plan(ids))[0], ref, atol=1e-12, rtol=0)
         remote = ex._procs[1]
         assert remote.pid in tree(good.pid) and ex.workers_alive == 2
+
+        # node 1 goes silent (its whole tree stopped: a hung host or a cut link, no EOF): a step fails
+        stopped = tree(good.pid)
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerFailure, match=r"node 1 \(.*\): its worker agent pid \d+ sent nothing for .* "
+                                                r"lost worker rank 1"):
+            ex.logits(prefill_plan(ids))
+        took = time.monotonic() - start
+        assert SILENCE_S <= took < SILENCE_S + 3
+        print(f"node 1 silent: detected in {took:.2f} s")
     finally:
+        for pid in locals().get("stopped", []):
+            os.kill(pid, signal.SIGCONT)
         if ex is not None:
             ex.close()
         thread.join(5)
     good.wait(20)
-    assert good.returncode == 0
     assert not tree(good.pid) and not any(alive(p.pid) for p in ex._procs)
 
 
