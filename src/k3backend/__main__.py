@@ -119,12 +119,11 @@ def _worker(args: argparse.Namespace) -> int:
                                                                                    device.type == "cuda"))
 
 
-def _env(name: str, default: str, *fallbacks: str) -> str:
-    """A default from the environment (torchrun and most launchers set these)."""
-    for key in (name, *fallbacks):
-        if os.environ.get(key):
-            return os.environ[key]
-    return default
+def _from_env(*names: str) -> dict:
+    """add_argument's default from the first of `names` set in the environment (torchrun and most
+    launchers set them); required when none is."""
+    value = next((os.environ[n] for n in names if os.environ.get(n)), None)
+    return {"default": value, "required": value is None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,11 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("worker", help="run this host's ranks of a k3_lm served from another host's tritonserver "
                                       "(docs/deployment.md); defaults from NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT")
     w.add_argument("--checkpoint", required=True, help="this host's copy of k3_lm's model_path")
-    w.add_argument("--nnodes", type=int, default=int(_env("NNODES", "2")))
-    w.add_argument("--node-rank", type=int, default=int(_env("NODE_RANK", "-1", "GROUP_RANK")),
-                   help="1..nnodes-1 (0 is the Triton host)")
-    w.add_argument("--master-addr", default=_env("MASTER_ADDR", ""), help="the Triton host's address (k3_lm master_addr)")
-    w.add_argument("--master-port", type=int, default=int(_env("MASTER_PORT", "29500")))
+    w.add_argument("--nnodes", type=int, **_from_env("NNODES"))
+    w.add_argument("--node-rank", type=int, help="1..nnodes-1 (0 is the Triton host)",
+                   **_from_env("NODE_RANK", "GROUP_RANK"))
+    w.add_argument("--master-addr", help="the Triton host's address (k3_lm master_addr)", **_from_env("MASTER_ADDR"))
+    w.add_argument("--master-port", type=int, **_from_env("MASTER_PORT"))
     w.add_argument("--tensor-parallel-size", type=int, required=True)
     w.add_argument("--expert-parallel-size", type=int, default=1)
     w.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

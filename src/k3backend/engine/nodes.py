@@ -320,8 +320,9 @@ class Rendezvous:
             except OSError:
                 pass
             self._listener.close()
+            self._listener = None
             self._thread.join(2.0)
-        del self.store
+        self.store = None  # the server's socket closes with it
 
 
 def connect_rank(spec: WorkerSpec) -> Connection:
