@@ -77,6 +77,42 @@ def tree(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("params, tp, message", [
+    ({"nnodes": "2"}, 3, r"tensor_parallel_size 3 is not divisible by nnodes 2"),
+    ({"nnodes": "2"}, 2, r"nnodes 2 needs master_addr .* got '':29500"),
+    ({"nnodes": "2", "master_addr": "10.0.0.1", "node_rank": "1"}, 2, r"node_rank 1: the Triton host is node 0"),
+    ({"nnodes": "2", "master_addr": "10.0.0.1", "node_rank": "2"}, 2, r"node_rank 2 is not in \[0, 1\]"),
+    ({"master_port": "0"}, 2, r"parameter master_port: expected an integer in \[1, 65535\], got '0'"),
+    ({"nnodes": "0"}, 2, r"parameter nnodes: expected an integer in \[1, inf\], got '0'"),
+    ({"dist_timeout_s": "-1"}, 2, r"parameter dist_timeout_s: expected a finite number >= 0.001, got '-1'"),
+], ids=["tp-not-divisible", "no-master-addr", "node-rank-1", "node-rank-out-of-range", "port-0", "nnodes-0",
+        "negative-timeout"])
+def test_bad_multi_host_parameters_fail_the_load_naming_them(params, tp, message):
+    from k3backend.config import ConfigError
+    from k3backend.engine.config import EngineConfig
+    from k3backend.serving.lm_adapter import MODEL, PARAMETERS, LmServer
+    from k3backend.serving.triton_io import ModelParams
+
+    def core_spec(tp: int = 2, **values):
+        p = ModelParams({"parameters": {k: {"string_value": v} for k, v in values.items()}}, PARAMETERS, MODEL)
+        return LmServer._core_spec(p, "ckpt", EngineConfig(), torch.device("cpu"), torch.float64, tp, 1)
+
+    with pytest.raises(ConfigError, match=rf"^k3_lm: .*{message}"):
+        core_spec(tp, **params)
+    good = core_spec(nnodes="2", master_addr="10.0.0.1", master_port="29511", dist_timeout_s="60")
+    assert good.nodes == NodePlan(2, "10.0.0.1", 29511, 60.0) and core_spec().nodes is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--node-rank", "0"), "node_rank 0 is the Triton host"),
+    (("--tensor-parallel-size", "3"), "tensor_parallel_size 3 is not divisible by nnodes 2"),
+], ids=["node-rank-0", "tp-not-divisible"])
+def test_the_worker_command_refuses_settings_that_cannot_work(default_checkpoint, extra, message):
+    worker = start_worker(default_checkpoint, free_port(), *extra)
+    out, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 2 and message in out, out
+
+
 def test_a_missing_node_fails_start_up_naming_it():
     start = time.monotonic()
     with pytest.raises(WorkerFailure, match=r"node\(s\) \[1\] did not join within dist_timeout_s 2 .*master_port"):
