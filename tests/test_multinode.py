@@ -34,7 +34,8 @@ from k3backend.generate import full_forward, generate
 from k3backend.presets import ensure_default_checkpoint, make_checkpoint
 from k3backend.tokenizer import Tokenizer
 from k3client import http_post
-from serverutil import alive, child_pids, load_repository_model, none_ready, repo_copy, wait_until, worker_pids
+from serverutil import (alive, child_pids, load_repository_model, log_pid, none_ready, repo_copy, wait_until,
+                        worker_pids)
 from test_lm_faults import LONG, Watch
 from test_workers import CFG, prefill_plan
 
@@ -206,7 +207,9 @@ def test_two_hosts_serve_like_one_and_a_lost_remote_rank_or_host_fails_k3_lm(tri
     assert json.loads(body)["text_output"] == detokenize_all(tok, ref)[0]
 
     def lose(victim: int, what: str) -> float:
-        """SIGKILL `victim` mid-stream: UNAVAILABLE naming node 1 and rank 1 within 10 s, k3_lm not ready."""
+        """SIGKILL `victim` mid-stream: UNAVAILABLE naming node 1 and rank 1 within 10 s, k3_lm not ready
+        (unloaded: its engine core exits too)."""
+        core = log_pid(srv.log_path, r"engine core pid (\d+)", last=True)
         watch = Watch(srv.grpc_url, "k3_lm", {"text_input": "long", **LONG}, what)
         try:
             wait_until(lambda: watch.responses, 60, "the first response")
@@ -217,6 +220,7 @@ def test_two_hosts_serve_like_one_and_a_lost_remote_rank_or_host_fails_k3_lm(tri
         finally:
             watch.close()
         wait_until(lambda: none_ready(srv.http_url, "k3_lm", "k3_ensemble"), 10, "k3_lm to be not ready")
+        wait_until(lambda: not alive(core), 30, "the failed engine core to exit")
         return took
 
     took = lose(pids[1], "rank")
