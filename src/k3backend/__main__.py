@@ -101,7 +101,8 @@ def _openai(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from k3backend.engine.nodes import NodePlan, run_node
+    from k3backend.engine.node_agent import run_node
+    from k3backend.engine.nodes import NodePlan
     from k3backend.engine.workers import resolve_backend
     from k3backend.serving.triton_io import resolve_device_dtype
 

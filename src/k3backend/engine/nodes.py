@@ -7,7 +7,7 @@ expert group is rank // (T / E), so with E a multiple of nnodes no expert group 
 Rendezvous, in torch.distributed's TCP store, which the Triton host's engine core serves at
 master_addr:master_port (the process groups meet in the same store):
 1. the coordinator puts its listener's port and key under `k3/coordinator`;
-2. a node agent (`python -m k3backend worker`) connects and sends ("join", node_rank, JobDescription,
+2. a node agent (`python -m k3backend worker`, `engine.node_agent`) connects and sends ("join", node_rank, JobDescription,
    pid, hostname); the coordinator compares the job with its own and answers ("refused", why),
    naming every difference, logged on both sides, or ("welcome", template WorkerSpec, ranks);
 3. the agent spawns its ranks with `workers.worker_main`, the code of the local ranks; each
@@ -32,15 +32,14 @@ import json
 import logging
 import os
 import queue
-import socket
 import threading
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 
-from k3backend.engine.workers import Spawner, WorkerFailure, WorkerSpec, stop_processes, visible_gpu, worker_main
+from k3backend.engine.workers import WorkerFailure, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +110,6 @@ def describe(checkpoint: str | Path, tp: int, ep: int, nnodes: int, dtype: str, 
     config = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
     return JobDescription(config[:16], weights.hexdigest()[:16], tp, ep, nnodes, dtype, backend)
 
-
-# ---- the coordinator's side -------------------------------------------------------------------
 
 class RemoteNode:
     """A joined node agent: its connection, the exits it reported, whether it is lost."""
@@ -323,92 +320,3 @@ class Rendezvous:
             self._listener = None
             self._thread.join(2.0)
         self.store = None  # the server's socket closes with it
-
-
-def connect_rank(spec: WorkerSpec) -> Connection:
-    """A remote rank's connection to the coordinator, standing in for a local rank's pipe."""
-    host, port, key = spec.coordinator
-    conn = Client((host, port), authkey=key)
-    conn.send(("hello", spec.rank, os.getpid()))
-    return conn
-
-
-# ---- the node agent (`python -m k3backend worker`) -------------------------------------------
-
-def run_node(checkpoint: str, plan: NodePlan, node_rank: int, tp: int, ep: int, device: str, dtype: str,
-             backend: str) -> int:
-    """Join the Triton host's k3_lm as node `node_rank`, run this host's ranks until the engine ends.
-
-    Exit status: 0 when the engine stopped the ranks, 1 when a rank or the Triton host was lost, 2
-    when the Triton host could not be reached or refused this worker."""
-    import torch.distributed as dist
-
-    job = describe(checkpoint, tp, ep, plan.nnodes, dtype, backend)
-    log.info("node %d: joining %s:%d (dist_timeout_s %g) with %s", node_rank, plan.master_addr, plan.master_port,
-             plan.dist_timeout_s, job)
-    try:
-        store = dist.TCPStore(plan.master_addr, plan.master_port, None, False,
-                              timeout=datetime.timedelta(seconds=plan.dist_timeout_s))
-        port, key = json.loads(store.get(STORE_KEY))
-        del store
-        conn = Client((plan.master_addr, port), authkey=bytes.fromhex(key))
-        conn.send(("join", node_rank, job, os.getpid(), socket.gethostname()))
-        reply = conn.recv() if conn.poll(plan.dist_timeout_s) else ("refused", "no answer within dist_timeout_s")
-    except Exception as e:  # noqa: BLE001 - DistNetworkError, timeouts, refused connections
-        log.error("node %d: cannot reach the Triton host at %s:%d within dist_timeout_s %g: %s", node_rank,
-                  plan.master_addr, plan.master_port, plan.dist_timeout_s, e)
-        return 2
-    if reply[0] == "refused":
-        log.error("node %d: refused by the Triton host: %s", node_rank, reply[1])
-        return 2
-    _, template, ranks = reply
-    spawner = Spawner("k3-node-ranks")
-    procs: dict[int, object] = {}
-    try:
-        for i, rank in enumerate(ranks):
-            spec = replace(template, rank=rank, gpu=None if device == "cpu" else visible_gpu(i),
-                           checkpoint=str(checkpoint), store=(plan.master_addr, plan.master_port),
-                           coordinator=(plan.master_addr, port, bytes.fromhex(key)))
-            procs[rank] = spawner.spawn(worker_main, (spec, None), f"k3-rank{rank}")
-            log.info("node %d: worker rank %d pid %d", node_rank, rank, procs[rank].pid)
-        return _watch(conn, procs, node_rank)
-    finally:
-        stop_processes(list(procs.values()), timeout=10.0)
-        spawner.close()
-        conn.close()
-        log.info("node %d: every worker rank has exited", node_rank)
-
-
-def _watch(conn: Connection, procs: dict, node_rank: int) -> int:
-    """Heartbeats both ways, rank exits reported; until "stop", the Triton host's loss, or no rank left."""
-    watched = {p.sentinel: rank for rank, p in procs.items()}
-    heard = beat = time.monotonic()
-    failed = False
-    try:
-        while watched:
-            if time.monotonic() >= beat:
-                conn.send(("alive",))
-                beat = time.monotonic() + HEARTBEAT_S
-            for obj in wait([conn, *watched], HEARTBEAT_S):
-                if obj is conn:
-                    if conn.recv()[0] == "stop":
-                        log.info("node %d: the engine stopped", node_rank)
-                        return 1 if failed else 0
-                    heard = time.monotonic()
-                    continue
-                rank = watched.pop(obj)
-                p = procs[rank]
-                p.join(1.0)
-                failed |= p.exitcode != 0
-                if p.exitcode != 0:
-                    log.error("node %d: worker rank %d pid %d exited (exit status %s)", node_rank, rank, p.pid,
-                              p.exitcode)
-                conn.send(("died", rank, p.exitcode))
-            if time.monotonic() - heard > SILENCE_S:
-                log.error("node %d: nothing from the Triton host for %.1f s; stopping the ranks", node_rank,
-                          time.monotonic() - heard)
-                return 1
-    except (EOFError, OSError):
-        log.error("node %d: the Triton host closed the connection; stopping the ranks", node_rank)
-        return 1
-    return 1 if failed else 0

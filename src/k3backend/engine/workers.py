@@ -114,7 +114,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, parent: int) -> None:
     and the connection then works as the pipe does."""
     guard_against_orphaning(parent)
     if conn is None:
-        from k3backend.engine.nodes import connect_rank
+        from k3backend.engine.node_agent import connect_rank
 
         conn = connect_rank(spec)
     if spec.gpu is not None:
