@@ -6,7 +6,8 @@ veth pair are not used: the link is loopback (docs/deployment.md).
 Rendezvous: a missing node fails the start-up naming it; workers with another dtype, checkpoint
 or TP size are refused naming the difference on both sides, then a matching one joins and gives
 one rank's logits; once its whole tree is stopped (no EOF, as for a hung host or a cut link) the
-next step fails naming node 1 after SILENCE_S. Served: greedy text equals one process's; SIGKILL of node 1's rank, then of a
+next step fails naming node 1 after SILENCE_S; a stopped engine core makes node 1 stop its rank
+and exit after SILENCE_S. Bad multi-host parameters fail the load naming them. Served: greedy text equals one process's; SIGKILL of node 1's rank, then of a
 restarted node 1's whole agent, ends the stream in flight with UNAVAILABLE naming node and rank
 within 10 s and makes k3_lm not ready; every process of both trees exits.
 """
@@ -27,6 +28,8 @@ import torch
 
 from k3backend.checkpoint import load_model
 from k3backend.detokenizer import detokenize_all
+from k3backend.engine.client import EngineClient
+from k3backend.engine.core_process import CoreSpec
 from k3backend.engine.nodes import SILENCE_S, NodePlan
 from k3backend.engine.sampling_params import SamplingParams
 from k3backend.engine.workers import MultiProcessExecutor, WorkerFailure
@@ -36,6 +39,7 @@ from k3backend.tokenizer import Tokenizer
 from k3client import http_post
 from serverutil import (alive, child_pids, load_repository_model, log_pid, none_ready, repo_copy, wait_until,
                         worker_pids)
+from engine_process_util import children
 from test_lm_faults import LONG, Watch
 from test_workers import CFG, prefill_plan
 
@@ -76,6 +80,31 @@ def tree(pid: int) -> list[int]:
             out.append(p)
             todo += child_pids(p)
     return out
+
+
+def test_a_silent_triton_host_makes_the_worker_stop_its_ranks_and_exit(default_checkpoint):
+    """The engine core stopped (SIGSTOP: no EOF, as for a hung host or a cut link): node 1's agent
+    gives it up after SILENCE_S, stops its rank and exits 1."""
+    port = free_port()
+    worker = start_worker(default_checkpoint, port)
+    client = EngineClient(CoreSpec(str(default_checkpoint), CFG, "float64", "cpu", tensor_parallel_size=2,
+                                   expert_parallel_size=2, nodes=NodePlan(2, "127.0.0.1", port, 120.0)))
+    try:
+        remote = [p for p in tree(worker.pid) if p != worker.pid]  # its rank (and multiprocessing's tracker)
+        assert remote and client.ready.workers_alive == 2
+        os.kill(client.process.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        out, _ = worker.communicate(timeout=SILENCE_S + 20)
+        took = time.monotonic() - start
+        assert worker.returncode == 1 and "nothing from the Triton host" in out, out
+        assert SILENCE_S <= took < SILENCE_S + 5
+        wait_until(lambda: not any(alive(p) for p in remote), 5, "node 1's processes to exit")
+        print(f"Triton host silent: node 1 stopped in {took:.2f} s")
+    finally:
+        os.kill(client.process.pid, signal.SIGCONT)
+        local = children(client.process.pid)
+        client.close(timeout=10)
+    wait_until(lambda: not any(alive(p) for p in local), 20, "the Triton host's worker to exit")
 
 
 @pytest.mark.parametrize("params, tp, message", [

@@ -59,6 +59,7 @@ def run_node(checkpoint: str, plan: NodePlan, node_rank: int, tp: int, ep: int, 
     _, template, ranks = reply
     spawner = Spawner("k3-node-ranks")
     procs: dict[int, object] = {}
+    rc = 1
     try:
         for i, rank in enumerate(ranks):
             spec = replace(template, rank=rank, gpu=None if device == "cpu" else visible_gpu(i),
@@ -66,9 +67,10 @@ def run_node(checkpoint: str, plan: NodePlan, node_rank: int, tp: int, ep: int, 
                            coordinator=(plan.master_addr, port, bytes.fromhex(key)))
             procs[rank] = spawner.spawn(worker_main, (spec, None), f"k3-rank{rank}")
             log.info("node %d: worker rank %d pid %d", node_rank, rank, procs[rank].pid)
-        return _watch(conn, procs, node_rank)
-    finally:
-        stop_processes(list(procs.values()), timeout=10.0)
+        rc = _watch(conn, procs, node_rank)
+        return rc
+    finally:  # told to stop, the ranks are on their way out; else nobody will tell them
+        stop_processes(list(procs.values()), timeout=10.0 if rc == 0 else 0.5)
         spawner.close()
         conn.close()
         log.info("node %d: every worker rank has exited", node_rank)
