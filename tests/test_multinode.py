@@ -7,9 +7,11 @@ Rendezvous: a missing node fails the start-up naming it; workers with another dt
 or TP size are refused naming the difference on both sides, then a matching one joins and gives
 one rank's logits; once its whole tree is stopped (no EOF, as for a hung host or a cut link) the
 next step fails naming node 1 after SILENCE_S; a stopped engine core makes node 1 stop its rank
-and exit after SILENCE_S. Bad multi-host parameters fail the load naming them. Served: greedy text equals one process's; SIGKILL of node 1's rank, then of a
-restarted node 1's whole agent, ends the stream in flight with UNAVAILABLE naming node and rank
-within 10 s and makes k3_lm not ready; every process of both trees exits.
+and exit after SILENCE_S. Bad multi-host parameters fail the load naming them.
+
+Served: greedy text equals one process's; SIGKILL of node 1's rank, then of a restarted node 1's
+whole agent, ends the stream in flight with UNAVAILABLE naming node and rank within 10 s and
+makes k3_lm not ready; every process of both trees exits.
 """
 
 from __future__ import annotations
@@ -167,7 +169,8 @@ def test_mismatched_workers_are_refused_naming_the_difference_then_one_joins_unt
 
     thread = threading.Thread(target=coordinator)
     thread.start()
-    bad = {"dtype: worker 'float32' != Triton host 'float64'": start_worker(default_checkpoint, port, "--dtype", "float32"),
+    bad = {"dtype: worker 'float32' != Triton host 'float64'": start_worker(default_checkpoint, port,
+                                                                          "--dtype", "float32"),
            "weights_sha256: worker": start_worker(other, port),
            "tensor_parallel_size: worker 4 != Triton host 2": start_worker(default_checkpoint, port,
                                                                              "--tensor-parallel-size", "4")}

@@ -7,9 +7,10 @@ expert group is rank // (T / E), so with E a multiple of nnodes no expert group 
 Rendezvous, in torch.distributed's TCP store, which the Triton host's engine core serves at
 master_addr:master_port (the process groups meet in the same store):
 1. the coordinator puts its listener's port and key under `k3/coordinator`;
-2. a node agent (`python -m k3backend worker`, `engine.node_agent`) connects and sends ("join", node_rank, JobDescription,
-   pid, hostname); the coordinator compares the job with its own and answers ("refused", why),
-   naming every difference, logged on both sides, or ("welcome", template WorkerSpec, ranks);
+2. a node agent (`python -m k3backend worker`, `engine.node_agent`) connects and sends ("join",
+   node_rank, JobDescription, pid, hostname); the coordinator compares the job with its own and
+   answers ("refused", why), naming every difference, logged on both sides, or ("welcome",
+   template WorkerSpec, ranks);
 3. the agent spawns its ranks with `workers.worker_main`, the code of the local ranks; each
    connects to the coordinator and says ("hello", rank, pid). From then on a remote rank is one
    connection, as a local rank is one pipe: the same plans out, rank 0's ids back.
@@ -66,8 +67,9 @@ class NodePlan:
         if not 0 <= node_rank < self.nnodes:
             raise ValueError(f"node_rank {node_rank} is not in [0, {self.nnodes - 1}] (nnodes {self.nnodes})")
         if self.nnodes > 1 and not (self.master_addr and 0 < self.master_port < 65536):
-            raise ValueError(f"nnodes {self.nnodes} needs master_addr (the Triton host's address that the other "
-                             f"hosts reach) and a master_port in [1, 65535], got {self.master_addr!r}:{self.master_port}")
+            raise ValueError(f"nnodes {self.nnodes} needs master_addr (the Triton host's address that the "
+                             f"other hosts reach) and a master_port in [1, 65535], got "
+                             f"{self.master_addr!r}:{self.master_port}")
         if not self.dist_timeout_s > 0:
             raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s:g}")
 
@@ -209,7 +211,7 @@ class Rendezvous:
         self._listener: Listener | None = None
         if plan.nnodes > 1:
             self._key = os.urandom(32)
-            self._listener = Listener((plan.master_addr, 0), authkey=self._key)
+            self._listener = Listener(("", 0), authkey=self._key)  # all interfaces, like the store
             self.store.set(STORE_KEY, json.dumps([self._listener.address[1], self._key.hex()]))
             self._thread = threading.Thread(target=self._accept_loop, name="k3-rendezvous", daemon=True)
             self._thread.start()
@@ -313,7 +315,7 @@ class Rendezvous:
             node.conn.close()
         if self._listener is not None:
             try:
-                Client(self._listener.address, authkey=self._key).close()  # wakes the accept loop
+                Client(("127.0.0.1", self._listener.address[1]), authkey=self._key).close()  # wakes accept()
             except OSError:
                 pass
             self._listener.close()

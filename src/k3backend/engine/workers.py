@@ -113,12 +113,12 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, parent: int) -> None:
     A rank of another host gets no pipe: it connects to the coordinator itself (`engine.nodes`),
     and the connection then works as the pipe does."""
     guard_against_orphaning(parent)
+    if spec.gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu  # before torch is imported
     if conn is None:
         from k3backend.engine.node_agent import connect_rank
 
         conn = connect_rank(spec)
-    if spec.gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu  # before torch is imported
     tail = _Tail()
     handler = logging.StreamHandler()
     for h in (tail, handler):
@@ -297,9 +297,9 @@ class MultiProcessExecutor:
         self.world_size, self.step_timeout_s = world_size, step_timeout_s
         template = WorkerSpec(-1, world_size, ep_size, None, backend, ("", 0), "", dtype, cfg,
                               max(startup_timeout_s, step_timeout_s))
+        devices = [None] * len(local) if gpus is None else [visible_gpu(g) for g in gpus]
         job = describe(checkpoint, world_size, ep_size, plan.nnodes, dtype, backend) if plan.nnodes > 1 else None
         self._rdv = Rendezvous(plan, world_size, template, job)  # unique per k3_lm instance
-        devices = [None] * len(local) if gpus is None else [visible_gpu(g) for g in gpus]
         self._specs = [replace(template, rank=r, gpu=devices[r], checkpoint=str(checkpoint), store=self._rdv.address)
                        for r in local]
         self._spawner = Spawner("k3-workers")
@@ -364,8 +364,9 @@ class MultiProcessExecutor:
                     if dead is not None:  # its collective failed because a peer died: name the cause
                         raise WorkerFailure(self._death(dead, "exited"))
                     _, err, tb, lines = msg
-                    raise WorkerFailure(f"worker rank {rank}{getattr(self._procs[rank], 'where', '')} failed: {err}"
-                                        "\n--- its last log lines ---\n" + "\n".join(lines) + f"\n--- traceback ---\n{tb}")
+                    where = getattr(self._procs[rank], "where", "")
+                    raise WorkerFailure(f"worker rank {rank}{where} failed: {err}\n--- its last log lines ---\n"
+                                        + "\n".join(lines) + f"\n--- traceback ---\n{tb}")
                 out.append((rank, msg))
             else:
                 raise WorkerFailure(self._death(rank, "exited"))
