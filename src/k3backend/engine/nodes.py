@@ -300,11 +300,16 @@ class Rendezvous:
                 raise WorkerFailure(node.failure())
         return None
 
-    def close(self, timeout: float) -> None:
-        """Stop every node agent (each stops its ranks), wait up to `timeout` for them to go, shut the doors."""
+    def stop(self) -> None:
+        """The engine ends: every node agent waits for its ranks (told already) and exits. Sent before the
+        coordinator waits for its own ranks, so the agents never take that wait for a lost Triton host."""
         self._closed = True
         for node in self.nodes:
             node.send(("stop",))
+
+    def close(self, timeout: float) -> None:
+        """`stop()`, then wait up to `timeout` for the agents to go; shut the doors."""
+        self.stop()
         deadline = time.monotonic() + timeout
         for node in self.nodes:
             try:

@@ -463,6 +463,7 @@ class MultiProcessExecutor:
             except OSError:
                 pass
         deadline = time.monotonic() + timeout
+        self._rdv.stop()
         stop_processes([p for p in self._procs if p is not None and p.sentinel is not None], timeout)
         self._rdv.close(max(1.0, deadline - time.monotonic()))
         for conn in self._conns:
