@@ -73,6 +73,21 @@ def start_worker(ckpt, port: int, *extra: str, timeout_s: float = 120) -> subpro
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+@pytest.fixture
+def workers():
+    """Started workers (`workers.append(start_worker(...))`), killed with their trees if the test fails."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for w in started:
+        pids = tree(w.pid)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        w.wait(10)
+
+
 def tree(pid: int) -> list[int]:
     """`pid` and its live descendants."""
     out, todo = [], [pid]
@@ -84,11 +99,12 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def test_a_silent_triton_host_makes_the_worker_stop_its_ranks_and_exit(default_checkpoint):
+def test_a_silent_triton_host_makes_the_worker_stop_its_ranks_and_exit(default_checkpoint, workers):
     """The engine core stopped (SIGSTOP: no EOF, as for a hung host or a cut link): node 1's agent
     gives it up after SILENCE_S, stops its rank and exits 1."""
     port = free_port()
     worker = start_worker(default_checkpoint, port)
+    workers.append(worker)
     client = EngineClient(CoreSpec(str(default_checkpoint), CFG, "float64", "cpu", tensor_parallel_size=2,
                                    expert_parallel_size=2, nodes=NodePlan(2, "127.0.0.1", port, 120.0)))
     try:
@@ -154,7 +170,7 @@ def test_a_missing_node_fails_start_up_naming_it():
 
 
 def test_mismatched_workers_are_refused_naming_the_difference_then_one_joins_until_its_host_is_silent(
-        default_checkpoint, tmp_path, caplog):
+        default_checkpoint, tmp_path, caplog, workers):
     caplog.set_level(logging.ERROR, logger="k3backend.engine.nodes")
     port = free_port()
     other = make_checkpoint("tiny", tmp_path / "seed1", seed=1)
@@ -174,6 +190,7 @@ def test_mismatched_workers_are_refused_naming_the_difference_then_one_joins_unt
            "weights_sha256: worker": start_worker(other, port),
            "tensor_parallel_size: worker 4 != Triton host 2": start_worker(default_checkpoint, port,
                                                                              "--tensor-parallel-size", "4")}
+    workers += bad.values()
     ex = None
     try:
         for why, worker in bad.items():
@@ -184,6 +201,7 @@ def test_mismatched_workers_are_refused_naming_the_difference_then_one_joins_unt
         for why in bad:
             assert any(why in r.getMessage() and "refused" in r.getMessage() for r in caplog.records), why
         good = start_worker(default_checkpoint, port)
+        workers.append(good)
         thread.join(120)
         assert "error" not in built, built.get("error")
         ex = built["ex"]
@@ -215,9 +233,10 @@ def test_mismatched_workers_are_refused_naming_the_difference_then_one_joins_unt
 
 
 def test_two_hosts_serve_like_one_and_a_lost_remote_rank_or_host_fails_k3_lm(triton_server, tmp_path,
-                                                                               default_checkpoint):
+                                                                               default_checkpoint, workers):
     port = free_port()
-    worker = start_worker(default_checkpoint, port)
+    worker = start_worker(default_checkpoint, port, timeout_s=600)  # outwaits a slow server start
+    workers.append(worker)
     repo = repo_copy(tmp_path / "repo", k3_lm={"tensor_parallel_size": TP, "expert_parallel_size": EP,
                                                "dtype": "float64", "nnodes": "2", "master_addr": "127.0.0.1",
                                                "master_port": str(port), "dist_timeout_s": "120"})
@@ -263,7 +282,8 @@ def test_two_hosts_serve_like_one_and_a_lost_remote_rank_or_host_fails_k3_lm(tri
                "every process of both trees to exit")
 
     # node 1 restarted, k3_lm reloaded: it joins again; then the whole agent (the host) is lost
-    worker = start_worker(default_checkpoint, port)
+    worker = start_worker(default_checkpoint, port, timeout_s=600)
+    workers.append(worker)
     load_repository_model(srv.http_url, "k3_ensemble")
     fresh = worker_pids(srv.log_path)
     assert fresh[1] in tree(worker.pid) and set(fresh.values()).isdisjoint(pids.values())
@@ -271,3 +291,4 @@ def test_two_hosts_serve_like_one_and_a_lost_remote_rank_or_host_fails_k3_lm(tri
     print(f"node 1's agent killed: stream ended in {took:.2f} s")
     wait_until(lambda: not tree(worker.pid) and not any(alive(p) for p in fresh.values()), 20,
                "every process of both trees to exit")
+    worker.wait(5)
