@@ -241,7 +241,7 @@ def test_two_hosts_serve_like_one_and_a_lost_remote_rank_or_host_fails_k3_lm(tri
                                                "dtype": "float64", "nnodes": "2", "master_addr": "127.0.0.1",
                                                "master_port": str(port), "dist_timeout_s": "120"})
     srv = triton_server(repo, ["k3_ensemble"], ["--model-control-mode=explicit", "--load-model=k3_ensemble"],
-                        fresh=True)
+                        fresh=True, startup_timeout_s=600)  # a bound for a loaded machine; ~30 s when quiet
     pids = worker_pids(srv.log_path)
     assert sorted(pids) == [0, 1] and pids[1] in tree(worker.pid) and pids[0] not in tree(worker.pid)
 
