@@ -22,8 +22,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,7 +72,17 @@ def start_worker(ckpt, port: int, *extra: str, timeout_s: float = 120) -> subpro
     for key, value in zip(extra[::2], extra[1::2]):
         args[key] = value
     argv = [sys.executable, "-m", "k3backend", "worker", *[x for kv in args.items() for x in kv]]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    fd, log = tempfile.mkstemp(prefix="k3-worker-", suffix=".log")  # a file: a full pipe would stall its ranks
+    worker = subprocess.Popen(argv, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True)
+    os.close(fd)
+    worker.log_path = Path(log)
+    return worker
+
+
+def finished(worker: subprocess.Popen, timeout: float) -> str:
+    """Wait for the worker to exit; its output."""
+    worker.wait(timeout)
+    return worker.log_path.read_text(errors="replace")
 
 
 @pytest.fixture
@@ -86,6 +98,9 @@ def workers():
             except ProcessLookupError:
                 pass
         w.wait(10)
+        if pids:  # it was still running: the test failed; show what it said
+            print(f"--- worker pid {w.pid} output (tail) ---\n{finished(w, 1)[-4000:]}")
+        w.log_path.unlink(missing_ok=True)
 
 
 def tree(pid: int) -> list[int]:
@@ -112,7 +127,7 @@ def test_a_silent_triton_host_makes_the_worker_stop_its_ranks_and_exit(default_c
         assert remote and client.ready.workers_alive == 2
         os.kill(client.process.pid, signal.SIGSTOP)
         start = time.monotonic()
-        out, _ = worker.communicate(timeout=SILENCE_S + 20)
+        out = finished(worker, SILENCE_S + 20)
         took = time.monotonic() - start
         assert worker.returncode == 1 and "nothing from the Triton host" in out, out
         assert SILENCE_S <= took < SILENCE_S + 5
@@ -155,9 +170,10 @@ def test_bad_multi_host_parameters_fail_the_load_naming_them(params, tp, message
     (("--node-rank", "0"), "node_rank 0 is the Triton host"),
     (("--tensor-parallel-size", "3"), "tensor_parallel_size 3 is not divisible by nnodes 2"),
 ], ids=["node-rank-0", "tp-not-divisible"])
-def test_the_worker_command_refuses_settings_that_cannot_work(default_checkpoint, extra, message):
+def test_the_worker_command_refuses_settings_that_cannot_work(default_checkpoint, workers, extra, message):
     worker = start_worker(default_checkpoint, free_port(), *extra)
-    out, _ = worker.communicate(timeout=60)
+    workers.append(worker)
+    out = finished(worker, 60)
     assert worker.returncode == 2 and message in out, out
 
 
@@ -194,7 +210,7 @@ def test_mismatched_workers_are_refused_naming_the_difference_then_one_joins_unt
     ex = None
     try:
         for why, worker in bad.items():
-            out, _ = worker.communicate(timeout=120)
+            out = finished(worker, 120)
             refusal = [line for line in out.splitlines() if "refused by the Triton host" in line]
             assert worker.returncode == 2 and len(refusal) == 1 and why in refusal[0], out
             assert "config_sha256" not in refusal[0]  # each differs in the one field it names (seed 1: weights)
