@@ -1,4 +1,4 @@
-"""Command line: `python -m k3backend {generate,make-checkpoint,hf-tokenizer,serve,openai}`. Argument parsing only."""
+"""Command line: `python -m k3backend {generate,make-checkpoint,hf-tokenizer,serve,openai,worker}`. Argument parsing only."""
 
 from __future__ import annotations
 
@@ -101,6 +101,33 @@ def _openai(args: argparse.Namespace) -> int:
         grpc_channels=args.grpc_channels, reuse_port=args.reuse_port))
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from k3backend.engine.node_agent import run_node
+    from k3backend.engine.nodes import NodePlan
+    from k3backend.engine.workers import resolve_backend
+    from k3backend.serving.triton_io import resolve_device_dtype
+
+    plan = NodePlan(args.nnodes, args.master_addr, args.master_port, args.dist_timeout_s)
+    try:
+        plan.check(args.tensor_parallel_size, args.node_rank)
+        if args.node_rank == 0:
+            raise ValueError("node_rank 0 is the Triton host (k3_lm itself); give this host 1..nnodes-1")
+    except ValueError as e:
+        print(f"k3backend worker: {e}", file=sys.stderr)
+        return 2
+    device, dtype = resolve_device_dtype(args.device, args.dtype, "worker")
+    return run_node(args.checkpoint, plan, args.node_rank, args.tensor_parallel_size, args.expert_parallel_size,
+                    device.type, str(dtype).removeprefix("torch."), resolve_backend(args.dist_backend,
+                                                                                   device.type == "cuda"))
+
+
+def _from_env(*names: str) -> dict:
+    """add_argument's default from the first of `names` set in the environment (torchrun and most
+    launchers set them); required when none is."""
+    value = next((os.environ[n] for n in names if os.environ.get(n)), None)
+    return {"default": value, "required": value is None}
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
@@ -157,6 +184,23 @@ def main(argv: list[str] | None = None) -> int:
     add_options(o)
     o.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for --workers' processes
     o.set_defaults(fn=_openai)
+
+    w = sub.add_parser("worker", help="run this host's ranks of a k3_lm served from another host's tritonserver "
+                                      "(docs/deployment.md); defaults from NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT")
+    w.add_argument("--checkpoint", required=True, help="this host's copy of k3_lm's model_path")
+    w.add_argument("--nnodes", type=int, **_from_env("NNODES"))
+    w.add_argument("--node-rank", type=int, help="1..nnodes-1 (0 is the Triton host)",
+                   **_from_env("NODE_RANK", "GROUP_RANK"))
+    w.add_argument("--master-addr", help="the Triton host's address (k3_lm master_addr)", **_from_env("MASTER_ADDR"))
+    w.add_argument("--master-port", type=int, **_from_env("MASTER_PORT"))
+    w.add_argument("--tensor-parallel-size", type=int, required=True)
+    w.add_argument("--expert-parallel-size", type=int, default=1)
+    w.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    w.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16", "float64"])
+    w.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"])
+    w.add_argument("--dist-timeout-s", type=float, default=300.0,
+                   help="how long to wait for the Triton host (and its answer) at the rendezvous")
+    w.set_defaults(fn=_worker)
 
     args = p.parse_args(argv)
     return args.fn(args)

@@ -11,9 +11,10 @@ Lifecycle (SERVING.md §8, [HLT-1], [HLT-2], [HLT-7], [HLT-9], [HLT-10]):
   parent-death signal each worker sets fires when the thread that created it exits; they are
   non-daemonic, each in its own process group, with `CUDA_VISIBLE_DEVICES` set before torch is
   imported, and they also exit on EOF of their control pipe;
-- rendezvous on a free loopback port through torch.distributed's TCP store (NCCL on GPUs, gloo
-  on CPUs); a failure or timeout of any rank during start-up kills every worker and raises one
-  error naming the rank, its exit status and its last log lines;
+- rendezvous through torch.distributed's TCP store, which the coordinator serves on a free
+  loopback port (at master_addr:master_port when other hosts join, `engine.nodes`), NCCL on GPUs,
+  gloo on CPUs; a failure or timeout of any rank during start-up kills every worker and raises
+  one error naming the rank, its exit status and its last log lines;
 - every wait of the coordinator is bounded and watches every worker: a rank that exits, closes
   its pipe, reports an error, or a step that outlasts `step_timeout_s` raises `WorkerFailure`,
   which fails the engine; `close()` stops the workers, then SIGTERMs and SIGKILLs what is left.
@@ -31,7 +32,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -62,11 +62,12 @@ class WorkerSpec:
     ep_size: int
     gpu: str | None  # the rank's CUDA_VISIBLE_DEVICES entry (see `visible_gpu`), or None on CPU
     backend: str  # "nccl" | "gloo"
-    init_method: str  # tcp://127.0.0.1:port
+    store: tuple[str, int]  # the coordinator's TCP store (host, port): the process groups' rendezvous
     checkpoint: str
     dtype: str  # torch dtype name
     cfg: EngineConfig
     timeout_s: float  # collectives and start-up
+    coordinator: tuple[str, int, bytes] | None = None  # a rank of another host: where to connect (engine.nodes)
 
 
 @dataclass(frozen=True)
@@ -106,11 +107,18 @@ def guard_against_orphaning(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's; the coordinator stops us
 
 
-def worker_main(spec: WorkerSpec, conn: Connection, parent: int) -> None:
-    """One rank: build the runner, report, then run every message of the pipe until "stop" or EOF."""
+def worker_main(spec: WorkerSpec, conn: Connection | None, parent: int) -> None:
+    """One rank: build the runner, report, then run every message of the pipe until "stop" or EOF.
+
+    A rank of another host gets no pipe: it connects to the coordinator itself (`engine.nodes`),
+    and the connection then works as the pipe does."""
     guard_against_orphaning(parent)
     if spec.gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu  # before torch is imported
+    if conn is None:
+        from k3backend.engine.node_agent import connect_rank
+
+        conn = connect_rank(spec)
     tail = _Tail()
     handler = logging.StreamHandler()
     for h in (tail, handler):
@@ -142,8 +150,9 @@ def _build(spec: WorkerSpec, conn: Connection):
         torch.set_num_threads(1)  # CPU ranks (tests, gloo) share the host's cores
     import datetime
 
-    dist.init_process_group(spec.backend, init_method=spec.init_method, world_size=spec.world_size,
-                            rank=spec.rank, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    store = dist.TCPStore(spec.store[0], spec.store[1], None, False, timeout=timeout)
+    dist.init_process_group(spec.backend, store=store, world_size=spec.world_size, rank=spec.rank, timeout=timeout)
     par = Parallel(spec.world_size, spec.rank, spec.ep_size, dist.group.WORLD)
     model = load_model(spec.checkpoint, dtype=getattr(torch, spec.dtype), device=device, progress=False, par=par,
                        vision=False)
@@ -233,10 +242,28 @@ class Spawner:
 
 # ---- the coordinator ------------------------------------------------------------------------------
 
-def free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+POLL_S = 0.5  # how often a wait of the coordinator also reads the other hosts' agents (engine.nodes)
+
+
+def stop_processes(procs: list, timeout: float) -> None:
+    """Join `procs` up to `timeout`; then SIGTERM each one's process group, SIGKILL 2 s later ([HLT-9])."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for p in alive:
+            p.join(grace)
+
+
+def resolve_backend(backend: str, on_gpus: bool) -> str:
+    """`auto`: NCCL between GPUs, gloo between CPUs."""
+    return ("nccl" if on_gpus else "gloo") if backend == "auto" else backend
 
 
 def visible_gpu(index: int) -> str:
@@ -251,32 +278,42 @@ def visible_gpu(index: int) -> str:
 
 
 class MultiProcessExecutor:
-    """Ranks 0..world-1 as worker processes; the engine's `Executor` (see module docstring)."""
+    """Ranks 0..world-1 as worker processes; the engine's `Executor` (see module docstring).
+
+    With `nodes.nnodes` > 1 this host runs the first block of ranks and the others join from their
+    hosts (`engine.nodes`); a remote rank is then a connection and a `RemoteRank`, where a local
+    one is a pipe and a `Process`, and everything below treats both alike."""
 
     def __init__(self, checkpoint: str, cfg: EngineConfig, *, dtype: str, gpus: list[int] | None, world_size: int,
                  ep_size: int = 1, backend: str = "auto", startup_timeout_s: float = 3600.0,
-                 step_timeout_s: float = 300.0) -> None:
-        if gpus is not None and len(gpus) != world_size:
-            raise ValueError(f"{world_size} ranks need {world_size} GPUs, got gpu ids {gpus}")
-        backend = ("nccl" if gpus is not None else "gloo") if backend == "auto" else backend
+                 step_timeout_s: float = 300.0, nodes: Any = None) -> None:
+        from k3backend.engine.nodes import NodePlan, Rendezvous, describe
+
+        plan = nodes or NodePlan()
+        local = plan.ranks_of(0, world_size)
+        if gpus is not None and len(gpus) != len(local):
+            raise ValueError(f"{len(local)} ranks on this host need {len(local)} GPUs, got gpu ids {gpus}")
+        backend = resolve_backend(backend, gpus is not None)
         self.world_size, self.step_timeout_s = world_size, step_timeout_s
-        init = f"tcp://127.0.0.1:{free_loopback_port()}"  # unique per k3_lm instance
-        devices = [None] * world_size if gpus is None else [visible_gpu(g) for g in gpus]
-        self._specs = [WorkerSpec(r, world_size, ep_size, devices[r], backend, init, str(checkpoint), dtype, cfg,
-                                  max(startup_timeout_s, step_timeout_s))
-                       for r in range(world_size)]
+        template = WorkerSpec(-1, world_size, ep_size, None, backend, ("", 0), "", dtype, cfg,
+                              max(startup_timeout_s, step_timeout_s))
+        devices = [None] * len(local) if gpus is None else [visible_gpu(g) for g in gpus]
+        job = describe(checkpoint, world_size, ep_size, plan.nnodes, dtype, backend) if plan.nnodes > 1 else None
+        self._rdv = Rendezvous(plan, world_size, template, job)  # unique per k3_lm instance
+        self._specs = [replace(template, rank=r, gpu=devices[r], checkpoint=str(checkpoint), store=self._rdv.address)
+                       for r in local]
         self._spawner = Spawner("k3-workers")
-        self._procs: list[Any] = []
-        self._conns: list[Connection] = []
+        self._procs: list[Any] = [None] * world_size  # Process here, nodes.RemoteRank on another host
+        self._conns: list[Connection | None] = [None] * world_size
         self._lock = threading.Lock()  # one call at a time over the pipes
         self._failure: str | None = None
         self.coordination_s = 0.0  # time in execute() not spent computing on rank 0 (plan out, ids back)
         try:
             for spec in self._specs:
                 parent, child = self._spawner.ctx.Pipe()
-                self._procs.append(self._spawner.spawn(worker_main, (spec, child), f"k3-rank{spec.rank}"))
+                self._procs[spec.rank] = self._spawner.spawn(worker_main, (spec, child), f"k3-rank{spec.rank}")
                 child.close()
-                self._conns.append(parent)
+                self._conns[spec.rank] = parent
             self.ranks = self._await_ready(startup_timeout_s)
         except BaseException:
             self.close(timeout=2.0)
@@ -287,7 +324,8 @@ class MultiProcessExecutor:
 
         log_capacity(self.capacity, cfg)
         for r in self.ranks:
-            log.info("k3_lm: worker rank %d pid %d device %s", r.rank, r.pid, r.device)  # [HLT-1]
+            log.info("k3_lm: worker rank %d pid %d device %s%s", r.rank, r.pid, r.device,
+                     getattr(self._procs[r.rank], "where", ""))  # [HLT-1]
             log.info("worker rank %d: %.2f GiB of weights", r.rank, r.weight_bytes / 2**30)
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -300,17 +338,22 @@ class MultiProcessExecutor:
             if left <= 0:
                 missing = [r for r in range(self.world_size) if r not in ready]
                 raise WorkerFailure(f"worker ranks {missing} did not start within startup_timeout_s {timeout_s:g}")
+            self._rdv.admit(self._conns, self._procs)
             for rank, msg in self._wait_any(left):
                 if msg[0] == "ready":
                     ready[rank] = msg[1]
         return [ready[r] for r in range(self.world_size)]
 
     def _wait_any(self, timeout_s: float) -> list[tuple[int, tuple]]:
-        """Messages of ranks that sent one; raises WorkerFailure for an error, an exit or EOF."""
-        objs = {c: r for r, c in enumerate(self._conns)} | {p.sentinel: r for r, p in enumerate(self._procs)}
+        """Messages of ranks that sent one; raises WorkerFailure for an error, an exit, EOF or a lost host.
+        Returns within POLL_S (empty when nothing came) to keep reading the other hosts' agents."""
+        objs = {c: r for r, c in enumerate(self._conns) if c is not None}
+        objs |= {p.sentinel: r for r, p in enumerate(self._procs) if p is not None and p.sentinel is not None}
         out = []
-        for obj in wait(list(objs), timeout_s):
-            rank = objs[obj]
+        for obj in wait(list(objs) + [n.conn for n in self._rdv.nodes], min(timeout_s, POLL_S)):
+            rank = objs.get(obj)
+            if rank is None:
+                continue  # a node agent's message: read by _check_nodes below
             if isinstance(obj, Connection):
                 try:
                     msg = obj.recv()
@@ -321,18 +364,25 @@ class MultiProcessExecutor:
                     if dead is not None:  # its collective failed because a peer died: name the cause
                         raise WorkerFailure(self._death(dead, "exited"))
                     _, err, tb, lines = msg
-                    raise WorkerFailure(f"worker rank {rank} failed: {err}\n--- its last log lines ---\n"
+                    where = getattr(self._procs[rank], "where", "")
+                    raise WorkerFailure(f"worker rank {rank}{where} failed: {err}\n--- its last log lines ---\n"
                                         + "\n".join(lines) + f"\n--- traceback ---\n{tb}")
                 out.append((rank, msg))
             else:
                 raise WorkerFailure(self._death(rank, "exited"))
+        self._check_nodes()
         return out
+
+    def _check_nodes(self) -> None:
+        dead = self._rdv.check()
+        if dead is not None:
+            raise WorkerFailure(self._death(dead, "exited"))
 
     def _dead_peer(self, rank: int, grace_s: float = 0.5) -> int | None:
         """A rank other than `rank` that died (waiting up to `grace_s` for its exit to show)."""
         deadline = time.monotonic() + grace_s
         while True:
-            dead = [r for r, p in enumerate(self._procs) if r != rank and not p.is_alive()]
+            dead = [r for r, p in enumerate(self._procs) if r != rank and p is not None and not p.is_alive()]
             if dead or time.monotonic() > deadline:
                 return dead[0] if dead else None
             time.sleep(0.02)
@@ -342,7 +392,9 @@ class MultiProcessExecutor:
         p.join(0.5)
         code = p.exitcode
         how = "still running" if code is None else f"signal {-code}" if code < 0 else f"exit code {code}"
-        return f"worker rank {rank} pid {p.pid} {what} ({how})"
+        if code is None and getattr(p, "node", None) is not None and p.node.lost is not None:
+            how = f"its host's worker agent {p.node.lost}"
+        return f"worker rank {rank} pid {p.pid}{getattr(p, 'where', '')} {what} ({how})"
 
     # ---- the Executor interface ----------------------------------------------------------------
 
@@ -383,7 +435,13 @@ class MultiProcessExecutor:
                 raise WorkerFailure(str(e)) from None
 
     def health(self) -> str | None:
-        """Why the workers cannot serve, or None ([HLT-7]: a dead rank fails the engine while it idles)."""
+        """Why the workers cannot serve, or None ([HLT-7]: a dead rank fails the engine while it idles).
+        Called while the engine idles, it also keeps the other hosts' heartbeats answered."""
+        if self._failure is None:
+            try:
+                self._check_nodes()
+            except WorkerFailure as e:
+                self._failure = str(e)
         if self._failure is None:
             for rank, p in enumerate(self._procs):
                 if not p.is_alive():
@@ -393,29 +451,24 @@ class MultiProcessExecutor:
 
     @property
     def workers_alive(self) -> int:
-        return sum(p.is_alive() for p in self._procs)
+        return sum(p is not None and p.is_alive() for p in self._procs)
 
     def close(self, timeout: float = 20.0) -> None:
-        """Stop message, join; then SIGTERM each worker's group, SIGKILL 2 s later ([HLT-9])."""
+        """Stop message, join; then SIGTERM each local worker's group, SIGKILL 2 s later ([HLT-9]);
+        the other hosts' agents stop theirs."""
         for conn in self._conns:
             try:
-                conn.send_bytes(pickle.dumps(("stop", None)))
+                if conn is not None:
+                    conn.send_bytes(pickle.dumps(("stop", None)))
             except OSError:
                 pass
         deadline = time.monotonic() + timeout
-        for p in self._procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
-            alive = [p for p in self._procs if p.is_alive()]
-            for p in alive:
-                try:
-                    os.killpg(p.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            for p in alive:
-                p.join(grace)
+        self._rdv.stop()
+        stop_processes([p for p in self._procs if p is not None and p.sentinel is not None], timeout)
+        self._rdv.close(max(1.0, deadline - time.monotonic()))
         for conn in self._conns:
-            conn.close()
+            if conn is not None:
+                conn.close()
         self._spawner.close()
 
 

@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 MODEL = "k3_lm"
 PARAMETERS = {  # SERVING.md §4.4 with defaults
     "model_path": "", "tokenizer_path": "", "device": "auto", "dtype": "auto", "gpu_device_ids": "",
-    "tensor_parallel_size": "1", "expert_parallel_size": "1", "dist_backend": "auto", "max_model_len": "131072",
+    "tensor_parallel_size": "1", "expert_parallel_size": "1", "dist_backend": "auto", "nnodes": "1", "node_rank": "0",
+    "master_addr": "", "master_port": "29500", "dist_timeout_s": "300", "max_model_len": "131072",
     "max_num_seqs": "256", "max_num_batched_tokens": "8192", "gpu_memory_utilization": "0.90", "cpu_cache_gb": "4",
     "enable_prefix_caching": "true", "enforce_eager": "false", "exclude_input_in_output": "true", "default_max_tokens": "16",
     "default_thinking": "false", "max_prompt_bytes": "8388608", "max_queued_requests": "0",
@@ -322,15 +323,29 @@ class LmServer:
                    ep: int) -> CoreSpec:
         """The engine core's process: rank 0 itself for one rank, the coordinator of worker
         processes (one per rank) for several ([HLT-1])."""
+        from k3backend.engine.nodes import NodePlan
         from k3backend.engine.workers import visible_gpu
 
+        nodes = NodePlan(p.int("nnodes", lo=1), p.str("master_addr"), p.int("master_port", lo=1, hi=65535),
+                         p.float("dist_timeout_s", lo=0.001))
+        node_rank = p.int("node_rank", lo=0)
+        try:
+            nodes.check(tp, node_rank)
+        except ValueError as e:
+            raise ConfigError(f"{MODEL}: {e}") from None
+        if node_rank != 0:
+            raise ConfigError(f"{MODEL}: node_rank {node_rank}: the Triton host is node 0; the other hosts run "
+                              "`python -m k3backend worker --node-rank R ...`")
+        local = tp // nodes.nnodes  # ranks on this host
         gpus = None
         if device.type == "cuda":
             listed = [g.strip() for g in p.str("gpu_device_ids").split(",") if g.strip()]
-            gpus = [int(g) for g in listed] if listed else list(range(tp))
-            if len(gpus) != tp or len(set(gpus)) != tp or min(gpus) < 0 or max(gpus) >= torch.cuda.device_count():
-                raise ConfigError(f"{MODEL}: gpu_device_ids {p.str('gpu_device_ids')!r}: expected {tp} distinct "
-                                  f"GPU ids below {torch.cuda.device_count()} (tensor_parallel_size {tp})")
+            gpus = [int(g) for g in listed] if listed else list(range(local))
+            if (len(gpus) != local or len(set(gpus)) != local or min(gpus) < 0
+                    or max(gpus) >= torch.cuda.device_count()):
+                raise ConfigError(f"{MODEL}: gpu_device_ids {p.str('gpu_device_ids')!r}: expected {local} distinct "
+                                  f"GPU ids below {torch.cuda.device_count()} (tensor_parallel_size {tp}, "
+                                  f"nnodes {nodes.nnodes})")
         backend = p.choice("dist_backend", ("auto", "nccl", "gloo"))
         if backend == "nccl" and gpus is None:
             raise ConfigError(f"{MODEL}: dist_backend nccl needs GPUs (device is cpu)")
@@ -338,7 +353,7 @@ class LmServer:
                         gpus=tuple(gpus) if gpus is not None else None,
                         gpu=visible_gpu(gpus[0]) if gpus is not None and tp == 1 else None, dist_backend=backend,
                         startup_timeout_s=p.float("startup_timeout_s", lo=1), step_timeout_s=cfg.step_timeout_s,
-                        log_prefix=MODEL)
+                        log_prefix=MODEL, nodes=nodes if nodes.nnodes > 1 else None)
 
     @staticmethod
     def _checkpoint(model_path: str) -> Path:
