@@ -17,7 +17,6 @@ import queue
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any
 
 from k3backend.engine.core_process import CoreInfo, CoreSpec, core_main
 from k3backend.engine.request import Request
