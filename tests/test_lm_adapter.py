@@ -155,6 +155,31 @@ def test_a_dead_engine_core_ends_every_request_with_unavailable_at_once(lm_ckpt)
         server.close()
 
 
+def test_a_failure_of_the_response_loop_itself_ends_every_open_request(lm_ckpt, monkeypatch):
+    """A defect outside any one request's processing (here: the cancellation polls) stops the
+    response thread; every open request still gets a final UNAVAILABLE naming it, and later
+    requests are answered rather than queued for a thread that is gone."""
+    server = start(lm_ckpt)
+    try:
+        senders = [ask(server, f"long {i}", max_tokens=3000, min_tokens=3000, ignore_eos=True, stream=True)
+                   for i in range(2)]
+        wait_until(lambda: all(s.responses for s in senders), 60, "every stream's first response")
+
+        def broken(open_):
+            raise RuntimeError("injected loop fault")
+
+        monkeypatch.setattr(server.responder, "_poll_cancellations", broken)
+        for s in senders:
+            assert s.final.wait(5), "a request got no final response"
+            assert s.error.code == FakePbUtils.TritonError.UNAVAILABLE
+            assert "response thread failed: RuntimeError: injected loop fault" in s.error.message, s.error.message
+            assert not s.after_final
+        late = ask(server, "after")
+        assert late.final.wait(5) and late.error is not None
+    finally:
+        server.close()
+
+
 def test_a_stuck_engine_step_fails_its_requests_within_step_timeout(lm_ckpt):
     """[HLT-7]: the engine core stops making progress (SIGSTOP here): after step_timeout_s the stub
     kills it and every request ends with UNAVAILABLE saying so."""

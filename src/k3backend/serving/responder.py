@@ -84,7 +84,7 @@ class Responder:
         self.inbox = _Inbox()
         self._lock = threading.Lock()  # put() against the thread's last drain
         self.alive = True
-        self._thread = threading.Thread(target=self._loop, name="k3-lm-respond", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="k3-lm-respond", daemon=True)
         self._thread.start()
 
     def put(self, *items: Any) -> bool:
@@ -100,9 +100,28 @@ class Responder:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
-    def _loop(self) -> None:
-        """See the module docstring; `open_` holds the streams whose final response is not sent yet."""
-        open_: dict[RequestStream, None] = {}
+    def _run(self) -> None:
+        """The loop, then every request still open gets its final response: after a shutdown, or with
+        UNAVAILABLE when the loop itself failed (a defect outside any one request's processing)."""
+        open_: dict[RequestStream, None] = {}  # the streams whose final response is not sent yet
+        error = Unavailable(SHUTDOWN_ERROR)
+        try:
+            self._loop(open_)
+        except Exception as e:  # noqa: BLE001 - reported once; no request may be left without its final
+            log.exception("%s: the response thread failed; every open request ends with UNAVAILABLE", MODEL)
+            error = Unavailable(f"k3_lm response thread failed: {type(e).__name__}: {e}")
+        with self._lock:  # what was queued meanwhile is answered here; later calls to put() get False
+            self.alive = False
+            touched: dict[RequestStream, None] = {}
+            for item in self.inbox.drain():
+                if item is not None:
+                    self._local(item, open_, touched)
+            for stream in list(open_):
+                stream.fail(error)
+                self._respond(stream, open_)
+
+    def _loop(self, open_: dict) -> None:
+        """See the module docstring."""
         stopping = False
         while not (stopping and not open_):
             wait([self.inbox, self.engine] if self.engine.readable else [self.inbox], self.period_s)
@@ -120,15 +139,6 @@ class Responder:
                 for stream in list(open_):
                     stream.fail(Unavailable(SHUTDOWN_ERROR))
                     self._respond(stream, open_)
-        with self._lock:  # what was queued meanwhile is answered here; later calls to put() get False
-            self.alive = False
-            touched: dict[RequestStream, None] = {}
-            for item in self.inbox.drain():
-                if item is not None:
-                    self._local(item, open_, touched)
-            for stream in list(open_):
-                stream.fail(Unavailable(SHUTDOWN_ERROR))
-                self._respond(stream, open_)
 
     def _local(self, item: tuple, open_: dict, touched: dict) -> None:
         kind = item[0]
