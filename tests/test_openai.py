@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 
 from gatewayutil import Gateway, http_status
 from k3client import collect, http_post, metric, metrics, png_data_uri, stream_one
-from serverutil import alive, child_pids
+from serverutil import alive, child_pids, wait_until
 
 from k3backend.tritonserver import free_port
 
@@ -274,11 +274,13 @@ def test_disconnect_mid_stream_stops_the_request_within_2s(server, client):
     long = dict(model="k3", messages=[{"role": "user", "content": "Tell me a long story"}], max_tokens=4000,
                 extra_body={"ignore_eos": True})
     stream = client.chat.completions.create(**long, stream=True)
-    for i, _ in enumerate(stream):
-        if i == 3:
-            break
-    assert _running(server) == 1
-    stream.close()
+    try:
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        wait_until(lambda: _running(server) == 1, 10, "k3_lm's running gauge (published every 0.25 s) to show it", 0.05)
+    finally:
+        stream.close()  # a failed check must not leave 4000 tokens running into the next test
     assert _freed_within(server, 2.0)
 
 
@@ -288,10 +290,7 @@ def test_disconnect_during_a_whole_answer_stops_it_too(server, gateway):
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
                      + b"\r\n\r\n" + body)
-        deadline = time.monotonic() + 10
-        while _running(server) != 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _running(server) == 1
+        wait_until(lambda: _running(server) == 1, 10, "k3_lm's running gauge (published every 0.25 s) to show it", 0.05)
     assert _freed_within(server, 2.0)
 
 
