@@ -13,8 +13,10 @@ time (name, calls, total, mean), so a slow step can be traced to the kernel that
 --step-kinds runs each kind through `ModelRunner.logits` (the engine's path: graph replays where the
 runner takes them, else one eager forward) and prints one table: host ms (until the call returns,
 the Python and launch time), wall ms (until the device is done), kernels and their summed device
-time (torch.profiler), and the torch.searchsorted calls of the step (the device tables derived from
-the layout: once per step, or once per layer before the shared prefill layout).
+time (torch.profiler), the torch.searchsorted calls of the step (the device tables derived from
+the layout: once per step, or once per layer before the shared prefill layout), and for steps whose
+chunks replay a prefill graph the largest logit differences of those chunks against the same padded
+buffers run eagerly and against an unpadded eager forward.
 """
 
 from __future__ import annotations
@@ -73,8 +75,10 @@ def step_kinds(args: argparse.Namespace) -> list[tuple[str, int, list[tuple[int,
     """(label, decode rows, [(chunk tokens, image rows)]) of each kind of step."""
     b, c = args.kind_batch, args.kind_chunk
     return [(f"decode {b}", b, []), (f"1 chunk of {2 * c}", 0, [(2 * c, 0)]), (f"4 chunks of {c}", 0, [(c, 0)] * 4),
+            (f"16 chunks of {c // 8}", 0, [(c // 8, 0)] * 16),
             (f"decode {b} + 1 chunk of {c}", b, [(c, 0)]), (f"decode {b} + 2 chunks of {c}", b, [(c, 0)] * 2),
-            (f"1 chunk of {2 * c}, {args.kind_image_rows} image rows", 0, [(2 * c, args.kind_image_rows)])]
+            (f"1 chunk of {2 * c}, {args.kind_image_rows} image rows", 0, [(2 * c, args.kind_image_rows)]),
+            (f"decode {b} + 2 chunks of {c}, {c // 2} image rows", b, [(c, c // 2), (c, 0)])]
 
 
 def kind_plan(runner, n_decode: int, chunks: list[tuple[int, int]], context: int, hidden: int) -> StepPlan:
@@ -87,7 +91,7 @@ def kind_plan(runner, n_decode: int, chunks: list[tuple[int, int]], context: int
         table = tuple(range(next_block, next_block + nb))
         next_block += nb
         offsets = tuple(range(8, 8 + rows))
-        seqs.append(ScheduledSeq(i + 1, tuple(1 + (t * 7) % 1000 for t in range(n)), start, i < n_decode, table,
+        seqs.append(ScheduledSeq(i + 1, tuple(1 + (t * 7) % 255 for t in range(n)), start, i < n_decode, table,
                                  True, 0, offsets))
         embeds = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(i)) if rows else None
         new.append(SlotRequest(i + 1, SamplingParams(), 0, (), (), (), (), embeds))
@@ -96,7 +100,8 @@ def kind_plan(runner, n_decode: int, chunks: list[tuple[int, int]], context: int
 
 def kinds_table(runner, args: argparse.Namespace, device: torch.device, hidden: int) -> None:
     """Host / wall / device time of each step kind through runner.logits (see the module docstring)."""
-    print(f"\n{'step kind':<40} {'host ms':>8} {'wall ms':>8} {'kernels':>8} {'device ms':>9} {'searchsorted':>12}")
+    print(f"\n{'step kind':<40} {'host ms':>8} {'wall ms':>8} {'kernels':>8} {'device ms':>9} {'searchsorted':>12} "
+          f"graph-vs-padded/vs-eager")
     for label, nd, chunks in step_kinds(args):
         plan = kind_plan(runner, nd, chunks, args.context, hidden)
         step = lambda: runner.logits(plan)  # noqa: E731
@@ -123,7 +128,25 @@ def kinds_table(runner, args: argparse.Namespace, device: torch.device, hidden: 
             wall.append(time.perf_counter() - t0)
         kernels, busy = device_busy(step, device)
         med = lambda v: sorted(v)[len(v) // 2] * 1e3  # noqa: E731
-        print(f"{label:<40} {med(host):>8.2f} {med(wall):>8.2f} {kernels:>8} {busy:>9} {searches[0]:>12}", flush=True)
+        print(f"{label:<40} {med(host):>8.2f} {med(wall):>8.2f} {kernels:>8} {busy:>9} {searches[0]:>12} "
+              f"{graph_check(runner, plan)}", flush=True)
+
+
+def graph_check(runner, plan: StepPlan) -> str:
+    """Largest |logit| difference of the step's prefill chunks (fresh: their logits depend on their own
+    tokens alone) between the prefill graph's replay and (a) the same padded buffers run eagerly (the
+    capture itself: 0 expected), (b) the chunks run eagerly unpadded (other shapes, so other GEMM
+    tilings: rounding), as 'a/b (|logits| max)'; '-' when the step replays no prefill graph."""
+    nd, graphs = plan.num_decode, runner.prefill_graphs
+    chunks = plan.seqs[nd:]
+    if not chunks or graphs is None or runner._eager_reason(plan.seqs[:nd], chunks):
+        return "-"
+    replay = runner.logits(plan)[nd:].float().clone()
+    size = graphs.size_for([len(c.token_ids) for c in chunks])
+    padded = graphs.forward(graphs.batch(size))[:len(chunks)].float()
+    alone = runner.model(runner._batch(plan), runner.pools)[nd:].float()
+    d = lambda a, b: (a - b).abs().max().item()  # noqa: E731
+    return f"{d(replay, padded):.3g}/{d(replay, alone):.3g} ({alone.abs().max().item():.3g})"
 
 
 def device_busy(step, device: torch.device) -> tuple[str, str]:

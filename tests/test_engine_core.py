@@ -77,12 +77,22 @@ def test_padded_decode_steps_of_the_graph_buffers_change_no_output(model64, tok)
     assert {3, 1} <= set(calls), calls  # padded (3 -> 4) and exact-size steps both ran
 
 
+def _record_prefill(runner, calls: list) -> None:
+    """Record (chunk lengths, starts, image rows, graph size) of every prefill-graph step."""
+    graphs, run_graph = runner.prefill_graphs, runner.prefill_graphs.run
+
+    def run(chunks, mm_positions=(), mm_embeds=None):
+        lengths = [len(c.token_ids) for c in chunks]
+        calls.append((lengths, [c.start for c in chunks], len(mm_positions), graphs.size_for(lengths)))
+        return run_graph(chunks, mm_positions, mm_embeds)
+    graphs.run = run
+
+
 def test_padded_prefill_chunks_of_the_graph_buffers_change_no_output(model64, tok):
     """Single-sequence prefill steps through the static buffers of the prefill-graph path, run
     eagerly on the CPU: each chunk followed by a padding sequence on the null slot and block up to
     the next size; chunks that start a prompt, continue it, or continue a cached prefix (shared
-    prompts) take it, longer chunks and chunks with image rows do not. Every request equals its
-    run alone."""
+    prompts) take it, longer chunks do not. Every request equals its run alone."""
     shared = "a long shared system prompt, " * 2
     reqs = [Request(f"p{i}", tok.encode(text, allow_special=True),
                     SamplingParams(max_tokens=5, temperature=0.0 if i % 2 else 0.7, seed=i))
@@ -93,21 +103,49 @@ def test_padded_prefill_chunks_of_the_graph_buffers_change_no_output(model64, to
     runner = core.executor.runner
     runner.prefill_graphs = runner.make_prefill_graphs(core.cfg, (2, 4), capture=False)
     calls = []
-    run_graph = runner.prefill_graphs.run
-    runner.prefill_graphs.run = lambda chunk: calls.append((len(chunk.token_ids), chunk.start)) or run_graph(chunk)
+    _record_prefill(runner, calls)
     outs = run(core, reqs)
     assert_each_alone(model64, reqs, outs)
-    lengths = {n for n, _ in calls}
+    lengths = {n for (n,), _, _, _ in calls}
     assert {1, 3, 4} <= lengths and max(lengths) == 4, calls  # padded (1 -> 2, 3 -> 4), exact; 8-token chunks eager
-    assert any(start > 0 and start % 8 for _, start in calls), calls  # a chunk continuing its prompt
+    assert any(start > 0 and start % 8 for _, (start,), _, _ in calls), calls  # a chunk continuing its prompt
     assert core.stats().prefix_cache_hits > 0
 
 
+def test_several_prefill_chunks_share_one_padded_graph_step_and_change_no_output(model64, tok):
+    """Steps of several prefill chunks (new prompts of different lengths, a long prompt's next chunk,
+    an image prompt) through the prefill graphs' buffers, eagerly on the CPU: chunk places a step
+    leaves unused are one-token dummies, steps move between graph sizes (a larger graph's chunk
+    place is a smaller one's padding row). Every request equals its run alone."""
+    reqs = [Request(f"s{i}", tok.encode(f"several {i}: " + "mn" * (1 + 3 * (i % 4)), allow_special=True),
+                    SamplingParams(max_tokens=3 + 3 * (i % 3), temperature=0.0 if i % 2 else 0.8, seed=i,
+                                   ignore_eos=True))
+            for i in range(8)]
+    reqs.insert(2, image_request(tok, "s-img", model64, "e", 5))
+    reqs.insert(6, image_request(tok, "s-img2", model64, "f", 6, text="and this one:"))
+    core = new_core(model64, max_num_seqs=4, max_num_batched_tokens=64, **PAGED)
+    runner = core.executor.runner
+    runner.graphs = runner.make_decode_graphs(core.cfg, capture=False)
+    runner.prefill_graphs = runner.make_prefill_graphs(core.cfg, (16, 32, 64), capture=False)
+    assert [runner.prefill_graphs.seqs(n) for n in (16, 32, 64)] == [1, 2, 4]
+    calls, steps = [], []
+    _record_prefill(runner, calls)
+    graphed = runner._graphed
+    runner._graphed = lambda decodes, chunks: steps.append(len(chunks)) or graphed(decodes, chunks)
+    outs = run(core, reqs)
+    assert_each_alone(model64, reqs, outs)
+    assert any(len(n) >= 3 for n, _, _, _ in calls), calls  # several chunks in one replay
+    assert any(len(n) > 1 and rows for n, _, rows, _ in calls), calls  # image rows among other chunks
+    assert any(len(n) < runner.prefill_graphs.seqs(size) for n, _, _, size in calls), calls  # dummy places
+    sizes = [size for _, _, _, size in calls]
+    assert any(a > b for a, b in zip(sizes, sizes[1:])), sizes  # a larger graph, then a smaller one
+    assert core.stats().steps == len(steps)  # every step replayed
+
+
 def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, tok):
-    """Steps with decode rows and one prefill chunk (requests admitted while others decode, with
-    staggered lengths) run as the decode graphs' padded batch and then the prefill graphs' padded
-    chunk, eagerly on the CPU; steps with several chunks or image rows stay one forward. Every
-    request equals its run alone."""
+    """Steps with decode rows and prefill chunks (requests admitted while others decode, with
+    staggered lengths, an image prompt among them) run as the decode graphs' padded batch and then
+    the prefill graphs' padded chunks, eagerly on the CPU. Every request equals its run alone."""
     reqs = [Request(f"m{i}", tok.encode(f"mixed {i}: " + "pq" * (1 + 2 * (i % 4)), allow_special=True),
                     SamplingParams(max_tokens=3 + 4 * (i % 3), temperature=0.0 if i % 2 else 0.8, seed=i,
                                    ignore_eos=True))
@@ -116,15 +154,17 @@ def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, 
     core = new_core(model64, max_num_seqs=3, max_num_batched_tokens=16, **PAGED)
     runner = core.executor.runner
     runner.graphs = runner.make_decode_graphs(core.cfg, capture=False)
-    runner.prefill_graphs = runner.make_prefill_graphs(core.cfg, (4, 8), capture=False)
+    runner.prefill_graphs = runner.make_prefill_graphs(core.cfg, (4, 8, 16, 48), capture=False)  # 48: 3 places
     steps = []
     graphed = runner._graphed
-    runner._graphed = lambda decodes, chunk: steps.append((len(decodes), len(chunk))) or graphed(decodes, chunk)
+    runner._graphed = lambda decodes, chunks: steps.append((len(decodes), len(chunks), any(s.mm_offsets for s in chunks))) \
+        or graphed(decodes, chunks)
     outs = run(core, reqs)
     assert_each_alone(model64, reqs, outs)
-    assert any(d > 0 and c == 1 for d, c in steps), steps  # mixed steps split into two replays
-    assert any(c == 0 for _, c in steps), steps  # decode-only steps too
-    assert core.stats().steps > len(steps)  # and some steps (several chunks, images) ran as one forward
+    assert any(d > 0 and c >= 1 for d, c, _ in steps), steps  # mixed steps split into two replays
+    assert any(c == 0 for _, c, _ in steps), steps  # decode-only steps too
+    assert any(img for _, _, img in steps), steps  # image rows in a replay
+    assert core.stats().steps == len(steps)  # every step replayed (none needed a forward of its own)
 
 
 def test_preemption_under_a_tiny_pool_changes_no_output(model64, tok):

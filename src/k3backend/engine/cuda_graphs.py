@@ -1,22 +1,24 @@
-"""CUDA graphs of decode steps and of single-sequence prefill chunks (ENGINE.md §7).
+"""CUDA graphs of decode steps and of prefill steps (ENGINE.md §7).
 
 A step launches a few hundred (decode) to a couple of thousand (prefill) kernels; eagerly each
 costs ~17-25 µs of Python and launch overhead, inside a graph ~1 µs, so an eager step of the
-`small` shape spends ~40 ms on the host whatever its size. At start-up the runner captures, in one
-memory pool over static input buffers:
+`small` shape spends 60-110 ms on the host whatever its size. At start-up the runner captures, in
+one memory pool over static input buffers:
 
 - one decode graph per batch size in `CAPTURE_SIZES` (up to the first size >= max_num_seqs). A
   decode-only step of B sequences copies its ids, slots, block tables and lengths into the first B
   rows of the buffers, pads the rest with the null slot 0 and null block 0 (rows whose writes land
   in entries no sequence owns), and replays the graph of the next captured size;
-- one prefill graph per chunk size in `PREFILL_SIZES` (up to max_num_batched_tokens): a step that
-  is one sequence's prefill chunk (a prompt on an idle server, each chunk of a long prompt) runs
-  as that sequence plus a padding sequence of at least `PREFILL_PAD` tokens on the null slot and
-  block, which fills the captured token count. The sequences are independent in every op (varlen
-  attention and recurrences, row-wise GEMMs and norms), so the padding changes no real row.
+- one prefill graph per token size in `PREFILL_SIZES` (up to the first size >= the step budget),
+  with room for one chunk per 16 tokens (at most `PREFILL_SEQS`): a step's prefill chunks (new
+  prompts, a long prompt's next chunk, image rows included) run end to end, each unused chunk place
+  as a one-token dummy sequence and the rest of the captured token count as a padding sequence of
+  at least `PREFILL_PAD` tokens, all on the null slot and block. The sequences are independent in
+  every op (varlen attention and recurrences, row-wise GEMMs and norms), so the padding changes no
+  real row. The layout tables are derived on the device inside the graph (kernels/varlen.py).
 
-A step of decode rows and one prefill chunk replays the decode graph and then the prefill graph
-(`ModelRunner._graphed`); other steps run eagerly.
+A step of decode rows and prefill chunks replays the decode graph and then the prefill graph
+(`ModelRunner._graphed`); a step that no graph holds runs eagerly, logged once per reason.
 
 The same padding runs eagerly when graphs are off (`capture=False`): that is how CPU tests check
 that padded rows change nothing, and the fallback when a capture fails.
@@ -38,8 +40,9 @@ from k3backend.model.cache import ForwardBatch
 log = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PREFILL_SIZES = (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # real tokens of a chunk, at most
+PREFILL_SIZES = (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)  # real tokens
 PREFILL_PAD = 16  # tokens of the padding sequence at least (no kernel sees an empty sequence)
+PREFILL_SEQS = 64  # chunks of one prefill graph at most (a step with more runs eagerly)
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -49,8 +52,15 @@ def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def prefill_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """The captured prefill chunk sizes that a step's token budget can use."""
-    return tuple(n for n in PREFILL_SIZES if n + PREFILL_PAD <= max_num_batched_tokens)
+    """The captured prefill token sizes: every size below the step budget and the first one at or above it."""
+    sizes = [n for n in PREFILL_SIZES if n < max_num_batched_tokens]
+    return tuple(sizes + [next((n for n in PREFILL_SIZES if n >= max_num_batched_tokens), PREFILL_SIZES[-1])])
+
+
+def prefill_seqs(size: int, max_seqs: int = PREFILL_SEQS) -> int:
+    """Chunk places of the prefill graph of `size` tokens: one per 16 tokens (short chunks of new
+    prompts come several to a step), at most max_seqs."""
+    return max(1, min(max_seqs, size // 16))
 
 
 class _Graphs:
@@ -176,27 +186,35 @@ class DecodeGraphs(_Graphs):
 
 
 class PrefillGraphs(_Graphs):
-    """Static buffers of a two-sequence prefill step (the chunk, then the padding sequence) and,
-    when `capture`, one CUDA graph per chunk size in `sizes` (each over size + PREFILL_PAD tokens).
-    The graph computes the logits of the chunk's last token whether or not the step samples it."""
+    """Static buffers of a prefill step of up to `prefill_seqs(size)` chunks and, when `capture`, one
+    CUDA graph per token size in `sizes`, each over `padded_tokens(size)` tokens in
+    `prefill_seqs(size) + 1` sequences: the step's k chunks end to end, a one-token dummy sequence
+    for each unused chunk place, then the padding sequence, all dummies on the null slot and block.
+    Image rows replace the embeddings of their positions from a static buffer; unused entries point
+    at the padding sequence's last row. The graph computes the logits of every chunk place's last
+    token whether or not the step samples it."""
 
-    what = "prefill chunk"
+    what = "prefill"
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], sizes: Sequence[int], max_blocks: int,
-                 block_size: int, device: torch.device, capture: bool, pool: tuple | None = None) -> None:
+                 block_size: int, device: torch.device, capture: bool, pool: tuple | None = None, *,
+                 hidden: int, dtype: torch.dtype, max_seqs: int = PREFILL_SEQS) -> None:
         super().__init__(forward, sizes)
-        self.block_size = block_size
-        n = self.sizes[-1] + PREFILL_PAD
+        self.block_size, self.max_seqs = block_size, max_seqs
+        n, seqs = self.padded_tokens(self.sizes[-1]), self.seqs(self.sizes[-1]) + 1
         i32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)  # padding rows: the null block
-        self.cu_seqlens = torch.tensor([0, 1, 2], **i32)
-        self.state_indices = torch.zeros(2, **i32)  # the padding sequence: the null slot
-        self.has_initial_state = torch.zeros(2, dtype=torch.bool, device=device)
-        self.block_tables = torch.zeros(2, max_blocks, **i32)
-        self.context_lens = torch.ones(2, **i32)
-        self.logits_index = torch.zeros(1, dtype=torch.int64, device=device)
-        self._fill_lengths(1, 1 + PREFILL_PAD, 0, 0, False)
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
+        self.cu_seqlens = torch.zeros(seqs + 1, **i32)
+        self.state_indices = torch.zeros(seqs, **i32)  # dummies and padding: the null slot
+        self.has_initial_state = torch.zeros(seqs, dtype=torch.bool, device=device)
+        self.block_tables = torch.zeros(seqs, max_blocks, **i32)
+        self.context_lens = torch.ones(seqs, **i32)
+        self.logits_index = torch.zeros(seqs - 1, dtype=torch.int64, device=device)
+        self.mm_positions = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
+        self.mm_embeds = torch.zeros(self.sizes[-1], hidden, dtype=dtype, device=device)
+        self._no_images = {size: torch.full((size,), self.padded_tokens(size) - 1, dtype=torch.int64, device=device)
+                           for size in self.sizes}
         if capture:
             self.capture(device, pool)
 
@@ -204,41 +222,77 @@ class PrefillGraphs(_Graphs):
     def max_tokens(self) -> int:
         return self.sizes[-1]
 
+    def seqs(self, size: int) -> int:
+        return prefill_seqs(size, self.max_seqs)
+
+    def padded_tokens(self, size: int) -> int:
+        """Tokens of the graph of `size`: room for the chunks, their dummies and a padding sequence of
+        at least PREFILL_PAD tokens (no kernel sees an empty sequence)."""
+        return size + self.seqs(size) - 1 + PREFILL_PAD
+
+    def size_for(self, lengths: Sequence[int]) -> int | None:
+        """The smallest captured size that holds chunks of these lengths, or None."""
+        n = sum(lengths)
+        return next((s for s in self.sizes if s >= n and self.seqs(s) >= len(lengths)), None)
+
     def batch(self, size: int) -> ForwardBatch:
-        t = size + PREFILL_PAD
+        s, t = self.seqs(size) + 1, self.padded_tokens(size)
+        cu, lens, tables = self.cu_seqlens[:s + 1], self.context_lens[:s], self.block_tables[:s]
         return ForwardBatch(
-            input_ids=self.input_ids[:t], cu_seqlens=self.cu_seqlens, num_decode=0, state_indices=self.state_indices,
-            has_initial_state=self.has_initial_state, slot_mapping=self.slot_mapping[:t],
-            block_tables=self.block_tables, context_lens=self.context_lens, logits_indices=self.logits_index,
-            prefill_cu_seqlens=self.cu_seqlens,
-            prefill_layout=varlen_layout(self.cu_seqlens, t, self.context_lens, self.block_tables, self.block_size))
+            input_ids=self.input_ids[:t], cu_seqlens=cu, num_decode=0, state_indices=self.state_indices[:s],
+            has_initial_state=self.has_initial_state[:s], slot_mapping=self.slot_mapping[:t], block_tables=tables,
+            context_lens=lens, logits_indices=self.logits_index[:s - 1], prefill_cu_seqlens=cu,
+            prefill_layout=varlen_layout(cu, t, lens, tables, self.block_size),
+            mm_positions=self.mm_positions[:size], mm_embeds=self.mm_embeds[:size])
 
     def _prepare(self, size: int) -> None:
-        self._fill_lengths(size, size + PREFILL_PAD, 0, 0, False)  # on the null slot and block
+        self._fill([], size, [], None)  # every place a dummy, on the null slot and block
 
-    def run(self, chunk: SeqChunk) -> torch.Tensor:
-        """Logits [1, V] of the chunk's last token."""
-        n, bs = len(chunk.token_ids), self.block_size
-        size = self._size_for(n)
-        t = size + PREFILL_PAD
-        pos = chunk.start + np.arange(n)
-        table = np.asarray(chunk.block_table, dtype=np.int64)
-        rows = np.zeros(t, dtype=np.int64)  # padding rows: rows of the null block, in turn
-        rows[:n] = table[pos // bs] * bs + pos % bs
-        rows[n:] = np.arange(t - n) % bs
+    def run(self, chunks: Sequence[SeqChunk], mm_positions: Sequence[int] = (),
+            mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(chunks), V] of each chunk's last token; mm_positions (flat positions in the
+        chunks laid end to end) get the rows of mm_embeds."""
+        size = self.size_for([len(c.token_ids) for c in chunks])
+        self._fill(chunks, size, mm_positions, mm_embeds)
+        return self._replay(size)[:len(chunks)]
+
+    def _fill(self, chunks: Sequence[SeqChunk], size: int, mm_positions: Sequence[int],
+              mm_embeds: torch.Tensor | None) -> None:
+        """The buffers for `chunks` in the graph of `size` (see the class docstring). The block-table rows
+        of dummies (where they read: the first column) and of the padding sequence are zeroed: in another
+        step they held a chunk's table."""
+        bs, k, places, t = self.block_size, len(chunks), self.seqs(size), self.padded_tokens(size)
+        lens = np.array([len(c.token_ids) for c in chunks] + [1] * (places - k), dtype=np.int64)
+        lens = np.append(lens, t - int(lens.sum()))  # the padding sequence
+        cu = np.zeros(places + 2, dtype=np.int64)
+        cu[1:] = np.cumsum(lens)
         ids = np.zeros(t, dtype=np.int64)
-        ids[:n] = chunk.token_ids
+        rows = np.arange(t, dtype=np.int64) % bs  # dummies and padding: rows of the null block, in turn
+        width = max([len(c.block_table) for c in chunks] + [1])
+        tables = np.zeros((places, width), dtype=np.int32)
+        starts = np.zeros(places + 1, dtype=np.int64)
+        for i, c in enumerate(chunks):
+            a, m = int(cu[i]), len(c.token_ids)
+            pos = c.start + np.arange(m)
+            table = np.asarray(c.block_table, dtype=np.int64)
+            ids[a:a + m] = c.token_ids
+            rows[a:a + m] = table[pos // bs] * bs + pos % bs
+            tables[i, :len(table)] = table
+            starts[i] = c.start
+        small = np.concatenate([cu, starts + lens, [c.slot for c in chunks] + [0] * (places + 1 - k),
+                                [c.has_initial_state for c in chunks] + [0] * (places + 1 - k), cu[1:places + 1] - 1])
+        h = torch.from_numpy(small)
+        s = places + 1
+        self.cu_seqlens[:s + 1].copy_(h[:s + 1], non_blocking=True)
+        self.context_lens[:s].copy_(h[s + 1:2 * s + 1], non_blocking=True)
+        self.state_indices[:s].copy_(h[2 * s + 1:3 * s + 1], non_blocking=True)
+        self.has_initial_state[:s].copy_(h[3 * s + 1:4 * s + 1], non_blocking=True)
+        self.logits_index[:places].copy_(h[4 * s + 1:], non_blocking=True)
         self.input_ids[:t].copy_(torch.from_numpy(ids), non_blocking=True)
         self.slot_mapping[:t].copy_(torch.from_numpy(rows), non_blocking=True)
-        self.block_tables[0, :len(table)].copy_(torch.from_numpy(table.astype(np.int32)), non_blocking=True)
-        self._fill_lengths(n, t, chunk.start, chunk.slot, chunk.has_initial_state)
-        return self._replay(size)
-
-    def _fill_lengths(self, n: int, t: int, start: int, slot: int, has_initial_state: bool) -> None:
-        """cu_seqlens [0, n, t], context lengths [start + n, t - n], the chunk's slot, its last row."""
-        h = torch.tensor([0, n, t, start + n, t - n, slot, int(has_initial_state), n - 1])
-        self.cu_seqlens.copy_(h[:3], non_blocking=True)
-        self.context_lens.copy_(h[3:5], non_blocking=True)
-        self.state_indices[:1].copy_(h[5:6], non_blocking=True)
-        self.has_initial_state[:1].copy_(h[6:7], non_blocking=True)
-        self.logits_index.copy_(h[7:8], non_blocking=True)
+        self.block_tables[:places, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        self.block_tables[places].zero_()  # the padding row: a chunk place's table in a larger graph
+        self.mm_positions[:size].copy_(self._no_images[size])  # unused: the padding sequence's last row
+        if len(mm_positions):
+            self.mm_positions[:len(mm_positions)].copy_(torch.tensor(mm_positions), non_blocking=True)
+            self.mm_embeds[:len(mm_positions)].copy_(mm_embeds, non_blocking=True)

@@ -15,6 +15,7 @@ blocks; the load fails, naming the numbers, when one `max_model_len` sequence ca
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -24,7 +25,8 @@ import torch
 from k3backend import kernels
 from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch
 from k3backend.engine.config import EngineConfig
-from k3backend.engine.cuda_graphs import PREFILL_PAD, DecodeGraphs, PrefillGraphs, capture_sizes, prefill_sizes
+from k3backend.engine.cuda_graphs import (PREFILL_PAD, PREFILL_SEQS, DecodeGraphs, PrefillGraphs, capture_sizes,
+                                          prefill_seqs, prefill_sizes)
 from k3backend.engine.plan import CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
 from k3backend.engine.sampler import Sampled, Sampler, SamplingRow
 from k3backend.engine.sampler_ref import banned_ids
@@ -78,10 +80,11 @@ class ModelRunner:
         self._slots: dict[int, _Slot] = {}
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self._eager_logged: set[str] = set()
 
     @torch.inference_mode()
     def capture_graphs(self, cfg: EngineConfig) -> None:
-        """CUDA graphs for decode steps and single-sequence prefill chunks where `_wants_graphs`, in
+        """CUDA graphs for decode steps and prefill steps where `_wants_graphs`, in
         one memory pool; a kind whose capture fails stays off."""
         if not _wants_graphs(self.device, cfg):
             return
@@ -103,10 +106,12 @@ class ModelRunner:
 
     def make_prefill_graphs(self, cfg: EngineConfig, sizes: tuple[int, ...], capture: bool,
                             pool: tuple | None = None) -> PrefillGraphs:
-        """The static prefill buffers for chunks of up to sizes[-1] tokens (capture=False: padded eager
-        steps, for tests)."""
+        """The static prefill buffers for steps of up to sizes[-1] prefill tokens (capture=False: padded
+        eager steps, for tests)."""
+        lm = self.model.language_model
         return PrefillGraphs(self._forward, sizes, blocks_for(cfg.max_model_len, self.pools.block_size),
-                             self.pools.block_size, self.device, capture, pool)
+                             self.pools.block_size, self.device, capture, pool, hidden=lm.lm_head.weight.shape[1],
+                             dtype=lm.lm_head.weight.dtype, max_seqs=min(PREFILL_SEQS, cfg.max_num_seqs))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Sampled | None:
@@ -129,36 +134,64 @@ class ModelRunner:
         for r in plan.new:
             self._slots[r.slot] = _Slot(r, list(r.output_ids))
         self._copy(plan.copies)
-        decodes, chunk = plan.seqs[:plan.num_decode], plan.seqs[plan.num_decode:]
-        if plan.seqs and self._decode_graphable(decodes) and self._prefill_graphable(chunk):
-            logits = self._graphed(decodes, chunk)
+        decodes, chunks = plan.seqs[:plan.num_decode], plan.seqs[plan.num_decode:]
+        eager = self._eager_reason(decodes, chunks) if plan.seqs else ""
+        if plan.seqs and not eager:
+            logits = self._graphed(decodes, chunks)
         else:
+            t0 = time.perf_counter()
             logits = self.model(self._batch(plan), self.pools)
+            if eager and self.prefill_graphs is not None and eager not in self._eager_logged:
+                self._eager_logged.add(eager)
+                log.info("an eager step (no CUDA graph holds it: %s) took %.1f ms of host time; logged once per "
+                         "reason", eager, (time.perf_counter() - t0) * 1e3)
         self._copy(plan.snapshots)
         return logits
 
-    def _graphed(self, decodes: list[ScheduledSeq], chunk: list[ScheduledSeq]) -> torch.Tensor:
-        """The step as graph replays: its decode rows, then its one prefill chunk. A step with both
-        (a request admitted, or a long prompt's next chunk, while others decode) replays both graphs,
+    def _graphed(self, decodes: list[ScheduledSeq], chunks: list[ScheduledSeq]) -> torch.Tensor:
+        """The step as graph replays: its decode rows, then its prefill chunks. A step with both
+        (requests admitted, or a long prompt's next chunk, while others decode) replays both graphs,
         reading the weights twice instead of paying an eager step's host time."""
         parts = []
         if decodes:
             parts.append(self.graphs.run([_chunk(s) for s in decodes]))
-        if chunk:
+        if chunks:
             if parts:  # the graphs share one memory pool: the decode logits must leave it first
                 parts[0] = parts[0].clone()
-            parts.append(self.prefill_graphs.run(_chunk(chunk[0]))[:int(chunk[0].sample)])
+            logits = self.prefill_graphs.run([_chunk(s) for s in chunks], *self._image_rows(chunks))
+            sampled = [i for i, s in enumerate(chunks) if s.sample]
+            parts.append(logits if len(sampled) == len(chunks) else logits[sampled])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _decode_graphable(self, decodes: list[ScheduledSeq]) -> bool:
-        """No decode rows, or decode rows (all sampled, no image rows) that a captured size holds."""
-        return not decodes or (self.graphs is not None and len(decodes) <= self.graphs.max_batch
-                               and all(s.sample and not s.mm_offsets for s in decodes))
+    def _eager_reason(self, decodes: list[ScheduledSeq], chunks: list[ScheduledSeq]) -> str:
+        """'' when captured graphs hold the step's decode rows and prefill chunks, else why not."""
+        if decodes:
+            if self.graphs is None:
+                return "no decode graphs"
+            if len(decodes) > self.graphs.max_batch:
+                return f"more than {self.graphs.max_batch} decode rows"
+            if not all(s.sample and not s.mm_offsets for s in decodes):
+                return "a decode row that is not sampled or is an image row"
+        if chunks:
+            if self.prefill_graphs is None:
+                return "no prefill graphs"
+            if self.prefill_graphs.size_for([len(s.token_ids) for s in chunks]) is None:
+                return (f"prefill chunks beyond the largest graph ({self.prefill_graphs.max_tokens} tokens, "
+                        f"{self.prefill_graphs.seqs(self.prefill_graphs.max_tokens)} chunks)")
+        return ""
 
-    def _prefill_graphable(self, chunk: list[ScheduledSeq]) -> bool:
-        """No prefill, or one sequence's prefill chunk without image rows that a captured size holds."""
-        return not chunk or (self.prefill_graphs is not None and len(chunk) == 1 and not chunk[0].mm_offsets
-                             and len(chunk[0].token_ids) <= self.prefill_graphs.max_tokens)
+    def _image_rows(self, seqs: list[ScheduledSeq]) -> tuple[list[int], torch.Tensor | None]:
+        """Flat positions of the image rows of `seqs` laid end to end, and those rows (on the device)."""
+        positions: list[int] = []
+        rows: list[torch.Tensor] = []
+        offset = 0
+        for s in seqs:
+            if s.mm_offsets:
+                embeds = self._slots[s.slot].req.image_embeds
+                positions += [offset + o for o in s.mm_offsets]
+                rows.append(embeds[s.mm_first_row:s.mm_first_row + len(s.mm_offsets)])
+            offset += len(s.token_ids)
+        return positions, torch.cat(rows).to(self.device) if rows else None
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -166,18 +199,8 @@ class ModelRunner:
             self.pools.copy_slot(src, dst)
 
     def _batch(self, plan: StepPlan):
-        chunks = [_chunk(s) for s in plan.seqs]
-        positions: list[int] = []
-        rows: list[torch.Tensor] = []
-        offset = 0
-        for s in plan.seqs:
-            if s.mm_offsets:
-                embeds = self._slots[s.slot].req.image_embeds
-                positions += [offset + o for o in s.mm_offsets]
-                rows.append(embeds[s.mm_first_row:s.mm_first_row + len(s.mm_offsets)])
-            offset += len(s.token_ids)
-        mm = torch.cat(rows).to(self.device) if rows else None
-        return build_forward_batch(chunks, plan.num_decode, self.pools.block_size, self.device, positions, mm)
+        return build_forward_batch([_chunk(s) for s in plan.seqs], plan.num_decode, self.pools.block_size,
+                                   self.device, *self._image_rows(plan.seqs))
 
     def _row(self, s: ScheduledSeq) -> SamplingRow:
         st = self._slots[s.slot]
@@ -235,8 +258,10 @@ def _cache_budget(model: K3Model, cfg: EngineConfig) -> int:
         b = capture_sizes(cfg.max_num_seqs)[-1]
         used += _activation_bytes(model, cfg, [SeqChunk([0], 0, 0, False, [0])] * b, b)
         for p in prefill_sizes(min(cfg.max_num_batched_tokens, cfg.max_model_len))[-1:]:
-            used += _activation_bytes(model, cfg, [SeqChunk([0] * p, 0, 0, False, [0] * blocks_for(p, cfg.block_size)),
-                                                   SeqChunk([0] * PREFILL_PAD, 0, 0, False, [0])], 0)
+            dummies = prefill_seqs(p, min(PREFILL_SEQS, cfg.max_num_seqs)) - 1
+            used += _activation_bytes(model, cfg, [SeqChunk([0] * p, 0, 0, False, [0] * blocks_for(p, cfg.block_size))]
+                                      + [SeqChunk([0], 0, 0, False, [0])] * dummies
+                                      + [SeqChunk([0] * PREFILL_PAD, 0, 0, False, [0])], 0)
     free, total = torch.cuda.mem_get_info(device)
     # What the fraction allows, but never more than is free now (other processes share the GPU).
     return max(0, int(min(cfg.gpu_memory_utilization * total - used, free - 2**30)))
