@@ -23,8 +23,9 @@ from k3backend.engine.batch import SeqChunk, build_forward_batch
 from k3backend.kernels.varlen import KDA_CHUNK
 
 # (lens of sequences 0..3, order, num_decode): two fresh chunks, one over a KDA chunk; then a decode
-# row, a chunk continuing its cached prefix and a fresh one; then three decode rows and a fresh chunk
-STEPS = [([66, 9, 0, 0], [0, 1], 0), ([6, 1, 10, 0], [1, 0, 2], 1), ([1, 1, 1, 5], [0, 1, 2, 3], 3)]
+# row, a chunk continuing its cached prefix, a fresh one and a fresh one-token chunk (the prefill
+# graphs' dummy places); then three decode rows and a chunk continuing the one-token prefix
+STEPS = [([66, 9, 0, 0], [0, 1], 0), ([6, 1, 10, 1], [1, 0, 2, 3], 1), ([1, 1, 1, 5], [0, 1, 2, 3], 3)]
 VARLEN_OPS = ("short_conv", "kda_prefill", "mla_prefill")
 MUTATIONS = {  # name: layout -> mutated layout, each in bounds; KDA's tables at fp64, MLA's at fp32
     "seq_ids": lambda lay: dataclasses.replace(lay, seq_ids=lay.seq_ids.flip(0)),

@@ -91,6 +91,9 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         sizes = prefill_sizes(min(cfg.max_num_batched_tokens, cfg.max_model_len))
         prefill = self.make_prefill_graphs(cfg, sizes, capture=True, pool=pool) if sizes else None
+        if prefill is not None and not prefill.graphs and prefill.max_seqs > 1:  # keep one-chunk graphs at least
+            log.warning("CUDA graphs: capturing prefill graphs of one chunk each instead")
+            prefill = self.make_prefill_graphs(cfg, sizes, capture=True, pool=pool, max_seqs=1)
         self.prefill_graphs = prefill if prefill is not None and prefill.graphs else None
         decode = self.make_decode_graphs(cfg, capture=True, pool=pool)
         self.graphs = decode if decode.graphs else None
@@ -105,13 +108,13 @@ class ModelRunner:
                             capture, pool)
 
     def make_prefill_graphs(self, cfg: EngineConfig, sizes: tuple[int, ...], capture: bool,
-                            pool: tuple | None = None) -> PrefillGraphs:
+                            pool: tuple | None = None, max_seqs: int = PREFILL_SEQS) -> PrefillGraphs:
         """The static prefill buffers for steps of up to sizes[-1] prefill tokens (capture=False: padded
         eager steps, for tests)."""
         lm = self.model.language_model
         return PrefillGraphs(self._forward, sizes, blocks_for(cfg.max_model_len, self.pools.block_size),
                              self.pools.block_size, self.device, capture, pool, hidden=lm.lm_head.weight.shape[1],
-                             dtype=lm.lm_head.weight.dtype, max_seqs=min(PREFILL_SEQS, cfg.max_num_seqs))
+                             dtype=lm.lm_head.weight.dtype, max_seqs=min(max_seqs, cfg.max_num_seqs))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Sampled | None:
