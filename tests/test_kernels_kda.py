@@ -54,6 +54,15 @@ def assert_slots(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor, sl
     assert torch.equal(got[UNUSED].isnan(), before[UNUSED].isnan()), f"{what}: a slot no row uses was written"
 
 
+def row_slice(t: torch.Tensor, extra: int = 5) -> torch.Tensor:
+    """t's values as the rows of a wider buffer with NaN between them: the slices of the layer's one
+    input GEMM that the ops take (a kernel that ignores the row stride reads NaN)."""
+    n = t[0].numel()
+    wide = torch.full((t.shape[0], n + extra), float("nan"), dtype=t.dtype)
+    wide[:, :n] = t.reshape(t.shape[0], n)
+    return wide[:, :n].view(t.shape)
+
+
 def row_slots(pad: int) -> torch.Tensor:
     return torch.tensor(SLOTS + [0] * pad, dtype=torch.int32)
 
@@ -73,6 +82,8 @@ def check_kda_decode_fused(dtype: str, lower_bound: float | None, seed: int) -> 
             torch.log(1 + 15 * torch.rand(H, generator=gen, dtype=torch.float64)).to(a), lower_bound,
             rand(gen, B, H).to(dt), rand(gen, B, H, V).to(dt), (1 + 0.1 * rand(gen, V)).to(dt),
             pool(gen, (N, H, K, V), a, fresh=[5]), si, 1e-5]
+    for i in (0, 7, 8):  # xqkv, b, z: slices of the input GEMM's rows
+        args[i] = row_slice(args[i])
     ref = clone_all(args)
     before_conv, before_S = args[2].clone(), args[10].clone()
     with poisoned_empty():
@@ -114,7 +125,7 @@ def check_short_conv(dtype: str, seed: int) -> None:
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     has = torch.tensor([True, True, False, True])
     slots = [7, 2, 5, 3]
-    args = [rand(gen, sum(lens), C).to(dt), rand(gen, C, W, scale=0.5).to(acc(dt)),
+    args = [row_slice(rand(gen, sum(lens), C).to(dt)), rand(gen, C, W, scale=0.5).to(acc(dt)),
             pool(gen, (N, W - 1, C), dt, fresh=[]), cu, torch.tensor(slots, dtype=torch.int32), has]
     ref = clone_all(args)
     before = args[2].clone()

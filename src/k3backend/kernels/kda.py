@@ -59,6 +59,16 @@ def _device_problem(*tensors: torch.Tensor, contiguous: bool = True) -> str:
     return ""
 
 
+def _rows_problem(**tensors: torch.Tensor) -> str:
+    """'' when each tensor's rows (dim 0) are contiguous inside, whatever the row stride: slices of a
+    wider GEMM output pass."""
+    for name, t in tensors.items():
+        inner = t[0] if t.shape[0] else t
+        if t.dim() and t.shape[0] and not inner.is_contiguous():
+            return f"{name}: the rows of {_describe(t)} are not contiguous inside (strides {list(t.stride())})"
+    return ""
+
+
 def _shape_problem(name: str, t: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> str:
     if tuple(t.shape) != shape or t.dtype not in dtypes:
         want = "|".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -135,12 +145,13 @@ def _kda_gate(f, dt_bias, A_log, USE_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.
 
 @triton.jit
 def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b, z, o_norm_weight, S_pool,
-                             state_indices, y, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                             state_indices, y, s_x, s_b, s_z, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                              W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
                              USE_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr,
                              EPS: tl.constexpr, ACC: tl.constexpr, BITS: tl.constexpr):
     """Program (b, h): the whole K×V state of one head, so the gated norm over V and the head's conv
-    channels stay inside the program (no other program reads or writes them)."""
+    channels stay inside the program (no other program reads or writes them). s_x, s_b, s_z: the row
+    strides of xqkv, b and z (slices of the layer's one input GEMM)."""
     pid = tl.program_id(0).to(tl.int64)
     i_b, i_h = pid // H, pid % H
     C: tl.constexpr = 2 * H * K + H * V
@@ -150,7 +161,7 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b,
     m_k, m_v = o_k < K, o_v < V
 
     # §5.2 conv on this head's q, k, v channels (raw rows in, bf(silu(conv)) out)
-    x_row, w_row, hist = xqkv + i_b * C, conv_weight, conv_pool + slot * ((W - 1) * C)
+    x_row, w_row, hist = xqkv + i_b * s_x, conv_weight, conv_pool + slot * ((W - 1) * C)
     c_q, c_k, c_v = i_h * K + o_k, H * K + i_h * K + o_k, 2 * H * K + i_h * V + o_v
     q, win_q = _conv_step(x_row, w_row, hist, c_q, m_k, C, W, BW, ACC, BITS)
     k, win_k = _conv_step(x_row, w_row, hist, c_k, m_k, C, W, BW, ACC, BITS)
@@ -162,7 +173,7 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b,
     f_row = tl.load(f + (i_b * H + i_h) * K + o_k, mask=m_k, other=0)
     bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0)
     g = _kda_gate(f_row, bias, tl.load(A_log + i_h), USE_LOWER_BOUND, LOWER_BOUND, ACC)
-    beta = tl.sigmoid(tl.load(b + i_b * H + i_h).to(ACC))
+    beta = tl.sigmoid(tl.load(b + i_b * s_b + i_h).to(ACC))
 
     # §5.6: S ← diag(α)S; u = β(v − Sᵀk); S ← S + k uᵀ; o = Sᵀq after the update
     p_S = S_pool + slot * (H * K * V) + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
@@ -180,7 +191,7 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b,
     o = _round(o, p_y.dtype.element_ty, BITS).to(ACC)
     r = tl.math.rsqrt(tl.sum(o * o, axis=0) / V + tl.full([], EPS, ACC))
     w_o = tl.load(o_norm_weight + o_v, mask=m_v, other=0).to(ACC)
-    zz = tl.load(z + (i_b * H + i_h) * V + o_v, mask=m_v, other=0).to(ACC)
+    zz = tl.load(z + i_b * s_z + i_h * V + o_v, mask=m_v, other=0).to(ACC)
     tl.store(p_y, _round(o * r * w_o * tl.sigmoid(zz), p_y.dtype.element_ty, BITS), mask=m_v)
 
     # the new conv history, once every thread has read the old one (the rows shift within the slot)
@@ -217,7 +228,10 @@ def _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower
         "" if W >= 2 else f"conv width {W} < 2",
         "" if triton.next_power_of_2(K) * triton.next_power_of_2(V) <= _MAX_TILE
         else f"state tile K×V = {K}×{V} is larger than one program holds ({_MAX_TILE} elements)",
-        _device_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b, z, o_norm_weight, S_pool, state_indices),
+        _rows_problem(xqkv=xqkv, b=b, z=z),
+        _device_problem(xqkv, b, z, conv_weight, conv_pool, f, dt_bias, A_log, o_norm_weight, S_pool, state_indices,
+                        contiguous=False),
+        _device_problem(conv_weight, conv_pool, f, dt_bias, A_log, o_norm_weight, S_pool, state_indices),
     )
 
 
@@ -247,8 +261,8 @@ def kda_decode_fused(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: t
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     _kda_decode_fused_kernel[(B * H,)](
         xqkv=xqkv, conv_weight=conv_weight, conv_pool=conv_pool, f=f, dt_bias=dt_bias, A_log=A_log, b=b, z=z,
-        o_norm_weight=o_norm_weight, S_pool=S_pool, state_indices=state_indices, y=y,
-        H=H, K=K, V=V, W=W, BK=BK, BV=BV, BW=triton.next_power_of_2(W),
+        o_norm_weight=o_norm_weight, S_pool=S_pool, state_indices=state_indices, y=y, s_x=xqkv.stride(0),
+        s_b=b.stride(0), s_z=z.stride(0), H=H, K=K, V=V, W=W, BK=BK, BV=BV, BW=triton.next_power_of_2(W),
         USE_LOWER_BOUND=lower_bound is not None, LOWER_BOUND=float(lower_bound or 0.0), SCALE=K ** -0.5,
         EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, num_warps=8 if BK * BV >= 8192 else 4)
     return y
@@ -323,7 +337,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 # ---- short_conv: varlen prefill conv (§2.5, §5.2) -------------------------------------------------------
 
 @triton.jit(do_not_specialize=["T"])
-def _short_conv_kernel(x, weight, conv_pool, seq_ids, cu_seqlens, state_indices, has_initial_state, out, T,
+def _short_conv_kernel(x, weight, conv_pool, seq_ids, cu_seqlens, state_indices, has_initial_state, out, T, s_x,
                        C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
                        BITS: tl.constexpr):
     """Program (token block, channel block) of the flat batch; a token's taps before its sequence start
@@ -341,7 +355,7 @@ def _short_conv_kernel(x, weight, conv_pool, seq_ids, cu_seqlens, state_indices,
     for j in tl.static_range(W):  # y = y + w_j·x_{t−W+1+j}, the reference's order
         pos = o_t - (W - 1) + j
         inside = pos >= bos
-        xv = tl.load(x + pos[:, None] * C + o_c[None, :], mask=m & inside[:, None], other=0)
+        xv = tl.load(x + pos[:, None] * s_x + o_c[None, :], mask=m & inside[:, None], other=0)
         hist = conv_pool + slot[:, None] * ((W - 1) * C) + (pos - bos + (W - 1))[:, None] * C + o_c[None, :]
         hv = tl.load(hist, mask=m & (~inside & has)[:, None], other=0)
         w_j = tl.load(weight + o_c * W + j, mask=m_c, other=0).to(ACC)
@@ -351,7 +365,7 @@ def _short_conv_kernel(x, weight, conv_pool, seq_ids, cu_seqlens, state_indices,
 
 
 @triton.jit
-def _short_conv_history_kernel(x, conv_pool, cu_seqlens, state_indices, has_initial_state, C: tl.constexpr,
+def _short_conv_history_kernel(x, conv_pool, cu_seqlens, state_indices, has_initial_state, s_x, C: tl.constexpr,
                                W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr):
     """Program (sequence, channel block): its slot's history becomes the last W−1 raw rows of
     (history ++ chunk). Runs after `_short_conv_kernel`, which reads the old history."""
@@ -364,7 +378,7 @@ def _short_conv_history_kernel(x, conv_pool, cu_seqlens, state_indices, has_init
     pos = eos - (W - 1) + o_r  # the flat token each new history row holds
     inside = pos >= bos
     hist = conv_pool + slot * ((W - 1) * C)
-    xv = tl.load(x + pos[:, None] * C + o_c[None, :], mask=m & inside[:, None], other=0)
+    xv = tl.load(x + pos[:, None] * s_x + o_c[None, :], mask=m & inside[:, None], other=0)
     hv = tl.load(hist + (pos - bos + (W - 1))[:, None] * C + o_c[None, :], mask=m & (~inside & has)[:, None],
                  other=0)
     new = tl.where(inside[:, None], xv.to(hv.dtype), hv)
@@ -388,7 +402,9 @@ def _short_conv_problem(x, weight, conv_pool, cu_seqlens, state_indices, has_ini
         _shape_problem("has_initial_state", has_initial_state, (B,), (torch.bool,)),
         "" if W >= 2 else f"conv width {W} < 2",
         layout_problem(layout, T, B),
-        _device_problem(x, weight, conv_pool, cu_seqlens, state_indices, has_initial_state),
+        _rows_problem(x=x),
+        _device_problem(x, weight, conv_pool, cu_seqlens, state_indices, has_initial_state, contiguous=False),
+        _device_problem(weight, conv_pool, cu_seqlens, state_indices, has_initial_state),
     )
 
 
@@ -408,16 +424,16 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, c
               "short_conv")
     T, C = x.shape
     W, B = weight.shape[1], state_indices.shape[0]
-    out = torch.empty_like(x)
+    out = torch.empty(T, C, dtype=x.dtype, device=x.device)
     if T == 0 or B == 0:
         return out
     seq_ids = (layout if layout is not None else varlen_layout(cu_seqlens, T)).seq_ids  # [T] int32
     BT, BC = 16, min(128, triton.next_power_of_2(C))  # 96 registers a thread: five programs per SM
     _short_conv_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
         x=x, weight=weight, conv_pool=conv_pool, seq_ids=seq_ids, cu_seqlens=cu_seqlens, state_indices=state_indices,
-        has_initial_state=has_initial_state, out=out, T=T, C=C, W=W, BT=BT, BC=BC,
+        has_initial_state=has_initial_state, out=out, T=T, s_x=x.stride(0), C=C, W=W, BT=BT, BC=BC,
         ACC=tl.float64 if weight.dtype == torch.float64 else tl.float32, BITS=_INTERPRET, num_warps=4)
     _short_conv_history_kernel[(B, triton.cdiv(C, BC))](
         x=x, conv_pool=conv_pool, cu_seqlens=cu_seqlens, state_indices=state_indices,
-        has_initial_state=has_initial_state, C=C, W=W, BW=triton.next_power_of_2(W), BC=BC, num_warps=4)
+        has_initial_state=has_initial_state, s_x=x.stride(0), C=C, W=W, BW=triton.next_power_of_2(W), BC=BC, num_warps=4)
     return out

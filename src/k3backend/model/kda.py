@@ -15,9 +15,10 @@ O_NORM_EPS = 1e-5  # hard-coded in SGLang whatever rms_norm_eps says (§5.7)
 
 
 class KDA(nn.Module):
-    """One KDA layer. Parameter names follow the checkpoint (`self_attn.*`, §8.1), except that
-    q/k/v projections and their conv weights are packed into one tensor each, their runtime
-    layout (`packing()` tells the loader where each checkpoint tensor goes).
+    """One KDA layer. Parameter names follow the checkpoint (`self_attn.*`, §8.1), except that the
+    projections of x (q, k, v, the output gate's first, f_a, b) and the q/k/v conv weights are
+    packed into one tensor each, their runtime layout (`packing()` tells the loader where each
+    checkpoint tensor goes): one GEMM instead of six.
 
     Two output-gate variants: full rank (`g_proj`, K3) or low rank (`g_a_proj`/`g_b_proj`,
     Kimi-Linear); two forget gates: lower-bounded (K3) or softplus (Kimi-Linear).
@@ -36,18 +37,15 @@ class KDA(nn.Module):
         self.lower_bound = lac.gate_lower_bound
         self.full_rank_gate = lac.use_full_rank_gate
         D, P, PV = cfg.hidden_size, self.H * self.K, self.H * self.V
-        self.qkv_proj = nn.Linear(D, 2 * P + PV, bias=False)  # [q_proj ; k_proj ; v_proj]
+        # [q_proj ; k_proj ; v_proj ; g_proj (or g_a_proj) ; f_a_proj ; b_proj]
+        self.in_sizes = (2 * P + PV, PV if self.full_rank_gate else self.K, self.K, self.H)
+        self.in_proj = nn.Linear(D, sum(self.in_sizes), bias=False)
         # Depthwise conv weights [C, 1, W] = [q_conv1d ; k_conv1d ; v_conv1d], fp32 on disk and in SGLang.
         self.conv1d_weight = nn.Parameter(torch.zeros(2 * P + PV, 1, self.W))
-        self.b_proj = nn.Linear(D, self.H, bias=False)
-        self.f_a_proj = nn.Linear(D, self.K, bias=False)
         self.f_b_proj = nn.Linear(self.K, P, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.H))  # one per head; checkpoints pad it (§13)
         self.dt_bias = nn.Parameter(torch.zeros(P))
-        if self.full_rank_gate:
-            self.g_proj = nn.Linear(D, PV, bias=False)
-        else:
-            self.g_a_proj = nn.Linear(D, self.K, bias=False)
+        if not self.full_rank_gate:
             self.g_b_proj = nn.Linear(self.K, PV, bias=False)
         self.o_norm = RMSNorm(self.V, O_NORM_EPS)  # weight shared by all heads; applied gated below
         self.o_proj = nn.Linear(PV, D, bias=False)
@@ -56,7 +54,11 @@ class KDA(nn.Module):
         """Checkpoint name -> (packed parameter, first row, end row), names relative to this layer."""
         P, PV = self.H * self.K, self.H * self.V
         bounds = {"q": (0, P), "k": (P, 2 * P), "v": (2 * P, 2 * P + PV)}
-        return {**{f"{n}_proj.weight": ("qkv_proj.weight", *b) for n, b in bounds.items()},
+        c = 2 * P + PV
+        g, f, end = c + self.in_sizes[1], c + self.in_sizes[1] + self.K, sum(self.in_sizes)
+        rest = {"g_proj" if self.full_rank_gate else "g_a_proj": (c, g), "f_a_proj": (g, f), "b_proj": (f, end)}
+        return {**{f"{n}_proj.weight": ("in_proj.weight", *b) for n, b in bounds.items()},
+                **{f"{n}.weight": ("in_proj.weight", *b) for n, b in rest.items()},
                 **{f"{n}_conv1d.weight": ("conv1d_weight", *b) for n, b in bounds.items()}}
 
     def shards(self) -> dict[str, tuple[int, int, int]]:
@@ -82,10 +84,9 @@ class KDA(nn.Module):
         T = x.shape[0]
         H, K, V = self.H, self.K, self.V
         nd, si = batch.num_decode, batch.state_indices
-        xqkv = self.qkv_proj(x)  # [T, 2P+PV] raw rows
-        z = (self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))).view(T, H, V)  # [T, H, V]
-        f = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)  # [T, H, K]
-        b = self.b_proj(x)  # [T, H] beta logits
+        xqkv, z, f, b = self.in_proj(x).split(self.in_sizes, dim=-1)  # raw q/k/v rows [T, 2P+PV]; b: beta logits
+        z = (z if self.full_rank_gate else self.g_b_proj(z)).view(T, H, V)  # [T, H, V] output-gate logits
+        f = self.f_b_proj(f).view(T, H, K)  # [T, H, K]
         w = self.conv1d_weight.squeeze(1)  # [C, W]
         y = cat_parts(  # [T, H, V]: decode rows, then prefill chunks
             nd and kernels.kda_decode_fused(xqkv[:nd], w, cache.conv, f[:nd], self.dt_bias, self.A_log,

@@ -31,18 +31,23 @@ class MLA(nn.Module):
         self.r = cfg.kv_lora_rank
         self.scale = (self.dn + self.dr) ** -0.5
         D, qd = cfg.hidden_size, self.N * (self.dn + self.dr)
-        self.q_lora = cfg.q_lora_rank is not None
-        if not self.q_lora:
-            self.q_proj = nn.Linear(D, qd, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_lora, self.gated = cfg.q_lora_rank is not None, cfg.mla_use_output_gate
+        # The projections of x, one GEMM: [q_a_proj (or q_proj) ; kv_a_proj_with_mqa ; g_proj]
+        self.in_sizes = (cfg.q_lora_rank if self.q_lora else qd, self.r + self.dr) + ((self.N * self.dv,) if self.gated
+                                                                                       else ())
+        self.in_proj = nn.Linear(D, sum(self.in_sizes), bias=False)
+        if self.q_lora:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, qd, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(D, self.r + self.dr, bias=False)
         self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.r, self.N * (self.dn + self.dv), bias=False)
-        self.g_proj = nn.Linear(D, self.N * self.dv, bias=False) if cfg.mla_use_output_gate else None
         self.o_proj = nn.Linear(self.N * self.dv, D, bias=False)
+
+    def packing(self) -> dict[str, tuple[str, int, int]]:
+        """Checkpoint name -> (packed parameter, first row, end row), names relative to this layer."""
+        names = ("q_a_proj.weight" if self.q_lora else "q_proj.weight", "kv_a_proj_with_mqa.weight", "g_proj.weight")
+        ends = torch.tensor(self.in_sizes).cumsum(0).tolist()
+        return {n: ("in_proj.weight", e - size, e) for n, size, e in zip(names, self.in_sizes, ends)}
 
     def shards(self) -> dict[str, tuple[int, int, int]]:
         """Checkpoint name -> (dim, start, end) of the full tensor this rank loads (head-parallel)."""
@@ -51,7 +56,7 @@ class MLA(nn.Module):
         q = "q_b_proj.weight" if self.q_lora else "q_proj.weight"
         out = {q: rows(self.dn + self.dr), "kv_b_proj.weight": rows(self.dn + self.dv),
                "o_proj.weight": (1, r * self.N * self.dv, (r + 1) * self.N * self.dv)}
-        if self.g_proj is not None:
+        if self.gated:
             out["g_proj.weight"] = rows(self.dv)
         return out
 
@@ -68,10 +73,9 @@ class MLA(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
         """x: [T, D] normed attention input (flat). Writes this step's latent rows, then attends."""
         T = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q = q.view(T, self.N, self.dn + self.dr)
+        q, lat, *z = self.in_proj(x).split(self.in_sizes, dim=-1)  # lat [T, r + dr]; z: the gate's logits
+        q = (self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora else q).view(T, self.N, self.dn + self.dr)
         q_nope, q_pe = q[..., :self.dn], q[..., self.dn:]  # [T, N, dn], [T, N, dr]
-        lat = self.kv_a_proj_with_mqa(x)  # [T, r + dr]
         rows = torch.cat([self.kv_a_layernorm(lat[:, :self.r]), lat[:, self.r:]], dim=-1)  # [c_kv ; k_pe raw]
         kernels.mla_write(rows, cache.latent, batch.slot_mapping)  # append first, then attend
         w_kc, w_vc = self.absorbed_weights()
@@ -83,6 +87,6 @@ class MLA(nn.Module):
                                                       batch.block_tables[nd:], batch.context_lens[nd:],
                                                       self.kv_b_proj.weight, w_kc, w_vc, self.scale,
                                                       layout=batch.prefill_layout))
-        if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x))  # bf(O ⊙ bf(σ(z))) (§6.4)
+        if self.gated:
+            o = o * torch.sigmoid(z[0])  # bf(O ⊙ bf(σ(z))) (§6.4)
         return self.par.all_reduce(self.o_proj(o))  # row-parallel o_proj (§9.3 item 2)
