@@ -239,6 +239,7 @@ class TritonServer:
         self.http_port = self.grpc_port = self.metrics_port = 0
         self.process: subprocess.Popen[bytes] | None = None
         self._log_file = None
+        self._sigterm_sent = False
 
     # URLs in the forms the clients take: tritonclient.grpc wants host:port without a scheme.
     @property
@@ -299,6 +300,7 @@ class TritonServer:
         self._log_file = open(self.log_path, "wb")
         self._log_file.write(f"$ {' '.join(cmd)}\n".encode())
         self._log_file.flush()
+        self._sigterm_sent = False
         self.process = subprocess.Popen(
             cmd, env=server_env(self.install), stdin=subprocess.DEVNULL, stdout=self._log_file,
             stderr=subprocess.STDOUT, start_new_session=True,
@@ -334,8 +336,15 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return None
 
+    def begin_stop(self) -> None:
+        """SIGTERM the server without waiting (stop several at once, then `stop` each)."""
+        if self.process is not None and self.process.poll() is None and not self._sigterm_sent:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            self._sigterm_sent = True
+
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM the server, wait `timeout_s`, then SIGKILL its whole process group.
+        """SIGTERM the server (once), wait `timeout_s`, then SIGKILL its whole process group.
 
         The group is swept even after a clean exit, so no stub outlives the server. Idempotent;
         returns the server's exit code (None if it was never started).
@@ -344,8 +353,7 @@ class TritonServer:
         if self.process is None:
             return None
         if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
+            self.begin_stop()
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
