@@ -167,6 +167,31 @@ def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, 
     assert core.stats().steps == len(steps)  # every step replayed (none needed a forward of its own)
 
 
+@pytest.mark.parametrize("graph_buffers", [False, True], ids=["eager", "prefill-graph-buffers"])
+def test_prefix_snapshots_inside_chunks_give_the_same_output(model64, tok, graph_buffers):
+    """16-token blocks, a snapshot every 64 tokens: long prompts run as few chunks, their snapshots at
+    64, 128, ... taken inside the KDA walk (state and conv history into the snapshot slot) instead of
+    ending a chunk; prompts sharing a beginning start from those snapshots. Every request equals its
+    run alone, eagerly and through the prefill graphs' padded buffers."""
+    shared = tok.encode("A shared beginning of a long prompt, repeated. " * 5, allow_special=True)[:150]
+    reqs = [Request(f"w{i}", shared + tok.encode(tail, allow_special=True),
+                    SamplingParams(max_tokens=4, temperature=0.0 if i % 2 else 0.7, seed=i, ignore_eos=True))
+            for i, tail in enumerate(["first question", " and a second, longer question about it", "third"])]
+    core = new_core(model64, max_num_seqs=2, max_num_batched_tokens=512, block_size=16, snapshot_interval=64)
+    runner = core.executor.runner
+    if graph_buffers:
+        runner.prefill_graphs = runner.make_prefill_graphs(core.cfg, (64, 128, 256, 512), capture=False)
+    inside = []
+    logits = runner.logits
+    runner.logits = lambda plan: inside.extend(o for s in plan.seqs for o, _ in s.snapshots) or logits(plan)
+    outs = {}
+    for r in reqs:  # one after the other: the later ones find the first one's snapshots
+        outs |= run(core, [r])
+    assert_each_alone(model64, reqs, outs)
+    assert inside and all(o % 64 == 0 for o in inside), inside
+    assert core.stats().prefix_cache_hits >= 2 * 128, core.stats()
+
+
 def test_preemption_under_a_tiny_pool_changes_no_output(model64, tok):
     """12 blocks of 4 tokens for 4 requests of 2-block prompts that grow to 8 blocks each: all are
     admitted, their decodes run out of blocks, the newest running request is preempted and

@@ -136,11 +136,11 @@ def check_short_conv(dtype: str, seed: int) -> None:
 
 
 def check_kda_prefill(dtype: str, gate: str, seed: int) -> None:
-    """Varlen chunks: one over a chunk boundary with a short last chunk, a single token, a fresh one.
-    v is a strided view (the model's is a slice of the conv output). dtype is v's (the model's); q, k,
+    """Varlen chunks: one over a chunk boundary with a short last chunk (and a prefix snapshot at that
+    boundary, into slot 3), a single token, a fresh one. v is a strided view (the model's is a slice of the conv output). dtype is v's (the model's); q, k,
     g, beta and the state are in its accumulation dtype. `steep`: a softplus-like gate whose Γ drops by
     more than 80 within 16 rows, so the diagonal blocks take the elementwise path."""
-    from k3backend.kernels import kda_chunk, kda_ref, norm_ref
+    from k3backend.kernels import kda_chunk, kda_ref, norm_ref, varlen
 
     dt = DTYPES[dtype]
     a = acc(dt)
@@ -158,12 +158,17 @@ def check_kda_prefill(dtype: str, gate: str, seed: int) -> None:
     beta = torch.rand(T, H, generator=gen, dtype=torch.float64).to(a)
     args = [q, k, v, g.to(a), beta, pool(gen, (N, H, K, V), a, fresh=[]), cu, torch.tensor(slots, dtype=torch.int32),
             has]
+    # a prefix snapshot inside the first sequence, after its first KDA chunk, into slot 3
+    table, ends, snap_slots = varlen.snapshot_tables(lens, [[(64, 3)], [], []], varlen.num_chunks(T, len(lens)))
+    layout = varlen.varlen_layout(cu, T, snapshots=(torch.tensor(table, dtype=torch.int32), torch.tensor(ends),
+                                                    torch.tensor(snap_slots)))
     ref = clone_all(args)
     before = args[5].clone()
     with poisoned_empty():
-        o = kda_chunk.kda_prefill(*args)
-    torch.testing.assert_close(o, kda_ref.kda_prefill(*ref), **KERNEL_PREFILL[dt], msg=lambda m: f"o: {m}")
-    assert_slots(args[5], ref[5], before, slots, KERNEL_PREFILL[dt], "S_pool")
+        o = kda_chunk.kda_prefill(*args, layout=layout)
+    torch.testing.assert_close(o, kda_ref.kda_prefill(*ref, layout=layout), **KERNEL_PREFILL[dt],
+                               msg=lambda m: f"o: {m}")
+    assert_slots(args[5], ref[5], before, slots + [3], KERNEL_PREFILL[dt], "S_pool")
 
 
 def check_layer_steps(dtype: str) -> None:

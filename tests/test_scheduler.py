@@ -21,6 +21,7 @@ from k3backend.engine.plan import CacheCapacity, StepPlan
 from k3backend.engine.request import Request
 from k3backend.engine.sampling_params import SamplingParams
 from k3backend.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from k3backend.kernels.varlen import KDA_CHUNK
 
 PAD = 21  # the media pad id the fake requests use
 _RIDS = itertools.count(1)
@@ -95,6 +96,9 @@ class CacheModel:
                 assert at not in writes, f"block {at[0]} written by two rows in one step"
                 writes[at] = full[:p + 1]
             self.slots[sch.slot] = full
+            for off, dst in sch.snapshots:  # taken inside the chunk by the layers' walk
+                assert off % KDA_CHUNK == 0 and 0 < off < len(sch.token_ids), f"snapshot at offset {off} of {sch}"
+                self.slots[dst] = full[:sch.start + off]
             if sch.sample:
                 assert end == seq.num_prompt_tokens + len(seq.output_ids), f"{seq.request.request_id}: samples at {end}"
                 owner = self.sampling.get(sch.slot)
@@ -175,7 +179,8 @@ class Driver:
 
 def alone(seq: Sequence) -> list[int]:
     """The request's output with a roomy pool to itself (no preemption, no prefix cache)."""
-    d = Driver(num_blocks=64, num_slots=4, prefix_caching=False)
+    d = Driver(num_blocks=2 + -(-(seq.num_prompt_tokens + seq.request.params.max_tokens) // 4), num_slots=4,
+               prefix_caching=False)
     d.add(make_seq(seq.request.request_id, seq.request.prompt_ids, seq.request.params.max_tokens,
                    seq.request.image_hashes[0] if seq.pads else None))
     return d.run()[seq.request.request_id]
@@ -264,10 +269,32 @@ def test_a_leaked_block_fails_the_next_step_naming_it():
         d.sched.schedule()
 
 
-def random_workload(rng: random.Random, n: int) -> list[tuple[int, Sequence]]:
-    """(arrival step, request): prompts built from a few 4-token blocks, so that requests share
+def test_snapshot_points_a_whole_number_of_kda_chunks_into_a_chunk_do_not_end_it():
+    """Blocks of 16, a snapshot every 64 tokens: a 300-token prompt runs as [0, 288) with the snapshots
+    at 64..256 taken inside the walk and the one at 288 (the last block boundary before its last
+    token, not 64 tokens after a chunk start) ending the chunk, then [288, 300). A prompt sharing
+    its first 200 tokens starts from the snapshot at 192; both equal their runs alone."""
+    d = Driver(num_blocks=64, num_slots=12, block_size=16, budget=512, snapshot_interval=64)
+    a = make_seq("a", [30 + i % 50 for i in range(300)], max_tokens=3)
+    d.add(a)
+    plan, _ = d.step()
+    (sch,) = plan.seqs
+    assert (sch.start, len(sch.token_ids)) == (0, 288)
+    assert [off for off, _ in sch.snapshots] == [64, 128, 192, 256] and len(plan.snapshots) == 1
+    plan, _ = d.step()
+    assert [(s.start, len(s.token_ids), s.snapshots) for s in plan.seqs] == [(288, 12, ())]
+    d.run()
+    b = make_seq("b", a.request.prompt_ids[:200] + [31] * 40, max_tokens=3)
+    d.add(b)
+    d.run()
+    assert b.num_cached_tokens == 192
+    assert d.done["a"] == alone(a) and d.done["b"] == alone(b)
+
+
+def random_workload(rng: random.Random, n: int, block: int = 4) -> list[tuple[int, Sequence]]:
+    """(arrival step, request): prompts built from a few `block`-token blocks, so that requests share
     beginnings, repeat blocks after other beginnings, and carry one of two images."""
-    blocks = [[rng.randrange(30, 90) for _ in range(4)] for _ in range(4)]
+    blocks = [[rng.randrange(30, 90) for _ in range(block)] for _ in range(4)]
     out = []
     for i in range(n):
         ids = [t for _ in range(rng.randrange(1, 7)) for t in rng.choice(blocks)]
@@ -282,15 +309,19 @@ def random_workload(rng: random.Random, n: int) -> list[tuple[int, Sequence]]:
     return sorted(out, key=lambda x: x[0])
 
 
-def run_random(seed: int) -> Driver:
-    """One random workload (random_workload) with random cancellations on a random small pool."""
+def run_random(seed: int, long: bool = False) -> Driver:
+    """One random workload (random_workload) with random cancellations on a random small pool; long:
+    prompts of 32-token pieces on 16-token blocks with snapshots every 64 or 128 tokens, so that
+    snapshot points fall inside chunks a whole number of KDA chunks in (taken there) or not (cut)."""
     rng = random.Random(seed)
-    work = random_workload(rng, 10)
+    bs = 16 if long else 4
+    work = random_workload(rng, 10, 32 if long else 4)
     requests = {s.request.request_id: s for _, s in work}
     longest = max(s.num_prompt_tokens + s.request.params.max_tokens for s in requests.values())
-    d = Driver(num_blocks=1 + -(-longest // 4) + rng.randrange(0, 6), num_slots=rng.randrange(3, 7),
-               max_num_seqs=rng.randrange(1, 5), budget=rng.randrange(3, 20), prefix_caching=seed % 3 != 0,
-               snapshot_interval=rng.choice([4, 8]))
+    d = Driver(num_blocks=1 + -(-longest // bs) + rng.randrange(0, 6), num_slots=rng.randrange(3, 7),
+               block_size=bs, max_num_seqs=rng.randrange(1, 5),
+               budget=rng.randrange(40, 300) if long else rng.randrange(3, 20), prefix_caching=seed % 3 != 0,
+               snapshot_interval=rng.choice([64, 128] if long else [4, 8]))
     step, cancelled = 0, set()
     while work or d.sched.all():
         while work and work[0][0] <= step:
@@ -318,3 +349,9 @@ def test_random_requests_on_small_pools_read_only_their_own_cache(seed):
     block references always match their holders, no step is empty while requests wait, and every
     request ends with its output alone (a prefix of it when cancelled)."""
     run_random(seed)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_long_prompts_with_snapshots_inside_chunks_read_only_their_own_cache(seed):
+    """The same with prompts of up to 200 tokens on 16-token blocks, snapshots every 64 or 128."""
+    run_random(seed, long=True)

@@ -13,14 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from k3backend.kernels.varlen import varlen_layout
+from k3backend.kernels.varlen import num_chunks, snapshot_tables, varlen_layout
 from k3backend.model.cache import ForwardBatch
 
 
 @dataclass(frozen=True)
 class SeqChunk:
     """One sequence's part of a step: `token_ids` at positions start..start+n, its KDA slot and
-    MLA block table; `sample`: compute the logits of its last token."""
+    MLA block table; `sample`: compute the logits of its last token; `snapshots`: (offset, slot)
+    pairs, the KDA state and conv history after token_ids[:offset] copied into slot (a prefix
+    snapshot inside the chunk, offset a whole number of KDA chunks)."""
 
     token_ids: Sequence[int]
     start: int
@@ -28,6 +30,7 @@ class SeqChunk:
     has_initial_state: bool
     block_table: Sequence[int]
     sample: bool = True
+    snapshots: Sequence[tuple[int, int]] = ()
 
 
 def build_forward_batch(chunks: Sequence[SeqChunk], num_decode: int, block_size: int, device: torch.device,
@@ -58,8 +61,14 @@ def build_forward_batch(chunks: Sequence[SeqChunk], num_decode: int, block_size:
     context_lens = t([c.start + len(c.token_ids) for c in chunks], torch.int32)
     prefill_cu = t([x - cu[num_decode] for x in cu[num_decode:]], torch.int32)
     num_prefill = cu[-1] - cu[num_decode]
-    layout = varlen_layout(prefill_cu, num_prefill, context_lens[num_decode:], block_tables[num_decode:], block_size) \
-        if num_prefill else None  # the step's prefill tables, once for every layer
+    prefill = chunks[num_decode:]
+    snapshots = None
+    if any(c.snapshots for c in prefill):
+        table, ends, slots = snapshot_tables([len(c.token_ids) for c in prefill], [c.snapshots for c in prefill],
+                                             num_chunks(num_prefill, len(prefill)))
+        snapshots = (t(table, torch.int32), t(ends, torch.int64), t(slots, torch.int64))
+    layout = varlen_layout(prefill_cu, num_prefill, context_lens[num_decode:], block_tables[num_decode:], block_size,
+                           snapshots) if num_prefill else None  # the step's prefill tables, once for every layer
     return ForwardBatch(
         input_ids=t(ids, torch.int64), cu_seqlens=cu_t, num_decode=num_decode,
         state_indices=t([c.slot for c in chunks], torch.int32),

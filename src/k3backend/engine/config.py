@@ -14,10 +14,9 @@ class EngineConfig:
     step_timeout_s: float = 300.0  # a step running longer fails the engine ([HLT-7])
     stop_tombstone_ttl_s: float = 30.0  # how long an unmatched stop id is remembered ([CAN-7])
     prefix_caching: bool = True
-    # Tokens between KDA prefix snapshots (a multiple of block_size). Each snapshot point ends a prefill
-    # chunk: a smaller interval lets prompts that share only a beginning reuse more of it, but splits
-    # long prefills into more steps (a 4096-token prompt takes 5 at 1024), each attending over the
-    # cached prefix again.
+    # Tokens between KDA prefix snapshots (a multiple of block_size): a smaller interval lets prompts that
+    # share only a beginning reuse more of it, and takes more snapshot slots. Points a whole number of
+    # 64-token KDA chunks into a chunk are taken inside it; others end the chunk (scheduler.py).
     snapshot_interval: int = 1024
     block_size: int = 64  # tokens per MLA latent block
     gpu_memory_utilization: float = 0.90  # of the GPU's total memory, for weights, cache and workspace

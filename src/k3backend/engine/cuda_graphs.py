@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from k3backend.engine.batch import SeqChunk
-from k3backend.kernels.varlen import varlen_layout
+from k3backend.kernels.varlen import KDA_CHUNK, num_chunks, snapshot_tables, varlen_layout
 from k3backend.model.cache import ForwardBatch
 
 log = logging.getLogger(__name__)
@@ -215,6 +215,10 @@ class PrefillGraphs(_Graphs):
         self.mm_embeds = torch.zeros(self.sizes[-1], hidden, dtype=dtype, device=device)
         self._no_images = {size: torch.full((size,), self.padded_tokens(size) - 1, dtype=torch.int64, device=device)
                            for size in self.sizes}
+        self.chunk_snapshot = torch.zeros(num_chunks(n, seqs), **i32)  # prefix snapshots inside chunks
+        self.snapshot_ends = torch.zeros(self.sizes[-1] // KDA_CHUNK, dtype=torch.int64, device=device)
+        self.snapshot_slots = torch.zeros_like(self.snapshot_ends)
+        self._snapshots_written = False
         if capture:
             self.capture(device, pool)
 
@@ -238,11 +242,13 @@ class PrefillGraphs(_Graphs):
     def batch(self, size: int) -> ForwardBatch:
         s, t = self.seqs(size) + 1, self.padded_tokens(size)
         cu, lens, tables = self.cu_seqlens[:s + 1], self.context_lens[:s], self.block_tables[:s]
+        m = size // KDA_CHUNK
+        snapshots = (self.chunk_snapshot[:num_chunks(t, s)], self.snapshot_ends[:m], self.snapshot_slots[:m])
         return ForwardBatch(
             input_ids=self.input_ids[:t], cu_seqlens=cu, num_decode=0, state_indices=self.state_indices[:s],
             has_initial_state=self.has_initial_state[:s], slot_mapping=self.slot_mapping[:t], block_tables=tables,
             context_lens=lens, logits_indices=self.logits_index[:s - 1], prefill_cu_seqlens=cu,
-            prefill_layout=varlen_layout(cu, t, lens, tables, self.block_size),
+            prefill_layout=varlen_layout(cu, t, lens, tables, self.block_size, snapshots),
             mm_positions=self.mm_positions[:size], mm_embeds=self.mm_embeds[:size])
 
     def _prepare(self, size: int) -> None:
@@ -293,6 +299,24 @@ class PrefillGraphs(_Graphs):
         self.block_tables[:places, :width].copy_(torch.from_numpy(tables), non_blocking=True)
         self.block_tables[places].zero_()  # the padding row: a chunk place's table in a larger graph
         self.mm_positions[:size].copy_(self._no_images[size])  # unused: the padding sequence's last row
+        self._fill_snapshots(chunks, lens, size)
         if len(mm_positions):
             self.mm_positions[:len(mm_positions)].copy_(torch.tensor(mm_positions), non_blocking=True)
             self.mm_embeds[:len(mm_positions)].copy_(mm_embeds, non_blocking=True)
+
+    def _fill_snapshots(self, chunks: Sequence[SeqChunk], lens: np.ndarray, size: int) -> None:
+        """The snapshot tables of the step (zeros: none); every entry another size's graph reads is
+        zeroed again after a step that wrote some."""
+        snaps = [c.snapshots for c in chunks]
+        if not any(snaps) and not self._snapshots_written:
+            return
+        for t in (self.chunk_snapshot, self.snapshot_ends, self.snapshot_slots):
+            t.zero_()
+        self._snapshots_written = any(snaps)
+        if self._snapshots_written:
+            t = self.padded_tokens(size)
+            table, ends, slots = snapshot_tables(lens.tolist(), snaps + [()] * (len(lens) - len(chunks)),
+                                                 num_chunks(t, len(lens)), size // KDA_CHUNK)
+            self.chunk_snapshot[:len(table)].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+            self.snapshot_ends[:len(ends)].copy_(torch.tensor(ends), non_blocking=True)
+            self.snapshot_slots[:len(slots)].copy_(torch.tensor(slots), non_blocking=True)

@@ -41,6 +41,7 @@ class ScheduledSeq:
     sample: bool  # draw a token from the last position's logits
     mm_first_row: int = 0  # the first image row used by this chunk
     mm_offsets: tuple[int, ...] = ()  # offsets in token_ids of the image pad positions
+    snapshots: tuple[tuple[int, int], ...] = ()  # (offset, slot): KDA state after token_ids[:offset] into slot
 
 
 @dataclass

@@ -214,7 +214,7 @@ class ModelRunner:
 
 
 def _chunk(s: ScheduledSeq) -> SeqChunk:
-    return SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state, s.block_table, s.sample)
+    return SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state, s.block_table, s.sample, s.snapshots)
 
 
 def size_cache(model: K3Model, cfg: EngineConfig) -> CacheCapacity:

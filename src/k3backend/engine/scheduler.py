@@ -10,9 +10,11 @@ its blocks and slot and is recomputed later from prompt + output so far, which c
 its output ([STR-7]).
 
 Prefix caching (`prefix_caching`): prompt blocks are shared by content key
-(`block_manager.chain_keys`); KDA state is reusable only where a snapshot was taken, so chunk
-ends are aligned to snapshot points (every `snapshot_interval` tokens and the last block
-boundary before the prompt's last token) and the state is copied into a snapshot slot there.
+(`block_manager.chain_keys`); KDA state is reusable only where a snapshot was taken: at every
+`snapshot_interval` tokens and at the last block boundary before the prompt's last token. A
+snapshot point a whole number of KDA chunks (64 tokens) after its chunk's start is taken inside
+the chunked walk (the layers copy the state and conv history there into the snapshot slot), so
+it does not end the chunk; any other point ends the chunk, and the state is copied after the step.
 A hit is the longest prefix whose blocks and snapshot both survive; at least the prompt's last
 token is always computed (its logits start generation).
 
@@ -32,6 +34,7 @@ from k3backend.engine.plan import CacheCapacity, ScheduledSeq, SlotRequest, Step
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampler_ref import request_seed
 from k3backend.engine.sampling_params import eos_sets
+from k3backend.kernels.varlen import KDA_CHUNK
 from k3backend.engine.state_slots import StateSlots
 
 
@@ -227,11 +230,13 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _add(self, plan: StepPlan, seqs: list[Sequence], seq: Sequence, start: int, end: int, sample: bool) -> None:
+    def _add(self, plan: StepPlan, seqs: list[Sequence], seq: Sequence, start: int, end: int, sample: bool,
+             snapshots: tuple[tuple[int, int], ...] = ()) -> None:
         first = bisect.bisect_left(seq.pads, start)
         last = bisect.bisect_left(seq.pads, min(end, seq.num_prompt_tokens))
         plan.seqs.append(ScheduledSeq(seq.slot, seq.tokens(start, end), start, start > 0, tuple(seq.blocks), sample,
-                                      mm_first_row=first, mm_offsets=tuple(p - start for p in seq.pads[first:last])))
+                                      mm_first_row=first, mm_offsets=tuple(p - start for p in seq.pads[first:last]),
+                                      snapshots=snapshots))
         seqs.append(seq)
 
     def _prefill(self, plan: StepPlan, seqs: list[Sequence], seq: Sequence, budget: int) -> int:
@@ -240,9 +245,9 @@ class Scheduler:
         end = self._chunk_end(seq, start, min(seq.target, start + budget))
         if not self._grow(seq, end):
             return 0
-        self._take_snapshot(plan, seq, end)
+        inside = self._take_snapshots(plan, seq, start, end)
         # the prompt's last token samples the first output; a recompute's chunk samples nothing
-        self._add(plan, seqs, seq, start, end, sample=end == seq.target and not seq.output_ids)
+        self._add(plan, seqs, seq, start, end, sample=end == seq.target and not seq.output_ids, snapshots=inside)
         return end - start
 
     def _admit(self, plan: StepPlan, seqs: list[Sequence], seq: Sequence, budget: int) -> int:
@@ -289,32 +294,38 @@ class Scheduler:
                 return j * self.bs, snapshot
         return 0, 0
 
-    def _snapshot_points(self, seq: Sequence) -> tuple[int, int]:
-        """(interval, last) of the snapshot points of `seq`: multiples of `interval` up to `last`."""
-        return self.cfg.snapshot_interval, len(seq.keys) * self.bs
+    def _snapshot_points(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The snapshot points of `seq` in (start, end]: multiples of snapshot_interval up to the last
+        block boundary before the prompt's last token, and that boundary (prefix caching only)."""
+        if not self.cfg.prefix_caching or not seq.keys:
+            return []
+        interval, last = self.cfg.snapshot_interval, len(seq.keys) * self.bs
+        points = list(range((start // interval + 1) * interval, min(end, last) + 1, interval))
+        return points + [last] if start < last <= end and last not in points else points
 
     def _chunk_end(self, seq: Sequence, start: int, end: int) -> int:
-        """Cut the chunk [start, end) at the first snapshot point inside it (prefix caching only)."""
-        if not self.cfg.prefix_caching or not seq.keys:
-            return end
-        interval, last = self._snapshot_points(seq)
-        nxt = (start // interval + 1) * interval
-        point = min(nxt, last) if start < last else end
-        return point if start < point < end else end
+        """Cut the chunk [start, end) at the first snapshot point inside it that the chunked walk
+        cannot take (not a whole number of KDA chunks after start)."""
+        return next((p for p in self._snapshot_points(seq, start, end - 1) if (p - start) % KDA_CHUNK), end)
 
-    def _take_snapshot(self, plan: StepPlan, seq: Sequence, end: int) -> None:
-        if not self.cfg.prefix_caching or not seq.keys or end == 0 or end % self.bs:
-            return
-        interval, last = self._snapshot_points(seq)
-        if end > last or (end % interval and end != last):
-            return
-        key = seq.keys[end // self.bs - 1]
-        if self.slots.snapshot(key) is not None or any(k == key for k, _ in self._snapshots):
-            return
-        dst = self.slots.reserve_snapshot()
-        if dst is not None:
-            plan.snapshots.append((seq.slot, dst))
+    def _take_snapshots(self, plan: StepPlan, seq: Sequence, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """Reserve a snapshot slot for each new snapshot point of the chunk [start, end): the one at its
+        end is copied after the step (plan.snapshots); those inside it, returned as (offset, slot), are
+        taken by the layers' walk."""
+        inside = []
+        for p in self._snapshot_points(seq, start, end):
+            key = seq.keys[p // self.bs - 1]
+            if self.slots.snapshot(key) is not None or any(k == key for k, _ in self._snapshots):
+                continue
+            dst = self.slots.reserve_snapshot()
+            if dst is None:
+                break
+            if p == end:
+                plan.snapshots.append((seq.slot, dst))
+            else:
+                inside.append((p - start, dst))
             self._snapshots.append((key, dst))
+        return tuple(inside)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for `num_tokens` stream tokens; False (nothing taken) if not enough are free."""

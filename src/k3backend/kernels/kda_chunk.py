@@ -278,9 +278,11 @@ def _kda_solve_kernel(Akk, kb, v, beta, chunk_seq, chunk_start, cu_seqlens, w, u
 
 @triton.jit
 def _kda_state_kernel(w, u, qg, kg, Aqk, gl, S_pool, state_indices, has_initial_state, cu_seqlens, first_chunk,
-                      o, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
-    """Program (V-block, sequence·head): the sequence's chunks in order, its K×BV state in registers."""
+                      chunk_snapshot, o, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, SNAP: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                      BITS: tl.constexpr):
+    """Program (V-block, sequence·head): the sequence's chunks in order, its K×BV state in registers.
+    SNAP: after a chunk whose `chunk_snapshot` entry names a slot, the state is stored there too."""
     i_v, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = pid // H, pid % H
     slot = tl.load(state_indices + i_b).to(tl.int64)
@@ -309,6 +311,11 @@ def _kda_state_kernel(w, u, qg, kg, Aqk, gl, S_pool, state_indices, has_initial_
         k_c = tl.load(kg + p_k, mask=m_r & m_k[None, :], other=0)
         decay = tl.load(gl + ((c0 + ic) * H + i_h) * K + o_k, mask=m_k, other=0).to(ACC)
         S = S * decay[:, None] + _dot(tl.trans(k_c), v_new, DOT, PREC, ACC, BITS)
+        if SNAP:
+            dst = tl.load(chunk_snapshot + c0 + ic).to(tl.int64)
+            if dst != 0:
+                p_D = S_pool + dst * (H * K * V) + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
+                tl.store(p_D, S.to(S_pool.dtype.element_ty), mask=m_S)
     if slot != 0:
         tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S)
 
@@ -352,7 +359,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 has_initial_state: torch.Tensor, layout: VarlenLayout | None = None) -> torch.Tensor:
     """`kda_ref.kda_prefill`: chunks of 64 (§5.8), three launches, no host sync. q, k, g and v may have
     a token stride (v is a view of the conv output); their [H, D] rows must be contiguous. `layout`:
-    the step's chunk table (`varlen.varlen_layout` of cu_seqlens), built here when None."""
+    the step's chunk table (`varlen.varlen_layout` of cu_seqlens), built here when None; its prefix
+    snapshots are stored as the walk passes them."""
     _raise_if(_prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout),
               "kda_prefill")
     T, H, K = q.shape
@@ -389,6 +397,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     # past that, one stage and three programs per SM hide the latency instead
     _kda_state_kernel[(triton.cdiv(V, BVS), B * H)](
         w=w, u=u, qg=qg, kg=kg, Aqk=Aqk, gl=gl, S_pool=S_pool, state_indices=state_indices,
-        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, first_chunk=first_chunk, o=o,
-        H=H, K=K, V=V, BK=BK, BV=BVS, num_warps=4, num_stages=2 if programs <= _num_sms(dev) else 1, **flags)
+        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, first_chunk=first_chunk,
+        chunk_snapshot=lay.chunk_snapshot if lay.chunk_snapshot is not None else first_chunk, o=o,
+        H=H, K=K, V=V, BK=BK, BV=BVS, SNAP=lay.chunk_snapshot is not None, num_warps=4, num_stages=2 if programs <= _num_sms(dev) else 1, **flags)
     return o

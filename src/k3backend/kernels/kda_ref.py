@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from k3backend.kernels.norm_ref import acc_dtype, gated_rms_norm, l2_norm
-from k3backend.kernels.varlen import VarlenLayout
+from k3backend.kernels.varlen import KDA_CHUNK, VarlenLayout
 
 
 def short_conv_seq(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,14 +149,24 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     """Chunked KDA (§5.8) over varlen prefill chunks; initial states from, final states into, `S_pool`.
 
     q, k: [T, H, K] (l2-normalised, q scaled); v: [T, H, V]; g: [T, H, K] log-decay; beta: [T, H];
-    S_pool: [N, H, K, V]. Returns o [T, H, V] in the state's dtype. `layout`: as in `short_conv`.
+    S_pool: [N, H, K, V]. Returns o [T, H, V] in the state's dtype. `layout`: as in `short_conv`, except
+    that its prefix snapshots (`chunk_snapshot`) are taken: the state after those KDA chunks into their slots.
     """
     o = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=S_pool.dtype, device=q.device)
     bounds, slots, init = cu_seqlens.tolist(), state_indices.tolist(), has_initial_state.tolist()
+    snaps = layout.chunk_snapshot.tolist() if layout is not None and layout.chunk_snapshot is not None else []
+    first = 0
     for b, (slot, has) in enumerate(zip(slots, init)):
-        sl = slice(bounds[b], bounds[b + 1])
-        S0 = S_pool[slot] if has else torch.zeros_like(S_pool[slot])
-        o[sl], S_pool[slot] = kda_chunked(q[sl], k[sl], v[sl], g[sl], beta[sl], S0)
+        S = S_pool[slot] if has else torch.zeros_like(S_pool[slot])
+        a, end = bounds[b], bounds[b + 1]
+        n = -(-(end - a) // KDA_CHUNK)
+        # a prefix snapshot after KDA chunk j (table entry first + j): the walk split there changes no chunk
+        cuts = [(a + KDA_CHUNK * (j + 1), snaps[first + j]) for j in range(n) if snaps and snaps[first + j]]
+        for stop, dst in cuts + [(end, slot)]:
+            o[a:stop], S = kda_chunked(q[a:stop], k[a:stop], v[a:stop], g[a:stop], beta[a:stop], S)
+            S_pool[dst] = S
+            a = stop
+        first += n
     return o
 
 

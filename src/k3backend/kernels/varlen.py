@@ -12,6 +12,7 @@ definition the tables must agree with.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,10 @@ class VarlenLayout:
     sequence has no cached prefix); latent_rows [T] int64 (pool row of the token's own latent
     row; None without block tables); chunk_seq [NC] int32 (sequence of each KDA chunk, −1 past the
     last), chunk_start [NC] int64 (its first token), first_chunk [B] int64, num_chunks NC = T/64 + B
-    (an upper bound from shapes alone).
+    (an upper bound from shapes alone). Prefix snapshots taken inside a chunk (at a whole number of
+    KDA chunks from its start, `snapshot_tables`): chunk_snapshot [NC] int32, the KDA slot that gets
+    the state after that chunk (0: none); snapshot_ends [M] int64, the flat end of each snapshot's
+    prefix, and snapshot_slots [M] int64 its slot (0: an unused entry), for the conv history.
     """
 
     cu_seqlens: torch.Tensor
@@ -42,6 +46,9 @@ class VarlenLayout:
     chunk_start: torch.Tensor
     first_chunk: torch.Tensor
     num_chunks: int
+    chunk_snapshot: torch.Tensor | None = None
+    snapshot_ends: torch.Tensor | None = None
+    snapshot_slots: torch.Tensor | None = None
     _tiles: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -62,10 +69,12 @@ class VarlenLayout:
 
 
 def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int, context_lens: torch.Tensor | None = None,
-                  block_tables: torch.Tensor | None = None, block_size: int = 0) -> VarlenLayout:
+                  block_tables: torch.Tensor | None = None, block_size: int = 0,
+                  snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> VarlenLayout:
     """The layout of `num_tokens` tokens in sequences `cu_seqlens` [B+1]; context_lens [B] (tokens in
     the cache after this step; None: no cached prefix) and block_tables [B, W] with block_size give the
-    positions and latent rows. Device ops only, sizes from shapes alone."""
+    positions and latent rows; snapshots: (chunk_snapshot, snapshot_ends, snapshot_slots) as
+    `snapshot_tables` builds them. Device ops only, sizes from shapes alone."""
     B, T = cu_seqlens.shape[0] - 1, num_tokens
     dev = cu_seqlens.device
     cu = cu_seqlens.long()
@@ -80,7 +89,7 @@ def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int, context_lens: torch
         rows = block_tables[seq_ids, positions // block_size].long() * block_size + positions % block_size
     n = (lens.long() + KDA_CHUNK - 1) // KDA_CHUNK  # KDA chunks per sequence
     ends = n.cumsum(0)
-    NC = -(-T // KDA_CHUNK) + B
+    NC = num_chunks(T, B)
     ids = torch.arange(NC, device=dev)
     chunk_seq = torch.searchsorted(ends, ids, right=True)
     valid = chunk_seq < B
@@ -88,7 +97,33 @@ def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int, context_lens: torch
     first = ends - n
     start = cu[chunk_seq] + KDA_CHUNK * (ids - first[chunk_seq]) if B else ids
     return VarlenLayout(cu_seqlens, T, lens, seq_ids, positions, fresh, rows,
-                        torch.where(valid, chunk_seq, -1).to(torch.int32), start, first, NC)
+                        torch.where(valid, chunk_seq, -1).to(torch.int32), start, first, NC, *(snapshots or ()))
+
+
+def num_chunks(num_tokens: int, num_seqs: int) -> int:
+    """NC of a layout of T tokens in B sequences (an upper bound of their KDA chunks)."""
+    return -(-num_tokens // KDA_CHUNK) + num_seqs
+
+
+def snapshot_tables(lens: Sequence[int], snapshots: Sequence[Sequence[tuple[int, int]]], nc: int,
+                    m: int | None = None) -> tuple[list[int], list[int], list[int]]:
+    """Host lists of a layout's snapshot tables: lens [B] tokens of each sequence, snapshots[b] its
+    (offset, slot) pairs, each offset a whole number of KDA chunks inside the sequence. Returns
+    (chunk_snapshot [nc], snapshot_ends [m], snapshot_slots [m]); m entries (all of them when None),
+    unused ones on slot 0 ending at row 0 (the layer clamps the history rows it reads at 0)."""
+    table, ends, slots = [0] * nc, [], []
+    first = flat = 0
+    for n, snaps in zip(lens, snapshots):
+        for off, slot in snaps:
+            assert 0 < off < n and off % KDA_CHUNK == 0, (off, n)
+            table[first + off // KDA_CHUNK - 1] = slot
+            ends.append(flat + off)
+            slots.append(slot)
+        first += -(-n // KDA_CHUNK)
+        flat += n
+    m = len(ends) if m is None else m
+    assert len(ends) <= m, (len(ends), m)
+    return table, ends + [0] * (m - len(ends)), slots + [0] * (m - len(slots))
 
 
 def layout_problem(layout: VarlenLayout | None, num_tokens: int, num_seqs: int) -> str:

@@ -105,9 +105,18 @@ class KDA(nn.Module):
         beta = torch.sigmoid(b.to(g.dtype))  # [T', H]
         qkv = kernels.short_conv(xqkv, w, cache.conv, batch.prefill_cu_seqlens, si[nd:], batch.has_initial_state[nd:],
                                  layout=batch.prefill_layout)  # bf(silu(conv))
+        self._snapshot_conv(xqkv, batch.prefill_layout, cache)
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         q = kernels.l2_norm(q.view(T, H, K)) * K ** -0.5
         k = kernels.l2_norm(k.view(T, H, K))
         o = kernels.kda_prefill(q, k, v.view(T, H, V), g, beta, cache.state, batch.prefill_cu_seqlens, si[nd:],
                                 batch.has_initial_state[nd:], layout=batch.prefill_layout)
         return kernels.gated_rms_norm(o.to(xqkv.dtype), z, self.o_norm.weight, O_NORM_EPS)  # out_t = bf(o_t)
+
+    def _snapshot_conv(self, xqkv: torch.Tensor, layout, cache: KDACache) -> None:
+        """Prefix snapshots inside the chunks: the conv history there (the W−1 raw rows before each
+        snapshot's end) into its slot; kda_prefill writes the state. Unused entries go to slot 0."""
+        if layout is None or layout.snapshot_slots is None:
+            return
+        rows = (layout.snapshot_ends[:, None] - (self.W - 1) + torch.arange(self.W - 1, device=xqkv.device)).clamp(min=0)
+        cache.conv.index_copy_(0, layout.snapshot_slots, xqkv[rows].to(cache.conv.dtype))
