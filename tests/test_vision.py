@@ -493,6 +493,8 @@ def test_full_model_matches_spec_transcription_float64(path, monkeypatch):
             calls = stack.enter_context(math_path_in_small_blocks(monkeypatch, scores=5000))
         got = model(pixels, grids)
         assert torch.equal(model(pixels, torch.tensor(grids)), got)  # grid_thws as int64 [B, 3] too
+        with pytest.raises(ValueError, match="host ints expected"):  # not from a device: that would sync
+            model(pixels, torch.tensor(grids, device="meta"))
     if path == "math-blocked":
         assert max(h * rows * keys for h, rows, keys in calls) <= 5000
         assert (cfg.vt_num_attention_heads, 9, 256) in calls and len(calls) > 2 * cfg.vt_num_hidden_layers * len(grids)

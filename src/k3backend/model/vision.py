@@ -325,7 +325,11 @@ class K3VisionModel(nn.Module):
 
 
 def _check_inputs(cfg: VisionConfig, pixel_values: Tensor, grid_thws: Sequence[Grid] | Tensor) -> list[Grid]:
-    """Validate on the host (the grids are small Python ints) and return the grids as tuples."""
+    """Validate on the host (the grids are small Python ints) and return the grids as tuples. A tensor
+    of grids must be on the CPU: reading one from the device would wait for it (ENGINE.md §9)."""
+    if isinstance(grid_thws, Tensor) and grid_thws.device.type != "cpu":
+        raise ValueError(f"grid_thws: host ints expected (a list of (t, h, w) or a CPU tensor), got a tensor on "
+                         f"{grid_thws.device}")
     grids_raw = grid_thws.tolist() if isinstance(grid_thws, Tensor) else grid_thws
     grids = [tuple(int(v) for v in g) for g in grids_raw]
     p, (kh, kw) = cfg.patch_size, cfg.merge_kernel_size
