@@ -190,10 +190,10 @@ def graph_vs_eager(runner, chunk: SeqChunk, batch) -> None:
 
     pools.copy_slot(slot, save)
     alone = from_saved(lambda: runner.model(batch, pools))
-    graph = from_saved(lambda: graphs.run(chunk))
-    padded = from_saved(lambda: graphs.forward(graphs.batch(graphs._size_for(len(chunk.token_ids)))))
+    graph = from_saved(lambda: graphs.run([chunk]))
+    padded = from_saved(lambda: graphs.forward(graphs.batch(graphs.size_for([len(chunk.token_ids)]))))
     t_eager = wall_ms(lambda: runner.model(batch, pools))
-    t_graph = wall_ms(lambda: graphs.run(chunk))
+    t_graph = wall_ms(lambda: graphs.run([chunk]))
     d = lambda a, b: (a - b).abs().max().item()  # noqa: E731
     print(f"   step wall time: eager {t_eager:.2f} ms, prefill graph {t_graph:.2f} ms; max |logits| differences: "
           f"graph vs padded eager {d(graph, padded):.3g}, padded vs alone {d(padded, alone):.3g} "
