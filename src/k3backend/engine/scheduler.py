@@ -34,8 +34,8 @@ from k3backend.engine.plan import CacheCapacity, ScheduledSeq, SlotRequest, Step
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampler_ref import request_seed
 from k3backend.engine.sampling_params import eos_sets
-from k3backend.kernels.varlen import KDA_CHUNK
 from k3backend.engine.state_slots import StateSlots
+from k3backend.kernels.varlen import KDA_CHUNK
 
 
 @dataclass(eq=False)
