@@ -75,13 +75,16 @@ class _Decode:
         C = 2 * H * K + H * V
         N = B + 1 + max(1, B // 4)
         self.slots = (torch.randperm(N - 1, generator=gen, device=device)[:B] + 1).to(torch.int32)
-        self.args = [r(B, C), r(C, W, dtype=f32, scale=0.5), r(N, W - 1, C), r(B, H, K, scale=3),
+        # xqkv, z and b as the model has them: slices of one input GEMM's rows [q;k;v ; g ; f_a ; b]
+        rows = r(B, C + H * V + K + H)
+        xqkv, z, b = rows[:, :C], rows[:, C:C + H * V].view(B, H, V), rows[:, C + H * V + K:]
+        self.args = [xqkv, r(C, W, dtype=f32, scale=0.5), r(N, W - 1, C), r(B, H, K, scale=3),
                      r(H * K, dtype=f32, scale=0.5), torch.log(1 + 15 * torch.rand(H, generator=gen, device=device)),
-                     LB, r(B, H), r(B, H, V), 1 + r(V, scale=0.1), r(N, H, K, V, dtype=f32, scale=0.1), self.slots,
-                     1e-5]
+                     LB, b, z, 1 + r(V, scale=0.1), r(N, H, K, V, dtype=f32, scale=0.1), self.slots, 1e-5]
 
     def copy(self) -> list:
-        return [a.clone() if isinstance(a, torch.Tensor) else a for a in self.args]
+        """The inputs as they are (read only, strided), fresh copies of the pools the op updates."""
+        return [a.clone() if i in (2, 10) else a for i, a in enumerate(self.args)]
 
     @property
     def state_bytes(self) -> float:
@@ -122,6 +125,7 @@ def _fla_decode_fused(d: _Decode, device: str) -> Callable[[], object] | None:
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     xqkv, w, _, f, dt_bias, A_log, lb, b, z, w_o, S_pool, si, eps = d.copy()
+    b, z = b.contiguous(), z.contiguous()  # fla's views want whole tensors
     B, H, K, V = d.B, d.H, d.K, d.V
     xs = [t.contiguous() for t in xqkv.split([H * K, H * K, H * V], dim=-1)]
     ws = [t.contiguous() for t in w.split([H * K, H * K, H * V], dim=0)]
@@ -189,7 +193,7 @@ def _short_conv_case(T: int, H: int, device: str) -> Case:
 
     gen = torch.Generator(device=device).manual_seed(T + H)
     C = 3 * H * KV
-    x = torch.randn(T, C, generator=gen, device=device).bfloat16()
+    x = torch.randn(T, C + 2 * H * KV, generator=gen, device=device).bfloat16()[:, :C]  # a slice, as in the model
     w = torch.randn(C, W, generator=gen, device=device) * 0.5
     pool = torch.randn(5, W - 1, C, generator=gen, device=device).bfloat16()
     cu, slots, has = _varlen(T, device)
