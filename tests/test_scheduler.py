@@ -291,6 +291,20 @@ def test_snapshot_points_a_whole_number_of_kda_chunks_into_a_chunk_do_not_end_it
     assert d.done["a"] == alone(a) and d.done["b"] == alone(b)
 
 
+def test_a_chunk_the_budget_cuts_ends_on_the_kda_grid_so_the_next_takes_its_snapshots_inside():
+    """64-token blocks, a snapshot every 128 tokens, a step budget of 200: a 400-token prompt runs as
+    [0, 192) (128 inside), [192, 392) (256 and 384 inside), [392, 400); cut at 200, the second chunk
+    would start off the grid and end again at 256."""
+    d = Driver(num_blocks=16, num_slots=8, block_size=64, budget=200, snapshot_interval=128)
+    a = make_seq("a", [30 + i % 50 for i in range(400)], max_tokens=2)
+    d.add(a)
+    chunks = [d.step()[0].seqs[0] for _ in range(3)]
+    assert [(c.start, len(c.token_ids), [o for o, _ in c.snapshots]) for c in chunks] == \
+        [(0, 192, [128]), (192, 200, [64, 192]), (392, 8, [])]
+    d.run()
+    assert d.done["a"] == alone(a)
+
+
 def random_workload(rng: random.Random, n: int, block: int = 4) -> list[tuple[int, Sequence]]:
     """(arrival step, request): prompts built from a few `block`-token blocks, so that requests share
     beginnings, repeat blocks after other beginnings, and carry one of two images."""

@@ -242,7 +242,7 @@ class Scheduler:
     def _prefill(self, plan: StepPlan, seqs: list[Sequence], seq: Sequence, budget: int) -> int:
         """Schedule the next chunk of `seq`; returns its token count (0 when blocks ran out)."""
         start = seq.num_computed
-        end = self._chunk_end(seq, start, min(seq.target, start + budget))
+        end = self._chunk_end(seq, start, self._budget_end(seq, start, min(seq.target, start + budget)))
         if not self._grow(seq, end):
             return 0
         inside = self._take_snapshots(plan, seq, start, end)
@@ -302,6 +302,14 @@ class Scheduler:
         interval, last = self.cfg.snapshot_interval, len(seq.keys) * self.bs
         points = list(range((start // interval + 1) * interval, min(end, last) + 1, interval))
         return points + [last] if start < last <= end and last not in points else points
+
+    def _budget_end(self, seq: Sequence, start: int, end: int) -> int:
+        """A chunk that the step budget cuts before a snapshot point ends on the KDA chunk grid where
+        it can: then the next chunk starts on it and takes its snapshots inside the walk."""
+        if end == seq.target or not self._snapshot_points(seq, end, seq.target):
+            return end
+        aligned = end - end % KDA_CHUNK
+        return aligned if aligned > start else end
 
     def _chunk_end(self, seq: Sequence, start: int, end: int) -> int:
         """Cut the chunk [start, end) at the first snapshot point inside it that the chunked walk
