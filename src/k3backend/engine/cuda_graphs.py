@@ -299,22 +299,21 @@ class PrefillGraphs(_Graphs):
         self.block_tables[:places, :width].copy_(torch.from_numpy(tables), non_blocking=True)
         self.block_tables[places].zero_()  # the padding row: a chunk place's table in a larger graph
         self.mm_positions[:size].copy_(self._no_images[size])  # unused: the padding sequence's last row
-        self._fill_snapshots(chunks, lens, size)
+        self._fill_snapshots(chunks, lens, size, t)
         if len(mm_positions):
             self.mm_positions[:len(mm_positions)].copy_(torch.tensor(mm_positions), non_blocking=True)
             self.mm_embeds[:len(mm_positions)].copy_(mm_embeds, non_blocking=True)
 
-    def _fill_snapshots(self, chunks: Sequence[SeqChunk], lens: np.ndarray, size: int) -> None:
+    def _fill_snapshots(self, chunks: Sequence[SeqChunk], lens: np.ndarray, size: int, t: int) -> None:
         """The snapshot tables of the step (zeros: none); every entry another size's graph reads is
         zeroed again after a step that wrote some."""
         snaps = [c.snapshots for c in chunks]
         if not any(snaps) and not self._snapshots_written:
             return
-        for t in (self.chunk_snapshot, self.snapshot_ends, self.snapshot_slots):
-            t.zero_()
+        for buf in (self.chunk_snapshot, self.snapshot_ends, self.snapshot_slots):
+            buf.zero_()
         self._snapshots_written = any(snaps)
         if self._snapshots_written:
-            t = self.padded_tokens(size)
             table, ends, slots = snapshot_tables(lens.tolist(), snaps + [()] * (len(lens) - len(chunks)),
                                                  num_chunks(t, len(lens)), size // KDA_CHUNK)
             self.chunk_snapshot[:len(table)].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)

@@ -399,5 +399,6 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         w=w, u=u, qg=qg, kg=kg, Aqk=Aqk, gl=gl, S_pool=S_pool, state_indices=state_indices,
         has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, first_chunk=first_chunk,
         chunk_snapshot=lay.chunk_snapshot if lay.chunk_snapshot is not None else first_chunk, o=o,
-        H=H, K=K, V=V, BK=BK, BV=BVS, SNAP=lay.chunk_snapshot is not None, num_warps=4, num_stages=2 if programs <= _num_sms(dev) else 1, **flags)
+        H=H, K=K, V=V, BK=BK, BV=BVS, SNAP=lay.chunk_snapshot is not None, num_warps=4,
+        num_stages=2 if programs <= _num_sms(dev) else 1, **flags)
     return o

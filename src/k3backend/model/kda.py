@@ -7,9 +7,10 @@ from torch import nn
 
 from k3backend import kernels
 from k3backend.config import TextConfig
+from k3backend.kernels.varlen import VarlenLayout
 from k3backend.model.cache import ForwardBatch, KDACache, cat_parts
 from k3backend.model.norm import RMSNorm
-from k3backend.model.parallel import SINGLE, Parallel
+from k3backend.model.parallel import SINGLE, Parallel, packed_rows
 
 O_NORM_EPS = 1e-5  # hard-coded in SGLang whatever rms_norm_eps says (§5.7)
 
@@ -53,13 +54,12 @@ class KDA(nn.Module):
     def packing(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint name -> (packed parameter, first row, end row), names relative to this layer."""
         P, PV = self.H * self.K, self.H * self.V
-        bounds = {"q": (0, P), "k": (P, 2 * P), "v": (2 * P, 2 * P + PV)}
-        c = 2 * P + PV
-        g, f, end = c + self.in_sizes[1], c + self.in_sizes[1] + self.K, sum(self.in_sizes)
-        rest = {"g_proj" if self.full_rank_gate else "g_a_proj": (c, g), "f_a_proj": (g, f), "b_proj": (f, end)}
-        return {**{f"{n}_proj.weight": ("in_proj.weight", *b) for n, b in bounds.items()},
-                **{f"{n}.weight": ("in_proj.weight", *b) for n, b in rest.items()},
-                **{f"{n}_conv1d.weight": ("conv1d_weight", *b) for n, b in bounds.items()}}
+        qkv = [("q", P), ("k", P), ("v", PV)]
+        gate = "g_proj" if self.full_rank_gate else "g_a_proj"
+        return {**packed_rows("in_proj.weight", [(f"{n}_proj.weight", m) for n, m in qkv]
+                              + [(f"{gate}.weight", self.in_sizes[1]), ("f_a_proj.weight", self.K),
+                                 ("b_proj.weight", self.H)]),
+                **packed_rows("conv1d_weight", [(f"{n}_conv1d.weight", m) for n, m in qkv])}
 
     def shards(self) -> dict[str, tuple[int, int, int]]:
         """Checkpoint name -> (dim, start, end) of the full tensor this rank loads (head-parallel)."""
@@ -113,10 +113,11 @@ class KDA(nn.Module):
                                 batch.has_initial_state[nd:], layout=batch.prefill_layout)
         return kernels.gated_rms_norm(o.to(xqkv.dtype), z, self.o_norm.weight, O_NORM_EPS)  # out_t = bf(o_t)
 
-    def _snapshot_conv(self, xqkv: torch.Tensor, layout, cache: KDACache) -> None:
+    def _snapshot_conv(self, xqkv: torch.Tensor, layout: VarlenLayout | None, cache: KDACache) -> None:
         """Prefix snapshots inside the chunks: the conv history there (the W−1 raw rows before each
         snapshot's end) into its slot; kda_prefill writes the state. Unused entries go to slot 0."""
         if layout is None or layout.snapshot_slots is None:
             return
-        rows = (layout.snapshot_ends[:, None] - (self.W - 1) + torch.arange(self.W - 1, device=xqkv.device)).clamp(min=0)
+        taps = torch.arange(self.W - 1, device=xqkv.device)
+        rows = (layout.snapshot_ends[:, None] - (self.W - 1) + taps).clamp(min=0)  # [M, W-1]
         cache.conv.index_copy_(0, layout.snapshot_slots, xqkv[rows].to(cache.conv.dtype))

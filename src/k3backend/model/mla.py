@@ -9,7 +9,7 @@ from k3backend import kernels
 from k3backend.config import TextConfig
 from k3backend.model.cache import ForwardBatch, MLACache, cat_parts
 from k3backend.model.norm import RMSNorm
-from k3backend.model.parallel import SINGLE, Parallel
+from k3backend.model.parallel import SINGLE, Parallel, packed_rows
 
 
 class MLA(nn.Module):
@@ -46,8 +46,7 @@ class MLA(nn.Module):
     def packing(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint name -> (packed parameter, first row, end row), names relative to this layer."""
         names = ("q_a_proj.weight" if self.q_lora else "q_proj.weight", "kv_a_proj_with_mqa.weight", "g_proj.weight")
-        ends = torch.tensor(self.in_sizes).cumsum(0).tolist()
-        return {n: ("in_proj.weight", e - size, e) for n, size, e in zip(names, self.in_sizes, ends)}
+        return packed_rows("in_proj.weight", list(zip(names, self.in_sizes)))
 
     def shards(self) -> dict[str, tuple[int, int, int]]:
         """Checkpoint name -> (dim, start, end) of the full tensor this rank loads (head-parallel)."""

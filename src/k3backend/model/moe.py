@@ -9,7 +9,7 @@ from torch import nn
 from k3backend import kernels
 from k3backend.config import MXFP4, MXFP4_GROUP, TextConfig
 from k3backend.model.norm import RMSNorm
-from k3backend.model.parallel import SINGLE, Parallel, ParallelConfigError
+from k3backend.model.parallel import SINGLE, Parallel, ParallelConfigError, packed_rows
 
 
 def make_act(cfg: TextConfig, *, routed: bool) -> kernels.Activation:
@@ -40,7 +40,7 @@ class MLP(nn.Module):
     def packing(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint name -> (packed parameter, first row, end row), relative to this module."""
         n = self.down_proj.in_features
-        return {"gate_proj.weight": ("gate_up_proj.weight", 0, n), "up_proj.weight": ("gate_up_proj.weight", n, 2 * n)}
+        return packed_rows("gate_up_proj.weight", [("gate_proj.weight", n), ("up_proj.weight", n)])
 
     def shards(self) -> dict[str, tuple[int, int, int]]:
         n, r = self.down_proj.in_features, self.par.tp_rank

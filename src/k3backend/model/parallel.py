@@ -14,10 +14,19 @@ With one rank every collective is a no-op, so the single-process model is the sa
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+def packed_rows(param: str, parts: Sequence[tuple[str, int]]) -> dict[str, tuple[str, int, int]]:
+    """A module's `packing()`: checkpoint tensors (name, rows on this rank) stacked in order into the
+    one parameter `param` -> name: (param, first row, end row)."""
+    ends = list(itertools.accumulate(n for _, n in parts))
+    return {name: (param, end - n, end) for (name, n), end in zip(parts, ends)}
 
 
 class ParallelConfigError(ValueError):
