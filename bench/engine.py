@@ -61,7 +61,7 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
 def set_layers(raw: dict, n: int) -> None:
     """The preset with n decoder layers in K3's pattern (MLA every 4th and the last, KDA the others):
     how host time grows with depth."""
-    text = raw["text_config"]
+    text = raw.get("text_config", raw)  # the small preset is text-only (its config is the text config)
     mla = sorted({i for i in range(4, n + 1, 4)} | {n})
     text["num_hidden_layers"] = n
     text["linear_attn_config"] = {**text["linear_attn_config"], "full_attn_layers": mla,

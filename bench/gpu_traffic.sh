@@ -60,7 +60,8 @@ for table, first, cols in (("engine", "workload", "tok/s TTFT-p50 TTFT-p99 ITL-p
     print(f"\n{table}: {cols}, each as " + " -> ".join(trees))
     data = {t: rows(f"{out}/{table}-{t}.txt", first) for t in trees}
     for key in dict.fromkeys(k for t in trees for k in data[t]):
-        vals = [data[t].get(key, ["?"] * 5) for t in trees]
-        print(f"{key:<48} " + "  ".join(" -> ".join(v[i] for v in vals) for i in range(len(vals[0]))))
+        vals = [data[t].get(key, []) for t in trees]  # a tree that failed has no row: "?"
+        width = max(5, *map(len, vals))
+        print(f"{key:<48} " + "  ".join(" -> ".join(v[i] if i < len(v) else "?" for v in vals) for i in range(width)))
 PY
 } 2>&1 | tee "$OUT/traffic.txt"

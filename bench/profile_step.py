@@ -139,7 +139,8 @@ def graph_check(runner, plan: StepPlan) -> str:
     tilings: rounding), as 'a/b (|logits| max)'; '-' when the step replays no prefill graph."""
     nd, graphs = plan.num_decode, runner.prefill_graphs
     chunks = plan.seqs[nd:]
-    if not chunks or graphs is None or runner._eager_reason(plan.seqs[:nd], chunks):
+    eager = getattr(runner, "_eager_reason", None)  # None: an older tree (gpu_traffic.sh's OLD_SRC)
+    if not chunks or graphs is None or eager is None or eager(plan.seqs[:nd], chunks):
         return "-"
     replay = runner.logits(plan)[nd:].float().clone()
     size = graphs.size_for([len(c.token_ids) for c in chunks])

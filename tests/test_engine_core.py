@@ -14,6 +14,7 @@ import torch
 
 from k3backend.checkpoint import load_model
 from k3backend.engine.request import FinishReason, Request
+from k3backend.engine.runner import prefill_graph_sizes
 from k3backend.engine.sampling_params import SamplingParams
 from test_engine import Completion, ckpt, new_core, one_thread, reference, run, tok  # noqa: F401 - fixtures
 
@@ -165,6 +166,24 @@ def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, 
     assert any(c == 0 for _, c, _ in steps), steps  # decode-only steps too
     assert any(img for _, _, img in steps), steps  # image rows in a replay
     assert core.stats().steps == len(steps)  # every step replayed (none needed a forward of its own)
+
+
+def test_prefill_graphs_of_the_runners_sizes_hold_their_padding_when_max_model_len_is_short(model64, tok):
+    """The runner's own graph sizes (up to the first size at or above min(step budget, max_model_len))
+    when max_model_len is below the largest size's padded tokens: every size's warm-up step (all places
+    dummies, the rest one padding sequence, as the capture runs it) and a prompt of max_model_len - 1
+    tokens run through the buffers. The padding sequence's block table must cover its length (it did
+    not: a device-side assert that broke the GPU at start-up)."""
+    core = new_core(model64, max_num_seqs=4, max_num_batched_tokens=96, max_model_len=40, **PAGED)
+    runner = core.executor.runner
+    runner.prefill_graphs = graphs = runner.make_prefill_graphs(core.cfg, prefill_graph_sizes(core.cfg), capture=False)
+    assert graphs.max_tokens == 64 and graphs.padded_tokens(64) > core.cfg.max_model_len
+    for size in graphs.sizes:  # what the capture's warm-up runs, largest first
+        graphs._prepare(size)
+        assert torch.isfinite(graphs.forward(graphs.batch(size))).all(), size
+    ids = (tok.encode("fill the whole context window: " + "ab" * 40, allow_special=True) * 2)[:39]
+    req = Request("full", ids, SamplingParams(max_tokens=1, temperature=0.0))
+    assert_each_alone(model64, [req], run(core, [req]))
 
 
 @pytest.mark.parametrize("graph_buffers", [False, True], ids=["eager", "prefill-graph-buffers"])

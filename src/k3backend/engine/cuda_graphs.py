@@ -202,6 +202,7 @@ class PrefillGraphs(_Graphs):
         super().__init__(forward, sizes)
         self.block_size, self.max_seqs = block_size, max_seqs
         n, seqs = self.padded_tokens(self.sizes[-1]), self.seqs(self.sizes[-1]) + 1
+        max_blocks = max(max_blocks, -(-n // block_size))  # the padding sequence may outgrow max_model_len
         i32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)

@@ -89,7 +89,7 @@ class ModelRunner:
         if not _wants_graphs(self.device, cfg):
             return
         pool = torch.cuda.graph_pool_handle()
-        sizes = prefill_sizes(min(cfg.max_num_batched_tokens, cfg.max_model_len))
+        sizes = prefill_graph_sizes(cfg)
         prefill = self.make_prefill_graphs(cfg, sizes, capture=True, pool=pool) if sizes else None
         if prefill is not None and not prefill.graphs and prefill.max_seqs > 1:  # keep one-chunk graphs at least
             log.warning("CUDA graphs: capturing prefill graphs of one chunk each instead")
@@ -260,7 +260,7 @@ def _cache_budget(model: K3Model, cfg: EngineConfig) -> int:
     if _wants_graphs(device, cfg):  # the graphs' pool keeps the largest graphed steps' activations for good
         b = capture_sizes(cfg.max_num_seqs)[-1]
         used += _activation_bytes(model, cfg, [SeqChunk([0], 0, 0, False, [0])] * b, b)
-        for p in prefill_sizes(min(cfg.max_num_batched_tokens, cfg.max_model_len))[-1:]:
+        for p in prefill_graph_sizes(cfg)[-1:]:
             dummies = prefill_seqs(p, min(PREFILL_SEQS, cfg.max_num_seqs)) - 1
             used += _activation_bytes(model, cfg, [SeqChunk([0] * p, 0, 0, False, [0] * blocks_for(p, cfg.block_size))]
                                       + [SeqChunk([0], 0, 0, False, [0])] * dummies
@@ -286,6 +286,11 @@ def _activation_bytes(model: K3Model, cfg: EngineConfig, chunks: list[SeqChunk],
     del warm
     torch.cuda.empty_cache()
     return max(0, peak)
+
+
+def prefill_graph_sizes(cfg: EngineConfig) -> tuple[int, ...]:
+    """The prefill graphs' token sizes: up to the largest prefill step, min(step budget, max_model_len)."""
+    return prefill_sizes(min(cfg.max_num_batched_tokens, cfg.max_model_len))
 
 
 def _wants_graphs(device: torch.device, cfg: EngineConfig) -> bool:
