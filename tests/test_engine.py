@@ -93,13 +93,13 @@ def run(core: EngineCore, requests: list[Request], hook=None) -> dict[str, Compl
             got[rids[rid]].num_cached_tokens = cached
         for rid, token, finish in zip(out.ids.tolist(), out.tokens.tolist(), out.finish.tolist()):
             c = got[rids[rid]]
+            assert rid in live, f"{rids[rid]}: news after its end ({'ended again' if finish else f'token {token}'})"
             c.steps += 1
             if token >= 0:
                 c.token_ids.append(token)
             if rid in out.logprobs:
                 c.logprobs.append(out.logprobs[rid])
             if finish:
-                assert rid in live, f"{rids[rid]} ended twice"
                 c.finish, c.error = FinishReason(finish), out.errors.get(rid)
                 live.discard(rid)
         assert step < 10_000, "the engine does not finish"

@@ -16,7 +16,7 @@ from k3backend.checkpoint import load_model
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.runner import prefill_graph_sizes
 from k3backend.engine.sampling_params import SamplingParams
-from test_engine import Completion, ckpt, new_core, one_thread, reference, run, tok  # noqa: F401 - fixtures
+from test_engine import Completion, assert_idle, ckpt, new_core, one_thread, reference, run, tok  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_padded_decode_steps_of_the_graph_buffers_change_no_output(model64, tok)
     assert runner.graphs.sizes == (1, 2, 4, 8)
     calls = []
     run_graph = runner.graphs.run
-    runner.graphs.run = lambda chunks: calls.append(len(chunks)) or run_graph(chunks)
+    runner.graphs.run = lambda chunks, fix_ids=None: calls.append(len(chunks)) or run_graph(chunks, fix_ids)
     outs = run(core, reqs)
     assert_each_alone(model64, reqs, outs)
     assert {3, 1} <= set(calls), calls  # padded (3 -> 4) and exact-size steps both ran
@@ -350,3 +350,81 @@ def test_strong_repetition_penalty_covers_the_prompt(model64, tok):
     assert reference(model64, plain)[0] in plain.prompt_ids
     core = new_core(model64)
     assert run(core, [penalized])["penalized"].token_ids == want
+
+
+# ---- overlapped (async) scheduling -------------------------------------------------------------
+
+def _count_pending_rows(core) -> list[int]:
+    """Count the decode rows fed a PENDING token (the runner takes it on the device)."""
+    runner, fed = core.executor.runner, []
+    feed = runner._feed
+    runner._feed = lambda ids, decodes: fed.append(sum(s.token_ids[0] < 0 for s in decodes)) or feed(ids, decodes)
+    return fed
+
+
+def _overlap_requests(tok, model) -> list[Request]:
+    shared = "a shared beginning for the prefix cache, "
+    params = [SamplingParams(max_tokens=9, temperature=0.0, logprobs=2),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=7, top_k=30),
+              SamplingParams(max_tokens=7, temperature=0.9, seed=8, top_p=0.8, min_tokens=5),
+              SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3),  # reads its history: waited for
+              SamplingParams(max_tokens=11, temperature=0.7, seed=9, min_p=0.05, logprobs=1),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=13, temperature=1.1, seed=10)]
+    reqs = [Request(f"o{i}", tok.encode((shared if i % 3 == 0 else "") + f"overlap {i}: " + "uv" * (1 + i % 4),
+                                        allow_special=True), p, eos_ids=(tok.eos_id,))
+            for i, p in enumerate(params)]
+    return reqs + [image_request(tok, "o-img", model, "9", 9)]
+
+
+def test_overlapped_steps_give_the_tokens_of_waited_steps(model64, tok):
+    """Async scheduling: each step is scheduled and launched before the previous one's tokens reach
+    the host (decode rows fed PENDING, taken from the drawn ids on the device), on a pool tight
+    enough to preempt, with prefix hits, an image, min_tokens, log-probs, a penalty request (whose
+    steps wait) and half the requests ending on a stop id that no length predicts (the overlapped
+    run has already scheduled their next row, which is dropped). Tokens, finish reasons and
+    log-probs equal the run that waits for every step."""
+    reqs = _overlap_requests(tok, model64)
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=24, num_blocks=24, num_slots=9, **PAGED)
+    first = run(new_core(model64, async_scheduling=False, **cfg), reqs)
+    reqs = [replace(r, params=replace(r.params, stop_token_ids=(first[r.request_id].token_ids[3],))) if i % 2 else r
+            for i, r in enumerate(reqs)]
+    waited = run(new_core(model64, async_scheduling=False, **cfg), reqs)
+    core = new_core(model64, **cfg)
+    assert core.overlap
+    fed = _count_pending_rows(core)
+    over = run(core, reqs)
+    again = run(core, reqs)  # the same requests once more: prompts from the prefix cache
+    assert_idle(core)
+    assert sum(fed) > 20, fed
+    assert core.stats().num_preemptions > 0 and core.stats().prefix_cache_hits > 0
+    stopped = 0
+    for r in reqs + reqs:
+        a, b = waited[r.request_id], (over if stopped < len(reqs) else again)[r.request_id]
+        assert (b.token_ids, b.finish, b.error) == (a.token_ids, a.finish, a.error), r.request_id
+        assert len(a.logprobs) == len(b.logprobs)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert (x.token, x.rank, [t for t, _ in x.top]) == (y.token, y.rank, [t for t, _ in y.top])
+            assert abs(x.logprob - y.logprob) < 1e-9
+        stopped += 1
+    assert sum(c.finish == FinishReason.STOP for c in waited.values()) >= 3
+
+
+def test_a_cancel_while_a_step_is_in_flight_ends_the_request_with_a_prefix_of_its_tokens(model64, tok):
+    """Cancels at every step of an overlapped run: each request ends once, CANCELLED, with a prefix
+    of its uncancelled output (a token drawn after the cancel is dropped), and nothing stays held."""
+    reqs = _overlap_requests(tok, model64)[:6]
+    cfg = dict(max_num_seqs=3, max_num_batched_tokens=24, **PAGED)
+    full = run(new_core(model64, async_scheduling=False, **cfg), reqs)
+    for at in range(1, 9):
+        core = new_core(model64, **cfg)
+        victims = {r.request_id for r in reqs[at % 3::3]}
+        out = run(core, reqs, hook=lambda step, core, rids: step == at and [core.abort(rids[v]) for v in victims])
+        assert_idle(core)
+        for r in reqs:
+            got, want = out[r.request_id], full[r.request_id]
+            assert got.token_ids == want.token_ids[:len(got.token_ids)], (at, r.request_id)
+            if r.request_id not in victims:
+                assert got.token_ids == want.token_ids and got.finish == want.finish, (at, r.request_id)
+            else:
+                assert got.finish in (FinishReason.CANCELLED, want.finish), (at, r.request_id)

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from k3backend.engine.plan import CacheCapacity, StepPlan
+from k3backend.engine.plan import PENDING, CacheCapacity, StepPlan
 from k3backend.engine.request import Request
 from k3backend.engine.sampling_params import SamplingParams
 from k3backend.engine.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -42,13 +42,14 @@ def make_seq(key: str, prompt: list[int], max_tokens: int = 8, image: str | None
 def next_token(seq: Sequence) -> int:
     """The fake model's sample: a function of the request and the output position only, so a
     recomputed request continues exactly as it would have."""
-    return 30 + (sum(map(ord, seq.request.request_id)) * 7 + len(seq.output_ids) * 13) % 60
+    return 30 + (sum(map(ord, seq.request.request_id)) * 7 + seq.num_output * 13) % 60
 
 
-def stream(seq: Sequence, end: int) -> tuple[Item, ...]:
-    """The first `end` positions of the request's stream, image rows told apart by hash and row."""
+def stream(seq: Sequence, end: int, pending: int | None = None) -> tuple[Item, ...]:
+    """The first `end` positions of the request's stream, image rows told apart by hash and row;
+    `pending`: the value of its PENDING token (drawn by the step in flight)."""
     r, pads = seq.request, {p: i for i, p in enumerate(seq.pads)}
-    return tuple((t, (r.image_hashes[0], pads[p]) if p in pads else None)
+    return tuple((pending if t == PENDING else t, (r.image_hashes[0], pads[p]) if p in pads else None)
                  for p, t in enumerate(seq.tokens(0, end)))
 
 
@@ -60,6 +61,7 @@ class CacheModel:
         self.slots: dict[int, tuple[Item, ...]] = {}  # KDA slot -> prefix its state is of
         self.blocks: dict[tuple[int, int], tuple[Item, ...]] = {}  # (block, offset) -> prefix ending there
         self.sampling: dict[int, tuple[str, list[int]]] = {}  # the runner's per-slot (request, output ids)
+        self.drawn: dict[int, int] = {}  # slot -> the token the last step drew there (a PENDING input's value)
 
     def execute(self, plan: StepPlan, seqs: list[Sequence]) -> list[int]:
         """Run one plan; returns the sampled ids of its sampling rows, in order."""
@@ -78,8 +80,12 @@ class CacheModel:
         writes = {}
         for sch, seq in zip(plan.seqs, seqs):  # every row reads the cache as it was before the step
             end = sch.start + len(sch.token_ids)
-            full = stream(seq, end)
-            assert sch.token_ids == tuple(t for t, _ in full[sch.start:]), f"{seq.request.request_id}: wrong tokens at {sch.start}"
+            if PENDING in sch.token_ids:
+                assert sch.token_ids == (PENDING,) and sch.slot in self.drawn, \
+                    f"{seq.request.request_id}: PENDING in {sch} (only a decode row after its slot drew)"
+            full = stream(seq, end, self.drawn.get(sch.slot))
+            assert tuple(self.drawn.get(sch.slot) if t == PENDING else t for t in sch.token_ids) == \
+                tuple(t for t, _ in full[sch.start:]), f"{seq.request.request_id}: wrong tokens at {sch.start}"
             assert sch.has_initial_state == (sch.start > 0)
             if sch.start:
                 held = self.slots.get(sch.slot, ())
@@ -100,20 +106,23 @@ class CacheModel:
                 assert off % KDA_CHUNK == 0 and 0 < off < len(sch.token_ids), f"snapshot at offset {off} of {sch}"
                 self.slots[dst] = full[:sch.start + off]
             if sch.sample:
-                assert end == seq.num_prompt_tokens + len(seq.output_ids), f"{seq.request.request_id}: samples at {end}"
+                assert end == seq.num_prompt_tokens + seq.num_output, f"{seq.request.request_id}: samples at {end}"
                 owner = self.sampling.get(sch.slot)
                 assert owner is not None and owner[0] == seq.request.request_id, (
                     f"{seq.request.request_id} samples in slot {sch.slot}, whose sampling state the runner has "
                     f"{'dropped (plan.freed)' if owner is None else 'for ' + owner[0]}")
-                assert owner[1] == seq.output_ids, f"{seq.request.request_id}: the runner's output ids {owner[1]}"
+                assert owner[1][:len(seq.output_ids)] == seq.output_ids and len(owner[1]) == seq.num_output, \
+                    f"{seq.request.request_id}: the runner's output ids {owner[1]}"
         self.blocks.update(writes)
         for src, dst in plan.snapshots:
             self.slots[dst] = self.slots[src]
         tokens = []
+        self.drawn = {}
         for sch, seq in zip(plan.seqs, seqs):
             if sch.sample:
                 tokens.append(next_token(seq))
                 self.sampling[sch.slot][1].append(tokens[-1])
+                self.drawn[sch.slot] = tokens[-1]
         return tokens
 
 
@@ -125,16 +134,22 @@ def held_refs(sched: Scheduler, outside: list[int] = ()) -> None:
 
 
 class Driver:
-    """The engine's step loop (`Engine._step`) over a scheduler and a `CacheModel`."""
+    """The engine's step loop (`EngineCore.step`) over a scheduler and a `CacheModel`; `overlap`: each
+    step is scheduled before the previous one's tokens are known (async scheduling), except when a
+    running request reads its token history (a repetition penalty here)."""
 
     def __init__(self, *, num_blocks: int, num_slots: int, block_size: int = 4, max_num_seqs: int = 4,
-                 budget: int = 64, prefix_caching: bool = True, snapshot_interval: int = 8) -> None:
+                 budget: int = 64, prefix_caching: bool = True, snapshot_interval: int = 8,
+                 overlap: bool = False) -> None:
         cfg = SchedulerConfig(max_num_seqs, budget, prefix_caching, snapshot_interval)
         self.sched = Scheduler(cfg, CacheCapacity(num_blocks, num_slots, block_size))
         self.cache = CacheModel(block_size)
         self.done: dict[str, list[int]] = {}
         self.steps = 0
         self.outside: list[int] = []  # blocks taken from outside the scheduler (hog)
+        self.overlap = overlap
+        self.in_flight: list[tuple[Sequence, int]] | None = None  # (sequence, drawn token) of the last step
+        self.pending_rows = 0  # decode rows fed a PENDING token
 
     def hog(self) -> None:
         """Take every free block, so the next block any request needs preempts."""
@@ -152,24 +167,43 @@ class Driver:
         s = self.sched
         for seq in s.pop_cancelled():
             self.done[seq.request.request_id] = seq.output_ids
+        if self.in_flight is not None and (not self.overlap or any(q.request.params.repetition_penalty != 1.0
+                                                                   for q in s.all())):
+            self.resolve()
         plan, seqs = s.schedule()
-        if plan.empty and s.all():
+        if plan.empty and s.all() and self.in_flight is None:
             raise AssertionError(f"nothing scheduled with {len(s.running)} running, {len(s.waiting)} waiting, "
                                  f"{s.blocks.num_free} free blocks: no step can ever change that")
+        self.pending_rows += sum(sch.token_ids == (PENDING,) for sch in plan.seqs)
         tokens = iter(self.cache.execute(plan, seqs))
         s.update(plan, seqs)
+        drawn = []
         for sch, seq in zip(plan.seqs, seqs):
             assert seq.num_computed == sch.start + len(sch.token_ids)
             if sch.sample:
-                seq.append_token(next(tokens))
-        for seq in s.remove_finished():
-            self.done[seq.request.request_id] = seq.output_ids
+                seq.pending += 1
+                drawn.append((seq, next(tokens)))
+        if self.in_flight is not None:
+            self.resolve()
+        self.in_flight = drawn
+        if not self.overlap:
+            self.resolve()
         held_refs(s, self.outside)
         self.steps += 1
         return plan, seqs
 
+    def resolve(self) -> None:
+        """The step in flight's tokens reach the host (EngineCore._resolve)."""
+        for seq, token in self.in_flight:
+            seq.pending -= 1
+            if not seq.finished and not seq.cancelled:
+                seq.append_token(token)
+        self.in_flight = None
+        for seq in self.sched.remove_finished(waiting_too=True):
+            self.done[seq.request.request_id] = seq.output_ids
+
     def run(self, max_steps: int = 2000) -> dict[str, list[int]]:
-        while self.sched.all():
+        while self.sched.all() or self.in_flight:
             assert self.steps < max_steps, f"no end after {max_steps} steps: {self.sched.num_preemptions} preemptions"
             self.step()
         assert self.sched.blocks.num_free == self.sched.blocks.capacity
@@ -305,9 +339,10 @@ def test_a_chunk_the_budget_cuts_ends_on_the_kda_grid_so_the_next_takes_its_snap
     assert d.done["a"] == alone(a)
 
 
-def random_workload(rng: random.Random, n: int, block: int = 4) -> list[tuple[int, Sequence]]:
+def random_workload(rng: random.Random, n: int, block: int = 4, few_penalties: bool = False) -> list[tuple[int, Sequence]]:
     """(arrival step, request): prompts built from a few `block`-token blocks, so that requests share
-    beginnings, repeat blocks after other beginnings, and carry one of two images."""
+    beginnings, repeat blocks after other beginnings, and carry one of two images; a repetition
+    penalty on half of them (few_penalties: a tenth, so that overlapped steps are not all waited for)."""
     blocks = [[rng.randrange(30, 90) for _ in range(block)] for _ in range(4)]
     out = []
     for i in range(n):
@@ -318,33 +353,35 @@ def random_workload(rng: random.Random, n: int, block: int = 4) -> list[tuple[in
             ids[at:at] = [PAD] * rng.choice([3, 4, 6])
             image = rng.choice("ab") * 32
         ids += [rng.randrange(30, 90) for _ in range(rng.randrange(0, 4))]
-        out.append((rng.randrange(0, 3 * n), make_seq(f"r{i}", ids, rng.randrange(1, 12), image,
-                                                      rng.choice([1.0, 1.3]))))
+        penalty = rng.choice([1.0, 1.3])
+        if few_penalties and rng.random() < 0.8:
+            penalty = 1.0
+        out.append((rng.randrange(0, 3 * n), make_seq(f"r{i}", ids, rng.randrange(1, 12), image, penalty)))
     return sorted(out, key=lambda x: x[0])
 
 
-def run_random(seed: int, long: bool = False) -> Driver:
+def run_random(seed: int, long: bool = False, overlap: bool = False) -> Driver:
     """One random workload (random_workload) with random cancellations on a random small pool; long:
     prompts of 32-token pieces on 16-token blocks with snapshots every 64 or 128 tokens, so that
     snapshot points fall inside chunks a whole number of KDA chunks in (taken there) or not (cut)."""
     rng = random.Random(seed)
     bs = 16 if long else 4
-    work = random_workload(rng, 10, 32 if long else 4)
+    work = random_workload(rng, 10, 32 if long else 4, few_penalties=overlap)
     requests = {s.request.request_id: s for _, s in work}
     longest = max(s.num_prompt_tokens + s.request.params.max_tokens for s in requests.values())
     d = Driver(num_blocks=1 + -(-longest // bs) + rng.randrange(0, 6), num_slots=rng.randrange(3, 7),
                block_size=bs, max_num_seqs=rng.randrange(1, 5),
                budget=rng.randrange(40, 300) if long else rng.randrange(3, 20), prefix_caching=seed % 3 != 0,
-               snapshot_interval=rng.choice([64, 128] if long else [4, 8]))
+               snapshot_interval=rng.choice([64, 128] if long else [4, 8]), overlap=overlap)
     step, cancelled = 0, set()
-    while work or d.sched.all():
+    while work or d.sched.all() or d.in_flight:
         while work and work[0][0] <= step:
             d.add(work.pop(0)[1])
         if d.sched.running and rng.random() < 0.03:
             victim = rng.choice(d.sched.running)
             victim.cancelled = True
             cancelled.add(victim.request.request_id)
-        if d.sched.all():
+        if d.sched.all() or d.in_flight:
             d.step()
         step += 1
         assert step < 3000, "no end after 3000 steps"
@@ -356,16 +393,23 @@ def run_random(seed: int, long: bool = False) -> Driver:
     return d
 
 
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+
+
+@OVERLAP
 @pytest.mark.parametrize("seed", range(60))
-def test_random_requests_on_small_pools_read_only_their_own_cache(seed):
+def test_random_requests_on_small_pools_read_only_their_own_cache(seed, overlap):
     """Random arrivals, cancellations, budgets and pool sizes (tight pools: many preemptions,
     prefix hits on repeated blocks and images): every step reads only its own cache (CacheModel),
     block references always match their holders, no step is empty while requests wait, and every
-    request ends with its output alone (a prefix of it when cancelled)."""
-    run_random(seed)
+    request ends with its output alone (a prefix of it when cancelled). `overlap`: each step is
+    scheduled before the last one's tokens are known, its decode rows fed PENDING."""
+    d = run_random(seed, overlap=overlap)
+    assert (d.pending_rows > 0) == overlap
 
 
+@OVERLAP
 @pytest.mark.parametrize("seed", range(20))
-def test_random_long_prompts_with_snapshots_inside_chunks_read_only_their_own_cache(seed):
+def test_random_long_prompts_with_snapshots_inside_chunks_read_only_their_own_cache(seed, overlap):
     """The same with prompts of up to 200 tokens on 16-token blocks, snapshots every 64 or 128."""
-    run_random(seed, long=True)
+    run_random(seed, long=True, overlap=overlap)

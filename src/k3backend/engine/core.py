@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +25,6 @@ from k3backend.engine.config import EngineConfig
 from k3backend.engine.outputs import EngineStats, StepOutputs
 from k3backend.engine.request import FinishReason, Request, TokenLogprob
 from k3backend.engine.runner import Executor
-from k3backend.engine.sampler import Sampled
 from k3backend.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from k3backend.errors import InvalidArgument, K3Error
 
@@ -41,6 +41,9 @@ class EngineCore:
                                                cfg.snapshot_interval), executor.capacity)
         self._seqs: dict[int, Sequence] = {}
         self._ended: list[tuple[int, FinishReason, tuple[str, str] | None]] = []  # reported with the next step
+        self._in_flight: tuple[Any, list[Sequence]] | None = None  # a launched step and its sampling rows' seqs
+        self._history: set[int] = set()  # ids whose sampling reads their token history (no overlap then)
+        self.overlap = cfg.async_scheduling and executor.overlap
         self.steps = 0
 
     # ---- requests ------------------------------------------------------------------------------
@@ -57,6 +60,8 @@ class EngineCore:
             return
         seq = Sequence(rid, request, pad_id=self.info.media_pad_id)
         self._seqs[rid] = seq
+        if _reads_history(request):
+            self._history.add(rid)
         self.sched.add(seq)
 
     def abort(self, rid: int) -> None:
@@ -67,7 +72,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._seqs or self._ended)
+        return bool(self._seqs or self._ended or self._in_flight)
 
     def stats(self) -> EngineStats:
         s = self.sched
@@ -78,29 +83,60 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> StepOutputs:
-        """Cancellations, one scheduled forward with its sampling, and every request's news."""
+        """Cancellations, one scheduled forward with its sampling, and every request's news.
+
+        With `overlap`, the step is scheduled and launched while the previous one still runs on the
+        device (its drawn ids are this step's decode inputs there), and the news is the previous
+        step's: a request that the previous token ended may run one more row, which is dropped.
+        """
         rows = _Rows()
         for rid, reason, error in self._ended:
             rows.end(rid, reason, error)
         self._ended = []
         for seq in self.sched.pop_cancelled():
-            del self._seqs[seq.rid]
+            self._drop(seq)
             rows.end(seq.rid, FinishReason.CANCELLED)
+        if self._in_flight is not None and (not self.overlap or self._history):
+            self._resolve(rows)  # this step's rows need the previous tokens on the host
         plan, seqs = self.sched.schedule()
         rows.scheduled_ns = time.time_ns()
         for seq in seqs:
             if not seq.started:
                 seq.started = True
                 rows.started.append((seq.rid, seq.num_cached_tokens))
-        sampled = self.executor.execute(plan) if not plan.empty else Sampled([], [])
+        launched = self.executor.launch(plan) if not plan.empty else None
         self.sched.update(plan, seqs)
         sampling = [seq for sch, seq in zip(plan.seqs, seqs) if sch.sample]
-        for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
-            rows.token(seq.rid, token, seq.append_token(token) or FinishReason.NONE, lp)
-        for seq in self.sched.remove_finished():
-            del self._seqs[seq.rid]
+        for seq in sampling:
+            seq.pending += 1
+        if self._in_flight is not None:
+            self._resolve(rows)  # the previous step, which ran while this one was scheduled
+        self._in_flight = (launched, sampling) if launched is not None else None
+        if self._in_flight is not None and (not self.overlap or not self._seqs):
+            self._resolve(rows)  # waited for; or every request ended, so nothing of it is news
         self.steps += not plan.empty
         return rows.outputs(self.stats())
+
+    def _resolve(self, rows: _Rows) -> None:
+        """Wait for the step in flight; its tokens join their sequences, which may end."""
+        launched, sampling = self._in_flight
+        self._in_flight = None
+        sampled = self.executor.finish(launched)
+        ended = False
+        for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
+            seq.pending -= 1
+            if self._seqs.get(seq.rid) is not seq:
+                continue  # a row drawn after its request ended or was cancelled: dropped
+            finish = seq.append_token(token) or FinishReason.NONE
+            ended |= bool(finish)
+            rows.token(seq.rid, token, finish, lp)
+        if ended:
+            for seq in self.sched.remove_finished(waiting_too=self.overlap):
+                self._drop(seq)
+
+    def _drop(self, seq: Sequence) -> None:
+        del self._seqs[seq.rid]
+        self._history.discard(seq.rid)
 
     # ---- checks ----------------------------------------------------------------------------
 
@@ -128,6 +164,13 @@ class EngineCore:
             raise InvalidArgument(f"the prompt has {pads} image pad positions but image_embeds has {n_rows} rows")
         if emb is not None and (emb.dim() != 2 or emb.shape[1] != info.hidden_size):
             raise InvalidArgument(f"image_embeds: expected [{n_rows}, {info.hidden_size}], got {list(emb.shape)}")
+
+
+def _reads_history(request: Request) -> bool:
+    """Its draws read its earlier output ids (penalties, bad words of several tokens)."""
+    p = request.params
+    return (p.repetition_penalty != 1.0 or bool(p.frequency_penalty or p.presence_penalty)
+            or any(len(w) > 1 for w in request.bad_word_seqs))
 
 
 @dataclass

@@ -158,11 +158,14 @@ class DecodeGraphs(_Graphs):
             slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b], context_lens=self.context_lens[:b],
             logits_indices=self._logits_rows[:b], prefill_cu_seqlens=self._no_prefill)
 
-    def run(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """Logits [len(chunks), V] of a decode-only step (every chunk one token, sampled)."""
+    def run(self, chunks: Sequence[SeqChunk], fix_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Logits [len(chunks), V] of a decode-only step (every chunk one token, sampled); fix_ids edits
+        the filled token ids on the device before the replay."""
         b = len(chunks)
         size = self._size_for(b)
         self._fill(chunks, size)
+        if fix_ids is not None:
+            fix_ids(self.input_ids[:b])
         return self._replay(size)[:b]
 
     def _fill(self, chunks: Sequence[SeqChunk], size: int) -> None:

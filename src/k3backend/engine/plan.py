@@ -15,6 +15,10 @@ import torch
 from k3backend.engine.sampling_params import SamplingParams
 
 
+PENDING = -1  # a decode row's input that the step before sampled and the host has not seen yet (the
+# engine schedules while that step runs): the runner takes it from that step's ids on the device
+
+
 @dataclass(frozen=True)
 class SlotRequest:
     """A request entering a KDA slot (admission, or recompute after preemption)."""

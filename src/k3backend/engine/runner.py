@@ -27,8 +27,8 @@ from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch
 from k3backend.engine.config import EngineConfig
 from k3backend.engine.cuda_graphs import (PREFILL_PAD, PREFILL_SEQS, DecodeGraphs, PrefillGraphs, capture_sizes,
                                           prefill_seqs, prefill_sizes)
-from k3backend.engine.plan import CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
-from k3backend.engine.sampler import Sampled, Sampler, SamplingRow
+from k3backend.engine.plan import PENDING, CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
+from k3backend.engine.sampler import DeviceSample, Sampled, Sampler, SamplingRow, to_device
 from k3backend.engine.sampler_ref import banned_ids
 from k3backend.model.cache import CachePools
 from k3backend.model.k3 import K3Model
@@ -52,6 +52,9 @@ class Executor(Protocol):
     capacity: CacheCapacity
 
     def execute(self, plan: StepPlan) -> Sampled: ...
+    def launch(self, plan: StepPlan) -> Launched: ...  # the step queued; `finish` waits for its ids
+    def finish(self, launched: Launched) -> Sampled: ...
+    overlap: bool  # launch accepts PENDING decode inputs (the engine schedules while a step runs)
     def health(self) -> str | None: ...  # why it cannot serve (a dead worker), or None
     @property
     def workers_alive(self) -> int: ...
@@ -64,6 +67,20 @@ class _Slot:
 
     req: SlotRequest
     output_ids: list[int] = field(default_factory=list)
+    pending: int = 0  # tokens drawn by launched steps, not yet on the host
+
+    def history(self) -> list[int]:
+        """Output ids with a PENDING stand-in per token not on the host yet: their count is known
+        (min_tokens), their values are not (the engine overlaps no step with rows that need them)."""
+        return self.output_ids + [PENDING] * self.pending if self.pending else self.output_ids
+
+
+@dataclass
+class Launched:
+    """A launched step's draw and the slots it drew for, in its sampling rows' order."""
+
+    sample: DeviceSample
+    slots: list[_Slot]
 
 
 class ModelRunner:
@@ -81,6 +98,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self._eager_logged: set[str] = set()
+        self._last: tuple[torch.Tensor, dict[int, int]] = (torch.zeros(0, dtype=torch.long), {})  # ids, slot -> row
 
     @torch.inference_mode()
     def capture_graphs(self, cfg: EngineConfig) -> None:
@@ -116,17 +134,32 @@ class ModelRunner:
                              self.pools.block_size, self.device, capture, pool, hidden=lm.lm_head.weight.shape[1],
                              dtype=lm.lm_head.weight.dtype, max_seqs=min(max_seqs, cfg.max_num_seqs))
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Sampled | None:
+        launched = self.launch(plan)
+        return None if launched is None else self.finish(launched)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched | None:
+        """The step queued on the device, its draw included; None on a rank that does not sample."""
         logits = self.logits(plan)
         if not self.samples:
             return None
         sampled = [s for s in plan.seqs if s.sample]
-        if not sampled:
-            return Sampled([], [])
-        out = self.sampler(logits, [self._row(s) for s in sampled])
-        for s, token in zip(sampled, out.token_ids):
-            self._slots[s.slot].output_ids.append(token)
+        out = self.sampler.launch(logits, [self._row(s) for s in sampled]) if sampled else _NO_SAMPLE
+        slots = [self._slots[s.slot] for s in sampled]
+        for st in slots:
+            st.pending += 1
+        self._last = out.ids, {s.slot: i for i, s in enumerate(sampled)}
+        return Launched(out, slots)
+
+    @staticmethod
+    def finish(launched: Launched) -> Sampled:
+        """Wait for a launched step's ids; they join their slots' histories (a slot freed meanwhile
+        keeps its own object, so a new request in it sees none of them)."""
+        out = launched.sample.result()
+        for st, token in zip(launched.slots, out.token_ids):
+            st.output_ids.append(token)
+            st.pending -= 1
         return out
 
     @torch.inference_mode()
@@ -143,7 +176,9 @@ class ModelRunner:
             logits = self._graphed(decodes, chunks)
         else:
             t0 = time.perf_counter()
-            logits = self.model(self._batch(plan), self.pools)
+            batch = self._batch(plan)
+            self._feed(batch.input_ids, decodes)
+            logits = self.model(batch, self.pools)
             if eager and self.prefill_graphs is not None and eager not in self._eager_logged:
                 self._eager_logged.add(eager)
                 log.info("an eager step (no CUDA graph holds it: %s) took %.1f ms of host time; logged once per "
@@ -157,7 +192,7 @@ class ModelRunner:
         reading the weights twice instead of paying an eager step's host time."""
         parts = []
         if decodes:
-            parts.append(self.graphs.run([_chunk(s) for s in decodes]))
+            parts.append(self.graphs.run([_chunk(s) for s in decodes], lambda ids: self._feed(ids, decodes)))
         if chunks:
             if parts:  # the graphs share one memory pool: the decode logits must leave it first
                 parts[0] = parts[0].clone()
@@ -182,6 +217,14 @@ class ModelRunner:
                 return (f"prefill chunks beyond the largest graph ({self.prefill_graphs.max_tokens} tokens, "
                         f"{self.prefill_graphs.seqs(self.prefill_graphs.max_tokens)} chunks)")
         return ""
+
+    def _feed(self, input_ids: torch.Tensor, decodes: list[ScheduledSeq]) -> None:
+        """Decode rows whose input is PENDING take the token their slot drew in the last launched
+        step, device to device (input_ids: the step's flat ids, decode rows first)."""
+        pairs = [(j, self._last[1][s.slot]) for j, s in enumerate(decodes) if s.token_ids[0] == PENDING]
+        if pairs:
+            dst, src = to_device(list(zip(*pairs)), torch.long, self.device).unbind(0)
+            input_ids.index_copy_(0, dst, self._last[0].index_select(0, src))
 
     def _image_rows(self, seqs: list[ScheduledSeq]) -> tuple[list[int], torch.Tensor | None]:
         """Flat positions of the image rows of `seqs` laid end to end, and those rows (on the device)."""
@@ -208,9 +251,12 @@ class ModelRunner:
     def _row(self, s: ScheduledSeq) -> SamplingRow:
         st = self._slots[s.slot]
         r = st.req
-        return SamplingRow(r.params, r.seed, len(st.output_ids),
-                           tuple(banned_ids(r.params, st.output_ids, r.eos_ids, r.bad_word_seqs)),
-                           r.prompt_ids, st.output_ids)
+        history = st.history()
+        return SamplingRow(r.params, r.seed, len(history), tuple(banned_ids(r.params, history, r.eos_ids, r.bad_word_seqs)),
+                           r.prompt_ids, history)
+
+
+_NO_SAMPLE = DeviceSample(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), None, [], [])
 
 
 def _chunk(s: ScheduledSeq) -> SeqChunk:
@@ -319,8 +365,16 @@ class InProcessExecutor:
 
         return cls(load_model(path, dtype=dtype, device=device, progress=False), cfg)
 
+    overlap = True
+
     def execute(self, plan: StepPlan) -> Sampled:
         return self.runner.execute(plan)
+
+    def launch(self, plan: StepPlan) -> Launched:
+        return self.runner.launch(plan)
+
+    def finish(self, launched: Launched) -> Sampled:
+        return self.runner.finish(launched)
 
     def health(self) -> str | None:
         return None

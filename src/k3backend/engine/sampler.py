@@ -51,6 +51,35 @@ class Sampled:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass
+class DeviceSample:
+    """A step's draw before the host has it: `ids` [S] stay on the device (the next step's decode
+    inputs, ENGINE.md §8); `result()` waits for the one copy to the host (the step's one sync)."""
+
+    ids: torch.Tensor
+    packed: torch.Tensor  # ids, then per log-prob row: value, rank, top ids, top values (float64)
+    done: torch.cuda.Event | None  # recorded after the copy into the pinned `packed`
+    lp_rows: list[int]
+    ks: list[int]  # log-probs asked for by each of lp_rows
+    kmax: int = 0
+
+    def result(self) -> Sampled:
+        if self.done is not None:
+            self.done.synchronize()
+        n = len(self.ids)
+        if not self.lp_rows:
+            return Sampled(self.packed.tolist(), [None] * n)
+        flat = self.packed.tolist()
+        host_ids, host = [int(t) for t in flat[:n]], flat[n:]
+        out: list[TokenLogprob | None] = [None] * n
+        width = 2 + 2 * self.kmax
+        for j, (i, k) in enumerate(zip(self.lp_rows, self.ks)):
+            vals = host[j * width:(j + 1) * width]
+            top = [(int(t), float(lv)) for t, lv in zip(vals[2:2 + self.kmax][:k], vals[2 + self.kmax:][:k])]
+            out[i] = TokenLogprob(host_ids[i], vals[0], int(vals[1]), top)
+        return Sampled(host_ids, out)
+
+
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor without waiting for the device: a pinned, non-blocking copy
     (a plain one would wait for the forward the sampler is queued behind)."""
@@ -61,9 +90,13 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> tor
 class Sampler:
     """Stateless apart from the device; `__call__` is the whole of [SMP-6] for a batch."""
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampled:
         """logits: [S, V] (any float dtype, on the device) for the S rows in order."""
+        return self.launch(logits, rows).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+        """The draw queued on the device, its copy to the host started; nothing waits for it."""
         raw = logits.float()
         x = self._mask(raw, rows)
         x = self._penalize(x, rows)
@@ -152,26 +185,27 @@ class Sampler:
     # ---- log-probs and the one host copy --------------------------------------------------------
 
     @staticmethod
-    def _to_host(raw: torch.Tensor, ids: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampled:
-        """[LP-1]..[LP-3] for the rows that ask, packed with the ids into one float64 tensor."""
+    def _to_host(raw: torch.Tensor, ids: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+        """[LP-1]..[LP-3] for the rows that ask, packed with the ids into one tensor whose copy to
+        pinned host memory is started here (float64 with log-probs: ids < 2**53 stay exact)."""
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        ks = [rows[i].params.logprobs for i in lp_rows]
+        kmax = max(ks, default=0)
         if not lp_rows:
-            return Sampled(ids.tolist(), [None] * len(rows))
-        kmax = max(rows[i].params.logprobs for i in lp_rows)
-        lp = torch.log_softmax(raw[lp_rows], dim=-1)  # raw logits: before penalties ([LP-1])
-        tok = ids[lp_rows][:, None]
-        v = lp.gather(1, tok)
-        lower = torch.arange(lp.shape[1], device=lp.device)[None, :] < tok
-        rank = 1 + (lp > v).sum(1, keepdim=True) + ((lp == v) & lower).sum(1, keepdim=True)
-        top_v, top_i = torch.sort(lp, dim=-1, descending=True, stable=True)
-        packed = torch.cat([v.double(), rank.double(), top_i[:, :kmax].double(), top_v[:, :kmax].double()], dim=1)
-        flat = torch.cat([ids.double(), packed.flatten()]).tolist()  # ids < 2**53: exact in float64
-        host_ids, host = [int(t) for t in flat[:len(rows)]], flat[len(rows):]
-        out: list[TokenLogprob | None] = [None] * len(rows)
-        width = 2 + 2 * kmax
-        for j, i in enumerate(lp_rows):
-            vals = host[j * width:(j + 1) * width]
-            k = rows[i].params.logprobs
-            top = [(int(t), float(lv)) for t, lv in zip(vals[2:2 + kmax][:k], vals[2 + kmax:][:k])]
-            out[i] = TokenLogprob(host_ids[i], vals[0], int(vals[1]), top)
-        return Sampled(host_ids, out)
+            packed = ids
+        else:
+            lp = torch.log_softmax(raw[lp_rows], dim=-1)  # raw logits: before penalties ([LP-1])
+            tok = ids[lp_rows][:, None]
+            v = lp.gather(1, tok)
+            lower = torch.arange(lp.shape[1], device=lp.device)[None, :] < tok
+            rank = 1 + (lp > v).sum(1, keepdim=True) + ((lp == v) & lower).sum(1, keepdim=True)
+            top_v, top_i = torch.sort(lp, dim=-1, descending=True, stable=True)
+            lp_packed = torch.cat([v.double(), rank.double(), top_i[:, :kmax].double(), top_v[:, :kmax].double()], 1)
+            packed = torch.cat([ids.double(), lp_packed.flatten()])
+        done = None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            packed, done = host, torch.cuda.Event()
+            done.record()
+        return DeviceSample(ids, packed, done, lp_rows, ks, kmax)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from k3backend.engine.batch import blocks_for
 from k3backend.engine.block_manager import BlockManager, chain_keys
-from k3backend.engine.plan import CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
+from k3backend.engine.plan import PENDING, CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampler_ref import request_seed
 from k3backend.engine.sampling_params import eos_sets
@@ -55,6 +55,7 @@ class Sequence:
     pad_id: int = -1  # the image pad id, to find the prompt's image positions
     cancelled: bool = False  # aborted: removed at the next step boundary
     output_ids: list[int] = field(default_factory=list)
+    pending: int = 0  # tokens drawn by launched steps whose values the host has not seen yet
     finished: bool = False
     started: bool = False  # scheduled at least once
     num_computed: int = 0
@@ -79,9 +80,14 @@ class Sequence:
         return len(self.request.prompt_ids)
 
     @property
+    def num_output(self) -> int:
+        """Output tokens drawn, pending ones included."""
+        return len(self.output_ids) + self.pending
+
+    @property
     def target(self) -> int:
         """Stream tokens to compute before decoding: the prompt, or all but the last output after a preemption."""
-        return self.num_prompt_tokens + max(0, len(self.output_ids) - 1)
+        return self.num_prompt_tokens + max(0, self.num_output - 1)
 
     @property
     def prefilling(self) -> bool:
@@ -89,12 +95,17 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        return not self.prefilling and bool(self.output_ids) and not self.finished
+        """Its last drawn token is to be fed; not when max_tokens are drawn (a pending one ends it)."""
+        n = self.num_output
+        return not self.prefilling and 0 < n < self.request.params.max_tokens and not self.finished
 
     def tokens(self, start: int, end: int) -> tuple[int, ...]:
+        """Stream tokens [start, end); a pending output is PENDING (only a decode row's last one can be)."""
         n = self.num_prompt_tokens
         prompt = self.request.prompt_ids
-        return tuple(prompt[start:min(end, n)]) + tuple(self.output_ids[max(0, start - n):max(0, end - n)])
+        out = tuple(self.output_ids[max(0, start - n):max(0, end - n)])
+        missing = max(0, end - n - len(self.output_ids)) - max(0, start - n - len(self.output_ids))
+        return tuple(prompt[start:min(end, n)]) + out + (PENDING,) * missing
 
     def append_token(self, token: int) -> FinishReason | None:
         """Record a sampled token and run the id-level checks of [STP-1] (1: stop ids / EOS, 3: length).
@@ -168,12 +179,17 @@ class Scheduler:
         self.slots = StateSlots(self.slots.num_slots)
         return seqs
 
-    def remove_finished(self) -> list[Sequence]:
+    def remove_finished(self, waiting_too: bool = False) -> list[Sequence]:
+        """Running sequences that finished, removed and released; waiting_too: queued ones too (a token
+        in flight when it was preempted ended it)."""
         done = [s for s in self.running if s.finished]
         if done:
             self.running = [s for s in self.running if not s.finished]
-            for seq in done:
-                self._release(seq)
+        if waiting_too and any(s.finished for s in self.waiting):
+            done += [s for s in self.waiting if s.finished]
+            self.waiting = deque(s for s in self.waiting if not s.finished)
+        for seq in done:
+            self._release(seq)
         return done
 
     def can_ever_fit(self, num_tokens: int) -> bool:
@@ -209,6 +225,8 @@ class Scheduler:
             if seq.prefilling and budget > 0:
                 budget -= self._prefill(plan, seqs, seq, budget)
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
+            if self.waiting[0].pending:  # preempted with a token in flight: recomputed once it is known
+                break
             n = self._admit(plan, seqs, self.waiting[0], budget)
             if not n:
                 break

@@ -398,8 +398,17 @@ class MultiProcessExecutor:
 
     # ---- the Executor interface ----------------------------------------------------------------
 
+    overlap = False  # the ranks take no PENDING inputs (that needs the drawn ids on every rank): the
+    # engine waits for each step's ids before it schedules the next
+
     def execute(self, plan: StepPlan):
         return self._call("execute", plan)
+
+    def launch(self, plan: StepPlan):
+        return self.execute(plan)
+
+    def finish(self, launched):
+        return launched
 
     def logits(self, plan: StepPlan):
         """Rank 0's logits of a plan (tests: parity of the parallel layers)."""
