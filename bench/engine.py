@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--snapshot-interval", type=int, default=EngineConfig.snapshot_interval,
                     help="tokens between KDA prefix snapshots (each one ends a prefill chunk)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode and prefill)")
+    ap.add_argument("--async-scheduling", choices=["on", "off", "both"], default="on",
+                    help="off: every step waits for the previous one's ids; both: each workload overlapped, then not")
     ap.add_argument("--expert-stats", action="store_true")
     ap.add_argument("--experts", choices=["bf16", "mxfp4", "mxfp4-as-bf16"], default="bf16",
                     help="--random-weights: routed experts in bf16, packed MXFP4, or MXFP4 weights dequantized to "
@@ -235,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="--workload: request counts times this (a quick run)")
     args = ap.parse_args(argv)
     runs = workloads(args)  # a bad --workload or list fails before the model loads
+    if args.async_scheduling == "both":  # side by side on one model and engine: overlapped, then waited
+        runs = [argparse.Namespace(**{**vars(w), "overlap": o, "name": f"{w.name or 'run'} ({'async' if o else 'sync'})"})
+                for w in runs for o in (True, False)]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # cache, kernels, graphs
 
     from k3backend.engine.runner import InProcessExecutor
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching,
                        snapshot_interval=args.snapshot_interval,
-                       enforce_eager=args.enforce_eager)
+                       enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling != "off")
     counts, model = [], None
     if args.tensor_parallel_size > 1:
         from k3backend.engine.workers import MultiProcessExecutor
@@ -272,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model ready in {time.monotonic() - t0:.1f} s")
     first, results = 1, []
     for w in runs:
+        core.overlap = getattr(w, "overlap", core.overlap) and executor.overlap
         jobs = workload(w, info.vocab_size, info.media_pad_id)
         run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first, info.hidden_size, dtype)
         before, coord0 = core.stats(), getattr(executor, "coordination_s", 0.0)

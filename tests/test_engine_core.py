@@ -169,15 +169,15 @@ def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, 
 
 
 def test_prefill_graphs_of_the_runners_sizes_hold_their_padding_when_max_model_len_is_short(model64, tok):
-    """The runner's own graph sizes (up to the first size at or above min(step budget, max_model_len))
-    when max_model_len is below the largest size's padded tokens: every size's warm-up step (all places
-    dummies, the rest one padding sequence, as the capture runs it) and a prompt of max_model_len - 1
-    tokens run through the buffers. The padding sequence's block table must cover its length (it did
-    not: a device-side assert that broke the GPU at start-up)."""
+    """The runner's own graph sizes (up to the first size at or above the step budget: several chunks
+    fill a step whatever max_model_len is) when max_model_len is below the largest size's padded tokens:
+    every size's warm-up step (all places dummies, the rest one padding sequence, as the capture runs
+    it) and a prompt of max_model_len - 1 tokens run through the buffers. The padding sequence's block
+    table must cover its length (it did not: a device-side assert that broke the GPU at start-up)."""
     core = new_core(model64, max_num_seqs=4, max_num_batched_tokens=96, max_model_len=40, **PAGED)
     runner = core.executor.runner
     runner.prefill_graphs = graphs = runner.make_prefill_graphs(core.cfg, prefill_graph_sizes(core.cfg), capture=False)
-    assert graphs.max_tokens == 64 and graphs.padded_tokens(64) > core.cfg.max_model_len
+    assert graphs.max_tokens == 96 and graphs.padded_tokens(96) > core.cfg.max_model_len
     for size in graphs.sizes:  # what the capture's warm-up runs, largest first
         graphs._prepare(size)
         assert torch.isfinite(graphs.forward(graphs.batch(size))).all(), size

@@ -69,7 +69,9 @@ def test_tp2_serves_like_one_rank_and_survives_a_worker_kill(triton_server, tmp_
     assert set(fresh.values()).isdisjoint(pids.values()) and sorted(fresh) == [0, 1]
     status, body = http_post(srv.http_url, "/v2/models/k3_ensemble/generate", {"text_input": "again", "max_tokens": 3})
     assert status == 200, body
-    assert metric(metrics(srv.metrics_url), "k3:workers_alive") == 2
+    # the gauge is published every 0.25 s: poll it (read once, right after the response, it can still be the
+    # value published before the first step of the reloaded engine)
+    wait_until(lambda: metric(metrics(srv.metrics_url), "k3:workers_alive") == 2, 5, "k3:workers_alive == 2")
 
     # SIGKILL of the stub: its workers are gone within 10 s
     stub = stub_pid(srv.log_path, last=True)

@@ -339,6 +339,18 @@ def test_a_chunk_the_budget_cuts_ends_on_the_kda_grid_so_the_next_takes_its_snap
     assert d.done["a"] == alone(a)
 
 
+def test_overlapped_requests_waiting_for_their_last_token_are_not_preempted():
+    """Overlapped steps: requests whose max_tokens-th token is in flight get no row (it ends them),
+    and the empty plan that leaves is not taken for prefills stuck without blocks (no preemption)."""
+    d = Driver(num_blocks=40, num_slots=6, overlap=True)
+    seqs = [make_seq(f"q{i}", [40 + i] * (5 + i), max_tokens=3) for i in range(3)]
+    d.add(*seqs)
+    out = d.run()
+    assert d.sched.num_preemptions == 0
+    assert all(out[s.request.request_id] == alone(s) for s in seqs)
+    assert d.pending_rows > 0
+
+
 def random_workload(rng: random.Random, n: int, block: int = 4, few_penalties: bool = False) -> list[tuple[int, Sequence]]:
     """(arrival step, request): prompts built from a few `block`-token blocks, so that requests share
     beginnings, repeat blocks after other beginnings, and carry one of two images; a repetition

@@ -300,7 +300,7 @@ def _cache_budget(model: K3Model, cfg: EngineConfig) -> int:
     device = model.language_model.lm_head.weight.device
     if device.type != "cuda":
         return int(cfg.cpu_cache_gb * 2**30)
-    n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+    n = cfg.max_num_batched_tokens  # the largest step: several chunks may fill it past max_model_len
     chunk = SeqChunk([0] * n, 0, 1, False, list(range(1, blocks_for(n, cfg.block_size) + 1)))
     used = torch.cuda.memory_allocated(device) + _activation_bytes(model, cfg, [chunk], 0)
     if _wants_graphs(device, cfg):  # the graphs' pool keeps the largest graphed steps' activations for good
@@ -335,8 +335,9 @@ def _activation_bytes(model: K3Model, cfg: EngineConfig, chunks: list[SeqChunk],
 
 
 def prefill_graph_sizes(cfg: EngineConfig) -> tuple[int, ...]:
-    """The prefill graphs' token sizes: up to the largest prefill step, min(step budget, max_model_len)."""
-    return prefill_sizes(min(cfg.max_num_batched_tokens, cfg.max_model_len))
+    """The prefill graphs' token sizes: up to the step budget, which several chunks can fill even when
+    max_model_len is shorter (each chunk is at most max_model_len)."""
+    return prefill_sizes(cfg.max_num_batched_tokens)
 
 
 def _wants_graphs(device: torch.device, cfg: EngineConfig) -> bool:

@@ -202,8 +202,11 @@ class Scheduler:
         if not self.running:
             self._check_idle()
         plan, seqs = self._plan()
-        while plan.empty and self.running:  # every running sequence is a prefill short of blocks:
-            self._preempt(self.running[-1])  # the newest gives its blocks to the older ones
+        # Nothing scheduled: either every running sequence is a prefill short of blocks, and the newest
+        # gives its blocks to the older ones; or some wait for a token in flight (max_tokens drawn), which
+        # ends them without another step.
+        while plan.empty and any(s.prefilling for s in self.running):
+            self._preempt(self.running[-1])
             plan, seqs = self._plan()
         # slots freed up to now, preemptions and failed admissions of this step included: the
         # runner drops them before it registers `plan.new`, which may hand one straight back out
