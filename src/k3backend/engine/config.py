@@ -21,8 +21,8 @@ class EngineConfig:
     block_size: int = 64  # tokens per MLA latent block
     gpu_memory_utilization: float = 0.90  # of the GPU's total memory, for weights, cache and workspace
     cpu_cache_gb: float = 4.0  # MLA blocks + KDA slots on a CPU
-    # Schedule step N+1 while step N runs on the device (its drawn ids stay there as N+1's decode inputs),
-    # so the host's per-step work hides behind the device's; steps with penalty or bad-word rows still wait.
+    # Schedule step N+1 while step N runs on the GPU (its drawn ids stay there as N+1's decode inputs), so
+    # the host's per-step work hides behind the device's; steps with penalty or bad-word rows still wait.
     async_scheduling: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps, single-sequence prefill chunks; ENGINE.md §7)
     num_blocks: int | None = None  # fixed pool sizes instead (tests): both or neither
