@@ -237,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="--workload: request counts times this (a quick run)")
     args = ap.parse_args(argv)
     runs = workloads(args)  # a bad --workload or list fails before the model loads
-    if args.async_scheduling == "both":  # side by side on one model and engine: overlapped, then waited
-        runs = [argparse.Namespace(**{**vars(w), "overlap": o, "name": f"{w.name or 'run'} ({'async' if o else 'sync'})"})
+    if args.async_scheduling == "both":  # side by side on one model and engine: overlapped, then waited, each on
+        runs = [argparse.Namespace(**{**vars(w), "overlap": o, "seed": w.seed + (0 if o else 500),  # prompts of its own
+                                      "name": f"{w.name or 'run'} ({'async' if o else 'sync'})"})  # (no prefix hits)
                 for w in runs for o in (True, False)]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # cache, kernels, graphs
 

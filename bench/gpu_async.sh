@@ -3,7 +3,7 @@
 # workload overlapped, then waited, on one model and engine) for closed-loop decode at concurrency 1/64/256
 # (prompt 284) and for the steady and staggered traffic workloads; then bench/profile_step.py --step-kinds at
 # 24 and 48 layers (host time against depth). Writes async.txt under $OUT (or /tmp/k3out); about 8.5 minutes
-# (T_DECODE 200 + T_TRAFFIC 170 + 2 x T_KINDS 70 s at most).
+# (T_DECODE 200 + T_TRAFFIC 170 + 2 x T_KINDS 70 s at most; LAYERS="" skips the step kinds).
 set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
@@ -17,7 +17,7 @@ KEEP="requests, concurrency|^ +[0-9]|^workload|^(steady|staggered) |Error|error|
     --num-requests 12,256,512 --output-len 256,128,64 2>&1 | grep -E "$KEEP"
   echo "== traffic: steady, staggered"
   timeout -s ABRT "${T_TRAFFIC:-170}" $E --max-model-len 16384 --workload steady,staggered 2>&1 | grep -E "$KEEP" | tail -8
-  for layers in 24 48; do
+  for layers in ${LAYERS-24 48}; do
     echo "== step kinds, $layers layers"
     timeout -s ABRT "${T_KINDS:-70}" python3 bench/profile_step.py --step-kinds --dtype bfloat16 --layers $layers 2>&1 \
       | grep -vE " INFO |^INFO" | tail -9

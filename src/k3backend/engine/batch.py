@@ -33,6 +33,20 @@ class SeqChunk:
     snapshots: Sequence[tuple[int, int]] = ()
 
 
+def to_device(values, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """Host values (a list, an array, a CPU tensor) on `device` without waiting for it: through pinned
+    memory, non-blocking. CUDA makes a copy from pageable memory wait for everything queued on the
+    stream, which would hold the host behind the step in flight (async scheduling)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def copy_in(dst: torch.Tensor, values) -> None:
+    """dst[...] = host values, without waiting for the device (see to_device)."""
+    t = torch.as_tensor(values, dtype=dst.dtype)
+    dst.copy_(t.pin_memory() if dst.is_cuda else t, non_blocking=True)
+
+
 def build_forward_batch(chunks: Sequence[SeqChunk], num_decode: int, block_size: int, device: torch.device,
                         mm_positions: Sequence[int] = (), mm_embeds: torch.Tensor | None = None) -> ForwardBatch:
     """The flat batch of `chunks` (the first `num_decode` have one token each); mm_positions are flat
@@ -54,7 +68,7 @@ def build_forward_batch(chunks: Sequence[SeqChunk], num_decode: int, block_size:
     tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]  # block 0: null
 
     def t(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return to_device(values, dtype, device)
 
     cu_t = t(cu, torch.int32)
     block_tables = t(tables, torch.int32).view(len(chunks), width)

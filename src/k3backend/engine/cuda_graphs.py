@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from k3backend.engine.batch import SeqChunk
+from k3backend.engine.batch import SeqChunk, copy_in
 from k3backend.kernels.varlen import KDA_CHUNK, num_chunks, snapshot_tables, varlen_layout
 from k3backend.model.cache import ForwardBatch
 
@@ -184,8 +184,8 @@ class DecodeGraphs(_Graphs):
             tables[i, :len(c.block_table)] = c.block_table
         for dst, values in ((self.input_ids, ids), (self.state_indices, slots), (self.has_initial_state, init),
                             (self.slot_mapping, mapping), (self.context_lens, lens)):
-            dst[:size].copy_(torch.tensor(values, dtype=dst.dtype), non_blocking=True)
-        self.block_tables[:size, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+            copy_in(dst[:size], values)
+        copy_in(self.block_tables[:size, :width], tables)
 
 
 class PrefillGraphs(_Graphs):
@@ -291,21 +291,20 @@ class PrefillGraphs(_Graphs):
             starts[i] = c.start
         small = np.concatenate([cu, starts + lens, [c.slot for c in chunks] + [0] * (places + 1 - k),
                                 [c.has_initial_state for c in chunks] + [0] * (places + 1 - k), cu[1:places + 1] - 1])
-        h = torch.from_numpy(small)
         s = places + 1
-        self.cu_seqlens[:s + 1].copy_(h[:s + 1], non_blocking=True)
-        self.context_lens[:s].copy_(h[s + 1:2 * s + 1], non_blocking=True)
-        self.state_indices[:s].copy_(h[2 * s + 1:3 * s + 1], non_blocking=True)
-        self.has_initial_state[:s].copy_(h[3 * s + 1:4 * s + 1], non_blocking=True)
-        self.logits_index[:places].copy_(h[4 * s + 1:], non_blocking=True)
-        self.input_ids[:t].copy_(torch.from_numpy(ids), non_blocking=True)
-        self.slot_mapping[:t].copy_(torch.from_numpy(rows), non_blocking=True)
-        self.block_tables[:places, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        copy_in(self.cu_seqlens[:s + 1], small[:s + 1])
+        copy_in(self.context_lens[:s], small[s + 1:2 * s + 1])
+        copy_in(self.state_indices[:s], small[2 * s + 1:3 * s + 1])
+        copy_in(self.has_initial_state[:s], small[3 * s + 1:4 * s + 1])
+        copy_in(self.logits_index[:places], small[4 * s + 1:])
+        copy_in(self.input_ids[:t], ids)
+        copy_in(self.slot_mapping[:t], rows)
+        copy_in(self.block_tables[:places, :width], tables)
         self.block_tables[places].zero_()  # the padding row: a chunk place's table in a larger graph
         self.mm_positions[:size].copy_(self._no_images[size])  # unused: the padding sequence's last row
         self._fill_snapshots(chunks, lens, size, t)
         if len(mm_positions):
-            self.mm_positions[:len(mm_positions)].copy_(torch.tensor(mm_positions), non_blocking=True)
+            copy_in(self.mm_positions[:len(mm_positions)], mm_positions)
             self.mm_embeds[:len(mm_positions)].copy_(mm_embeds, non_blocking=True)
 
     def _fill_snapshots(self, chunks: Sequence[SeqChunk], lens: np.ndarray, size: int, t: int) -> None:
@@ -320,6 +319,6 @@ class PrefillGraphs(_Graphs):
         if self._snapshots_written:
             table, ends, slots = snapshot_tables(lens.tolist(), snaps + [()] * (len(lens) - len(chunks)),
                                                  num_chunks(t, len(lens)), size // KDA_CHUNK)
-            self.chunk_snapshot[:len(table)].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
-            self.snapshot_ends[:len(ends)].copy_(torch.tensor(ends), non_blocking=True)
-            self.snapshot_slots[:len(slots)].copy_(torch.tensor(slots), non_blocking=True)
+            copy_in(self.chunk_snapshot[:len(table)], table)
+            copy_in(self.snapshot_ends[:len(ends)], ends)
+            copy_in(self.snapshot_slots[:len(slots)], slots)

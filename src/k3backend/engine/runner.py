@@ -23,12 +23,12 @@ from typing import Protocol
 import torch
 
 from k3backend import kernels
-from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch
+from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch, to_device
 from k3backend.engine.config import EngineConfig
 from k3backend.engine.cuda_graphs import (PREFILL_PAD, PREFILL_SEQS, DecodeGraphs, PrefillGraphs, capture_sizes,
                                           prefill_seqs, prefill_sizes)
 from k3backend.engine.plan import PENDING, CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
-from k3backend.engine.sampler import DeviceSample, Sampled, Sampler, SamplingRow, to_device
+from k3backend.engine.sampler import DeviceSample, Sampled, Sampler, SamplingRow
 from k3backend.engine.sampler_ref import banned_ids
 from k3backend.model.cache import CachePools
 from k3backend.model.k3 import K3Model
@@ -237,11 +237,11 @@ class ModelRunner:
                 positions += [offset + o for o in s.mm_offsets]
                 rows.append(embeds[s.mm_first_row:s.mm_first_row + len(s.mm_offsets)])
             offset += len(s.token_ids)
-        return positions, torch.cat(rows).to(self.device) if rows else None
+        return positions, to_device(torch.cat(rows), None, self.device) if rows else None
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
-            src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in zip(*pairs))
+            src, dst = to_device(list(zip(*pairs)), torch.long, self.device).unbind(0)
             self.pools.copy_slot(src, dst)
 
     def _batch(self, plan: StepPlan):

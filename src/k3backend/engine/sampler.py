@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from k3backend import kernels
+from k3backend.engine.batch import to_device
 from k3backend.engine.request import TokenLogprob
 from k3backend.engine.sampling_params import SamplingParams
 
@@ -78,13 +79,6 @@ class DeviceSample:
             top = [(int(t), float(lv)) for t, lv in zip(vals[2:2 + self.kmax][:k], vals[2 + self.kmax:][:k])]
             out[i] = TokenLogprob(host_ids[i], vals[0], int(vals[1]), top)
         return Sampled(host_ids, out)
-
-
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without waiting for the device: a pinned, non-blocking copy
-    (a plain one would wait for the forward the sampler is queued behind)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class Sampler:
