@@ -60,6 +60,44 @@ def test_auto_device_and_dtype_on_cpu():
 
 # ---- the adapter's threads against a real engine-core process (a stand-in pb_utils) -----------------
 
+def test_a_request_probes_the_server_at_once_until_it_was_seen_live():
+    """The liveness probe fails the same way before the server listens and once it shuts down, so a
+    failure counts only after an answer. The periodic probe runs every 0.25 s: a SIGTERM right after
+    start-up, with streams in flight, came before it (test_lm_faults' HTTP-stream shutdown, 2 of 24
+    runs): no drain, and the server crashed at its exit timeout. So a request probes at once while
+    the server was never seen live; an unreachable server is still never taken for a shutdown."""
+    import http.server
+    import socket
+    import threading
+
+    from k3backend.serving.lifecycle import ServerWatch
+
+    class Live(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server API
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once it is closed: probes are refused
+    watch = ServerWatch(os.getpid())
+    watch.url = f"http://127.0.0.1:{port}"
+    watch.confirm_live()
+    assert not any(watch.shutting_down() for _ in range(3))  # never answered: not a shutdown
+    server = http.server.HTTPServer(("127.0.0.1", port), Live)
+    try:
+        thread = threading.Thread(target=server.handle_request)  # one answer, then the listener closes
+        thread.start()
+        watch.confirm_live()
+        thread.join(5)
+    finally:
+        server.server_close()
+    assert [watch.shutting_down(), watch.shutting_down()] == [False, True]  # refused twice in a row
+
+
 import os  # noqa: E402 - the fast checks above need none of these
 import signal  # noqa: E402
 import subprocess  # noqa: E402

@@ -116,9 +116,19 @@ class ServerWatch:
         if self.url is None:
             return False
         live = self._probe()
-        self._seen_live = self._seen_live or live
+        if live:
+            self._seen_live = True  # only ever set (confirm_live sets it from another thread)
         self._failures = 0 if live else self._failures + 1
         return self._seen_live and self._failures >= 2
+
+    def confirm_live(self) -> None:
+        """Probe now if the server was never seen live (called with each request until it was: Triton
+        routes requests only once it is live). A shutdown that began before the first periodic probe
+        answered went unseen (a SIGTERM right after start-up, with streams in flight: nothing drained
+        them and the server crashed at its exit timeout). Only an answer counts, as in the periodic
+        probe: a probe that cannot reach the server must not be taken for a shutdown."""
+        if self.url is not None and not self._seen_live and self._probe():
+            self._failures, self._seen_live = 0, True  # an answer: the refusals before it were the start-up's
 
     def _probe(self) -> bool:
         try:

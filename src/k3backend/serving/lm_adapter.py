@@ -144,6 +144,7 @@ class LmServer:
 
     def execute(self, requests: list) -> None:
         """Parse cheaply, answer stop requests, register the rest; never waits for generation."""
+        self.server.confirm_live()
         for request in requests:
             sender = request.get_response_sender()
             client_id, stream, items = "", None, []
