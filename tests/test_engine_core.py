@@ -430,3 +430,20 @@ def test_a_cancel_while_a_step_is_in_flight_ends_the_request_with_a_prefix_of_it
                 assert got.token_ids == want.token_ids and got.finish == want.finish, (at, r.request_id)
             else:
                 assert got.finish in (FinishReason.CANCELLED, want.finish), (at, r.request_id)
+
+
+def test_min_tokens_counts_a_token_still_in_flight(model64, tok):
+    """A stop id is banned below min_tokens; in an overlapped step the token before the one being drawn
+    may still be on the device, and it counts. The stop id is the token a greedy request draws at the
+    first position it may (min_tokens): it ends the request there, overlapped or not."""
+    base = Request("m", tok.encode("count the tokens in flight: " + "ab" * 3, allow_special=True),
+                   SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    free = run(new_core(model64, async_scheduling=False, **PAGED), [base])["m"].token_ids
+    at = next(i for i in range(3, 16) if free[i] not in free[:i])  # first drawn at `at`: the ban changes nothing before
+    req = replace(base, params=replace(base.params, min_tokens=at, stop_token_ids=(free[at],)))
+    core = new_core(model64, **PAGED)
+    core.overlap = True
+    fed = _count_pending_rows(core)
+    got = run(core, [req])["m"]
+    assert sum(fed) >= at - 1
+    assert (got.token_ids, got.finish) == (free[:at + 1], FinishReason.STOP)

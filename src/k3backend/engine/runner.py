@@ -70,8 +70,7 @@ class _Slot:
     pending: int = 0  # tokens drawn by launched steps, not yet on the host
 
     def history(self) -> list[int]:
-        """Output ids with a PENDING stand-in per token not on the host yet: their count is known
-        (min_tokens), their values are not (the engine overlaps no step with rows that need them)."""
+        """Output ids with a PENDING stand-in per token not on the host yet."""
         return self.output_ids + [PENDING] * self.pending if self.pending else self.output_ids
 
 
@@ -251,9 +250,11 @@ class ModelRunner:
     def _row(self, s: ScheduledSeq) -> SamplingRow:
         st = self._slots[s.slot]
         r = st.req
-        history = st.history()
-        return SamplingRow(r.params, r.seed, len(history), tuple(banned_ids(r.params, history, r.eos_ids, r.bad_word_seqs)),
-                           r.prompt_ids, history)
+        # A pending token's value is unknown, its count is not: only min_tokens reads the count (rows whose
+        # draws read values, penalties and bad words of several tokens, never overlap a step).
+        seen = st.history() if st.pending and len(st.output_ids) < r.params.min_tokens else st.output_ids
+        return SamplingRow(r.params, r.seed, len(st.output_ids) + st.pending,
+                           tuple(banned_ids(r.params, seen, r.eos_ids, r.bad_word_seqs)), r.prompt_ids, st.output_ids)
 
 
 _NO_SAMPLE = DeviceSample(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), None, [], [])
