@@ -51,7 +51,6 @@ class Executor(Protocol):
     info: ModelInfo
     capacity: CacheCapacity
 
-    def execute(self, plan: StepPlan) -> Sampled: ...
     def launch(self, plan: StepPlan) -> Launched: ...  # the step queued; `finish` waits for its ids
     def finish(self, launched: Launched) -> Sampled: ...
     overlap: bool  # launch accepts PENDING decode inputs (the engine schedules while a step runs)
@@ -68,10 +67,6 @@ class _Slot:
     req: SlotRequest
     output_ids: list[int] = field(default_factory=list)
     pending: int = 0  # tokens drawn by launched steps, not yet on the host
-
-    def history(self) -> list[int]:
-        """Output ids with a PENDING stand-in per token not on the host yet."""
-        return self.output_ids + [PENDING] * self.pending if self.pending else self.output_ids
 
 
 @dataclass
@@ -252,7 +247,7 @@ class ModelRunner:
         r = st.req
         # A pending token's value is unknown, its count is not: only min_tokens reads the count (rows whose
         # draws read values, penalties and bad words of several tokens, never overlap a step).
-        seen = st.history() if st.pending and len(st.output_ids) < r.params.min_tokens else st.output_ids
+        seen = st.output_ids + [PENDING] * st.pending if len(st.output_ids) < r.params.min_tokens else st.output_ids
         return SamplingRow(r.params, r.seed, len(st.output_ids) + st.pending,
                            tuple(banned_ids(r.params, seen, r.eos_ids, r.bad_word_seqs)), r.prompt_ids, st.output_ids)
 
@@ -369,9 +364,6 @@ class InProcessExecutor:
         from k3backend.checkpoint import load_model
 
         return cls(load_model(path, dtype=dtype, device=device, progress=False), cfg)
-
-    def execute(self, plan: StepPlan) -> Sampled:
-        return self.runner.execute(plan)
 
     def launch(self, plan: StepPlan) -> Launched:
         return self.runner.launch(plan)

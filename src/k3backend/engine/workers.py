@@ -401,11 +401,8 @@ class MultiProcessExecutor:
     overlap = False  # the ranks take no PENDING inputs (that needs the drawn ids on every rank): the
     # engine waits for each step's ids before it schedules the next
 
-    def execute(self, plan: StepPlan):
-        return self._call("execute", plan)
-
     def launch(self, plan: StepPlan):
-        return self.execute(plan)
+        return self._call("execute", plan)  # each rank's runner.execute: the step, waited for
 
     def finish(self, launched):
         return launched
