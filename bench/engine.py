@@ -21,6 +21,7 @@ table of them all.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import random
 import statistics
@@ -30,7 +31,7 @@ import time
 import torch
 
 from k3backend.engine.config import EngineConfig
-from k3backend.engine.core import EngineCore
+from k3backend.engine.core import EngineCore, prefill_cap
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampling_params import SamplingParams
 
@@ -226,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode and prefill)")
     ap.add_argument("--async-scheduling", choices=["on", "off", "both"], default="on",
                     help="off: every step waits for the previous one's ids; both: each workload overlapped, then not")
+    ap.add_argument("--decode-stall-ms", default=str(EngineConfig.decode_stall_ms),
+                    help="k3_lm's decode_stall_ms (0: off); a comma list runs each workload once per value")
     ap.add_argument("--expert-stats", action="store_true")
     ap.add_argument("--experts", choices=["bf16", "mxfp4", "mxfp4-as-bf16"], default="bf16",
                     help="--random-weights: routed experts in bf16, packed MXFP4, or MXFP4 weights dequantized to "
@@ -241,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = [argparse.Namespace(**{**vars(w), "overlap": o, "seed": w.seed + (0 if o else 500),  # prompts of its own
                                       "name": f"{w.name or 'run'} ({'async' if o else 'sync'})"})  # (no prefix hits)
                 for w in runs for o in (True, False)]
+    stalls = [float(v) for v in args.decode_stall_ms.split(",")]
+    if len(stalls) > 1:  # side by side on one model: each value on prompts of its own (no prefix hits)
+        runs = [argparse.Namespace(**{**vars(w), "stall_ms": ms, "seed": w.seed + 700 * i,
+                                      "name": f"{w.name or 'run'} (stall {ms:g} ms)"})
+                for w in runs for i, ms in enumerate(stalls)]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # cache, kernels, graphs
 
     from k3backend.engine.runner import InProcessExecutor
@@ -256,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching,
                        snapshot_interval=args.snapshot_interval,
-                       enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling != "off")
+                       enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling != "off",
+                       decode_stall_ms=stalls[0])
     counts, model = [], None
     if args.tensor_parallel_size > 1:
         from k3backend.engine.workers import MultiProcessExecutor
@@ -279,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     first, results = 1, []
     for w in runs:
         core.overlap = getattr(w, "overlap", core.overlap) and executor.overlap
+        if hasattr(w, "stall_ms"):  # the scheduler is idle between workloads
+            core.sched.cfg = dataclasses.replace(core.sched.cfg, prefill_cap=prefill_cap(executor.prefill_ms,
+                                                                                       w.stall_ms))
+            print(f"decode_stall_ms {w.stall_ms:g}: steps that decode take at most "
+                  f"{core.sched.cfg.prefill_cap or cfg.max_num_batched_tokens} prefill tokens", flush=True)
         jobs = workload(w, info.vocab_size, info.media_pad_id)
         run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first, info.hidden_size, dtype)
         before, coord0 = core.stats(), getattr(executor, "coordination_s", 0.0)

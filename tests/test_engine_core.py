@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from k3backend.checkpoint import load_model
+from k3backend.engine.config import EngineConfig
+from k3backend.engine.core import EngineCore, prefill_cap
 from k3backend.engine.request import FinishReason, Request
-from k3backend.engine.runner import prefill_graph_sizes
+from k3backend.engine.runner import InProcessExecutor, prefill_graph_sizes
 from k3backend.engine.sampling_params import SamplingParams
 from test_engine import Completion, assert_idle, ckpt, new_core, one_thread, reference, run, tok  # noqa: F401 - fixtures
 
@@ -445,3 +447,35 @@ def test_min_tokens_counts_a_token_still_in_flight(model64, tok):
     got = run(core, [req])["m"]
     assert sum(fed) >= at - 1
     assert (got.token_ids, got.finish) == (free[:at + 1], FinishReason.STOP)
+
+
+def test_prefill_cap_is_the_largest_measured_step_within_the_stall():
+    times = {32: 1.5, 256: 6.0, 2048: 29.0, 4096: 55.0}
+    assert prefill_cap(times, 30.0) == 2048
+    assert prefill_cap(times, 6.0) == 256
+    assert prefill_cap(times, 0.5) == 32  # none fits: the smallest, so prompts still advance
+    assert prefill_cap(times, 0.0) == 0 and prefill_cap({}, 30.0) == 0  # off; unmeasured (CPU)
+
+
+def test_the_stall_cap_from_measured_steps_bounds_prefill_beside_decodes_and_changes_no_output(model64, tok):
+    """An executor that measured its prefill steps (here: given times) and decode_stall_ms 5: steps
+    that decode carry at most 16 prefill tokens, the 60-token prompts advance in such chunks while
+    the short ones decode, and every request equals its run alone."""
+    cfg = EngineConfig(max_model_len=1024, cpu_cache_gb=0.25, max_num_seqs=4, max_num_batched_tokens=64,
+                       decode_stall_ms=5.0, **PAGED)
+    executor = InProcessExecutor(model64, cfg)
+    executor.prefill_ms = {8: 1.0, 16: 4.0, 64: 50.0}
+    core = EngineCore(executor, cfg)
+    assert core.sched.cfg.prefill_cap == 16
+    reqs = [Request(f"s{i}", tok.encode(f"short {i}", allow_special=True), SamplingParams(max_tokens=12, temperature=0.0))
+            for i in range(2)]
+    reqs += [Request(f"l{i}", tok.encode("a long prompt " * 5 + str(i), allow_special=True),
+                     SamplingParams(max_tokens=4, temperature=0.0)) for i in range(2)]
+    launched = []
+    launch = executor.launch
+    executor.launch = lambda plan: launched.append(plan) or launch(plan)
+    outs = run(core, reqs)
+    assert_each_alone(model64, reqs, outs)
+    mixed = [sum(len(s.token_ids) for s in p.seqs[p.num_decode:]) for p in launched if p.num_decode]
+    assert mixed and max(mixed) <= 16 and any(n > 16 for p in launched if not p.num_decode
+                                                 for n in [sum(len(s.token_ids) for s in p.seqs)])

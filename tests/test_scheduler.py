@@ -140,8 +140,8 @@ class Driver:
 
     def __init__(self, *, num_blocks: int, num_slots: int, block_size: int = 4, max_num_seqs: int = 4,
                  budget: int = 64, prefix_caching: bool = True, snapshot_interval: int = 8,
-                 overlap: bool = False) -> None:
-        cfg = SchedulerConfig(max_num_seqs, budget, prefix_caching, snapshot_interval)
+                 overlap: bool = False, prefill_cap: int = 0) -> None:
+        cfg = SchedulerConfig(max_num_seqs, budget, prefix_caching, snapshot_interval, prefill_cap)
         self.sched = Scheduler(cfg, CacheCapacity(num_blocks, num_slots, block_size))
         self.cache = CacheModel(block_size)
         self.done: dict[str, list[int]] = {}
@@ -175,6 +175,10 @@ class Driver:
             raise AssertionError(f"nothing scheduled with {len(s.running)} running, {len(s.waiting)} waiting, "
                                  f"{s.blocks.num_free} free blocks: no step can ever change that")
         self.pending_rows += sum(sch.token_ids == (PENDING,) for sch in plan.seqs)
+        tokens = [len(sch.token_ids) for sch in plan.seqs]
+        assert sum(tokens) <= s.cfg.max_num_batched_tokens, f"{tokens}: over the step budget"
+        assert not (plan.num_decode and s.cfg.prefill_cap) or sum(tokens[plan.num_decode:]) <= s.cfg.prefill_cap, \
+            f"{tokens}: {plan.num_decode} decode rows and prefill beyond the cap {s.cfg.prefill_cap}"
         tokens = iter(self.cache.execute(plan, seqs))
         s.update(plan, seqs)
         drawn = []
@@ -339,6 +343,30 @@ def test_a_chunk_the_budget_cuts_ends_on_the_kda_grid_so_the_next_takes_its_snap
     assert d.done["a"] == alone(a)
 
 
+def test_a_step_that_decodes_takes_at_most_the_prefill_cap_and_one_that_does_not_the_whole_budget():
+    """decode_stall_ms's cap: while `old` decodes, a 40-token prompt advances by at most 6 prefill
+    tokens a step (no prefix cache here, so no snapshot point cuts a chunk); once nothing
+    decodes, a new prompt takes the whole budget of 64 in one step. Outputs equal their runs alone."""
+    d = Driver(num_blocks=64, num_slots=6, budget=64, prefix_caching=False, prefill_cap=6)
+    old, new = make_seq("old", [5, 6, 7], max_tokens=12), make_seq("new", list(range(30, 70)), max_tokens=3)
+    d.add(old)
+    d.step()
+    d.add(new)
+    chunks = []
+    while new.prefilling or not new.output_ids:
+        plan, _ = d.step()
+        assert plan.num_decode == (not old.finished)
+        chunks += [len(c.token_ids) for c in plan.seqs[plan.num_decode:]]
+    assert chunks == [6] * 6 + [4]
+    d.run()
+    alone_ = make_seq("alone", list(range(31, 71)), max_tokens=2)
+    d.add(alone_)
+    plan, _ = d.step()
+    assert [len(c.token_ids) for c in plan.seqs] == [40]
+    d.run()
+    assert d.done["old"] == alone(old) and d.done["new"] == alone(new)
+
+
 def test_overlapped_requests_waiting_for_their_last_token_are_not_preempted():
     """Overlapped steps: requests whose max_tokens-th token is in flight get no row (it ends them),
     and the empty plan that leaves is not taken for prefills stuck without blocks (no preemption)."""
@@ -384,7 +412,8 @@ def run_random(seed: int, long: bool = False, overlap: bool = False) -> Driver:
     d = Driver(num_blocks=1 + -(-longest // bs) + rng.randrange(0, 6), num_slots=rng.randrange(3, 7),
                block_size=bs, max_num_seqs=rng.randrange(1, 5),
                budget=rng.randrange(40, 300) if long else rng.randrange(3, 20), prefix_caching=seed % 3 != 0,
-               snapshot_interval=rng.choice([64, 128] if long else [4, 8]), overlap=overlap)
+               snapshot_interval=rng.choice([64, 128] if long else [4, 8]), overlap=overlap,
+               prefill_cap=random.Random(-seed).choice([0, 1, 5, 33, 64]))  # its own draw: the workload stays
     step, cancelled = 0, set()
     while work or d.sched.all() or d.in_flight:
         while work and work[0][0] <= step:

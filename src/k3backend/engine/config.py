@@ -24,6 +24,10 @@ class EngineConfig:
     # Schedule step N+1 while step N runs on the GPU (its drawn ids stay there as N+1's decode inputs), so
     # the host's per-step work hides behind the device's; steps with penalty or bad-word rows still wait.
     async_scheduling: bool = True
+    # While requests decode, a step takes only as many prefill tokens as a prefill step measured at
+    # start-up runs in this many ms, so a long prompt's chunks hold back their next tokens by about that
+    # much; 0: no bound but the step budget. Only where steps are measured (CUDA graphs on a GPU).
+    decode_stall_ms: float = 30.0
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps, single-sequence prefill chunks; ENGINE.md §7)
     num_blocks: int | None = None  # fixed pool sizes instead (tests): both or neither
     num_slots: int | None = None
@@ -41,6 +45,8 @@ class EngineConfig:
         if self.snapshot_interval < self.block_size or self.snapshot_interval % self.block_size:
             raise ValueError(f"EngineConfig.snapshot_interval {self.snapshot_interval} must be a multiple of "
                              f"block_size {self.block_size}")
+        if not self.decode_stall_ms >= 0:
+            raise ValueError(f"EngineConfig.decode_stall_ms must be >= 0, got {self.decode_stall_ms}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if (self.num_blocks is None) != (self.num_slots is None):

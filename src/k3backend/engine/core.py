@@ -37,8 +37,11 @@ class EngineCore:
     def __init__(self, executor: Executor, cfg: EngineConfig) -> None:
         self.executor, self.cfg = executor, cfg
         self.info = executor.info
+        cap = prefill_cap(executor.prefill_ms, cfg.decode_stall_ms)
+        if cap:
+            log.info("steps that decode take at most %d prefill tokens (decode_stall_ms %g)", cap, cfg.decode_stall_ms)
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching,
-                                               cfg.snapshot_interval), executor.capacity)
+                                               cfg.snapshot_interval, cap), executor.capacity)
         self._seqs: dict[int, Sequence] = {}
         self._ended: list[tuple[int, FinishReason, tuple[str, str] | None]] = []  # reported with the next step
         self._in_flight: tuple[Any, list[Sequence]] | None = None  # a launched step and its sampling rows' seqs
@@ -237,3 +240,11 @@ def run_requests(core: EngineCore, requests: list[Request], first_id: int = 1) -
                 c.finish, c.error = FinishReason(finish), out.errors.get(rid)
                 live.discard(rid)
     return done
+
+
+def prefill_cap(prefill_ms: dict[int, float], stall_ms: float) -> int:
+    """Prefill tokens a step that decodes may take: the largest measured size whose step runs within
+    stall_ms, at least the smallest (prompts must advance); 0 (no cap) when unmeasured or stall_ms is 0."""
+    if not prefill_ms or not stall_ms:
+        return 0
+    return max([n for n, ms in prefill_ms.items() if ms <= stall_ms], default=min(prefill_ms))

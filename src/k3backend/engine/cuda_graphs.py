@@ -119,6 +119,23 @@ class _Graphs:
                  time.monotonic() - t0, (torch.cuda.memory_reserved(device) - before) / 2**20)
 
 
+    def replay_ms(self, device: torch.device, reps: int = 3) -> dict[int, float]:
+        """Device milliseconds of one replay of each captured size (the median of `reps`), with the
+        buffers made a valid step of that size first."""
+        times = {}
+        for size in self.graphs:
+            self._prepare(size)
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+            self.graphs[size].replay()  # warm
+            events[0].record()
+            for e in events[1:]:
+                self.graphs[size].replay()
+                e.record()
+            torch.cuda.synchronize(device)
+            times[size] = sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))[reps // 2]
+        return times
+
+
 class DecodeGraphs(_Graphs):
     """Static decode buffers and, when `capture`, one CUDA graph per batch size in `sizes`.
 

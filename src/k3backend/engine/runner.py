@@ -50,6 +50,7 @@ class Executor(Protocol):
 
     info: ModelInfo
     capacity: CacheCapacity
+    prefill_ms: dict[int, float]  # prefill tokens -> device ms of such a step, measured; {} when not (CPU)
 
     def launch(self, plan: StepPlan) -> Launched: ...  # the step queued; `finish` waits for its ids
     def finish(self, launched: Launched) -> Sampled: ...
@@ -92,6 +93,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self._eager_logged: set[str] = set()
+        self.prefill_ms: dict[int, float] = {}  # prefill tokens -> device ms of that graph's replay (GPU)
         self._last: tuple[torch.Tensor, dict[int, int]] = (torch.zeros(0, dtype=torch.long), {})  # ids, slot -> row
 
     @torch.inference_mode()
@@ -109,6 +111,10 @@ class ModelRunner:
         self.prefill_graphs = prefill if prefill is not None and prefill.graphs else None
         decode = self.make_decode_graphs(cfg, capture=True, pool=pool)
         self.graphs = decode if decode.graphs else None
+        if self.prefill_graphs is not None:  # every rank replays the same graphs: they meet in the collectives
+            self.prefill_ms = self.prefill_graphs.replay_ms(self.device)
+            log.info("prefill graphs, device ms by prefill tokens: %s",
+                     ", ".join(f"{n}: {ms:.2f}" for n, ms in sorted(self.prefill_ms.items())))
 
     def _forward(self, batch) -> torch.Tensor:
         return self.model(batch, self.pools)
@@ -354,6 +360,7 @@ class InProcessExecutor:
                                     self.capacity.block_size)
         self.runner = ModelRunner(model, pools)
         self.runner.capture_graphs(cfg)
+        self.prefill_ms = self.runner.prefill_ms
         # A GPU runs a launched step while the host schedules the next; a CPU computes it as it is
         # launched, so overlapping would only deliver each token one step later (tests set it anyway).
         self.overlap = self.runner.device.type == "cuda"

@@ -2,7 +2,8 @@
 
 Spec: SERVING.md §5.5 (termination), §6 (cancellation); the engine contract's step rules:
 continuous batching with every decoding sequence first and prefill chunks after them, all in one
-forward, under `max_num_batched_tokens` (decode tokens count) and `max_num_seqs`. A sequence is
+forward, under `max_num_batched_tokens` (decode tokens count) and `max_num_seqs`; a step that
+decodes takes at most `prefill_cap` prefill tokens. A sequence is
 admitted only when a KDA slot and MLA blocks for its first chunk are free; when a decoding
 sequence needs a block and none is free, or when no running sequence can take a step at all
 (every one a prefill short of blocks), the newest running sequence is preempted: it gives up
@@ -132,6 +133,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     prefix_caching: bool
     snapshot_interval: int  # tokens between KDA prefix snapshots; a multiple of the block size
+    # Prefill tokens of a step that also decodes (0: the step budget alone), so a long prompt's chunks
+    # stall the decoding requests for a bounded time (EngineCore sets it from measured step times).
+    prefill_cap: int = 0
 
 
 class Scheduler:
@@ -224,6 +228,8 @@ class Scheduler:
                 self._add(plan, seqs, seq, seq.num_computed, seq.num_computed + 1, sample=True)
                 budget -= 1
         plan.num_decode = len(seqs)
+        if plan.num_decode and self.cfg.prefill_cap:
+            budget = min(budget, self.cfg.prefill_cap)
         for seq in self.running:  # prefills in progress (fresh or recompute)
             if seq.prefilling and budget > 0:
                 budget -= self._prefill(plan, seqs, seq, budget)

@@ -80,6 +80,7 @@ class RankInfo:
     weight_bytes: int
     capacity: CacheCapacity
     info: Any  # runner.ModelInfo (rank 0's is the engine's)
+    prefill_ms: dict[int, float]  # the runner's measured prefill step times (rank 0's are the engine's)
 
 
 # ---- the worker process ---------------------------------------------------------------------------
@@ -168,7 +169,7 @@ def _build(spec: WorkerSpec, conn: Connection):
     info = ModelInfo(text.vocab_size, text.hidden_size, model.cfg.media_placeholder_token_id)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     conn.send(("ready", RankInfo(spec.rank, os.getpid(), f"{device} ({name}, physical {spec.gpu})"
-                                 if spec.gpu is not None else "cpu", weight_bytes, cap, info)))
+                                 if spec.gpu is not None else "cpu", weight_bytes, cap, info, runner.prefill_ms)))
     return runner
 
 
@@ -319,7 +320,7 @@ class MultiProcessExecutor:
             self.close(timeout=2.0)
             raise
         self.info = self.ranks[0].info
-        self.capacity = self.ranks[0].capacity
+        self.capacity, self.prefill_ms = self.ranks[0].capacity, self.ranks[0].prefill_ms
         from k3backend.engine.runner import log_capacity  # here: this module must not import torch (see _main)
 
         log_capacity(self.capacity, cfg)
