@@ -183,9 +183,9 @@ def graph_vs_eager(runner, chunk: SeqChunk, batch) -> None:
     pools, graphs = runner.pools, runner.prefill_graphs
     slot, save = torch.tensor([1], device="cuda"), torch.tensor([2], device="cuda")
 
-    def from_saved(fn):
+    def from_saved(fn):  # the chunk's row: the first (the padded forward has a row per chunk place)
         pools.copy_slot(save, slot)
-        out = fn()[-1:].float()
+        out = fn()[:1].float()
         pools.copy_slot(save, slot)
         return out
 

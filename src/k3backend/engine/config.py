@@ -26,8 +26,10 @@ class EngineConfig:
     async_scheduling: bool = True
     # While requests decode, a step takes only as many prefill tokens as a prefill step measured at
     # start-up runs in this many ms, so a long prompt's chunks hold back their next tokens by about that
-    # much; 0: no bound but the step budget. Only where steps are measured (CUDA graphs on a GPU).
-    decode_stall_ms: float = 30.0
+    # much; 0 (default): no bound but the step budget. Only where steps are measured (CUDA graphs on a
+    # GPU). Off by default: chunks after the first attend to their cached prefix slowly (absorbed MLA),
+    # so on the H200 a bound cost long prompts up to half their throughput (docs/parameters.md).
+    decode_stall_ms: float = 0.0
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps, single-sequence prefill chunks; ENGINE.md §7)
     num_blocks: int | None = None  # fixed pool sizes instead (tests): both or neither
     num_slots: int | None = None

@@ -57,7 +57,7 @@ PARAMETERS = {  # SERVING.md §4.4 with defaults
     "tensor_parallel_size": "1", "expert_parallel_size": "1", "dist_backend": "auto", "nnodes": "1", "node_rank": "0",
     "master_addr": "", "master_port": "29500", "dist_timeout_s": "300", "max_model_len": "131072",
     "max_num_seqs": "256", "max_num_batched_tokens": "8192", "gpu_memory_utilization": "0.90", "cpu_cache_gb": "4",
-    "enable_prefix_caching": "true", "enforce_eager": "false", "async_scheduling": "true", "decode_stall_ms": "30",
+    "enable_prefix_caching": "true", "enforce_eager": "false", "async_scheduling": "true", "decode_stall_ms": "0",
     "exclude_input_in_output": "true", "default_max_tokens": "16",
     "default_thinking": "false", "max_prompt_bytes": "8388608", "max_queued_requests": "0",
     "cancellation_check_period_ms": "100", "allow_stop_by_request_id": "true", "stop_tombstone_ttl_s": "30",
