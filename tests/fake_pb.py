@@ -87,12 +87,14 @@ class FakePbUtils:
 
 
 class FakeSender:
-    """Records responses; `delay_s` makes every send slow (a client that reads slowly)."""
+    """Records responses; `delay_s` makes every send slow (a client that reads slowly); a `gate` holds
+    every send until it is set; `log` gets (name, flags) of each send, shared by several senders."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0, gate: threading.Event | None = None, log: list | None = None,
+                 name: str = "") -> None:
         self.responses: list[FakePbUtils.InferenceResponse] = []
         self.flags: list[int] = []
-        self.delay_s = delay_s
+        self.delay_s, self.gate, self.log, self.name = delay_s, gate, log, name
         self.cancelled = False
         self.final = threading.Event()
         self.after_final: list[str] = []  # calls made after the final response: each is a defect
@@ -102,6 +104,10 @@ class FakeSender:
             self.after_final.append("send")
         if self.delay_s:
             time.sleep(self.delay_s)
+        if self.gate is not None:
+            self.gate.wait()
+        if self.log is not None:
+            self.log.append((self.name, flags))
         self.responses.append(response)
         self.flags.append(flags)
         if flags & FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:

@@ -102,6 +102,7 @@ import os  # noqa: E402 - the fast checks above need none of these
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -170,6 +171,33 @@ def test_a_client_that_reads_slowly_gets_coalesced_responses(lm_ckpt):
         assert slow.flags[-1] == FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL and not slow.after_final
     finally:
         server.close()
+
+
+def test_a_new_requests_first_response_goes_before_the_others_responses(lm_ckpt):
+    """Each send is a round trip to the server, so under load a response round takes a while; a new
+    request's first token must not wait behind it. Three streaming requests decode while the response
+    thread is held in a send (a gate); a new request arrives and its first token is drawn meanwhile.
+    Once the gate opens, the round in progress ends and the next one sends the new request's first
+    response before any other request's."""
+    server = start(lm_ckpt)
+    gate, log = threading.Event(), []
+    try:
+        common = {"max_tokens": 400, "min_tokens": 400, "ignore_eos": True, "temperature": 0.0, "stream": True}
+        old = [ask(server, f"old {i}", FakeSender(gate=gate, log=log, name=f"old{i}"), **common) for i in range(3)]
+        time.sleep(1.0)  # their first tokens: the response thread is now held in one of their sends
+        new = ask(server, "new", FakeSender(log=log, name="new"), max_tokens=2, temperature=0.0, stream=True)
+        time.sleep(1.0)  # the engine goes on meanwhile: the new request's first token, more for the old ones
+        held = len(log)
+        gate.set()
+        assert new.final.wait(60) and new.error is None
+        after = [name for name, _ in log[held:]]
+        first_new = after.index("new")
+        # the round in progress finishes (each old request at most once), then the new round starts with "new"
+        assert len(set(after[:first_new])) == len(after[:first_new]) <= 3, after[:first_new + 4]
+    finally:
+        gate.set()
+        server.close()
+    assert all(s.final.is_set() and not s.after_final for s in old)
 
 
 def test_a_dead_engine_core_ends_every_request_with_unavailable_at_once(lm_ckpt):

@@ -3,9 +3,10 @@
 The engine runs in a process of its own (`engine.client.EngineClient`); this stub only turns
 requests into token ids and token ids into responses, with a fixed number of threads whatever
 the load:
-- Triton's `execute()` parses cheaply, answers stop requests, registers one `RequestStream` per
-  request and returns at once ([CFG-L2]);
-- the prepare thread tokenizes and renders, then hands the request to the engine;
+- Triton's `execute()` only queues each request with its sender and returns ([CFG-L2]): Triton
+  hands it one request per call, a round trip to the server each, so nothing else waits on it;
+- the prepare thread, in arrival order, parses, answers stop requests, registers one
+  `RequestStream` per request, tokenizes and renders, then hands the request to the engine;
 - the response thread (`serving.responder`) reads the engine's per-step messages and sends the
   responses, and is the only thread that touches a sender;
 - the lifecycle thread: gauges, the server's shutdown ([HLT-9]), engine health ([HLT-5], [HLT-7]).
@@ -134,7 +135,8 @@ class LmServer:
         lifecycle.watch_parent(MODEL)  # [HLT-10]: a server that died without finalize
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
-        self._prepare_q: queue.SimpleQueue[RequestStream | None] = queue.SimpleQueue()
+        self._prepare_q: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()  # (request, sender)
+        self._accepting, self._accepting_lock = True, threading.Lock()  # the prepare thread takes requests
         self._guardian_fd = guardian.spawn(MODEL, stub_failure_action)
         self.responder = Responder(pb_utils, self.engine, self.registry, self.metrics, self.period_s, warm_stats)
         self._threads = [threading.Thread(target=self._prepare_loop, name="k3-lm-prepare", daemon=True),
@@ -145,40 +147,16 @@ class LmServer:
     # ---- Triton entry points ---------------------------------------------------------------
 
     def execute(self, requests: list) -> None:
-        """Parse cheaply, answer stop requests, register the rest; never waits for generation."""
+        """Hand each request to the prepare thread, which parses it there: Triton gives this thread one
+        request per call, so each call is a round trip to the server and parsing here would add to it."""
         self.server.confirm_live()
         for request in requests:
             sender = request.get_response_sender()
-            client_id, stream, items = "", None, []
-            try:
-                client_id = request_id(request)
-                if self._closed.is_set():
-                    raise Unavailable(SHUTDOWN_ERROR)
-                if request.is_cancelled():  # [CAN-2]: cancelled while k3_vision ran
-                    raise Cancelled("request cancelled by client")
-                parsed = parse_request(input_getter(self.pb, request), request_parameters(request), client_id,
-                                       self.defaults)
-                if parsed.is_stop:
-                    matched = self.registry.stop(client_id)
-                    for s in matched:
-                        self.engine.abort(s.rid)
-                    log.debug("%s: stop request %r matched %d running request(s)", MODEL, client_id, len(matched))
-                    items = [("send", sender, client_id, stop_request_response(), None)]
-                else:
-                    stream = RequestStream(client_id, sender, parsed, self.tokenizer)
-                    live = self.registry.open(stream)
-                    # the response thread owns the sender from "open" on; a live tombstone cancels it ([CAN-7])
-                    items = [("open", stream)] + ([] if live else [("cancel", stream, Cancel.STOP)])
-            except Exception as e:  # noqa: BLE001 - every failure becomes this request's error response
-                stream, items = None, [("send", sender, client_id, None, e)]
-            if self.responder.put(*items):
-                if stream is not None and len(items) == 1:
-                    self._prepare_q.put(stream)
-            elif items[0][0] == "send":  # after close(), no response thread: this sender is nobody else's
-                self.responder.send(*items[0][1:], final=True)
-            else:
-                self.registry.forget(stream)
-                self.responder.send(sender, client_id, None, Unavailable(SHUTDOWN_ERROR), final=True)
+            with self._accepting_lock:  # the prepare thread takes whatever is queued before it stops
+                if self._accepting:
+                    self._prepare_q.put((request, sender))
+                    continue
+            self._open(request, sender)  # shutting down: answered at once (UNAVAILABLE)
 
     def close(self) -> None:
         """[HLT-9]: stop admitting, end in-flight requests (UNAVAILABLE), join threads and the engine."""
@@ -206,8 +184,10 @@ class LmServer:
             time.sleep(0.05)
         if not first:
             return
+        with self._accepting_lock:  # execute() answers from now on; the prepare thread ends what is queued
+            self._accepting = False
+            self._prepare_q.put(None)
         self.responder.put(("shutdown",), None)
-        self._prepare_q.put(None)
         self.responder.join(timeout=5)
         for t in self._threads:
             if t is not threading.current_thread():
@@ -217,8 +197,12 @@ class LmServer:
     # ---- the prepare thread ----------------------------------------------------------------
 
     def _prepare_loop(self) -> None:
-        """Tokenize and render each request, then hand it to the engine (or end it here)."""
-        while (stream := self._prepare_q.get()) is not None:
+        """Parse, tokenize and render each request in arrival order, then hand it to the engine (or end
+        it here); stop requests are answered here, so they keep their order against their targets."""
+        while (item := self._prepare_q.get()) is not None:
+            stream = self._open(*item)
+            if stream is None:
+                continue
             try:
                 request = stream.prepare(eos_ids=self.eos_ids, max_model_len=self.max_model_len,
                                          default_max_tokens=self.defaults.default_max_tokens)
@@ -233,6 +217,40 @@ class LmServer:
                     self.responder.put(("fail", stream, Unavailable(why)))
                 else:
                     self.registry.bind(stream, self.engine.add(request))
+
+    def _open(self, request: Any, sender: Any) -> RequestStream | None:
+        """Parse one request: a stop is answered, a generation request gets its stream (registered, and
+        handed to the response thread, which owns the sender from then on); None when it has ended."""
+        client_id, stream, items = "", None, []
+        try:
+            client_id = request_id(request)
+            if self._closed.is_set() or self.registry.closing:
+                raise Unavailable(SHUTDOWN_ERROR)
+            if request.is_cancelled():  # [CAN-2]: cancelled while k3_vision ran or while queued here
+                raise Cancelled("request cancelled by client")
+            parsed = parse_request(input_getter(self.pb, request), request_parameters(request), client_id,
+                                   self.defaults)
+            if parsed.is_stop:
+                matched = self.registry.stop(client_id)
+                for s in matched:
+                    self.engine.abort(s.rid)
+                log.debug("%s: stop request %r matched %d running request(s)", MODEL, client_id, len(matched))
+                items = [("send", sender, client_id, stop_request_response(), None)]
+            else:
+                stream = RequestStream(client_id, sender, parsed, self.tokenizer)
+                live = self.registry.open(stream)
+                # the response thread owns the sender from "open" on; a live tombstone cancels it ([CAN-7])
+                items = [("open", stream)] + ([] if live else [("cancel", stream, Cancel.STOP)])
+        except Exception as e:  # noqa: BLE001 - every failure becomes this request's error response
+            stream, items = None, [("send", sender, client_id, None, e)]
+        if self.responder.put(*items):
+            return stream if stream is not None and len(items) == 1 else None
+        if items[0][0] == "send":  # the response thread has ended: this sender is nobody else's
+            self.responder.send(*items[0][1:], final=True)
+        else:
+            self.registry.forget(stream)
+            self.responder.send(sender, client_id, None, Unavailable(SHUTDOWN_ERROR), final=True)
+        return None
 
     # ---- the lifecycle thread --------------------------------------------------------------
 

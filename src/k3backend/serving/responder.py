@@ -1,11 +1,11 @@
 """The response thread of `k3_lm`: engine news and local work in, responses out (ENGINE.md §8).
 
-One thread owns every response sender from the moment `execute()` hands it over ("open") to its
+One thread owns every response sender from the moment the prepare thread hands it over ("open") to its
 final response, and is the only one that sends or asks `is_cancelled()`: on 2.51 that call on a
 finished request reads a freed response factory and crashes the server, so it is never made after
 a final. Each wake-up it drains what the other threads queued (`put`), reads every step message
-the engine core sent meanwhile, then sends at most one response per request: a request whose
-sends fell behind gets all its pending tokens in one response. It also keeps the metrics that
+the engine core sent meanwhile, then sends at most one response per request, first responses
+first: a request whose sends fell behind gets all its pending tokens in one response. It also keeps the metrics that
 responses decide (time to first token, time per output token, successes and failures) and the
 engine's latest `EngineStats` for the gauges.
 
@@ -132,7 +132,9 @@ class Responder:
                     self._local(item, open_, touched)
             for message in self.engine.receive():
                 self._engine_message(message, open_, touched)
-            for stream in touched:
+            # first responses first: a new request's first token does not wait behind the others' sends,
+            # each a round trip to the server
+            for stream in sorted(touched, key=lambda st: st.first_sent is not None):
                 self._respond(stream, open_)
             self._poll_cancellations(open_)
             if stopping and open_:  # after "shutdown" everything left is ended; do not wait for more
