@@ -4,6 +4,7 @@
 # k3_ensemble (bench/serving_load.py) at concurrency 1, 64 and 256, py-spy of the k3_lm stub and engine core at
 # 256, then bench/engine.py (the engine core in process) on the same checkpoint, lengths and concurrencies.
 # Carry .dev (bench/make_gpu_bundle.sh). Writes serve-small.txt, server.log, profile-*.txt under $OUT.
+# MODELS="k3_lm" skips the ensemble's runs (each load run takes a minute or more with its client start-up).
 # On a fresh machine the first runs compile Triton kernels (cold cache): for a side-by-side ratio, run the
 # script twice on the same machine and compare the second run's figures; the in-process pass begins with two
 # short workloads that only warm that cache (their rows are not the comparison).
@@ -34,7 +35,7 @@ grep -E "k3_lm: (stub|worker)|cache: |loaded" "$OUT/server.log" | head -8 | tee 
 STUB=$(grep -oP 'k3_lm: stub pid \K[0-9]+' "$OUT/server.log" | head -1)
 CORE=$(grep -oP 'engine core pid \K[0-9]+' "$OUT/server.log" | head -1)
 L="python3 bench/serving_load.py --url localhost:8001 --metrics-url localhost:8002 --tokenizer $CK --prompt-len 284 --procs 8"
-for model in k3_lm k3_ensemble; do
+for model in ${MODELS:-k3_lm k3_ensemble}; do
   [ $model = k3_lm ] && timeout 120 $L --model $model --concurrency 1 --num-requests 12 --output-len 256 --warmup 2 2>&1 | tail -3 | tee -a "$R"
   timeout 120 $L --model $model --concurrency 64 --num-requests 256 --output-len 128 2>&1 | tail -3 | tee -a "$R"
   if [ $model = k3_lm ]; then

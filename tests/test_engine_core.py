@@ -479,3 +479,30 @@ def test_the_stall_cap_from_measured_steps_bounds_prefill_beside_decodes_and_cha
     mixed = [sum(len(s.token_ids) for s in p.seqs[p.num_decode:]) for p in launched if p.num_decode]
     assert mixed and max(mixed) <= 16 and any(n > 16 for p in launched if not p.num_decode
                                                  for n in [sum(len(s.token_ids) for s in p.seqs)])
+
+
+def test_an_overlapped_engine_waits_for_a_long_step_so_its_news_comes_at_once(model64, tok):
+    """Async scheduling reports a step's tokens with the next call; a step measured to be long (here:
+    more than 8 prefill tokens, given times) is waited for in its own call instead, so a request
+    arriving meanwhile joins the very next step. Short steps still overlap, and every request equals
+    its run alone."""
+    def core_with(times, **paged):
+        cfg = EngineConfig(max_model_len=1024, cpu_cache_gb=0.25, **paged)
+        executor = InProcessExecutor(model64, cfg)
+        executor.prefill_ms = times
+        core = EngineCore(executor, cfg)
+        core.overlap = True
+        return core
+
+    r = Request("long", tok.encode("a prompt of some thirty tokens or so, long enough", allow_special=True),
+                SamplingParams(max_tokens=5, temperature=0.0))
+    for times, first_call in (({8: 1.0, 64: 50.0}, 1), ({}, 2)):
+        core = core_with(times)  # 64-token blocks: the prompt is one chunk
+        core.add(1, r)
+        calls = [core.step() for _ in range(2)]
+        assert [int((out.tokens >= 0).sum()) for out in calls].index(1) + 1 == first_call, times
+    core = core_with({8: 1.0, 64: 50.0}, **PAGED)  # chunks of 8 (light) and of more (heavy)
+    fed = _count_pending_rows(core)
+    outs = run(core, _overlap_requests(tok, model64))
+    assert_each_alone(model64, _overlap_requests(tok, model64), outs)
+    assert max(fed) > 0  # decode steps still overlap

@@ -23,12 +23,15 @@ import numpy as np
 
 from k3backend.engine.config import EngineConfig
 from k3backend.engine.outputs import EngineStats, StepOutputs
+from k3backend.engine.plan import StepPlan
 from k3backend.engine.request import FinishReason, Request, TokenLogprob
 from k3backend.engine.runner import Executor
 from k3backend.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from k3backend.errors import InvalidArgument, K3Error
 
 log = logging.getLogger(__name__)
+
+HEAVY_STEP_MS = 15.0  # a step measured to take longer is not overlapped with the next one's scheduling
 
 
 class EngineCore:
@@ -47,6 +50,10 @@ class EngineCore:
         self._in_flight: tuple[Any, list[Sequence]] | None = None  # a launched step and its sampling rows' seqs
         self._history: set[int] = set()  # ids whose sampling reads their token history (no overlap then)
         self.overlap = cfg.async_scheduling and executor.overlap
+        # Prefill tokens up to which a step is short enough to overlap (measured: HEAVY_STEP_MS); a longer
+        # step is waited for at once, so requests that arrive while it runs join the very next step.
+        self._light_prefill = max((n for n, ms in executor.prefill_ms.items() if ms < HEAVY_STEP_MS), default=0) \
+            if executor.prefill_ms else None
         self.steps = 0
 
     # ---- requests ------------------------------------------------------------------------------
@@ -90,7 +97,8 @@ class EngineCore:
 
         With `overlap`, the step is scheduled and launched while the previous one still runs on the
         device (its drawn ids are this step's decode inputs there), and the news is the previous
-        step's: a request that the previous token ended may run one more row, which is dropped.
+        step's: a request that the previous token ended may run one more row, which is dropped. A step
+        with more prefill than runs in HEAVY_STEP_MS is waited for at once: its news comes with it.
         """
         rows = _Rows()
         for rid, reason, error in self._ended:
@@ -115,10 +123,16 @@ class EngineCore:
         if self._in_flight is not None:
             self._resolve(rows)  # the previous step, which ran while this one was scheduled
         self._in_flight = (launched, sampling) if launched is not None else None
-        if self._in_flight is not None and (not self.overlap or not self._seqs):
+        if self._in_flight is not None and (not self.overlap or not self._seqs or self._heavy(plan)):
             self._resolve(rows)  # waited for; or every request ended, so nothing of it is news
         self.steps += not plan.empty
         return rows.outputs(self.stats())
+
+    def _heavy(self, plan: StepPlan) -> bool:
+        """A step long enough that overlapping it saves little host time and costs much time to first
+        token: a request arriving while it runs would miss the step scheduled behind it."""
+        prefill = sum(len(s.token_ids) for s in plan.seqs[plan.num_decode:])
+        return self._light_prefill is not None and prefill > self._light_prefill
 
     def _resolve(self, rows: _Rows) -> None:
         """Wait for the step in flight; its tokens join their sequences, which may end."""
