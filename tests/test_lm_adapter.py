@@ -200,6 +200,24 @@ def test_a_new_requests_first_response_goes_before_the_others_responses(lm_ckpt)
     assert all(s.final.is_set() and not s.after_final for s in old)
 
 
+def test_a_requests_arrival_is_its_receipt_by_execute_not_its_turn_in_the_prepare_queue(lm_ckpt, monkeypatch):
+    """Parsing runs on the prepare thread, after execute() queued the request; arrival_time_ns (and the
+    TTFT and queue-time metrics built on it) must still count from receipt: here parsing is held 0.5 s."""
+    from k3backend.serving import lm_adapter
+
+    parse = lm_adapter.parse_request
+    monkeypatch.setattr(lm_adapter, "parse_request", lambda *a: time.sleep(0.5) or parse(*a))
+    server = start(lm_ckpt)
+    try:
+        sent = time.time_ns()
+        s = ask(server, "arrival", max_tokens=2, temperature=0.0, return_perf_metrics=True)
+        assert s.final.wait(60) and s.error is None
+        arrival = int(s.outputs()[-1]["arrival_time_ns"].reshape(-1)[0])
+        assert sent <= arrival < sent + 0.2e9, (arrival - sent) / 1e9
+    finally:
+        server.close()
+
+
 def test_a_dead_engine_core_ends_every_request_with_unavailable_at_once(lm_ckpt):
     server = start(lm_ckpt)
     try:

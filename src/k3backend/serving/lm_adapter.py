@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import replace
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,7 @@ class LmServer:
         lifecycle.watch_parent(MODEL)  # [HLT-10]: a server that died without finalize
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
-        self._prepare_q: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()  # (request, sender)
+        self._prepare_q: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()  # (request, sender, receipt times)
         self._accepting, self._accepting_lock = True, threading.Lock()  # the prepare thread takes requests
         self._guardian_fd = guardian.spawn(MODEL, stub_failure_action)
         self.responder = Responder(pb_utils, self.engine, self.registry, self.metrics, self.period_s, warm_stats)
@@ -154,9 +155,9 @@ class LmServer:
             sender = request.get_response_sender()
             with self._accepting_lock:  # the prepare thread takes whatever is queued before it stops
                 if self._accepting:
-                    self._prepare_q.put((request, sender))
+                    self._prepare_q.put((request, sender, time.time(), time.monotonic()))  # receipt: metrics
                     continue
-            self._open(request, sender)  # shutting down: answered at once (UNAVAILABLE)
+            self._open(request, sender, time.time(), time.monotonic())  # shutting down: answered at once
 
     def close(self) -> None:
         """[HLT-9]: stop admitting, end in-flight requests (UNAVAILABLE), join threads and the engine."""
@@ -218,9 +219,10 @@ class LmServer:
                 else:
                     self.registry.bind(stream, self.engine.add(request))
 
-    def _open(self, request: Any, sender: Any) -> RequestStream | None:
+    def _open(self, request: Any, sender: Any, received: float, received_mono: float) -> RequestStream | None:
         """Parse one request: a stop is answered, a generation request gets its stream (registered, and
-        handed to the response thread, which owns the sender from then on); None when it has ended."""
+        handed to the response thread, which owns the sender from then on); None when it has ended.
+        received / received_mono: when execute() got it (wall clock / monotonic), its arrival in metrics."""
         client_id, stream, items = "", None, []
         try:
             client_id = request_id(request)
@@ -228,8 +230,8 @@ class LmServer:
                 raise Unavailable(SHUTDOWN_ERROR)
             if request.is_cancelled():  # [CAN-2]: cancelled while k3_vision ran or while queued here
                 raise Cancelled("request cancelled by client")
-            parsed = parse_request(input_getter(self.pb, request), request_parameters(request), client_id,
-                                   self.defaults)
+            parsed = replace(parse_request(input_getter(self.pb, request), request_parameters(request), client_id,
+                                           self.defaults), arrival_time=received)
             if parsed.is_stop:
                 matched = self.registry.stop(client_id)
                 for s in matched:
@@ -237,7 +239,7 @@ class LmServer:
                 log.debug("%s: stop request %r matched %d running request(s)", MODEL, client_id, len(matched))
                 items = [("send", sender, client_id, stop_request_response(), None)]
             else:
-                stream = RequestStream(client_id, sender, parsed, self.tokenizer)
+                stream = RequestStream(client_id, sender, parsed, self.tokenizer, arrival=received_mono)
                 live = self.registry.open(stream)
                 # the response thread owns the sender from "open" on; a live tombstone cancels it ([CAN-7])
                 items = [("open", stream)] + ([] if live else [("cancel", stream, Cancel.STOP)])
