@@ -185,9 +185,7 @@ class EngineCore:
 
 def _reads_history(request: Request) -> bool:
     """Its draws read its earlier output ids (penalties, bad words of several tokens)."""
-    p = request.params
-    return (p.repetition_penalty != 1.0 or bool(p.frequency_penalty or p.presence_penalty)
-            or any(len(w) > 1 for w in request.bad_word_seqs))
+    return request.params.reads_output or any(len(w) > 1 for w in request.bad_word_seqs)
 
 
 @dataclass

@@ -40,8 +40,7 @@ class SamplingRow:
 
     @property
     def has_penalties(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or bool(self.output_ids and (p.frequency_penalty or p.presence_penalty))
+        return self.params.reads_prompt or bool(self.output_ids and self.params.reads_output)
 
 
 @dataclass

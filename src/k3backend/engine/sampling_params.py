@@ -61,6 +61,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def reads_prompt(self) -> bool:
+        """The repetition penalty counts the prompt's ids too ([SMP-6] step 2)."""
+        return self.repetition_penalty != 1.0
+
+    @property
+    def reads_output(self) -> bool:
+        """A penalty reads the request's earlier output ids."""
+        return self.reads_prompt or bool(self.frequency_penalty or self.presence_penalty)
+
 
 def eos_sets(p: SamplingParams, eos_ids: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """([STP-2]) the ids masked below min_tokens (end_id replaces the EOS set) and the ids that end

@@ -299,9 +299,9 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(seq)
         r = seq.request
-        penalties = r.params.repetition_penalty != 1.0
         plan.new.append(SlotRequest(slot, r.params, seq.seed, seq.mask_eos, r.bad_word_seqs,
-                                    tuple(r.prompt_ids) if penalties else (), tuple(seq.output_ids), r.image_embeds))
+                                    tuple(r.prompt_ids) if r.params.reads_prompt else (), tuple(seq.output_ids),
+                                    r.image_embeds))
         return n
 
     def _prefix_hit(self, seq: Sequence) -> tuple[int, int]:
