@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="off: every step waits for the previous one's ids; both: each workload overlapped, then not")
     ap.add_argument("--decode-stall-ms", default=str(EngineConfig.decode_stall_ms),
                     help="k3_lm's decode_stall_ms (0: off); a comma list runs each workload once per value")
+    ap.add_argument("--max-prefill-delay-ms", default=str(EngineConfig.max_prefill_delay_ms),
+                    help="k3_lm's max_prefill_delay_ms (0: off); a comma list runs each workload once per value")
     ap.add_argument("--expert-stats", action="store_true")
     ap.add_argument("--experts", choices=["bf16", "mxfp4", "mxfp4-as-bf16"], default="bf16",
                     help="--random-weights: routed experts in bf16, packed MXFP4, or MXFP4 weights dequantized to "
@@ -245,10 +247,12 @@ def main(argv: list[str] | None = None) -> int:
                                       "name": f"{w.name or 'run'} ({'async' if o else 'sync'})"})  # (no prefix hits)
                 for w in runs for o in (True, False)]
     stalls = [float(v) for v in args.decode_stall_ms.split(",")]
-    if len(stalls) > 1:  # side by side on one model: each value on prompts of its own (no prefix hits)
-        runs = [argparse.Namespace(**{**vars(w), "stall_ms": ms, "seed": w.seed + 700 * i,
-                                      "name": f"{w.name or 'run'} (stall {ms:g} ms)"})
-                for w in runs for i, ms in enumerate(stalls)]
+    delays = [float(v) for v in args.max_prefill_delay_ms.split(",")]
+    for key, label, values in (("stall_ms", "stall", stalls), ("delay_ms", "delay", delays)):
+        if len(values) > 1:  # side by side on one model: each value on prompts of its own (no prefix hits)
+            runs = [argparse.Namespace(**{**vars(w), key: ms, "seed": w.seed + 700 * i,
+                                          "name": f"{w.name or 'run'} ({label} {ms:g} ms)"})
+                    for w in runs for i, ms in enumerate(values)]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # cache, kernels, graphs
 
     from k3backend.engine.runner import InProcessExecutor
@@ -265,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                        max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching,
                        snapshot_interval=args.snapshot_interval,
                        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling != "off",
-                       decode_stall_ms=stalls[0])
+                       decode_stall_ms=stalls[0], max_prefill_delay_ms=delays[0])
     counts, model = [], None
     if args.tensor_parallel_size > 1:
         from k3backend.engine.workers import MultiProcessExecutor
@@ -288,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     first, results = 1, []
     for w in runs:
         core.overlap = getattr(w, "overlap", core.overlap) and executor.overlap
-        if hasattr(w, "stall_ms"):  # the scheduler is idle between workloads
+        if hasattr(w, "delay_ms"):  # the scheduler is idle between workloads
+            core.sched.cfg = dataclasses.replace(core.sched.cfg, prefill_delay_s=w.delay_ms / 1e3)
+        if hasattr(w, "stall_ms"):
             core.sched.cfg = dataclasses.replace(core.sched.cfg, prefill_cap=prefill_cap(executor.prefill_ms,
                                                                                        w.stall_ms))
             print(f"decode_stall_ms {w.stall_ms:g}: steps that decode take at most "

@@ -4,7 +4,9 @@
 # on one model (each value on prompts of its own), the prefill step times the runner measured at
 # start-up, then bench/profile_step.py's kernel tables of a decode step and of small prefill steps
 # (where a prefill step's fixed cost goes). Writes stall.txt (and the full outputs) under $OUT.
-#   STALLS_LONG (default 0,20,30,45)  STALLS (default 0,30)  T_LONG / T_MIXED / T_PROF: seconds per run
+# Then staggered with max_prefill_delay_ms at DELAYS (prompts held to share one prefill step).
+#   STALLS_LONG (default 0,20,30,45)  STALLS (default 0,30)  DELAYS (default 0,30,60,100)
+#   T_LONG / T_MIXED / T_DELAY / T_PROF: seconds per run; SKIP="long mixed prof" leaves phases out
 set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
@@ -15,16 +17,21 @@ R="$OUT/stall.txt"; : > "$R"
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  echo "== long prompts, decode_stall_ms ${STALLS_LONG:-0,20,30,45}"
+  skip() { case " ${SKIP:-} " in *" $1 "*) return 0;; esac; return 1; }
+  skip long || { echo "== long prompts, decode_stall_ms ${STALLS_LONG:-0,20,30,45}"
   timeout -s ABRT "${T_LONG:-240}" $ENGINE --workload long-prompt --decode-stall-ms "${STALLS_LONG:-0,20,30,45}" \
     >"$OUT/engine-long.txt" 2>&1
-  grep -E "$KEEP" "$OUT/engine-long.txt" | awk '!seen[$0]++' | tail -40
-  echo "== staggered and steady, decode_stall_ms ${STALLS:-0,30}"
+  grep -E "$KEEP" "$OUT/engine-long.txt" | awk '!seen[$0]++' | tail -40; }
+  skip mixed || { echo "== staggered and steady, decode_stall_ms ${STALLS:-0,30}"
   timeout -s ABRT "${T_MIXED:-200}" $ENGINE --workload staggered,steady --decode-stall-ms "${STALLS:-0,30}" \
     >"$OUT/engine-mixed.txt" 2>&1
-  grep -E "$KEEP" "$OUT/engine-mixed.txt" | grep -v "prefill graphs, device ms" | awk '!seen[$0]++' | tail -30
-  echo "== kernels of a decode step (B64) and of prefill steps of 256 and 512 tokens"
+  grep -E "$KEEP" "$OUT/engine-mixed.txt" | grep -v "prefill graphs, device ms" | awk '!seen[$0]++' | tail -30; }
+  echo "== staggered, max_prefill_delay_ms ${DELAYS:-0,30,60,100}"
+  timeout -s ABRT "${T_DELAY:-240}" $ENGINE --workload staggered --max-prefill-delay-ms "${DELAYS:-0,30,60,100}" \
+    >"$OUT/engine-delay.txt" 2>&1
+  grep -E "$KEEP|^staggered" "$OUT/engine-delay.txt" | awk '!seen[$0]++' | tail -20
+  skip prof || { echo "== kernels of a decode step (B64) and of prefill steps of 256 and 512 tokens"
   timeout -s ABRT "${T_PROF:-100}" python3 bench/profile_step.py --batch 64 --prefill 512 --after-prefix 0:256 \
     --rows 14 >"$OUT/profile.txt" 2>&1
-  grep -vE " INFO |^INFO" "$OUT/profile.txt" | tail -60
+  grep -vE " INFO |^INFO" "$OUT/profile.txt" | tail -60; }
 } 2>&1 | tee -a "$R"

@@ -140,8 +140,8 @@ class Driver:
 
     def __init__(self, *, num_blocks: int, num_slots: int, block_size: int = 4, max_num_seqs: int = 4,
                  budget: int = 64, prefix_caching: bool = True, snapshot_interval: int = 8,
-                 overlap: bool = False, prefill_cap: int = 0) -> None:
-        cfg = SchedulerConfig(max_num_seqs, budget, prefix_caching, snapshot_interval, prefill_cap)
+                 overlap: bool = False, prefill_cap: int = 0, prefill_delay: float = 0.0) -> None:
+        cfg = SchedulerConfig(max_num_seqs, budget, prefix_caching, snapshot_interval, prefill_cap, prefill_delay)
         self.sched = Scheduler(cfg, CacheCapacity(num_blocks, num_slots, block_size))
         self.cache = CacheModel(block_size)
         self.done: dict[str, list[int]] = {}
@@ -150,6 +150,7 @@ class Driver:
         self.overlap = overlap
         self.in_flight: list[tuple[Sequence, int]] | None = None  # (sequence, drawn token) of the last step
         self.pending_rows = 0  # decode rows fed a PENDING token
+        self.now = 0.0  # the clock: one unit per step
 
     def hog(self) -> None:
         """Take every free block, so the next block any request needs preempts."""
@@ -161,7 +162,7 @@ class Driver:
 
     def add(self, *seqs: Sequence) -> None:
         for s in seqs:
-            self.sched.add(s)
+            self.sched.add(s, self.now)
 
     def step(self) -> tuple[StepPlan, list[Sequence]]:
         s = self.sched
@@ -170,7 +171,8 @@ class Driver:
         if self.in_flight is not None and (not self.overlap or any(q.request.params.repetition_penalty != 1.0
                                                                    for q in s.all())):
             self.resolve()
-        plan, seqs = s.schedule()
+        plan, seqs = s.schedule(self.now)
+        self.now += 1.0
         if plan.empty and s.all() and self.in_flight is None:
             raise AssertionError(f"nothing scheduled with {len(s.running)} running, {len(s.waiting)} waiting, "
                                  f"{s.blocks.num_free} free blocks: no step can ever change that")
@@ -367,6 +369,29 @@ def test_a_step_that_decodes_takes_at_most_the_prefill_cap_and_one_that_does_not
     assert d.done["old"] == alone(old) and d.done["new"] == alone(new)
 
 
+def test_while_requests_decode_new_prompts_wait_up_to_the_prefill_delay_to_share_a_step():
+    """max_prefill_delay_ms, one clock unit per step, a delay of 3: while `old` decodes, prompts that
+    arrive one step apart are held until the oldest has waited 3 steps, then prefilled in one step;
+    prompts that fill the rest of the budget go at once; with nothing decoding nobody waits."""
+    d = Driver(num_blocks=64, num_slots=8, max_num_seqs=6, budget=40, prefix_caching=False, prefill_delay=3.0)
+    old = make_seq("old", [5, 6, 7], max_tokens=30)
+    d.add(old)
+    assert len(d.step()[0].seqs) == 1  # nothing decodes: admitted at once
+    a, b = make_seq("a", list(range(30, 40)), max_tokens=2), make_seq("b", list(range(40, 50)), max_tokens=2)
+    d.add(a)
+    d.step()
+    d.add(b)
+    plans = [d.step()[0] for _ in range(3)]
+    admitted = [[len(c.token_ids) for c in p.seqs[p.num_decode:]] for p in plans]
+    assert admitted == [[], [], [10, 10]], admitted  # a queued at time 1, admitted at 4 (waited 3), b with it
+    big = make_seq("big", list(range(50, 90)), max_tokens=2)  # 40 tokens: more than the budget left
+    d.add(big)
+    plan, _ = d.step()
+    assert [len(c.token_ids) for c in plan.seqs[plan.num_decode:]] == [40 - plan.num_decode]  # at once
+    d.run()
+    assert all(d.done[s.request.request_id] == alone(s) for s in (old, a, b, big))
+
+
 def test_overlapped_requests_waiting_for_their_last_token_are_not_preempted():
     """Overlapped steps: requests whose max_tokens-th token is in flight get no row (it ends them),
     and the empty plan that leaves is not taken for prefills stuck without blocks (no preemption)."""
@@ -413,7 +438,8 @@ def run_random(seed: int, long: bool = False, overlap: bool = False) -> Driver:
                block_size=bs, max_num_seqs=rng.randrange(1, 5),
                budget=rng.randrange(40, 300) if long else rng.randrange(3, 20), prefix_caching=seed % 3 != 0,
                snapshot_interval=rng.choice([64, 128] if long else [4, 8]), overlap=overlap,
-               prefill_cap=random.Random(-seed).choice([0, 1, 5, 33, 64]))  # its own draw: the workload stays
+               prefill_cap=random.Random(-seed).choice([0, 1, 5, 33, 64]),  # own draws: the workload stays
+               prefill_delay=random.Random(seed + 7919).choice([0.0, 0.0, 2.0, 5.0]))
     step, cancelled = 0, set()
     while work or d.sched.all() or d.in_flight:
         while work and work[0][0] <= step:

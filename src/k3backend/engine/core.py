@@ -44,7 +44,8 @@ class EngineCore:
         if cap:
             log.info("steps that decode take at most %d prefill tokens (decode_stall_ms %g)", cap, cfg.decode_stall_ms)
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching,
-                                               cfg.snapshot_interval, cap), executor.capacity)
+                                               cfg.snapshot_interval, cap, cfg.max_prefill_delay_ms / 1e3),
+                               executor.capacity)
         self._seqs: dict[int, Sequence] = {}
         self._ended: list[tuple[int, FinishReason, tuple[str, str] | None]] = []  # reported with the next step
         self._in_flight: tuple[Any, list[Sequence]] | None = None  # a launched step and its sampling rows' seqs

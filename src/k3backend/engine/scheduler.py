@@ -26,6 +26,7 @@ engine core's one loop calls it.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -67,6 +68,7 @@ class Sequence:
     num_registered: int = 0  # prompt blocks whose keys are registered with the block manager
     pads: list[int] = field(default_factory=list)  # prompt positions of image pads
     counted: bool = False  # prefix-cache queries counted (first admission only)
+    queued_at: float = 0.0  # monotonic time it was added (prefill_delay_s)
 
     def __post_init__(self) -> None:
         """EOS sets ([STP-2]), draw seed, image pad positions."""
@@ -136,6 +138,9 @@ class SchedulerConfig:
     # Prefill tokens of a step that also decodes (0: the step budget alone), so a long prompt's chunks
     # stall the decoding requests for a bounded time (EngineCore sets it from measured step times).
     prefill_cap: int = 0
+    # While requests decode, new prompts wait up to this long (s) so that several share one prefill step
+    # (its fixed cost is paid once); 0: admitted at once. Like a dynamic batcher's max queue delay.
+    prefill_delay_s: float = 0.0
 
 
 class Scheduler:
@@ -153,10 +158,12 @@ class Scheduler:
         self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
         self._freed: list[int] = []  # slots released since the last plan
         self._snapshots: list[tuple[bytes, int]] = []  # taken by the plan in flight
+        self._now = 0.0  # the time schedule() was called at
 
     # ---- membership ----------------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, now: float | None = None) -> None:
+        seq.queued_at = time.monotonic() if now is None else now
         self.waiting.append(seq)
 
     def all(self) -> list[Sequence]:
@@ -201,10 +208,11 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def schedule(self) -> tuple[StepPlan, list[Sequence]]:
+    def schedule(self, now: float | None = None) -> tuple[StepPlan, list[Sequence]]:
         """The next step's plan and, in the plan's order, the sequence of each scheduled row."""
         if not self.running:
             self._check_idle()
+        self._now = time.monotonic() if now is None else now
         plan, seqs = self._plan()
         # Nothing scheduled: either every running sequence is a prefill short of blocks, and the newest
         # gives its blocks to the older ones; or some wait for a token in flight (max_tokens drawn), which
@@ -233,6 +241,8 @@ class Scheduler:
         for seq in self.running:  # prefills in progress (fresh or recompute)
             if seq.prefilling and budget > 0:
                 budget -= self._prefill(plan, seqs, seq, budget)
+        if plan.num_decode and self._delay_prefill(budget):
+            return plan, seqs
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
             if self.waiting[0].pending:  # preempted with a token in flight: recomputed once it is known
                 break
@@ -241,6 +251,18 @@ class Scheduler:
                 break
             budget -= n
         return plan, seqs
+
+    def _delay_prefill(self, budget: int) -> bool:
+        """prefill_delay_s: hold the waiting prompts back while the oldest has waited less and they do
+        not fill the step's remaining budget (then waiting longer gains nothing)."""
+        delay = self.cfg.prefill_delay_s
+        if not delay or not self.waiting or self._now - self.waiting[0].queued_at >= delay:
+            return False
+        for seq in self.waiting:
+            budget -= seq.num_prompt_tokens
+            if budget <= 0:
+                return False
+        return True
 
     def update(self, plan: StepPlan, seqs: list[Sequence]) -> None:
         """After the step ran: count computed tokens, publish computed prompt blocks and snapshots."""

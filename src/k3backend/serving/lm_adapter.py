@@ -60,6 +60,7 @@ PARAMETERS = {  # SERVING.md §4.4 with defaults
     "master_addr": "", "master_port": "29500", "dist_timeout_s": "300", "max_model_len": "131072",
     "max_num_seqs": "256", "max_num_batched_tokens": "8192", "gpu_memory_utilization": "0.90", "cpu_cache_gb": "4",
     "enable_prefix_caching": "true", "enforce_eager": "false", "async_scheduling": "true", "decode_stall_ms": "0",
+    "max_prefill_delay_ms": "0",
     "exclude_input_in_output": "true", "default_max_tokens": "16",
     "default_thinking": "false", "max_prompt_bytes": "8388608", "max_queued_requests": "0",
     "cancellation_check_period_ms": "100", "allow_stop_by_request_id": "true", "stop_tombstone_ttl_s": "30",
@@ -117,6 +118,7 @@ class LmServer:
             step_timeout_s=self.step_timeout_s, prefix_caching=p.bool("enable_prefix_caching"),
             enforce_eager=p.bool("enforce_eager"), async_scheduling=p.bool("async_scheduling"),
             decode_stall_ms=p.float("decode_stall_ms", lo=0.0),
+            max_prefill_delay_ms=p.float("max_prefill_delay_ms", lo=0.0),
             gpu_memory_utilization=p.float("gpu_memory_utilization", lo=0.01, hi=1.0),
             cpu_cache_gb=p.float("cpu_cache_gb", lo=0.001))
         self.engine = EngineClient(self._core_spec(p, ckpt, engine_cfg, device, dtype, tp, ep))
