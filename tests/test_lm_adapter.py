@@ -218,6 +218,33 @@ def test_a_requests_arrival_is_its_receipt_by_execute_not_its_turn_in_the_prepar
         server.close()
 
 
+def test_a_stop_request_does_not_wait_behind_other_requests_being_parsed(lm_ckpt, monkeypatch):
+    """[CAN-5]: a stop ends its target within a check period plus a step, even when the prepare
+    thread is busy (here each generation request takes 1.5 s to parse): stops are answered by
+    execute() itself. A stop whose target is still queued there ends it through the tombstone."""
+    from k3backend.serving import lm_adapter
+
+    parse = lm_adapter.parse_request
+    slow = lambda get, *a: time.sleep(1.5 * (get("stop") is None)) or parse(get, *a)  # noqa: E731
+    server = start(lm_ckpt)
+    try:
+        target = ask(server, "target", request_id="t1", max_tokens=400, min_tokens=400, ignore_eos=True,
+                     temperature=0.0, stream=True)
+        wait_until(lambda: len(target.responses) > 0, 30, "the target's first response")
+        monkeypatch.setattr(lm_adapter, "parse_request", slow)
+        ask(server, "blocker", max_tokens=2)  # the prepare thread now parses this for 1.5 s
+        queued = ask(server, "queued", request_id="t2", max_tokens=400, stream=True)
+        t0 = time.monotonic()
+        stop1, stop2 = ask(server, "", request_id="t1", stop=True), ask(server, "", request_id="t2", stop=True)
+        assert stop1.final.wait(5) and stop2.final.wait(5) and stop1.error is None and stop2.error is None
+        assert target.final.wait(30) and target.error is None
+        assert time.monotonic() - t0 < 1.0, f"the target ended {time.monotonic() - t0:.2f} s after its stop"
+        assert queued.final.wait(30) and queued.error is None and not queued.after_final  # ended by its tombstone
+        assert joined(queued) == ""
+    finally:
+        server.close()
+
+
 def test_a_dead_engine_core_ends_every_request_with_unavailable_at_once(lm_ckpt):
     server = start(lm_ckpt)
     try:

@@ -3,10 +3,11 @@
 The engine runs in a process of its own (`engine.client.EngineClient`); this stub only turns
 requests into token ids and token ids into responses, with a fixed number of threads whatever
 the load:
-- Triton's `execute()` only queues each request with its sender and returns ([CFG-L2]): Triton
-  hands it one request per call, a round trip to the server each, so nothing else waits on it;
-- the prepare thread, in arrival order, parses, answers stop requests, registers one
-  `RequestStream` per request, tokenizes and renders, then hands the request to the engine;
+- Triton's `execute()` answers stop requests and queues the others with their senders, then
+  returns ([CFG-L2]): Triton hands it one request per call, a round trip to the server each, so
+  nothing else waits on it;
+- the prepare thread, in arrival order, parses, registers one `RequestStream` per request,
+  tokenizes and renders, then hands the request to the engine;
 - the response thread (`serving.responder`) reads the engine's per-step messages and sends the
   responses, and is the only thread that touches a sender;
 - the lifecycle thread: gauges, the server's shutdown ([HLT-9]), engine health ([HLT-5], [HLT-7]).
@@ -37,7 +38,8 @@ from k3backend.engine.sampling_params import SamplingParams
 from k3backend.errors import Cancelled, Unavailable
 from k3backend.serving import guardian, lifecycle
 from k3backend.serving import metrics as m
-from k3backend.serving.params import LmDefaults, generation_eos_ids, load_generation_defaults, parse_request
+from k3backend.serving.params import (LmDefaults, generation_eos_ids, is_stop, load_generation_defaults,
+                                      parse_request)
 from k3backend.serving.registry import SHUTDOWN_ERROR, Registry
 from k3backend.serving.responder import Responder
 from k3backend.serving.responses import stop_request_response
@@ -151,15 +153,24 @@ class LmServer:
 
     def execute(self, requests: list) -> None:
         """Hand each request to the prepare thread, which parses it there: Triton gives this thread one
-        request per call, so each call is a round trip to the server and parsing here would add to it."""
+        request per call, so each call is a round trip to the server and parsing here would add to it.
+        Stop requests are answered here, so that they never wait behind other requests' tokenization
+        ([CAN-5]); one whose target is still queued leaves a tombstone, which ends it when it opens."""
         self.server.confirm_live()
         for request in requests:
             sender = request.get_response_sender()
+            received = time.time(), time.monotonic()  # receipt: the request's arrival in metrics
             with self._accepting_lock:  # the prepare thread takes whatever is queued before it stops
-                if self._accepting:
-                    self._prepare_q.put((request, sender, time.time(), time.monotonic()))  # receipt: metrics
+                if self._accepting and not self._stop(request):
+                    self._prepare_q.put((request, sender, *received))
                     continue
-            self._open(request, sender, time.time(), time.monotonic())  # shutting down: answered at once
+            self._open(request, sender, *received)  # a stop, or shutting down: answered at once
+
+    def _stop(self, request: Any) -> bool:
+        try:
+            return is_stop(input_getter(self.pb, request))
+        except Exception:  # noqa: BLE001 - a malformed stop flag: _open answers the error at once
+            return True
 
     def close(self) -> None:
         """[HLT-9]: stop admitting, end in-flight requests (UNAVAILABLE), join threads and the engine."""
@@ -201,7 +212,7 @@ class LmServer:
 
     def _prepare_loop(self) -> None:
         """Parse, tokenize and render each request in arrival order, then hand it to the engine (or end
-        it here); stop requests are answered here, so they keep their order against their targets."""
+        it here)."""
         while (item := self._prepare_q.get()) is not None:
             stream = self._open(*item)
             if stream is None:

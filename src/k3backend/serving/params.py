@@ -346,11 +346,16 @@ def _prompt_source(inputs: Inputs, defaults: LmDefaults) -> tuple[str, list[dict
 # ---- the entry point -----------------------------------------------------------------------------
 
 
+def is_stop(get: TensorGetter) -> bool:
+    """[CAN-3]: a stop request is any request with stop=true (a malformed flag raises)."""
+    return bool(Inputs(get).flag("stop"))
+
+
 def parse_request(get: TensorGetter, parameters: Mapping[str, Any], request_id: str,
                   defaults: LmDefaults) -> ParsedRequest:
     """Validate one k3_lm request (every §2.2 / §4.2 / §5.1-5.3 rule that needs no tokenizer)."""
     inputs = Inputs(get)
-    if inputs.flag("stop"):  # [CAN-3]/[CAN-4]: every other input is ignored
+    if is_stop(get):  # [CAN-4]: every other input is ignored
         if not defaults.allow_stop_by_request_id:
             raise Unsupported("stop requests are disabled (allow_stop_by_request_id=false)")
         if not request_id:
