@@ -134,7 +134,10 @@ class TritonPool:
 
     def __init__(self, url: str, model: str, channels: int = 1) -> None:
         self.url, self.model = url, model
-        self._channels = [grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for _ in range(channels)]
+        # A local subchannel pool per channel: gRPC otherwise shares one TCP connection between
+        # channels with the same target and options, and N channels would still be one connection.
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        self._channels = [grpc.aio.insecure_channel(url, options=options) for _ in range(channels)]
         self._stubs = [service_pb2_grpc.GRPCInferenceServiceStub(c) for c in self._channels]
         self._next = itertools.cycle(self._stubs)
         self._stops: set[asyncio.Task] = set()
