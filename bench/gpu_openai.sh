@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The OpenAI gateway's overhead on a GPU machine: bench/openai_overhead.py (TTFT p50 and decode
 # speed through the gateway vs k3_ensemble over gRPC, concurrency 1 and 64) against tritonserver
-# serving the `small` checkpoint (random weights, bf16), with 1 and with 4 gateway processes.
+# serving the `small` checkpoint (random weights, bf16): one gateway process, one with 4 gRPC
+# connections (--grpc-channels 4), 4 processes (--workers 4), and the gateway against a fake server.
 #
 # Carried inputs as for bench/gpu_serving.sh (.dev/tritonserver.tar.xz and .dev/whl/, built by
 # bench/make_gpu_bundle.sh; setup shared in bench/gpu_common.sh); the GPU image has aiohttp and
@@ -24,10 +25,16 @@ if [ "${CKPT:-small}" = small ]; then
 fi
 k3_gpu_serve "$REPO" 900 || exit 1
 grep -E "k3_lm: (stub|worker)|cache:" "$OUT/server.log" | head -10
-for W in 1 4; do
+# One process (the default), one process with 4 gRPC connections, 4 processes; then the gateway alone
+# against tests/fake_triton.py (one token per 10 ms for every request, no model): its own cost here.
+for ARGS in "" "--grpc-channels 4" "--workers 4"; do
+  echo "== gateway ${ARGS:-defaults}" | tee -a "$OUT/openai.txt"
   timeout "${T:-400}" python3 bench/openai_overhead.py --grpc-url 127.0.0.1:8001 --concurrency 1 64 \
-    --max-tokens 128 --prompt-chars 512 --client-procs 8 --gateway-args "--workers $W" 2>&1 \
+    --max-tokens 128 --prompt-chars 512 --client-procs 8 --gateway-args "$ARGS" 2>&1 \
     | grep -v INFO | tee -a "$OUT/openai.txt"
 done
+echo "== gateway against tests/fake_triton.py" | tee -a "$OUT/openai.txt"
+timeout "${T:-400}" python3 bench/openai_overhead.py --fake-step-ms 10 --concurrency 1 64 --max-tokens 128 \
+  --prompt-chars 512 --client-procs 8 2>&1 | grep -v INFO | tee -a "$OUT/openai.txt"
 kill $SERVER; wait $SERVER
 grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm" | head -20

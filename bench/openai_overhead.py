@@ -3,6 +3,7 @@
     .venv/bin/python bench/openai_overhead.py                                  # starts a server and a gateway
     python3 bench/openai_overhead.py --grpc-url localhost:8001 --concurrency 1 64 --max-tokens 128
     python3 bench/openai_overhead.py --grpc-url localhost:8001 --openai-url http://localhost:9000
+    .venv/bin/python bench/openai_overhead.py --fake-step-ms 20 --concurrency 64     # the gateway alone
 
 Both paths get the same greedy requests (`ignore_eos`, `min_tokens = max_tokens`, so every request is
 exactly `--max-tokens` long), one gRPC stream or one SSE stream per request, in a closed loop of
@@ -22,6 +23,7 @@ import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,14 +36,15 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+JSON = {"Content-Type": "application/json"}
 FILLER = "the quick brown fox jumps over the lazy dog and keeps running through the long green field "
 
 
-# sent, first response, last response (monotonic s), tokens, responses, and the serving path's time in ms:
-# (k3_lm's arrival_time_ns - sent) + (final response received - last_token_time_ns), wall clock. The final
-# response is sent as soon as the last token is sampled; the first can wait for text (UTF-8 and markup
+# sent, first response, last response (monotonic s), tokens, responses, and the serving path's two legs in ms,
+# wall clock: in = k3_lm's arrival_time_ns - sent, out = final response received - last_token_time_ns. The
+# final response is sent as soon as the last token is sampled; the first can wait for text (UTF-8 and markup
 # hold-back), which differs from prompt to prompt.
-Row = tuple[float, float, float, int, int, float]
+Row = tuple[float, float, float, int, int, float, float]
 
 
 @dataclass(frozen=True)
@@ -91,21 +94,22 @@ async def via_grpc(client, load: Load, text: str) -> Row:
         if result.get_response().parameters["triton_final_response"].bool_param:
             times = {k: int(result.as_numpy(k).reshape(-1)[0]) for k in ("arrival_time_ns", "last_token_time_ns")}
             break
-    return t0, first, t, n, events, _serving_ms(sent_ns, last_ns, times)
+    return t0, first, t, n, events, *_legs_ms(sent_ns, last_ns, times)
 
 
-def _serving_ms(sent_ns: int, last_ns: int, times: dict) -> float:
-    return ((times["arrival_time_ns"] - sent_ns) + (last_ns - times["last_token_time_ns"])) / 1e6
+def _legs_ms(sent_ns: int, last_ns: int, times: dict) -> tuple[float, float]:
+    return (times["arrival_time_ns"] - sent_ns) / 1e6, (last_ns - times["last_token_time_ns"]) / 1e6
 
 
 async def via_openai(session, load: Load, text: str) -> Row:
-    body = {"model": load.model, "prompt": text, "max_tokens": load.max_tokens, "min_tokens": load.max_tokens,
-            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "return_perf_metrics": True}
+    body = json.dumps({"model": load.model, "prompt": text, "max_tokens": load.max_tokens,
+                       "min_tokens": load.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}, "return_perf_metrics": True}).encode()
+    # Encoded before the clock starts, as via_grpc builds its tensors before it.
     sent_ns, t0 = time.time_ns(), time.monotonic()
     first = last = last_ns = times = None
     n = events = 0
-    async with session.post(load.url + "/v1/completions", json=body) as resp:
+    async with session.post(load.url + "/v1/completions", data=body, headers=JSON) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
         async for line in resp.content:
@@ -119,7 +123,7 @@ async def via_openai(session, load: Load, text: str) -> Row:
             first = first or last
             events += 1
             times = event["choices"][0].get("perf_metrics") or times  # in the final chunk
-    return t0, first, last, n, events, _serving_ms(sent_ns, last_ns, times)
+    return t0, first, last, n, events, *_legs_ms(sent_ns, last_ns, times)
 
 
 async def run_load(load: Load) -> list[Row]:
@@ -186,21 +190,22 @@ def measure(pool, path: str, url: str, model: str, concurrency: int, requests: i
     ttft = [(r[1] - r[0]) * 1e3 for r in rows]
     decode = [(r[3] - 1) / (r[2] - r[1]) for r in rows if r[3] > 1 and r[2] > r[1]]
     wall = max(r[2] for r in rows) - min(r[0] for r in rows)
-    serving = [r[5] for r in rows]
+    legs = [(r[5], r[6]) for r in rows]
     bad = [r[3] for r in rows if r[3] != args.max_tokens]
     if bad:
         raise RuntimeError(f"{path}: {len(bad)} requests returned other than {args.max_tokens} tokens: {bad[:5]}")
-    return {"requests": len(rows), "ttft": ttft, "serving": serving, "decode": decode, "wall": wall, "cpu": cpu,
+    return {"requests": len(rows), "ttft": ttft, "legs": legs, "decode": decode, "wall": wall, "cpu": cpu,
             "tokens": sum(r[3] for r in rows), "responses": sum(r[4] for r in rows)}
 
 
 def summary(results: list[dict]) -> dict:
     ttft = [x for r in results for x in r["ttft"]]
-    serving = [x for r in results for x in r["serving"]]
+    legs = [x for r in results for x in r["legs"]]
     decode = [x for r in results for x in r["decode"]]
     total = {k: sum(r[k] for r in results) for k in ("requests", "tokens", "wall", "responses", "cpu")}
     return {**total, "p50": statistics.median(ttft), "p90": float(np.percentile(ttft, 90)),
-            "serving": statistics.median(serving),
+            "serving": statistics.median(a + b for a, b in legs), "in": statistics.median(a for a, _ in legs),
+            "out": statistics.median(b for _, b in legs),
             "decode": statistics.median(decode), "throughput": total["tokens"] / total["wall"]}
 
 
@@ -219,6 +224,9 @@ def main() -> int:
     ap.add_argument("--client-procs", type=int, default=4, help="load-generating processes (default %(default)s)")
     ap.add_argument("--gateway-args", default="", help="extra arguments for a gateway this bench starts")
     ap.add_argument("--gateway-pid", type=int, help="pid of the --openai-url gateway on this host, for its CPU time")
+    ap.add_argument("--fake-step-ms", type=float,
+                    help="instead of tritonserver, tests/fake_triton.py: every request one token per this many ms, "
+                         "in lockstep; the gateway's own cost without a model's CPU and noise")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops what it started
     print("command:", " ".join(sys.argv))
@@ -228,10 +236,18 @@ def main() -> int:
     from gatewayutil import Gateway
 
     tmp = Path(tempfile.mkdtemp(prefix="openai-bench-"))
-    server = gateway = None
+    server = gateway = fake = None
     grpc_url, openai_url = args.grpc_url, args.openai_url
     try:
-        if grpc_url is None:
+        if grpc_url is None and args.fake_step_ms:
+            from k3backend.tritonserver import free_port
+
+            port = free_port()
+            fake = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_triton.py"), "--port", str(port),
+                                     "--step-ms", str(args.fake_step_ms)], stdout=subprocess.PIPE, text=True)
+            print(fake.stdout.readline().strip())  # listening
+            grpc_url = f"127.0.0.1:{port}"
+        elif grpc_url is None:
             from k3backend.tritonserver import TritonServer
 
             server = TritonServer(ROOT / "model_repository", tmp, models=[args.triton_model]).start()
@@ -262,17 +278,20 @@ def main() -> int:
             gateway.stop()
         if server is not None:
             server.stop()
+        if fake is not None:
+            fake.terminate()
+            fake.wait()
     print(f"{'concurrency':>11}  {'path':<22} {'requests':>8} {'TTFT p50 ms':>11} {'TTFT p90 ms':>11} "
-          f"{'serving p50 ms':>14} {'decode tok/s/req':>16} {'output tok/s':>12}")
+          f"{'serving p50 ms':>14} {'in p50':>7} {'out p50':>7} {'decode tok/s/req':>16} {'output tok/s':>12}")
     for c, direct, gw in table:
         for name, s in ((f"{args.triton_model} gRPC", direct), ("OpenAI gateway", gw)):
             print(f"{c:>11}  {name:<22} {s['requests']:>8} {s['p50']:>11.2f} {s['p90']:>11.2f} {s['serving']:>14.2f} "
-                  f"{s['decode']:>16.1f} {s['throughput']:>12.1f}")
+                  f"{s['in']:>7.2f} {s['out']:>7.2f} {s['decode']:>16.1f} {s['throughput']:>12.1f}")
         print(f"{'':>11}  {'gateway Δ':<22} {'':>8} {gw['p50'] - direct['p50']:>+11.2f} {gw['p90'] - direct['p90']:>+11.2f} "
-              f"{gw['serving'] - direct['serving']:>+14.2f} {100 * (gw['decode'] / direct['decode'] - 1):>+15.1f}% "
-              f"{100 * (gw['throughput'] / direct['throughput'] - 1):>+11.1f}%")
-    print("\nserving = the time each request spends outside k3_lm: (k3_lm arrival - sent) + (final response received"
-          " - last token sampled),\nfrom k3_lm's return_perf_metrics times: what a path adds to TTFT, without the "
+              f"{gw['serving'] - direct['serving']:>+14.2f} {gw['in'] - direct['in']:>+7.2f} {gw['out'] - direct['out']:>+7.2f} "
+              f"{100 * (gw['decode'] / direct['decode'] - 1):>+15.1f}% {100 * (gw['throughput'] / direct['throughput'] - 1):>+11.1f}%")
+    print("\nserving = the time each request spends outside k3_lm, from k3_lm's return_perf_metrics times: in = k3_lm "
+          "arrival - sent,\nout = final response received - last token sampled; what a path adds to TTFT, without the "
           "engine's queueing and prefill noise.")
     if gateway_pid is not None:
         print(f"\ngateway CPU beyond its idle {1e3 * idle_rate:.1f} ms/s (what it needs at any speed of the model):")

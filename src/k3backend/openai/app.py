@@ -163,17 +163,18 @@ async def _generate(request: web.Request, plan: Plan) -> web.StreamResponse:
 
 async def _stream(response: web.StreamResponse, answer: Answer, first: tuple[int, Delta],
                   events: AsyncIterator[tuple[int, Delta]]) -> None:
+    """One write per delta as it arrives, except the last: it leaves with the usage chunk, [DONE] and
+    the end of the chunked body in one write, so the client has the whole end of its answer at once."""
+    chunk = (answer.role_chunks() if answer.chat else b"") + answer.chunk(answer.add(*first))
     try:
-        head = answer.role_chunks() if answer.chat else b""
-        await response.write(head + answer.chunk(answer.add(*first)))
-        async for index, delta in events:
-            await response.write(answer.chunk(answer.add(index, delta)))
+        while not answer.finished:
+            await response.write(chunk)
+            chunk = answer.chunk(answer.add(*await anext(events)))
         if answer.plan.include_usage:
-            await response.write(answer.usage_chunk())
+            chunk += answer.usage_chunk()
     except ApiError as e:  # after data was sent the status is 200; the error goes in the stream
-        await response.write(f"data: {e.json()}\n\n".encode())
-    await response.write(DONE)
-    await response.write_eof()
+        chunk = f"data: {e.json()}\n\n".encode()
+    await response.write_eof(chunk + DONE)
 
 
 async def _single(stream: TritonStream) -> AsyncIterator[tuple[int, Delta]]:

@@ -57,6 +57,11 @@ class Answer:
 
     # ---- accumulate ---------------------------------------------------------------------------
 
+    @property
+    def finished(self) -> bool:
+        """Every choice has had its final delta."""
+        return all(c.finish_reason is not None for c in self.choices)
+
     def add(self, index: int, d: Delta) -> dict:
         """Record one delta of choice `index`; returns that delta as an OpenAI choice (chunk form)."""
         c = self.choices[index]

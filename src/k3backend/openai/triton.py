@@ -100,8 +100,7 @@ class TritonStream:
         self.job = job
         self._pool = pool
         self._done = False
-        # A one-element request iterator: gRPC half-closes after it, and Triton still sends every response.
-        self._call = pool.stub().ModelStreamInfer(iter([request_pb(pool.model, job.request_id, job.inputs)]))
+        self._call = pool.call(request_pb(pool.model, job.request_id, job.inputs))
 
     def __aiter__(self) -> TritonStream:
         return self
@@ -134,26 +133,38 @@ class TritonPool:
 
     def __init__(self, url: str, model: str, channels: int = 1) -> None:
         self.url, self.model = url, model
-        self._channels = [grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for _ in range(channels)]
-        self._stubs = [service_pb2_grpc.GRPCInferenceServiceStub(c) for c in self._channels]
-        self._next = itertools.cycle(self._stubs)
+        # A local subchannel pool per channel: gRPC otherwise shares one TCP connection between
+        # channels with the same target and options, and N channels would still be one connection.
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        self._channels = [grpc.aio.insecure_channel(url, options=options) for _ in range(channels)]
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channels[0])  # readiness
+        # ModelStreamInfer with one request, called as unary-stream: its initial metadata, the request and
+        # the half-close leave in one batch (the stub's stream-stream call takes three operations, one
+        # after the other, each a round trip through the event loop, and a task per call to send them).
+        # Triton sees the same stream as from the stub, and still sends every response.
+        methods = [c.unary_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                  request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                                  response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
+                   for c in self._channels]
+        self._next = itertools.cycle(methods)
         self._stops: set[asyncio.Task] = set()
 
-    def stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
-        return next(self._next)
+    def call(self, request: service_pb2.ModelInferRequest) -> grpc.aio.UnaryStreamCall:
+        """One ModelStreamInfer stream that sends `request`, on the next channel."""
+        return next(self._next)(request)
 
     def open(self, job: Job) -> TritonStream:
         return TritonStream(self, job)
 
-    def stop_later(self, request_id: str, call: grpc.aio.StreamStreamCall) -> None:
+    def stop_later(self, request_id: str, call: grpc.aio.UnaryStreamCall) -> None:
         task = asyncio.get_running_loop().create_task(self._stop(request_id, call))
         self._stops.add(task)
         task.add_done_callback(self._stops.discard)
 
-    async def _stop(self, request_id: str, target: grpc.aio.StreamStreamCall) -> None:
+    async def _stop(self, request_id: str, target: grpc.aio.UnaryStreamCall) -> None:
         """Send the stop request for `request_id`, then read the target's call to its end."""
         stop = request_pb(self.model, request_id, {"text_input": ("", "BYTES"), "stop": (True, "BOOL")})
-        call = self.stub().ModelStreamInfer(iter([stop]))
+        call = self.call(stop)
         try:
             msg = await asyncio.wait_for(call.read(), STOP_TIMEOUT_S)  # the stop request's one response
             if msg is grpc.aio.EOF or msg.error_message:
@@ -167,10 +178,9 @@ class TritonPool:
 
     async def ready(self) -> bool:
         """Server and model ready (GET /health); failing to ask counts as not ready."""
-        stub = self._stubs[0]
         try:
-            server = await stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=READY_TIMEOUT_S)
-            model = await stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=READY_TIMEOUT_S)
+            server = await self._stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=READY_TIMEOUT_S)
+            model = await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=READY_TIMEOUT_S)
         except grpc.RpcError as e:
             logger.debug("readiness check failed: %s", e.code())
             return False
@@ -184,7 +194,7 @@ class TritonPool:
             await channel.close()
 
 
-async def _drain(call: grpc.aio.StreamStreamCall) -> None:
+async def _drain(call: grpc.aio.UnaryStreamCall) -> None:
     """Read a call until its final response, an error response or its end."""
     while True:
         msg = await call.read()
