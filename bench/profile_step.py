@@ -245,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     nb = blocks_for(args.context + 1, bs)
     with torch.inference_mode():
         for b in args.batch:  # sequence i: slot i + 1, its own blocks
-            chunks = [SeqChunk([1], args.context, i + 1, True, list(range(1 + i * nb, 1 + (i + 1) * nb)))
-                      for i in range(b)]
+            # a different id per row: one id for all would route every row to the same few experts
+            chunks = [SeqChunk([1 + 37 * i % 1000], args.context, i + 1, True,
+                               list(range(1 + i * nb, 1 + (i + 1) * nb))) for i in range(b)]
             if runner.graphs is not None:
                 profiled(lambda: runner.graphs.run(chunks), args.rows, f"decode B{b} context {args.context} (graph)")
             else:
