@@ -59,8 +59,12 @@ class FakePbUtils:
 
         def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "", parameters: str = "{}",
                      sender: FakeSender | None = None) -> None:
-            self.inputs, self.id, self._parameters = inputs, request_id, parameters
+            self._inputs, self.id, self._parameters = inputs, request_id, parameters
             self.sender = sender or FakeSender()
+
+        def inputs(self) -> list[Any]:
+            """Tensors with name() and as_numpy(); a callable value raises (or computes) when read."""
+            return [_InputTensor(name, value) for name, value in self._inputs.items()]
 
         def request_id(self) -> str:
             return self.id
@@ -75,15 +79,25 @@ class FakePbUtils:
             return self.sender.cancelled
 
     @staticmethod
-    def get_input_tensor_by_name(request: Any, name: str) -> Any:
-        value = request.inputs.get(name)
-        if value is None:
-            return None
-        return type("T", (), {"as_numpy": lambda self: value() if callable(value) else value})()
+    def get_input_tensor_by_name(request: Any, name: str) -> Any:  # as pb_utils: a scan of inputs()
+        return next((t for t in request.inputs() if t.name() == name), None)
 
     @staticmethod
     def unload_model(name: str, unload_dependents: bool = False) -> None:
         raise RuntimeError("no server")
+
+
+class _InputTensor:
+    """An input as pb_utils gives it (name() is a method there, unlike the outputs' fake Tensor)."""
+
+    def __init__(self, name: str, value: Any) -> None:
+        self._name, self._value = name, value
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> Any:
+        return self._value() if callable(self._value) else self._value
 
 
 class FakeSender:

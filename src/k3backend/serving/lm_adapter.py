@@ -168,7 +168,7 @@ class LmServer:
 
     def _stop(self, request: Any) -> bool:
         try:
-            return is_stop(input_getter(self.pb, request))
+            return is_stop(input_getter(request))
         except Exception:  # noqa: BLE001 - a malformed stop flag: _open answers the error at once
             return True
 
@@ -243,7 +243,7 @@ class LmServer:
                 raise Unavailable(SHUTDOWN_ERROR)
             if request.is_cancelled():  # [CAN-2]: cancelled while k3_vision ran or while queued here
                 raise Cancelled("request cancelled by client")
-            parsed = replace(parse_request(input_getter(self.pb, request), request_parameters(request), client_id,
+            parsed = replace(parse_request(input_getter(request), request_parameters(request), client_id,
                                            self.defaults), arrival_time=received)
             if parsed.is_stop:
                 matched = self.registry.stop(client_id)

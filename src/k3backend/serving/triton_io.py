@@ -129,11 +129,14 @@ def resolve_device_dtype(device: str, dtype: str, model_name: str, gpu_id: int =
     return torch.device(device, gpu_id) if device == "cuda" else torch.device("cpu"), getattr(torch, dtype)
 
 
-def input_getter(pb_utils: Any, request: Any) -> Callable[[str], np.ndarray | torch.Tensor | None]:
-    """`get(name)` for `serving.params.parse_request`: numpy arrays, or a torch tensor for BF16 inputs."""
+def input_getter(request: Any) -> Callable[[str], np.ndarray | torch.Tensor | None]:
+    """`get(name)` for `serving.params.parse_request`: numpy arrays, or a torch tensor for BF16 inputs.
+    The inputs are listed once: pb_utils.get_input_tensor_by_name lists and scans them on every call,
+    and a request is asked for some 45 optional inputs (about 0.2 ms per request that way)."""
+    tensors = {t.name(): t for t in request.inputs()}
 
     def get(name: str) -> np.ndarray | torch.Tensor | None:
-        t = pb_utils.get_input_tensor_by_name(request, name)
+        t = tensors.get(name)
         if t is None:
             return None
         try:
