@@ -176,17 +176,20 @@ def test_a_client_that_reads_slowly_gets_coalesced_responses(lm_ckpt):
 def test_a_new_requests_first_response_goes_before_the_others_responses(lm_ckpt):
     """Each send is a round trip to the server, so under load a response round takes a while; a new
     request's first token must not wait behind it. Three streaming requests decode while the response
-    thread is held in a send (a gate); a new request arrives and its first token is drawn meanwhile.
+    thread is held in a send (a gate); a new request arrives and its tokens are drawn meanwhile.
     Once the gate opens, the round in progress ends and the next one sends the new request's first
     response before any other request's."""
     server = start(lm_ckpt)
     gate, log = threading.Event(), []
     try:
-        common = {"max_tokens": 400, "min_tokens": 400, "ignore_eos": True, "temperature": 0.0, "stream": True}
+        # few tokens: the engine core finishes them and goes idle rather than filling the pipe to the
+        # held response thread (a full pipe would stop it before the new request's tokens)
+        common = {"max_tokens": 24, "min_tokens": 24, "ignore_eos": True, "temperature": 0.0, "stream": True}
         old = [ask(server, f"old {i}", FakeSender(gate=gate, log=log, name=f"old{i}"), **common) for i in range(3)]
         time.sleep(1.0)  # their first tokens: the response thread is now held in one of their sends
-        new = ask(server, "new", FakeSender(log=log, name="new"), max_tokens=2, temperature=0.0, stream=True)
-        time.sleep(1.0)  # the engine goes on meanwhile: the new request's first token, more for the old ones
+        # not streamed: its one response is final, so no held-back text ([STR-3]) can delay it
+        new = ask(server, "new", FakeSender(log=log, name="new"), max_tokens=2, temperature=0.0)
+        time.sleep(1.5)  # the engine goes on meanwhile: the new request's tokens, the old ones' last
         held = len(log)
         gate.set()
         assert new.final.wait(60) and new.error is None
