@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="> 1: worker processes (one per rank; needs --checkpoint); reports the coordination time")
     ap.add_argument("--expert-parallel-size", type=int, default=1)
+    ap.add_argument("--placement", default="tp", choices=["tp", "host_ep"],
+                    help="k3_lm parallel_placement (one host here: host_ep is tp with expert-parallel-size 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=1.0, help="--workload: request counts times this (a quick run)")
     args = ap.parse_args(argv)
@@ -278,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--tensor-parallel-size > 1 loads its shards from --checkpoint")
         gpus = list(range(args.tensor_parallel_size)) if device.type == "cuda" else None
         executor = MultiProcessExecutor(args.checkpoint, cfg, dtype=str(dtype).removeprefix("torch."), gpus=gpus,
-                                        world_size=args.tensor_parallel_size, ep_size=args.expert_parallel_size)
+                                        world_size=args.tensor_parallel_size, ep_size=args.expert_parallel_size,
+                                        placement=args.placement)
     else:
         from k3backend.checkpoint import weight_summary
 

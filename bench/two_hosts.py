@@ -61,6 +61,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--placement", default="tp", choices=["tp", "host_ep"], help="k3_lm parallel_placement")
     args = ap.parse_args()
     print("command:", " ".join(sys.argv), "| torch", torch.__version__,
           "| device", torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", flush=True)
@@ -81,11 +82,13 @@ def main() -> int:
     worker = subprocess.Popen([sys.executable, "-m", "k3backend", "worker", "--checkpoint", str(ckpt), "--nnodes", "2",
                                "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                                "--tensor-parallel-size", "2", "--expert-parallel-size", "2", "--device", args.device,
-                               "--dtype", args.dtype, "--dist-timeout-s", "300"], env=env)
+                               "--dtype", args.dtype, "--dist-timeout-s", "300",
+                               "--placement", args.placement], env=env)
     os.environ.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")  # the local rank inherits them
     start = time.perf_counter()
     ex = MultiProcessExecutor(str(ckpt), CFG, dtype=args.dtype, gpus=[0] if args.device == "cuda" else None,
-                              world_size=2, ep_size=2, nodes=NodePlan(2, "127.0.0.1", port, 300.0))
+                              world_size=2, ep_size=2, nodes=NodePlan(2, "127.0.0.1", port, 300.0),
+                              placement=args.placement)
     try:
         print(f"two hosts ready in {time.perf_counter() - start:.1f} s", flush=True)
         diff = (ex.logits(prefill_plan(prompts[0]))[0].cpu().double() - ref_logits.double()).abs().max().item()
@@ -95,6 +98,7 @@ def main() -> int:
         ex.close()
     worker.wait(30)
     same = sum(a == b for a, b in zip(got, ref))
+    print(f"\nplacement {args.placement}")
     print(f"\n| case | dtype | max |logit diff| of a prefill | greedy requests equal | empty step round trip | "
           f"worker exit |\n|---|---|---|---|---|---|\n| two hosts vs one {args.device} | {args.dtype} | {diff:.3g} | "
           f"{same}/{len(ref)} x {args.tokens} tokens | {ping * 1e3:.2f} ms | {worker.returncode} |")

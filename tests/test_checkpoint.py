@@ -280,15 +280,20 @@ def test_mxfp4_model_forward_equals_the_dequantised_bf16_model(tmp_path, tiny_mx
     assert torch.equal(logits, full_forward(bf, ids))
 
 
-@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)], ids=["tp2", "ep2"])
-def test_mxfp4_experts_shard_on_group_boundaries_and_whole_experts(tiny_mx, tp, ep):
-    """moe-TP: w1/w3 rows and w2 columns (32-value groups: 16 bytes, 1 exponent); EP: whole experts."""
+@pytest.mark.parametrize("tp, ep, placement", [(2, 1, "tp"), (2, 2, "tp"), (4, 2, "host_ep")],
+                         ids=["tp2", "ep2", "host_ep-2x2"])
+def test_mxfp4_experts_shard_on_group_boundaries_and_whole_experts(tiny_mx, tp, ep, placement):
+    """moe-TP: w1/w3 rows and w2 columns (32-value groups: 16 bytes, 1 exponent); EP: whole experts.
+    host_ep over 2 hosts x 2 ranks: host n's experts, moe-TP by the rank within the host."""
     from k3backend.checkpoint import load_model
+    from k3backend.engine.workers import placement_layout
     from k3backend.model.parallel import Parallel
 
     full = load_model(tiny_mx, progress=False, vision=False).language_model.model.layers[1].mlp.experts
     for rank in range(tp):
-        par = Parallel(tp, rank, ep)
+        par = Parallel(**placement_layout(placement, tp, rank, ep, 2))
+        if placement == "host_ep":
+            assert (par.tp_size, par.ep_rank, par.moe_tp_rank) == (2, rank // 2, rank % 2)
         part = load_model(tiny_mx, progress=False, vision=False, par=par).language_model.model.layers[1].mlp.experts
         e = slice(part.e0, part.e0 + part.w13.shape[0])
         i, n = par.moe_tp_rank, part.intermediate

@@ -104,12 +104,13 @@ def _openai(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from k3backend.engine.node_agent import run_node
     from k3backend.engine.nodes import NodePlan
-    from k3backend.engine.workers import resolve_backend
+    from k3backend.engine.workers import check_placement, resolve_backend
     from k3backend.serving.triton_io import resolve_device_dtype
 
     plan = NodePlan(args.nnodes, args.master_addr, args.master_port, args.dist_timeout_s)
     try:
         plan.check(args.tensor_parallel_size, args.node_rank)
+        check_placement(args.placement, args.tensor_parallel_size, args.expert_parallel_size, args.nnodes)
         if args.node_rank == 0:
             raise ValueError("node_rank 0 is the Triton host (k3_lm itself); give this host 1..nnodes-1")
     except ValueError as e:
@@ -117,8 +118,8 @@ def _worker(args: argparse.Namespace) -> int:
         return 2
     device, dtype = resolve_device_dtype(args.device, args.dtype, "worker")
     return run_node(args.checkpoint, plan, args.node_rank, args.tensor_parallel_size, args.expert_parallel_size,
-                    device.type, str(dtype).removeprefix("torch."), resolve_backend(args.dist_backend,
-                                                                                   device.type == "cuda"))
+                    device.type, str(dtype).removeprefix("torch."),
+                    resolve_backend(args.dist_backend, device.type == "cuda"), args.placement)
 
 
 def _from_env(*names: str) -> dict:
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--master-port", type=int, **_from_env("MASTER_PORT"))
     w.add_argument("--tensor-parallel-size", type=int, required=True)
     w.add_argument("--expert-parallel-size", type=int, default=1)
+    w.add_argument("--placement", default="tp", choices=["tp", "host_ep"],
+                   help="k3_lm parallel_placement: tp (one TP group over every host) or host_ep (TP inside each "
+                        "host, experts across hosts; expert-parallel-size = nnodes)")
     w.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     w.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16", "float64"])
     w.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"])

@@ -54,6 +54,7 @@ class CoreSpec:
     step_timeout_s: float = 300.0
     log_prefix: str = "k3_lm"
     nodes: Any = None  # engine.nodes.NodePlan: ranks on other hosts too (None: all on this one)
+    placement: str = "tp"  # "tp" | "host_ep" (engine.workers.placement_layout)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ def _build(spec: CoreSpec):
                                         gpus=list(spec.gpus) if spec.gpus is not None else None,
                                         world_size=spec.tensor_parallel_size, ep_size=spec.expert_parallel_size,
                                         backend=spec.dist_backend, startup_timeout_s=spec.startup_timeout_s,
-                                        step_timeout_s=spec.step_timeout_s, nodes=spec.nodes)
+                                        step_timeout_s=spec.step_timeout_s, nodes=spec.nodes,
+                                        placement=spec.placement)
         where = f"{spec.tensor_parallel_size} worker processes"
     return EngineCore(executor, spec.cfg), where
 

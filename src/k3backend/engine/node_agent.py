@@ -31,14 +31,14 @@ def connect_rank(spec: WorkerSpec) -> Connection:
 
 
 def run_node(checkpoint: str, plan: NodePlan, node_rank: int, tp: int, ep: int, device: str, dtype: str,
-             backend: str) -> int:
+             backend: str, placement: str = "tp") -> int:
     """Join the Triton host's k3_lm as node `node_rank`, run this host's ranks until the engine ends.
 
     Exit status: 0 when the engine stopped the ranks, 1 when a rank or the Triton host was lost, 2
     when the Triton host could not be reached or refused this worker."""
     import torch.distributed as dist
 
-    job = describe(checkpoint, tp, ep, plan.nnodes, dtype, backend)
+    job = describe(checkpoint, tp, ep, plan.nnodes, dtype, backend, placement)
     log.info("node %d: joining %s:%d (dist_timeout_s %g) with %s", node_rank, plan.master_addr, plan.master_port,
              plan.dist_timeout_s, job)
     try:

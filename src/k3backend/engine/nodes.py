@@ -3,6 +3,8 @@
 Placement (docs/deployment.md): the tensor_parallel_size ranks form nnodes blocks of consecutive
 ranks; node n holds ranks [n·L, (n+1)·L), L = T / nnodes, and node 0 is the Triton host. A rank's
 expert group is rank // (T / E), so with E a multiple of nnodes no expert group spans two hosts.
+Placement "tp" makes all T ranks one TP group; "host_ep" makes each host's L ranks a TP group,
+replicated across hosts, with expert group n on node n (`workers.placement_layout`).
 
 Rendezvous, in torch.distributed's TCP store, which the Triton host's engine core serves at
 master_addr:master_port (the process groups meet in the same store):
@@ -89,13 +91,15 @@ class JobDescription:
     nnodes: int
     dtype: str
     dist_backend: str
+    placement: str
 
     def differences(self, host: JobDescription) -> list[str]:
         return [f"{f.name}: worker {getattr(self, f.name)!r} != Triton host {getattr(host, f.name)!r}"
                 for f in fields(self) if getattr(self, f.name) != getattr(host, f.name)]
 
 
-def describe(checkpoint: str | Path, tp: int, ep: int, nnodes: int, dtype: str, backend: str) -> JobDescription:
+def describe(checkpoint: str | Path, tp: int, ep: int, nnodes: int, dtype: str, backend: str,
+             placement: str) -> JobDescription:
     """The job of this host, with a fingerprint of the checkpoint: sha256 of config.json, and of
     every weight file's name, size, safetensors header and first MiB of data (cheap on 1.5 TB, yet
     different for another export, quantization or seed)."""
@@ -110,7 +114,7 @@ def describe(checkpoint: str | Path, tp: int, ep: int, nnodes: int, dtype: str, 
             weights.update(fh.read(header))
             weights.update(fh.read(SAMPLE_BYTES))
     config = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
-    return JobDescription(config[:16], weights.hexdigest()[:16], tp, ep, nnodes, dtype, backend)
+    return JobDescription(config[:16], weights.hexdigest()[:16], tp, ep, nnodes, dtype, backend, placement)
 
 
 class RemoteNode:

@@ -68,6 +68,48 @@ class WorkerSpec:
     cfg: EngineConfig
     timeout_s: float  # collectives and start-up
     coordinator: tuple[str, int, bytes] | None = None  # a rank of another host: where to connect (engine.nodes)
+    placement: str = "tp"  # see `placement_layout`
+    nnodes: int = 1
+
+
+PLACEMENTS = ("tp", "host_ep")
+
+
+def check_placement(placement: str, world_size: int, ep_size: int, nnodes: int) -> None:
+    """ValueError naming the setting that cannot work (the k3_lm load, the executor, the worker command)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
+    if placement == "host_ep" and ep_size != nnodes:
+        raise ValueError(f"placement host_ep puts one expert group on each host: expert_parallel_size {ep_size} "
+                         f"must equal nnodes {nnodes}")
+
+
+def placement_layout(placement: str, world_size: int, rank: int, ep_size: int, nnodes: int) -> dict[str, int]:
+    """`Parallel`'s arguments for `rank`, less its process groups (docs/deployment.md, Placement).
+
+    "tp": one TP group of all world_size ranks, expert groups of world_size / ep_size ranks in it.
+    "host_ep": a TP group of the L = world_size / nnodes ranks of each host (rank // L), the same
+    on every host, and expert group n on host n (moe-TP over its L ranks). With one host it is
+    "tp" with expert_parallel_size 1 (`check_placement` wants ep_size == nnodes)."""
+    if placement == "host_ep" and nnodes > 1:
+        per = world_size // nnodes
+        return {"tp_size": per, "tp_rank": rank % per, "ep_size": ep_size, "hosts": nnodes, "host": rank // per}
+    return {"tp_size": world_size, "tp_rank": rank, "ep_size": ep_size}
+
+
+def make_parallel(spec: WorkerSpec):
+    """This rank's `Parallel`, after init_process_group. Under host_ep every rank creates every
+    host's group, in host order (new_group is collective over the whole world)."""
+    import torch.distributed as dist
+
+    from k3backend.model.parallel import Parallel
+
+    layout = placement_layout(spec.placement, spec.world_size, spec.rank, spec.ep_size, spec.nnodes)
+    if layout.get("hosts", 1) == 1:
+        return Parallel(**layout, group=dist.group.WORLD)
+    per = layout["tp_size"]
+    groups = [dist.new_group(list(range(n * per, (n + 1) * per))) for n in range(spec.nnodes)]
+    return Parallel(**layout, group=groups[layout["host"]], world_group=dist.group.WORLD)
 
 
 @dataclass(frozen=True)
@@ -142,7 +184,6 @@ def _build(spec: WorkerSpec, conn: Connection):
     from k3backend.checkpoint import load_model
     from k3backend.engine.runner import ModelInfo, ModelRunner, size_cache
     from k3backend.model.cache import CachePools
-    from k3backend.model.parallel import Parallel
 
     device = torch.device("cuda", 0) if spec.gpu is not None else torch.device("cpu")
     if device.type == "cuda":
@@ -154,7 +195,7 @@ def _build(spec: WorkerSpec, conn: Connection):
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore(spec.store[0], spec.store[1], None, False, timeout=timeout)
     dist.init_process_group(spec.backend, store=store, world_size=spec.world_size, rank=spec.rank, timeout=timeout)
-    par = Parallel(spec.world_size, spec.rank, spec.ep_size, dist.group.WORLD)
+    par = make_parallel(spec)
     model = load_model(spec.checkpoint, dtype=getattr(torch, spec.dtype), device=device, progress=False, par=par,
                        vision=False)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -287,19 +328,21 @@ class MultiProcessExecutor:
 
     def __init__(self, checkpoint: str, cfg: EngineConfig, *, dtype: str, gpus: list[int] | None, world_size: int,
                  ep_size: int = 1, backend: str = "auto", startup_timeout_s: float = 3600.0,
-                 step_timeout_s: float = 300.0, nodes: Any = None) -> None:
+                 step_timeout_s: float = 300.0, nodes: Any = None, placement: str = "tp") -> None:
         from k3backend.engine.nodes import NodePlan, Rendezvous, describe
 
         plan = nodes or NodePlan()
+        check_placement(placement, world_size, ep_size, plan.nnodes)
         local = plan.ranks_of(0, world_size)
         if gpus is not None and len(gpus) != len(local):
             raise ValueError(f"{len(local)} ranks on this host need {len(local)} GPUs, got gpu ids {gpus}")
         backend = resolve_backend(backend, gpus is not None)
         self.world_size, self.step_timeout_s = world_size, step_timeout_s
         template = WorkerSpec(-1, world_size, ep_size, None, backend, ("", 0), "", dtype, cfg,
-                              max(startup_timeout_s, step_timeout_s))
+                              max(startup_timeout_s, step_timeout_s), placement=placement, nnodes=plan.nnodes)
         devices = [None] * len(local) if gpus is None else [visible_gpu(g) for g in gpus]
-        job = describe(checkpoint, world_size, ep_size, plan.nnodes, dtype, backend) if plan.nnodes > 1 else None
+        job = (describe(checkpoint, world_size, ep_size, plan.nnodes, dtype, backend, placement)
+               if plan.nnodes > 1 else None)
         self._rdv = Rendezvous(plan, world_size, template, job)  # unique per k3_lm instance
         self._specs = [replace(template, rank=r, gpu=devices[r], checkpoint=str(checkpoint), store=self._rdv.address)
                        for r in local]

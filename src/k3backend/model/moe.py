@@ -149,7 +149,8 @@ class MoE(nn.Module):
 
         Routing runs identically on every rank; each rank's experts see global ids shifted to its
         own (others' fall outside and are skipped); the partial sums are reduced before the latent
-        norm, together with the shared experts' partials, in one all-reduce (§9.3 item 4).
+        norm, together with the shared experts' partials, in one all-reduce (§9.3 item 4), over
+        every host's ranks under placement host_ep (`Parallel.moe_share`).
         """
         a = kernels.acc_dtype(h)
         logits = F.linear(h.to(a), self.gate.weight.to(a))  # fp32 router logits [T, E] (no copy: fp32 at load)
@@ -158,13 +159,14 @@ class MoE(nn.Module):
         local_ids = ids - self.experts.e0 if self.experts.e0 else ids
         zl = self.routed_expert_down_proj(h) if self.latent else h  # [T, latent]
         out = self.experts(zl, w, local_ids, self.act, self.scaling)
-        shared = None if self.shared_experts is None else self.shared_experts(h, fp32_front=self.latent, reduce=False)
+        shared = None if self.shared_experts is None else self.par.moe_share(
+            self.shared_experts(h, fp32_front=self.latent, reduce=False))
         if not self.latent:
-            return self.par.all_reduce(out if shared is None else out + shared)
+            return self.par.all_reduce(out if shared is None else out + shared, moe=True)
         if shared is None:
-            out = self.par.all_reduce(out)
+            out = self.par.all_reduce(out, moe=True)
         else:
-            out, shared = self.par.all_reduce_pair(out, shared)
+            out, shared = self.par.all_reduce_pair(out, shared, moe=True)
         if self.routed_expert_norm is not None:
             out = self.routed_expert_norm(out)
         out = self.routed_expert_up_proj(out)

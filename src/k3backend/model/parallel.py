@@ -9,6 +9,13 @@ projections, the latent down/up projections) compute the same values on every ra
 reductions are exactly §9.3's: after the embedding, after every o_proj, after the dense
 down_proj, one for [routed latent | shared] per MoE layer, and an all-gather of the logits.
 
+Placement `host_ep` (`hosts` > 1, docs/deployment.md): the TP group is one host's `tp_size`
+ranks, and `hosts` such groups compute the same attention, dense MLP, shared experts and
+vocabulary for every token (replicated across hosts). Only the routed experts span hosts: expert
+group `host` of `ep_size == hosts` lives on host `host`, moe-TP over that host's TP group. The MoE
+reduction is then the one collective over `world_group` (all hosts' ranks); every other one stays
+inside the host.
+
 With one rank every collective is a no-op, so the single-process model is the same code.
 """
 
@@ -35,23 +42,34 @@ class ParallelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Parallel:
-    """This rank's place in the TP group. `group` is the torch.distributed group (None: one rank)."""
+    """This rank's place in the TP group. `group` is the torch.distributed group (None: one rank).
+
+    hosts > 1 (placement host_ep): `group` is this host's TP group, replicated on each of `hosts`
+    hosts; this is host `host`, holding expert group `host` (ep_size must equal hosts); the MoE
+    reduces over `world_group`, all hosts' ranks (None: torch.distributed's default group)."""
 
     tp_size: int = 1
     tp_rank: int = 0
     ep_size: int = 1
     group: Any = None
+    hosts: int = 1
+    host: int = 0
+    world_group: Any = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ParallelConfigError(f"tensor parallel rank {self.tp_rank} of size {self.tp_size}")
-        if self.ep_size < 1 or self.tp_size % self.ep_size:
+        if self.hosts > 1:
+            if self.ep_size != self.hosts or not 0 <= self.host < self.hosts:
+                raise ParallelConfigError(f"placement host_ep needs expert_parallel_size {self.ep_size} == nnodes "
+                                          f"{self.hosts} (host {self.host})")
+        elif self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ParallelConfigError(f"expert_parallel_size {self.ep_size} must divide tensor_parallel_size "
                                       f"{self.tp_size}")
 
     @property
     def moe_tp_size(self) -> int:
-        return self.tp_size // self.ep_size
+        return self.tp_size if self.hosts > 1 else self.tp_size // self.ep_size
 
     @property
     def moe_tp_rank(self) -> int:
@@ -59,7 +77,7 @@ class Parallel:
 
     @property
     def ep_rank(self) -> int:
-        return self.tp_rank // self.moe_tp_size
+        return self.host if self.hosts > 1 else self.tp_rank // self.moe_tp_size
 
     # ---- shard arithmetic (construction and loading) ---------------------------------------------
 
@@ -68,7 +86,8 @@ class Parallel:
         ways = self.tp_size if ways is None else ways
         if n % ways:
             raise ParallelConfigError(f"{what} = {n} is not divisible by {ways} "
-                                      f"(tensor_parallel_size {self.tp_size}, expert_parallel_size {self.ep_size})")
+                                      f"(tensor_parallel_size {self.tp_size * self.hosts}, expert_parallel_size "
+                                      f"{self.ep_size}{', placement host_ep' if self.hosts > 1 else ''})")
         return n // ways
 
     def tp_range(self, n: int, what: str) -> tuple[int, int]:
@@ -78,20 +97,32 @@ class Parallel:
 
     # ---- collectives (called in forward) ---------------------------------------------------------
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of every rank's x, in place (the partial outputs of a row-parallel layer)."""
-        if self.tp_size > 1:
+    def all_reduce(self, x: torch.Tensor, *, moe: bool = False) -> torch.Tensor:
+        """Sum of every rank's x, in place (the partial outputs of a row-parallel layer). moe: over the
+        MoE's ranks, which are every host's under host_ep (see `moe_share`)."""
+        if moe and self.hosts > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.world_group)
+        elif self.tp_size > 1:
             import torch.distributed as dist
 
             dist.all_reduce(x, group=self.group)
         return x
 
-    def all_reduce_pair(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_reduce_pair(self, a: torch.Tensor, b: torch.Tensor, *,
+                        moe: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Both sums in ONE all-reduce of [a | b] (the MoE's routed latent and shared partials, §9.3 item 4)."""
-        if self.tp_size == 1:
+        if self.tp_size == 1 and not (moe and self.hosts > 1):
             return a, b
-        both = self.all_reduce(torch.cat([a, b], dim=-1))
+        both = self.all_reduce(torch.cat([a, b], dim=-1), moe=moe)
         return both[..., :a.shape[-1]], both[..., a.shape[-1]:]
+
+    def moe_share(self, x: torch.Tensor) -> torch.Tensor:
+        """A host-replicated partial (the shared experts') as this host's share of the MoE's world
+        all-reduce: every host adds the same partial, so each adds 1/hosts of it. Dividing by a power
+        of two is exact; for other host counts it rounds (one ulp of the shared output)."""
+        return x / self.hosts if self.hosts > 1 else x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x concatenated along the last dim (vocab-parallel logits)."""

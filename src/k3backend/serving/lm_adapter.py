@@ -59,7 +59,8 @@ MODEL = "k3_lm"
 PARAMETERS = {  # SERVING.md §4.4 with defaults
     "model_path": "", "tokenizer_path": "", "device": "auto", "dtype": "auto", "gpu_device_ids": "",
     "tensor_parallel_size": "1", "expert_parallel_size": "1", "dist_backend": "auto", "nnodes": "1", "node_rank": "0",
-    "master_addr": "", "master_port": "29500", "dist_timeout_s": "300", "max_model_len": "131072",
+    "master_addr": "", "master_port": "29500", "dist_timeout_s": "300", "parallel_placement": "tp",
+    "max_model_len": "131072",
     "max_num_seqs": "256", "max_num_batched_tokens": "8192", "gpu_memory_utilization": "0.90", "cpu_cache_gb": "4",
     "enable_prefix_caching": "true", "enforce_eager": "false", "async_scheduling": "true", "decode_stall_ms": "0",
     "max_prefill_delay_ms": "0",
@@ -361,13 +362,15 @@ class LmServer:
         """The engine core's process: rank 0 itself for one rank, the coordinator of worker
         processes (one per rank) for several ([HLT-1])."""
         from k3backend.engine.nodes import NodePlan
-        from k3backend.engine.workers import visible_gpu
+        from k3backend.engine.workers import PLACEMENTS, check_placement, visible_gpu
 
         nodes = NodePlan(p.int("nnodes", lo=1), p.str("master_addr"), p.int("master_port", lo=1, hi=65535),
                          p.float("dist_timeout_s", lo=0.001))
         node_rank = p.int("node_rank", lo=0)
+        placement = p.choice("parallel_placement", PLACEMENTS)
         try:
             nodes.check(tp, node_rank)
+            check_placement(placement, tp, ep, nodes.nnodes)
         except ValueError as e:
             raise ConfigError(f"{MODEL}: {e}") from None
         if node_rank != 0:
@@ -390,7 +393,7 @@ class LmServer:
                         gpus=tuple(gpus) if gpus is not None else None,
                         gpu=visible_gpu(gpus[0]) if gpus is not None and tp == 1 else None, dist_backend=backend,
                         startup_timeout_s=p.float("startup_timeout_s", lo=1), step_timeout_s=cfg.step_timeout_s,
-                        log_prefix=MODEL, nodes=nodes if nodes.nnodes > 1 else None)
+                        log_prefix=MODEL, nodes=nodes if nodes.nnodes > 1 else None, placement=placement)
 
     @staticmethod
     def _checkpoint(model_path: str) -> Path:
