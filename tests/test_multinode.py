@@ -248,6 +248,36 @@ def test_mismatched_workers_are_refused_naming_the_difference_then_one_joins_unt
     assert not tree(good.pid) and not any(alive(p.pid) for p in ex._procs)
 
 
+def assert_greedy_like_one_process(srv, ckpt) -> None:
+    """Greedy text through the server equals one process's (float64)."""
+    prompt = "The capital of France is"
+    status, body = http_post(srv.http_url, "/v2/models/k3_ensemble/generate",
+                             {"text_input": prompt, "max_tokens": 12, "min_tokens": 12, "ignore_eos": True,
+                              "temperature": 0})
+    assert status == 200, body
+    tok = Tokenizer.from_dir(ckpt)
+    ref = [s.token for s in generate(load_model(ckpt, dtype=torch.float64, progress=False),
+                                     tok.encode_text_input(prompt),
+                                     SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, ignore_eos=True))]
+    assert json.loads(body)["text_output"] == detokenize_all(tok, ref)[0]
+
+
+def test_two_hosts_with_placement_host_ep_serve_like_one(triton_server, tmp_path, default_checkpoint, workers):
+    """parallel_placement host_ep through tritonserver: each host a TP group of its own rank, the
+    experts split between the hosts; greedy text equals one process's."""
+    port = free_port()
+    worker = start_worker(default_checkpoint, port, "--placement", "host_ep", timeout_s=600)
+    workers.append(worker)
+    repo = repo_copy(tmp_path / "repo", k3_lm={"tensor_parallel_size": TP, "expert_parallel_size": EP,
+                                               "dtype": "float64", "nnodes": "2", "master_addr": "127.0.0.1",
+                                               "master_port": str(port), "dist_timeout_s": "120",
+                                               "parallel_placement": "host_ep"})
+    srv = triton_server(repo, ["k3_ensemble"], ["--model-control-mode=explicit", "--load-model=k3_ensemble"],
+                        fresh=True, startup_timeout_s=600)
+    assert sorted(worker_pids(srv.log_path)) == [0, 1]
+    assert_greedy_like_one_process(srv, default_checkpoint)
+
+
 def test_two_hosts_serve_like_one_and_a_lost_remote_rank_or_host_fails_k3_lm(triton_server, tmp_path,
                                                                                default_checkpoint, workers):
     port = free_port()
@@ -261,17 +291,7 @@ def test_two_hosts_serve_like_one_and_a_lost_remote_rank_or_host_fails_k3_lm(tri
     pids = worker_pids(srv.log_path)
     assert sorted(pids) == [0, 1] and pids[1] in tree(worker.pid) and pids[0] not in tree(worker.pid)
 
-    # greedy text over two hosts equals one process's (float64)
-    prompt = "The capital of France is"
-    status, body = http_post(srv.http_url, "/v2/models/k3_ensemble/generate",
-                             {"text_input": prompt, "max_tokens": 12, "min_tokens": 12, "ignore_eos": True,
-                              "temperature": 0})
-    assert status == 200, body
-    tok = Tokenizer.from_dir(default_checkpoint)
-    ref = [s.token for s in generate(load_model(default_checkpoint, dtype=torch.float64, progress=False),
-                                     tok.encode_text_input(prompt),
-                                     SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, ignore_eos=True))]
-    assert json.loads(body)["text_output"] == detokenize_all(tok, ref)[0]
+    assert_greedy_like_one_process(srv, default_checkpoint)
 
     def lose(victim: int, what: str) -> float:
         """SIGKILL `victim` mid-stream: UNAVAILABLE naming node 1 and rank 1 within 10 s, k3_lm not ready
