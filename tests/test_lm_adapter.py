@@ -248,6 +248,28 @@ def test_a_stop_request_does_not_wait_behind_other_requests_being_parsed(lm_ckpt
         server.close()
 
 
+def test_a_defect_while_preparing_one_request_ends_it_and_not_the_prepare_thread(lm_ckpt, monkeypatch):
+    """Every request queued behind a request whose preparation fails unexpectedly (here: the handover
+    to the engine raises once) is still served; the victim itself ends with INTERNAL."""
+    server = start(lm_ckpt)
+    try:
+        bind, calls = server.registry.bind, []
+
+        def flaky(stream, rid):
+            calls.append(rid)
+            if len(calls) == 1:
+                raise RuntimeError("planted")
+            return bind(stream, rid)
+
+        monkeypatch.setattr(server.registry, "bind", flaky)
+        victim = ask(server, "victim", max_tokens=2, temperature=0.0)
+        after = ask(server, "after", max_tokens=2, temperature=0.0)
+        assert victim.final.wait(30) and "planted" in victim.error.message
+        assert after.final.wait(30) and after.error is None and len(calls) == 2
+    finally:
+        server.close()
+
+
 def test_a_dead_engine_core_ends_every_request_with_unavailable_at_once(lm_ckpt):
     server = start(lm_ckpt)
     try:

@@ -35,7 +35,7 @@ from k3backend.engine.core_process import CoreSpec
 from k3backend.engine.outputs import EngineStats, StepOutputs
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampling_params import SamplingParams
-from k3backend.errors import Cancelled, Unavailable
+from k3backend.errors import Cancelled, Internal, Unavailable
 from k3backend.serving import guardian, lifecycle
 from k3backend.serving import metrics as m
 from k3backend.serving.params import (LmDefaults, generation_eos_ids, is_stop, load_generation_defaults,
@@ -213,25 +213,36 @@ class LmServer:
 
     def _prepare_loop(self) -> None:
         """Parse, tokenize and render each request in arrival order, then hand it to the engine (or end
-        it here)."""
+        it here). A defect with one request ends that request with INTERNAL, never this thread: every
+        request queued behind it would wait for ever."""
         while (item := self._prepare_q.get()) is not None:
-            stream = self._open(*item)
-            if stream is None:
-                continue
+            stream = None
             try:
-                request = stream.prepare(eos_ids=self.eos_ids, max_model_len=self.max_model_len,
-                                         default_max_tokens=self.defaults.default_max_tokens)
-            except Exception as e:  # noqa: BLE001 - every failure becomes this request's error response
-                self.responder.put(("fail", stream, e))
-                continue
-            with self.registry.lock:  # a stop or cancel either lands before this or finds the engine id
-                if stream.cancel is not None:
-                    self.responder.put(("cancel", stream, stream.cancel))
-                elif self.registry.closing or self.registry.failure is not None:
-                    why = SHUTDOWN_ERROR if self.registry.closing else f"engine failed: {self.registry.failure}"
-                    self.responder.put(("fail", stream, Unavailable(why)))
-                else:
-                    self.registry.bind(stream, self.engine.add(request))
+                stream = self._open(*item)
+                if stream is not None:
+                    self._admit(stream)
+            except Exception as e:  # noqa: BLE001
+                log.exception("%s: preparing a request failed; it ends with INTERNAL", MODEL)
+                if stream is not None:
+                    self.responder.put(("fail", stream, Internal(f"preparing the request failed: "
+                                                                 f"{type(e).__name__}: {e}")))
+
+    def _admit(self, stream: RequestStream) -> None:
+        """Tokenize and render an opened request, then hand it to the engine (or end it)."""
+        try:
+            request = stream.prepare(eos_ids=self.eos_ids, max_model_len=self.max_model_len,
+                                     default_max_tokens=self.defaults.default_max_tokens)
+        except Exception as e:  # noqa: BLE001 - every failure becomes this request's error response
+            self.responder.put(("fail", stream, e))
+            return
+        with self.registry.lock:  # a stop or cancel either lands before this or finds the engine id
+            if stream.cancel is not None:
+                self.responder.put(("cancel", stream, stream.cancel))
+            elif self.registry.closing or self.registry.failure is not None:
+                why = SHUTDOWN_ERROR if self.registry.closing else f"engine failed: {self.registry.failure}"
+                self.responder.put(("fail", stream, Unavailable(why)))
+            else:
+                self.registry.bind(stream, self.engine.add(request))
 
     def _open(self, request: Any, sender: Any, received: float, received_mono: float) -> RequestStream | None:
         """Parse one request: a stop is answered, a generation request gets its stream (registered, and
