@@ -54,6 +54,27 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
+def describe(pid: int) -> str:
+    """A process as /proc shows it (state, kernel wait channel, threads' states), for a failure message."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return f"pid {pid}: gone"
+    name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[-1].split()
+    states = {}
+    for t in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            st = t.read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        states[st] = states.get(st, 0) + 1
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        wchan = "?"
+    return f"pid {pid} ({name}): state {fields[0]}, ppid {fields[1]}, wchan {wchan or '-'}, threads by state {states}"
+
+
 def proc_stats():
     """(pid, stat fields after the command name) of every live process."""
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -22,7 +22,7 @@ gRPC stream that is never closed, or whose responses are never read: grpc::Serve
 no deadline there, and unread responses keep k3_lm from unloading), so a server still alive
 after that many seconds is killed (SIGKILL), with one line saying why.
 
-The guardian exits when the server itself is gone.
+The guardian exits when the server itself is gone, after making sure the stub is gone too.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ ACTIONS = ("exit", "unload", "log")
 GOODBYE = b"bye\n"
 SHUTDOWN = b"shutdown"
 KILL_AFTER_S = 5.0
+STUB_GRACE_S = 2.0  # the stub's parent watch needs 0.5 s; then the guardian ends it
 
 
 def spawn(model: str, action: str) -> int:
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             _stub_died(args)
             return 0
-    return 0  # the server is gone: nothing left to protect
+    _end_orphaned_stub(args.stub_pid, args.model)  # the server is gone: nothing left to protect
+    return 0
 
 
 class _Lines:
@@ -178,6 +180,22 @@ def _stub_died(args: argparse.Namespace) -> None:
         _stop_server(args.server_pid)
     elif args.action == "unload":
         _log(f"{args.model}: {_unload(args.server_pid, args.model)}")
+
+
+def _end_orphaned_stub(stub_pid: int, model: str) -> None:
+    """[HLT-10] once the server is gone: the stub's own parent watch is a Python thread, which a thread
+    blocked in a call into the dead server while holding the GIL keeps from running (seen under load),
+    so a stub still here after a grace is killed. It is ours while it is our parent."""
+    deadline = time.monotonic() + STUB_GRACE_S
+    while os.getppid() == stub_pid and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if os.getppid() == stub_pid:
+        _log(f"{model}: tritonserver is gone and its stub process (pid {stub_pid}) did not exit within "
+             f"{STUB_GRACE_S:.0f} s; killing it (SIGKILL)")
+        try:
+            os.kill(stub_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _kill_stuck_server(server_pid: int, model: str) -> None:
