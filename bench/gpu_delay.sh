@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# max_prefill_delay_ms on one GPU at the `small` shape (issues 15 and 16): whether holding the waiting prompts
+# for a few milliseconds, so that a wave of arrivals shares one prefill step, lowers TTFT and keeps decode fed.
+#  1. served k3_lm (closed-loop gRPC streaming, bench/serving_load.py) at concurrency 1, 64 and 256 with
+#     the delay at 0, then at each of SERVED_DELAYS (one server per value);
+#  2. bench/engine.py in process on the same checkpoint and lengths, each delay in DELAYS;
+#  3. bench/engine.py's staggered and steady workloads (random weights), each delay in DELAYS.
+# Carry .dev (bench/make_gpu_bundle.sh). Writes delay.txt and the full outputs under $OUT.
+#   SERVED_DELAYS (default 5)  DELAYS (default 0,5,15)  SKIP="served inproc staggered" leaves phases out
+set -uo pipefail
+OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
+. bench/gpu_common.sh
+k3_gpu_prepare
+R="$OUT/delay.txt"; : > "$R"
+say() { echo "$*" | tee -a "$R"; }
+skip() { case " ${SKIP:-} " in *" $1 "*) return 0;; esac; return 1; }
+KEEP="requests, concurrency|output tok/s|^ +[0-9]|max_prefill_delay|^(steady|staggered) |Error|error"
+CK=/tmp/k3small
+T0=$(date +%s)
+[ -f $CK/config.json ] || python3 -m k3backend make-checkpoint --preset small --out $CK 2>&1 | tail -1 | tee -a "$R"
+REPO=/tmp/k3repo; rm -rf $REPO; cp -r model_repository $REPO
+for m in k3_lm k3_vision; do
+  sed -i "s|key: \"model_path\" value: { string_value: \"[^\"]*\"|key: \"model_path\" value: { string_value: \"$CK\"|" $REPO/$m/config.pbtxt
+done
+set_lm() { sed -i "s|key: \"$1\" value: { string_value: \"[^\"]*\"|key: \"$1\" value: { string_value: \"$2\"|" $REPO/k3_lm/config.pbtxt; }
+set_lm dtype bfloat16; set_lm gpu_memory_utilization 0.80; set_lm max_model_len 4096
+L="python3 bench/serving_load.py --url localhost:8001 --metrics-url localhost:8002 --tokenizer $CK --prompt-len 284 --procs 8 --model k3_lm"
+skip served || for d in 0 ${SERVED_DELAYS:-5}; do
+  set_lm max_prefill_delay_ms "$d"
+  k3_gpu_serve $REPO 400 || exit 1
+  say "== served k3_lm, max_prefill_delay_ms $d (server ready after $(( $(date +%s) - T0 )) s)"
+  [ "$d" = 0 ] && timeout 100 $L --concurrency 64 --num-requests 64 --output-len 16 2>&1 | tail -2 | sed 's/^/(warm-up) /' | tee -a "$R"
+  [ "$d" = 0 ] && timeout 100 $L --concurrency 1 --num-requests 12 --output-len 256 --warmup 2 2>&1 | tail -2 | tee -a "$R"
+  timeout 100 $L --concurrency 64 --num-requests 256 --output-len 128 2>&1 | tail -2 | tee -a "$R"
+  timeout 120 $L --concurrency 256 --num-requests 512 --output-len 64 2>&1 | tail -2 | tee -a "$R"
+  kill $SERVER; wait $SERVER
+  grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm|CudaDriver" | head -5 | tee -a "$R"
+done
+skip inproc || { say "== in process, same checkpoint and lengths, max_prefill_delay_ms ${DELAYS:-0,5,15} (the first workload warms)"
+  timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
+    --concurrency 64,64,256 --num-requests 64,256,512 --output-len 16,128,64 --max-prefill-delay-ms "${DELAYS:-0,5,15}" \
+    >"$OUT/engine-inproc.txt" 2>&1
+  grep -E "$KEEP" "$OUT/engine-inproc.txt" | tee -a "$R"; }
+skip staggered || { say "== staggered and steady (random weights), max_prefill_delay_ms ${DELAYS:-0,5,15}"
+  timeout 200 python3 bench/engine.py --random-weights small --dtype bfloat16 --max-model-len 16384 \
+    --workload staggered,steady --max-prefill-delay-ms "${DELAYS:-0,5,15}" >"$OUT/engine-staggered.txt" 2>&1
+  grep -E "$KEEP" "$OUT/engine-staggered.txt" | awk '!seen[$0]++' | tee -a "$R"; }
+say "total $(( $(date +%s) - T0 )) s"
