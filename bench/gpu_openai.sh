@@ -9,6 +9,8 @@
 # grpcio. Writes under $OUT (or /tmp/k3out): server.log, openai.txt (the tables). The `small`
 # checkpoint is written to /tmp/k3small first if missing (a few minutes, about 12 GB of disk; do it in
 # a call of its own where calls are limited to 10 minutes); CKPT=tiny serves the built-in one instead.
+# GATEWAYS: the gateway argument sets to compare, ';'-separated (default ";--grpc-channels 4;--workers 4");
+# FAKE=0 leaves out the run against the fake server.
 set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
@@ -27,14 +29,15 @@ k3_gpu_serve "$REPO" 900 || exit 1
 grep -E "k3_lm: (stub|worker)|cache:" "$OUT/server.log" | head -10
 # One process (the default), one process with 4 gRPC connections, 4 processes; then the gateway alone
 # against tests/fake_triton.py (one token per 10 ms for every request, no model): its own cost here.
-for ARGS in "" "--grpc-channels 4" "--workers 4"; do
+IFS=';' read -ra SETS <<< "${GATEWAYS:-;--grpc-channels 4;--workers 4}"  # gateway argument sets, ';'-separated
+for ARGS in "${SETS[@]}"; do
   echo "== gateway ${ARGS:-defaults}" | tee -a "$OUT/openai.txt"
   timeout "${T:-400}" python3 bench/openai_overhead.py --grpc-url 127.0.0.1:8001 --concurrency 1 64 \
     --max-tokens 128 --prompt-chars 512 --client-procs 8 --gateway-args "$ARGS" 2>&1 \
     | grep -v INFO | tee -a "$OUT/openai.txt"
 done
-echo "== gateway against tests/fake_triton.py" | tee -a "$OUT/openai.txt"
+[ "${FAKE:-1}" = 0 ] || { echo "== gateway against tests/fake_triton.py" | tee -a "$OUT/openai.txt"
 timeout "${T:-400}" python3 bench/openai_overhead.py --fake-step-ms 10 --concurrency 1 64 --max-tokens 128 \
-  --prompt-chars 512 --client-procs 8 2>&1 | grep -v INFO | tee -a "$OUT/openai.txt"
+  --prompt-chars 512 --client-procs 8 2>&1 | grep -v INFO | tee -a "$OUT/openai.txt"; }
 kill $SERVER; wait $SERVER
 grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm" | head -20
