@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
-from k3backend.engine.sampler import Sampler, SamplingRow
-from k3backend.engine.sampler_ref import banned_ids, request_seed, sample, token_logprob
+from k3backend.engine import sampler as sampler_module
+from k3backend.engine.sampler import Sampler, SamplingRow, _top_ids
+from k3backend.engine.sampler_ref import banned_ids, filter_probs, request_seed, sample, token_logprob
 from k3backend.engine.sampling_params import SamplingParams
-from k3backend.kernels.sample_ref import counter_uniform
+from k3backend.kernels.sample_ref import counter_uniform, prob_mass
 
 V = 257
 
@@ -81,3 +83,109 @@ def test_counter_uniform_is_in_the_open_unit_interval_and_keyed():
     assert abs(float(u.mean()) - 0.5) < 0.01
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert torch.equal(u[0], counter_uniform(torch.tensor([1]), torch.tensor([0]), 50000)[0])
+
+
+# ---- top-k / top-p without the full sort: the same kept set as the reference's stable sort --------
+
+
+def batched_filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Steps 4-7 of the batched sampler (as `Sampler._draw` runs them) for rows of logits."""
+    temp = torch.tensor([q.temperature for q in params])[:, None]
+    probs = Sampler._top_k_top_p(torch.softmax(logits / temp, dim=-1), params)
+    min_p = torch.tensor([q.min_p for q in params])[:, None]
+    return torch.where(probs < min_p * probs.max(-1, keepdim=True).values, 0.0, probs)
+
+
+def assert_filters_equal(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    got = batched_filter(logits, params)
+    for i, q in enumerate(params):
+        want = filter_probs(logits[i], q)
+        assert torch.equal(got[i], want), (i, q, (got[i] != want).nonzero()[:, 0].tolist()[:10])
+
+
+def tied_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Logits on a coarse grid: most probabilities have many equal ids, at every cut."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.round(torch.randn(rows, vocab, generator=g) * 1.5)
+
+
+@pytest.mark.parametrize("candidates", [4, 16, 1024])
+@pytest.mark.parametrize("seed", range(3))
+def test_top_k_top_p_keeps_the_reference_set(monkeypatch, candidates, seed):
+    """Smooth and tied logits; top-k below, at and above the candidates and the vocabulary; top-p
+    rows whose nucleus fits the candidates and rows that need the threshold pass (candidates 4)."""
+    monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
+    rng = random.Random(seed)
+    params = [SamplingParams(temperature=rng.choice([0.3, 1.0, 2.5]), top_k=rng.choice([0, 0, 1, 3, 17, 40, 300]),
+                             top_p=rng.choice([1.0, 0.05, 0.5, 0.9, 0.99, 0.999999]),
+                             min_p=rng.choice([0.0, 0.0, 0.1])) for _ in range(32)]
+    g = torch.Generator().manual_seed(seed)
+    assert_filters_equal(torch.randn(32, V, generator=g) * 3, params)
+    assert_filters_equal(tied_logits(32, V, seed), params)
+    assert_filters_equal(torch.randn(32, V, generator=g).bfloat16().float(), params)
+
+
+def boundary_top_ps(logits: torch.Tensor, temperature: float, top_k: int) -> list[float]:
+    """top_p at the exact mass of a prefix of the reference's order (integer units over their total),
+    and the floats just below and above it: the cut moves by one id across each."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    s = torch.sort(probs, descending=True, stable=True).values
+    units = prob_mass(s)
+    if 0 < top_k < len(s):
+        units[top_k:] = 0
+    cum, total = torch.cumsum(units, 0), int(units.sum())
+    out = []
+    for j in (0, 1, 2, 5, 9, 20):
+        exact = int(cum[j]) / total
+        out += [exact, math.nextafter(exact, 0.0), math.nextafter(exact, 1.0)]
+    return [t for t in out if 0 < t < 1]
+
+
+@pytest.mark.parametrize("candidates", [4, 1024])
+def test_top_p_at_a_cumulative_boundary(monkeypatch, candidates):
+    monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
+    for logits in (torch.randn(V, generator=torch.Generator().manual_seed(5)) * 2, tied_logits(1, V, 6)[0]):
+        for temperature, top_k in ((1.0, 0), (0.7, 12), (1.3, 300)):
+            params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=t)
+                      for t in boundary_top_ps(logits, temperature, top_k)]
+            assert_filters_equal(logits.expand(len(params), V), params)
+
+
+def test_ties_at_the_cut_keep_the_lower_ids(monkeypatch):
+    """Eight equal ids share the mass below id 40's: top-k 3 and the top-p cuts take the lowest of them."""
+    monkeypatch.setattr(sampler_module, "CANDIDATES", 4)
+    logits = torch.full((V,), -1e4)
+    tied = [200, 13, 77, 5, 150, 99, 31, 250]
+    logits[tied] = 0.0
+    logits[40] = 1.0
+    params = [SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(top_p=0.7)]
+    got = batched_filter(logits.expand(3, V), params)
+    assert (got[0] > 0).nonzero()[:, 0].tolist() == [5, 13, 40]
+    for row, q, n_tied in ((got[1], params[1], 3), (got[2], params[2], 5)):  # 0.7: past the 4 candidates
+        assert torch.equal(row, filter_probs(logits, q))
+        assert (row > 0).nonzero()[:, 0].tolist() == sorted([40] + sorted(tied)[:n_tied])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_batch_with_the_threshold_pass_equals_the_reference(monkeypatch, seed):
+    """Greedy, temperature-only, top-k, top-p and min-p rows in one batch with bans and penalties,
+    tied logits, few candidates (the threshold pass runs): every row draws the reference's token,
+    and its top log-probs are the reference's, ties to the lower id."""
+    monkeypatch.setattr(sampler_module, "CANDIDATES", 8)
+    rng = random.Random(100 + seed)
+    rows, refs = zip(*[random_row(rng) for _ in range(40)])
+    logits = tied_logits(len(rows), V, seed) * 0.5  # flat: top-p 0.9 keeps ~200 ids
+    got = Sampler()(logits, rows)
+    for i, (row, ref) in enumerate(zip(rows, refs)):
+        want = sample(logits[i], row.params, row.seed, row.step, **ref)
+        assert got.token_ids[i] == want, (i, row.params)
+        if row.params.logprobs is not None:
+            lp = token_logprob(logits[i], want, row.params.logprobs)
+            g = got.logprobs[i]
+            assert (g.rank, g.top) == (lp.rank, lp.top)
+
+
+def test_top_ids_break_ties_to_the_lower_id():
+    x = torch.tensor([[0.0, -1.0, 0.0, 2.0, -1.0, -0.0, float("-inf"), 2.0],
+                      [-3.0, -3.0, -3.0, -3.0, -2.5, -3.0, -3.0, -3.0]])
+    assert _top_ids(x, 5).tolist() == [[3, 7, 0, 2, 5], [4, 0, 1, 2, 3]]

@@ -21,6 +21,7 @@ from k3backend.engine.request import TokenLogprob
 from k3backend.engine.sampling_params import SamplingParams
 
 DRAW_ROWS = 32  # rows drawn together: bounds the [rows, V] float64 temporaries of the draw
+CANDIDATES = 1024  # largest probabilities looked at for top-p; a larger nucleus takes the slower cut
 
 
 @dataclass(frozen=True)
@@ -160,20 +161,44 @@ class Sampler:
 
     @staticmethod
     def _top_k_top_p(probs: torch.Tensor, p: Sequence[SamplingParams]) -> torch.Tensor:
-        """Steps 5-6 over the sorted vocabulary (ties to the lower id): zeros past top-k and top-p."""
+        """Steps 5-6 without sorting the vocabulary: zeros past top-k and top-p (ties to the lower id).
+
+        The K largest probabilities (K = CANDIDATES, or the largest top-k) give each row its cut
+        value v and how many ids equal to v it keeps (m): then a row keeps p > v and the m lowest
+        ids with p == v, the prefix of the reference's stable sort. The top-p mass is counted in
+        integer units (`prob_mass`), so the candidates' running sum is the reference's to the bit.
+        A top-p row whose nucleus outgrows the candidates takes its cut from `top_p_threshold`,
+        launched for every such step: the rows that need it are not known on the host.
+        """
         dev, V = probs.device, probs.shape[1]
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        pos = torch.arange(V, device=dev)[None, :]
-        k = to_device([q.top_k if 0 < q.top_k < V else V for q in p], torch.long, dev)[:, None]
-        keep = pos < k
+        ks = [q.top_k if 0 < q.top_k < V else V for q in p]
+        K = min(V, max([CANDIDATES] + [k for k in ks if k < V]))
+        vals = torch.topk(probs, K, dim=-1).values  # sorted; which ids of equal values it took is moot
+        pos = torch.arange(K, device=dev)[None, :]
+        n = k = to_device(ks, torch.long, dev)[:, None]  # n: ids kept, a prefix of the reference's order
+        past = None  # top-p rows whose nucleus reaches past the K candidates
         if any(q.top_p < 1.0 for q in p):
-            top = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-            mass = torch.cumsum(top / top.sum(-1, keepdim=True), dim=-1)
-            top_p = to_device([q.top_p for q in p], mass.dtype, dev)[:, None]
-            cut = (mass < top_p).sum(-1, keepdim=True) + 1
-            keep = keep & ((pos < cut) | (top_p >= 1.0))
-        filtered = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-        return torch.zeros_like(probs).scatter(1, order, filtered)
+            top_p = to_device([q.top_p for q in p], torch.float64, dev)[:, None]
+            units = torch.cumsum(torch.where(pos < k, kernels.prob_mass(vals), 0), dim=-1)
+            total = units[:, -1:]  # the top-k total where k <= K; a row without top-k counts every id
+            if K < V and any(k_ == V and q.top_p < 1.0 for k_, q in zip(ks, p)):
+                total = torch.where(k <= K, total, kernels.prob_mass(probs).sum(-1, keepdim=True))
+            need = torch.ceil(top_p * total.double()).long()
+            n_p = (units < need).sum(-1, keepdim=True) + 1
+            n = torch.where(top_p < 1.0, torch.minimum(k, n_p), k)
+            past = (n_p > K) & (top_p < 1.0) if K < V else None
+        v = vals.gather(1, (n - 1).clamp(max=K - 1))  # the cut value
+        m = ((vals == v) & (pos < n)).sum(-1, keepdim=True)  # ids equal to v that are kept
+        if past is not None:
+            v_past, above = kernels.top_p_threshold(probs, need[:, 0], past[:, 0])
+            v_past, above = v_past[:, None], above[:, None]
+            each = kernels.prob_mass(v_past).clamp(min=1)  # units of one id equal to v (> 0 where past)
+            v = torch.where(past, v_past, v)
+            m = torch.where(past, (need - above + each - 1) // each, m)
+        v = torch.where(n >= V, torch.full_like(v, -1.0), v)  # every id kept
+        tie = probs == v
+        keep = (probs > v) | (tie & (torch.cumsum(tie, dim=-1, dtype=torch.int32) <= m))
+        return torch.where(keep, probs, torch.zeros_like(probs))
 
     # ---- log-probs and the one host copy --------------------------------------------------------
 
@@ -192,8 +217,8 @@ class Sampler:
             v = lp.gather(1, tok)
             lower = torch.arange(lp.shape[1], device=lp.device)[None, :] < tok
             rank = 1 + (lp > v).sum(1, keepdim=True) + ((lp == v) & lower).sum(1, keepdim=True)
-            top_v, top_i = torch.sort(lp, dim=-1, descending=True, stable=True)
-            lp_packed = torch.cat([v.double(), rank.double(), top_i[:, :kmax].double(), top_v[:, :kmax].double()], 1)
+            top_i = _top_ids(lp, kmax)
+            lp_packed = torch.cat([v.double(), rank.double(), top_i.double(), lp.gather(1, top_i).double()], 1)
             packed = torch.cat([ids.double(), lp_packed.flatten()])
         done = None
         if packed.is_cuda:
@@ -202,3 +227,14 @@ class Sampler:
             packed, done = host, torch.cuda.Event()
             done.record()
         return DeviceSample(ids, packed, done, lp_rows, ks, kmax)
+
+
+def _top_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """ids [R, k] of the k largest of x [R, V] float32, ties to the lower id: torch.topk keeps no
+    order among equal values, so it ranks int64 keys that are unique: the value's bits made
+    monotone, then the id reversed."""
+    bits = (x + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, which it equals
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # a negative float's bits run backwards
+    V = x.shape[1]
+    key = (ordered << 32) | (V - 1 - torch.arange(V, device=x.device))
+    return V - 1 - (torch.topk(key, k, dim=-1).values & 0xFFFFFFFF)
