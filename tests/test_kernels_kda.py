@@ -5,7 +5,10 @@ K3_KERNELS=triton, at small odd sizes (K = 12, V = 10 pad to 16-wide tiles): var
 a permuted order, zero and carried state, padding rows pointing at the null slot 0. Outputs are
 poisoned (`interpret.poisoned_empty`: NaN, and a NaN guard past the end that no store may reach),
 pool slots no row uses hold NaN, and every element is compared: the rows' slots against the
-reference, the other slots against their NaN sentinels. Slot 0 is not compared (rows pointing at it may scribble it, the contract allows that).
+reference, the other slots against their NaN sentinels. Slot 0 is not compared (rows pointing at it
+may scribble it, the contract allows that), except by the fused decode, whose kernels write no pool
+for such rows: there slot 0 must come back as it was. The fused decode runs at every V split
+(`v_blocks` 1, 2, 4, 8), also at K = V = 128 where the split blocks are the GPU's 32 columns.
 """
 
 from __future__ import annotations
@@ -246,7 +249,8 @@ CASES: Cases = {
     # K = V = 128: the rule's choice at the bench's shapes (the model's calls) and the other splits the bench times
     **{f"decode_fused-k128-{d}-v{nv}": ("check_kda_decode_fused", {"dtype": d, "lower_bound": -5.0, "seed": 60 + i,
                                                                    "v_blocks": nv, "kv": 128, "heads": 2})
-       for i, (d, nv) in enumerate((d, nv) for d in ("fp32", "bf16") for nv in sorted(set(RULE_V_BLOCKS.values()) | {1, 2, 8}))},
+       for i, (d, nv) in enumerate((d, nv) for d in ("fp32", "bf16")
+                                   for nv in sorted(set(RULE_V_BLOCKS.values()) | {1, 2, 8}))},
     **{f"decode-{d}": ("check_kda_decode", {"dtype": d, "seed": 20 + i}) for i, d in enumerate(("fp64", "fp32"))},
     **{f"short_conv-{d}": ("check_short_conv", {"dtype": d, "seed": 30 + i}) for i, d in enumerate(DTYPES)},
     **{f"prefill-{d}-{gate}": ("check_kda_prefill", {"dtype": d, "gate": gate, "seed": 40 + i})

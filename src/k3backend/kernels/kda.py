@@ -164,8 +164,9 @@ def _gated_norm_store(p_y, o, z_row, o_norm_weight, o_v, m_v, V: tl.constexpr, E
 def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b, z, o_norm_weight, S_pool,
                              state_indices, y, s_x, s_b, s_z, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                              W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
-                             NV: tl.constexpr, SPLIT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr,
-                             SCALE: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr, BITS: tl.constexpr):
+                             NV: tl.constexpr, SPLIT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                             LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
+                             BITS: tl.constexpr):
     """Program (b, h, V-block i_v of NV): columns i_v·BV.. of one head's K×V state (only its own columns,
     so no other program reads or writes them). Not SPLIT (one block holds all of V): the gated norm
     over V and the head's conv-history update stay inside the program. SPLIT: the program writes
