@@ -4,6 +4,7 @@ and fla-core, against the measured ceilings of one H200.
     python bench/kernels.py --check                 # every family, check then time
     python bench/kernels.py --families kda moe       # some families
     TRITON_INTERPRET=1 python bench/kernels.py --check --smoke   # tiny sizes on a CPU: the harness itself
+    python bench/kernels.py --families kda --match decode_fused  # the cases whose family/name has this
 
 Each family module (`bench/kernels_<family>.py`) defines `cases(args) -> list[Case]`. Times are the
 mean of CUDA-graph replays (so launch overhead counts as it does inside the engine's decode graph),
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="check every case against its reference first")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter runs of the harness)")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--match", default="", help="only the cases whose family/name contains this")
     args = ap.parse_args(argv)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     import triton
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{family}: no bench module ({e})")
             continue
         try:
-            cases = module.cases(args)
+            cases = [c for c in module.cases(args) if args.match in f"{c.family}/{c.name}"]
         except Exception as e:  # noqa: BLE001 - one family's setup failing leaves the others to run
             print(f"{family}: cases failed to build: {type(e).__name__}: {e}", flush=True)
             failures += 1

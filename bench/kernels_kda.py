@@ -4,6 +4,9 @@ varlen conv and the chunked prefill, each beside its torch reference and fla-cor
 Sizes (K3_LM §0.1): K = V = 128, conv width 4, bf16 activations, fp32 state; heads 16 (the `small`
 preset), 12 (K3 at TP 8) and 96 (K3 full width). Decode at B ∈ {1, 16, 64, 256} sequences on permuted
 slots of a pool with spare slots; prefill T = 8192 tokens as 2 sequences (one carrying state).
+`decode_fused` is the model's call (kernels/kda.py `decode_fused_plan` picks the V split); the
+`decode_fused_v{n}w{w}` rows at H 16, B ∈ {1, 16, 64, 128, 256} force n V-blocks and w warps (v1w8: one
+program a head, as before the split), each checked, beside fla: the figures that set the rule.
 `--smoke`: tiny sizes, for TRITON_INTERPRET=1 on a CPU.
 
 fla baselines, converted to fla's conventions and never changing ours:
@@ -33,6 +36,8 @@ W = 4
 LB = -5.0
 REL_BF16 = 8e-3  # tests/tolerances.py KERNEL_REL_BF16: a few bf16 last bits flip at real size
 REL_PREFILL = 2e-2  # chunked prefill: bf16 tensor-core products over 8192 tokens vs the fp32 reference
+# (v_blocks, num_warps) of kda_decode_fused timed side by side: one program a head, then 2, 4, 8 V-blocks
+DECODE_FUSED_VARIANTS = ((1, 8), (2, 4), (2, 8), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4))
 
 
 def _tried(what: str, fn: Callable[[], object] | None) -> Callable[[], object] | None:
@@ -97,22 +102,27 @@ class _Decode:
         return 2 * (B * C + 2 * B * (W - 1) * C + B * H * K + B * H + 2 * B * H * V)  # bf16 rows, history r+w
 
 
-def _decode_fused_case(B: int, H: int, label: str, device: str) -> Case:
+def _decode_fused_case(B: int, H: int, label: str, device: str, variant: tuple[int, int] | None = None,
+                       timed_ref: bool = True) -> Case:
+    """The fused decode at B, H; `variant` (v_blocks, num_warps) forced, else the op's own rule. Every
+    case checks the padding-free rows' slots of both pools and y against the reference."""
     from k3backend.kernels import kda
 
     d = _Decode(B, H, KV, KV, device, seed=B * 1000 + H)
     mine, ref = d.copy(), d.copy()
+    knobs = dict(zip(("v_blocks", "num_warps"), variant)) if variant else {}
+    name = f"decode_fused{label}" + (f"_v{variant[0]}w{variant[1]}" if variant else "")
 
     def check() -> str:
         a, b = d.copy(), d.copy()
-        y, y_ref = kda.kda_decode_fused(*a), kda_ref.kda_decode_fused(*b)
+        y, y_ref = kda.kda_decode_fused(*a, **knobs), kda_ref.kda_decode_fused(*b)
         s = d.slots.long()
         assert torch.equal(a[2][s], b[2][s]), "conv_pool: the rows' slots differ from the reference"
         return ", ".join((_assert_rel("y", y, y_ref, REL_BF16), _assert_rel("S", a[10][s], b[10][s], REL_BF16)))
 
     fla = _tried(f"decode_fused B{B} H{H}", _fla_decode_fused(d, device))
-    return Case("kda", f"decode_fused{label}", f"B{B} H{H} K{KV} V{KV}", run=lambda: kda.kda_decode_fused(*mine),
-                ref=lambda: kda_ref.kda_decode_fused(*ref), fla=fla,
+    return Case("kda", name, f"B{B} H{H} K{KV} V{KV}", run=lambda: kda.kda_decode_fused(*mine, **knobs),
+                ref=(lambda: kda_ref.kda_decode_fused(*ref)) if timed_ref else None, fla=fla,
                 bytes=d.state_bytes + d.io_bytes, check=check)
 
 
@@ -120,9 +130,13 @@ def _fla_decode_fused(d: _Decode, device: str) -> Callable[[], object] | None:
     """fla's five-launch decode on the same inputs (its own conv caches, our state pool layout)."""
     if device != "cuda":
         return None
-    from fla.modules.causal_conv1d import causal_conv1d_update
-    from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d_update
+        from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError as e:  # no fla-core on this machine: time ours without it
+        print(f"  kda/decode_fused: fla baseline left out ({e})")
+        return None
 
     xqkv, w, _, f, dt_bias, A_log, lb, b, z, w_o, S_pool, si, eps = d.copy()
     b, z = b.contiguous(), z.contiguous()  # fla's views want whole tensors
@@ -256,14 +270,18 @@ def _prefill_case(T: int, H: int, device: str) -> Case:
 def cases(args: argparse.Namespace) -> list[Case]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
-        return [_decode_fused_case(3, 2, "", device), _decode_case(3, 2, device), _short_conv_case(40, 1, device),
-                _prefill_case(80, 1, device)]
+        return [_decode_fused_case(3, 2, "", device), *(_decode_fused_case(3, 2, "", device, v, timed_ref=False)
+                                                         for v in ((1, 8), (2, 4), (4, 4))),
+                _decode_case(3, 2, device), _short_conv_case(40, 1, device), _prefill_case(80, 1, device)]
+    keep = lambda name: args.match in f"kda/{name}"  # noqa: E731 - --match: build only what will run
     out = []
     for H, label in ((16, ""), (12, "_tp8"), (96, "")):
-        out += [_decode_fused_case(B, H, label, device) for B in (1, 16, 64, 256)]
-    out += [_decode_case(B, 16, device) for B in (16, 256)]
-    out += [_short_conv_case(8192, H, device) for H in (16, 96)]
-    out += [_prefill_case(8192, H, device) for H in (16, 96)]
+        out += [_decode_fused_case(B, H, label, device) for B in (1, 16, 64, 256) if keep(f"decode_fused{label}")]
+    out += [_decode_fused_case(B, 16, "", device, v, timed_ref=False) for B in (1, 16, 64, 128, 256)
+            for v in DECODE_FUSED_VARIANTS if keep(f"decode_fused_v{v[0]}w{v[1]}")]
+    out += [_decode_case(B, 16, device) for B in (16, 256) if keep("decode")]
+    out += [_short_conv_case(8192, H, device) for H in (16, 96) if keep("short_conv")]
+    out += [_prefill_case(8192, H, device) for H in (16, 96) if keep("prefill")]
     return out
 
 
@@ -299,16 +317,19 @@ def compile_sm90() -> None:
     C = 3 * H * K
     bf = dict(ACC=tl.float32, DOT=tl.bfloat16, PREC="tf32", BITS=False)
     p = lambda names, t: dict.fromkeys(names.split(), t)  # noqa: E731
-    build("kda_decode_fused", kda._kda_decode_fused_kernel,
-          {**p("xqkv conv_pool f b z o_norm_weight y", "*bf16"), **p("conv_weight dt_bias A_log S_pool", "*fp32"),
-           "state_indices": "*i32"},
-          dict(H=H, K=K, V=K, W=W, BK=K, BV=K, BW=W, USE_LOWER_BOUND=True, LOWER_BOUND=LB, SCALE=K ** -0.5,
-               EPS=1e-5, ACC=tl.float32, BITS=False), 8)
+    fused = {**p("xqkv conv_pool f b z o_norm_weight y", "*bf16"), **p("conv_weight dt_bias A_log S_pool", "*fp32"),
+             "state_indices": "*i32", **p("s_x s_b s_z", "i32")}
+    for nv, warps in DECODE_FUSED_VARIANTS:
+        build(f"kda_decode_fused v{nv}", kda._kda_decode_fused_kernel, fused,
+              dict(H=H, K=K, V=K, W=W, BK=K, BV=K // nv, BW=W, NV=nv, SPLIT=nv > 1, USE_LOWER_BOUND=True,
+                   LOWER_BOUND=LB, SCALE=K ** -0.5, EPS=1e-5, ACC=tl.float32, BITS=False), warps)
+    build("kda_decode_fused norm", kda._kda_decode_norm_kernel, fused,
+          dict(H=H, K=K, V=K, W=W, BK=K, BV=K, BW=W, EPS=1e-5, ACC=tl.float32, BITS=False), 4)
     build("kda_decode", kda._kda_decode_kernel, {**p("q k g beta S_pool o", "*fp32"), "v": "*bf16",
                                                  "state_indices": "*i32"},
           dict(H=H, K=K, V=K, BK=K, BV=32, ACC=tl.float32), 4)
     conv = {**p("x conv_pool out", "*bf16"), "weight": "*fp32", **p("seq_ids cu_seqlens state_indices", "*i32"),
-            "has_initial_state": "*i1", "T": "i32"}
+            "has_initial_state": "*i1", "T": "i32", "s_x": "i32"}
     build("short_conv", kda._short_conv_kernel, conv, dict(C=C, W=W, BT=16, BC=128, ACC=tl.float32, BITS=False), 4)
     build("short_conv history", kda._short_conv_history_kernel, conv, dict(C=C, W=W, BW=W, BC=128), 4)
     idx = {"chunk_seq": "*i32", "chunk_start": "*i64", "cu_seqlens": "*i32"}

@@ -5,7 +5,10 @@ K3_KERNELS=triton, at small odd sizes (K = 12, V = 10 pad to 16-wide tiles): var
 a permuted order, zero and carried state, padding rows pointing at the null slot 0. Outputs are
 poisoned (`interpret.poisoned_empty`: NaN, and a NaN guard past the end that no store may reach),
 pool slots no row uses hold NaN, and every element is compared: the rows' slots against the
-reference, the other slots against their NaN sentinels. Slot 0 is not compared (rows pointing at it may scribble it, the contract allows that).
+reference, the other slots against their NaN sentinels. Slot 0 is not compared (rows pointing at it
+may scribble it, the contract allows that), except by the fused decode, whose kernels write no pool
+for such rows: there slot 0 must come back as it was. The fused decode runs at every V split
+(`v_blocks` 1, 2, 4, 8), also at K = V = 128 where the split blocks are the GPU's 32 columns.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from tolerances import KERNEL, KERNEL_PREFILL
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 H, K, V, W, N = 3, 12, 10, 4, 9  # heads, key dim, value dim, conv width, pool slots
+# v_blocks the rule picks at the bench's decode shapes (B·H ≤ 132 SMs: 1, beyond: 4), H = 16, K = V = 128
+RULE_V_BLOCKS = {1: 1, 8: 1, 16: 4, 64: 4, 128: 4, 256: 4}  # B -> v_blocks
 SLOTS = [7, 2, 5, 3]  # the real rows' slots, permuted; slot 5 starts from zero state and history
 UNUSED = [1, 4, 6, 8]  # slots no row points at: NaN sentinels
 
@@ -68,30 +73,37 @@ def row_slots(pad: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- checks (run in the child)
-def check_kda_decode_fused(dtype: str, lower_bound: float | None, seed: int) -> None:
+def check_kda_decode_fused(dtype: str, lower_bound: float | None, seed: int, v_blocks: int | None = None,
+                           kv: int | None = None, heads: int = H) -> None:
+    """The op with `v_blocks` (None: the rule's choice; > 1: the V-split and its norm launch) against the
+    reference. kv: K = V = kv (the model's 128: the split's real block width) instead of the odd 12, 10.
+    Rows on slot 0 (padding) must leave slot 0 of both pools as it was."""
     from k3backend.kernels import kda, kda_ref
 
     dt = DTYPES[dtype]
     a = acc(dt)
+    Kd, Vd = (kv, kv) if kv else (K, V)
     gen = torch.Generator().manual_seed(seed)
-    C = 2 * H * K + H * V
+    C = 2 * heads * Kd + heads * Vd
     si = row_slots(pad=2)  # two padding rows on the null slot
     B = si.shape[0]
     args = [rand(gen, B, C).to(dt), rand(gen, C, W, scale=0.5).to(a), pool(gen, (N, W - 1, C), dt, fresh=[5]),
-            rand(gen, B, H, K, scale=3).to(dt), rand(gen, H * K, scale=0.5).to(a),
-            torch.log(1 + 15 * torch.rand(H, generator=gen, dtype=torch.float64)).to(a), lower_bound,
-            rand(gen, B, H).to(dt), rand(gen, B, H, V).to(dt), (1 + 0.1 * rand(gen, V)).to(dt),
-            pool(gen, (N, H, K, V), a, fresh=[5]), si, 1e-5]
+            rand(gen, B, heads, Kd, scale=3).to(dt), rand(gen, heads * Kd, scale=0.5).to(a),
+            torch.log(1 + 15 * torch.rand(heads, generator=gen, dtype=torch.float64)).to(a), lower_bound,
+            rand(gen, B, heads).to(dt), rand(gen, B, heads, Vd).to(dt), (1 + 0.1 * rand(gen, Vd)).to(dt),
+            pool(gen, (N, heads, Kd, Vd), a, fresh=[5]), si, 1e-5]
     for i in (0, 7, 8):  # xqkv, b, z: slices of the input GEMM's rows
         args[i] = row_slice(args[i])
     ref = clone_all(args)
     before_conv, before_S = args[2].clone(), args[10].clone()
     with poisoned_empty():
-        y = kda.kda_decode_fused(*args)
+        y = kda.kda_decode_fused(*args, v_blocks=v_blocks)
     y_ref = kda_ref.kda_decode_fused(*ref)
     torch.testing.assert_close(y, y_ref, **KERNEL[dt], msg=lambda m: f"y (every row, padding rows too): {m}")
     assert_slots(args[10], ref[10], before_S, SLOTS, KERNEL[a], "S_pool")
     assert_slots(args[2], ref[2], before_conv, SLOTS, {"rtol": 0.0, "atol": 0.0}, "conv_pool")
+    assert torch.equal(args[10][0], before_S[0]), "S_pool: a padding row (slot 0) wrote its slot"
+    assert torch.equal(args[2][0], before_conv[0]), "conv_pool: a padding row (slot 0) wrote its slot"
 
 
 def check_kda_decode(dtype: str, seed: int) -> None:
@@ -229,8 +241,16 @@ def check_layer_steps(dtype: str) -> None:
 
 
 CASES: Cases = {
-    **{f"decode_fused-{d}-{gate}": ("check_kda_decode_fused", {"dtype": d, "lower_bound": lb, "seed": i})
-       for i, (d, (gate, lb)) in enumerate((d, g) for d in DTYPES for g in (("lb5", -5.0), ("softplus", None)))},
+    # every split of V (1: one program a head; 2, 4, 8: blocks of 8, 4, 2 of the 16-wide tile, the last ragged)
+    **{f"decode_fused-{d}-{gate}-v{nv}": ("check_kda_decode_fused",
+                                          {"dtype": d, "lower_bound": lb, "seed": i, "v_blocks": nv})
+       for i, (d, (gate, lb), nv) in enumerate((d, g, nv) for d in DTYPES for g in (("lb5", -5.0), ("softplus", None))
+                                               for nv in (1, 2, 4, 8))},
+    # K = V = 128: the rule's choice at the bench's shapes (the model's calls) and the other splits the bench times
+    **{f"decode_fused-k128-{d}-v{nv}": ("check_kda_decode_fused", {"dtype": d, "lower_bound": -5.0, "seed": 60 + i,
+                                                                   "v_blocks": nv, "kv": 128, "heads": 2})
+       for i, (d, nv) in enumerate((d, nv) for d in ("fp32", "bf16")
+                                   for nv in sorted(set(RULE_V_BLOCKS.values()) | {1, 2, 8}))},
     **{f"decode-{d}": ("check_kda_decode", {"dtype": d, "seed": 20 + i}) for i, d in enumerate(("fp64", "fp32"))},
     **{f"short_conv-{d}": ("check_short_conv", {"dtype": d, "seed": 30 + i}) for i, d in enumerate(DTYPES)},
     **{f"prefill-{d}-{gate}": ("check_kda_prefill", {"dtype": d, "gate": gate, "seed": 40 + i})
@@ -296,6 +316,28 @@ def test_kda_decode_fused_declines_what_it_cannot_run_and_says_why(args, reason)
     assert not ok and reason in why, why
     with pytest.raises(ValueError, match="kda_decode_fused: "):
         kda.kda_decode_fused(*args)
+
+
+@pytest.mark.parametrize("B", sorted(RULE_V_BLOCKS))
+def test_kda_decode_fused_rule_splits_v_beyond_one_head_per_sm(B):
+    """The model's calls take the rule's v_blocks; the interpreter cases above check those at K = V = 128."""
+    from k3backend.kernels import kda
+
+    nv = kda.decode_fused_plan(B, 16, 128, torch.device("cpu"))
+    assert nv == RULE_V_BLOCKS[B], nv
+    assert kda.decode_fused_warps(128, 128, nv) == (8 if nv == 1 else 4)
+
+
+@pytest.mark.parametrize("v_blocks, reason", [(3, "v_blocks = 3: expected a power of two from 1 to 16"),
+                                               (32, "v_blocks = 32: expected a power of two from 1 to 16"),
+                                               (0, "v_blocks = 0")])
+def test_kda_decode_fused_declines_a_split_it_cannot_run(v_blocks, reason):
+    from k3backend.kernels import kda
+
+    ok, why = kda.kda_decode_fused_supports(*_decode_fused_args(), v_blocks=v_blocks)
+    assert not ok and reason in why, why
+    with pytest.raises(ValueError, match="kda_decode_fused: "):
+        kda.kda_decode_fused(*_decode_fused_args(), v_blocks=v_blocks)
 
 
 def test_cpu_tensors_are_declined_unless_interpreting():

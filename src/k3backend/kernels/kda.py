@@ -97,24 +97,31 @@ def _round(x, dtype: tl.constexpr, BITS: tl.constexpr):
         return x.to(dtype)
 
 
-# ---- kda_decode_fused: conv step, gate, beta, l2 norms, recurrence and gated norm, one program per head --
+# ---- kda_decode_fused: conv step, gate, beta, l2 norms, recurrence and gated norm, per head or per V-block --
+
+@triton.jit
+def _history_window(x_row, hist, c, m_c, C: tl.constexpr, W: tl.constexpr, BW: tl.constexpr):
+    """The [BW, BC] window of raw rows x_{t−W+1..t} of channels `c` in the pool dtype: the W−1 history
+    rows, then the current row x_t as row W−1."""
+    o_w = tl.arange(0, BW)
+    window = tl.load(hist + o_w[:, None] * C + c[None, :], mask=(o_w[:, None] < W - 1) & m_c[None, :], other=0)
+    x = tl.load(x_row + c, mask=m_c, other=0)
+    return tl.where(o_w[:, None] == W - 1, x.to(window.dtype)[None, :], window)
+
 
 @triton.jit
 def _conv_step(x_row, conv_weight, hist, c, m_c, C: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
                ACC: tl.constexpr, BITS: tl.constexpr):
-    """One token of the §2.5 conv on channels `c`: (bf(silu(Σ_j w[c,j]·x_{t−W+1+j})) in ACC, the [BW, BC]
-    window of raw rows x_{t−W+1..t} in the pool dtype, row W−1 the current one)."""
+    """One token of the §2.5 conv on channels `c`: (bf(silu(Σ_j w[c,j]·x_{t−W+1+j})) in ACC, the window)."""
     o_w = tl.arange(0, BW)
-    window = tl.load(hist + o_w[:, None] * C + c[None, :], mask=(o_w[:, None] < W - 1) & m_c[None, :], other=0)
-    x = tl.load(x_row + c, mask=m_c, other=0)
-    window = tl.where(o_w[:, None] == W - 1, x.to(window.dtype)[None, :], window)
+    window = _history_window(x_row, hist, c, m_c, C, W, BW)
     w = tl.load(conv_weight + c[None, :] * W + o_w[:, None], mask=(o_w[:, None] < W) & m_c[None, :], other=0)
     prod = w.to(ACC) * window.to(ACC)  # [BW, BC]
     y = tl.zeros([c.shape[0]], dtype=ACC)
     for j in tl.static_range(W):  # y = y + w_j·x_j in the reference's order (extracting a row adds zeros)
         y = y + tl.sum(tl.where(o_w[:, None] == j, prod, 0.0), axis=0)
     y = y / (1.0 + tl.exp(-y))  # silu as torch computes it
-    return _round(y, x.dtype, BITS).to(ACC), window
+    return _round(y, x_row.dtype.element_ty, BITS).to(ACC), window
 
 
 @triton.jit
@@ -144,23 +151,38 @@ def _kda_gate(f, dt_bias, A_log, USE_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.
 
 
 @triton.jit
+def _gated_norm_store(p_y, o, z_row, o_norm_weight, o_v, m_v, V: tl.constexpr, EPS: tl.constexpr,
+                      ACC: tl.constexpr, BITS: tl.constexpr):
+    """§5.7 on one head's whole row o = bf(o) (in ACC): y = bf(o·rsqrt(mean o² + eps)·w·σ(z))."""
+    r = tl.math.rsqrt(tl.sum(o * o, axis=0) / V + tl.full([], EPS, ACC))
+    w_o = tl.load(o_norm_weight + o_v, mask=m_v, other=0).to(ACC)
+    zz = tl.load(z_row + o_v, mask=m_v, other=0).to(ACC)
+    tl.store(p_y, _round(o * r * w_o * tl.sigmoid(zz), p_y.dtype.element_ty, BITS), mask=m_v)
+
+
+@triton.jit
 def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b, z, o_norm_weight, S_pool,
                              state_indices, y, s_x, s_b, s_z, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                              W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
-                             USE_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr,
-                             EPS: tl.constexpr, ACC: tl.constexpr, BITS: tl.constexpr):
-    """Program (b, h): the whole K×V state of one head, so the gated norm over V and the head's conv
-    channels stay inside the program (no other program reads or writes them). s_x, s_b, s_z: the row
-    strides of xqkv, b and z (slices of the layer's one input GEMM)."""
-    pid = tl.program_id(0).to(tl.int64)
-    i_b, i_h = pid // H, pid % H
+                             NV: tl.constexpr, SPLIT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                             LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
+                             BITS: tl.constexpr):
+    """Program (b, h, V-block i_v of NV): columns i_v·BV.. of one head's K×V state (only its own columns,
+    so no other program reads or writes them). Not SPLIT (one block holds all of V): the gated norm
+    over V and the head's conv-history update stay inside the program. SPLIT: the program writes
+    bf(o) of its columns into y and reads the conv pool only; `_kda_decode_norm_kernel`, launched
+    after it, does the norm and the history. s_x, s_b, s_z: the row strides of xqkv, b and z
+    (slices of the layer's one input GEMM)."""
+    pid = tl.program_id(0).to(tl.int64)  # one axis (a 2-D grid caps B·H at 65535): a head's blocks adjacent
+    i_v, i_b, i_h = pid % NV, pid // NV // H, pid // NV % H
     C: tl.constexpr = 2 * H * K + H * V
     slot = tl.load(state_indices + i_b).to(tl.int64)
     live = slot != 0
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
 
-    # §5.2 conv on this head's q, k, v channels (raw rows in, bf(silu(conv)) out)
+    # §5.2 conv on this head's q, k channels and this block's v channels (raw rows in, bf(silu(conv)) out);
+    # every V-block recomputes q and k (a few hundred bytes from L2) rather than share them
     x_row, w_row, hist = xqkv + i_b * s_x, conv_weight, conv_pool + slot * ((W - 1) * C)
     c_q, c_k, c_v = i_h * K + o_k, H * K + i_h * K + o_k, 2 * H * K + i_h * V + o_v
     q, win_q = _conv_step(x_row, w_row, hist, c_q, m_k, C, W, BW, ACC, BITS)
@@ -175,7 +197,7 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b,
     g = _kda_gate(f_row, bias, tl.load(A_log + i_h), USE_LOWER_BOUND, LOWER_BOUND, ACC)
     beta = tl.sigmoid(tl.load(b + i_b * s_b + i_h).to(ACC))
 
-    # §5.6: S ← diag(α)S; u = β(v − Sᵀk); S ← S + k uᵀ; o = Sᵀq after the update
+    # §5.6: S ← diag(α)S; u = β(v − Sᵀk); S ← S + k uᵀ; o = Sᵀq after the update (each column on its own)
     p_S = S_pool + slot * (H * K * V) + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
     m_S = m_k[:, None] & m_v[None, :]
     S = tl.load(p_S, mask=m_S, other=0, eviction_policy="evict_first").to(ACC)  # touched once a step
@@ -186,17 +208,46 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b,
     if live:
         tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S, eviction_policy="evict_first")
 
-    # out = bf(o); §5.7 y = bf(o·rsqrt(mean o² + eps)·w·σ(z))
+    # out = bf(o); §5.7 needs the whole row: here, or in the norm launch from y
     p_y = y + (i_b * H + i_h) * V + o_v
-    o = _round(o, p_y.dtype.element_ty, BITS).to(ACC)
-    r = tl.math.rsqrt(tl.sum(o * o, axis=0) / V + tl.full([], EPS, ACC))
-    w_o = tl.load(o_norm_weight + o_v, mask=m_v, other=0).to(ACC)
-    zz = tl.load(z + i_b * s_z + i_h * V + o_v, mask=m_v, other=0).to(ACC)
-    tl.store(p_y, _round(o * r * w_o * tl.sigmoid(zz), p_y.dtype.element_ty, BITS), mask=m_v)
+    o = _round(o, p_y.dtype.element_ty, BITS)
+    if SPLIT:
+        tl.store(p_y, o, mask=m_v)
+    else:
+        _gated_norm_store(p_y, o.to(ACC), z + i_b * s_z + i_h * V, o_norm_weight, o_v, m_v, V, EPS, ACC, BITS)
+        # the new conv history, once every thread has read the old one (the rows shift within the slot)
+        tl.debug_barrier()
+        if live:
+            _store_history(hist, win_q, c_q, m_k, C, W, BW)
+            _store_history(hist, win_k, c_k, m_k, C, W, BW)
+            _store_history(hist, win_v, c_v, m_v, C, W, BW)
 
-    # the new conv history, once every thread has read the old one (the rows shift within the slot)
-    tl.debug_barrier()
-    if live:
+
+@triton.jit
+def _kda_decode_norm_kernel(xqkv, conv_pool, z, o_norm_weight, state_indices, y, s_x, s_z, H: tl.constexpr,
+                            K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, BW: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
+                            BITS: tl.constexpr):
+    """Program (b, h) after the SPLIT launch: the gated norm of the head's row bf(o) in y, in place, and
+    the head's q/k/v conv-history shift (every V-block of the first launch read the old q/k rows, so
+    none of them may write; here one program owns the head's channels of the slot)."""
+    pid = tl.program_id(0).to(tl.int64)
+    i_b, i_h = pid // H, pid % H
+    C: tl.constexpr = 2 * H * K + H * V
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    p_y = y + (i_b * H + i_h) * V + o_v
+    o = tl.load(p_y, mask=m_v, other=0).to(ACC)
+    _gated_norm_store(p_y, o, z + i_b * s_z + i_h * V, o_norm_weight, o_v, m_v, V, EPS, ACC, BITS)
+
+    x_row, hist = xqkv + i_b * s_x, conv_pool + slot * ((W - 1) * C)
+    c_q, c_k, c_v = i_h * K + o_k, H * K + i_h * K + o_k, 2 * H * K + i_h * V + o_v
+    win_q = _history_window(x_row, hist, c_q, m_k, C, W, BW)
+    win_k = _history_window(x_row, hist, c_k, m_k, C, W, BW)
+    win_v = _history_window(x_row, hist, c_v, m_v, C, W, BW)
+    tl.debug_barrier()  # rows shift within the slot: every old row is read before any is written
+    if slot != 0:
         _store_history(hist, win_q, c_q, m_k, C, W, BW)
         _store_history(hist, win_k, c_k, m_k, C, W, BW)
         _store_history(hist, win_v, c_v, m_v, C, W, BW)
@@ -235,36 +286,75 @@ def _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower
     )
 
 
+def decode_fused_plan(B: int, H: int, V: int, device: torch.device) -> int:
+    """The rule for the v_blocks of `kda_decode_fused`, by the number of heads B·H. Up to one
+    program per SM: one program holds a head (a second launch for the norm would cost more than the
+    split saves). Beyond: 32 columns a block (K×32 fp32 = 16 KB), so several programs fit an SM and
+    one's state load overlaps another's arithmetic. Set from the H200 bench (bench/kernels_kda.py)."""
+    return 1 if B * H <= _num_sms(device) else max(1, triton.next_power_of_2(V) // 32)
+
+
+def decode_fused_warps(K: int, V: int, v_blocks: int) -> int:
+    """The rule for num_warps: a whole head 8 warps from 64×128 up (64 values a thread at 128×128), as
+    before the split; a V-block 32 state values a thread (K×32: 4 warps)."""
+    tile = triton.next_power_of_2(K) * (triton.next_power_of_2(V) // v_blocks)
+    if v_blocks == 1:
+        return 8 if tile >= 8192 else 4
+    return max(1, min(8, tile // 1024))
+
+
+def _plan_problem(V: int, v_blocks: int | None, num_warps: int | None) -> str:
+    """'' when the explicit split and warps are ones the kernel runs."""
+    if v_blocks is not None and (v_blocks < 1 or v_blocks & (v_blocks - 1) or v_blocks > triton.next_power_of_2(V)):
+        return f"v_blocks = {v_blocks}: expected a power of two from 1 to {triton.next_power_of_2(V)}"
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps = {num_warps}: expected 1, 2, 4, 8 or 16"
+    return ""
+
+
 def kda_decode_fused_supports(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor,
                               f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
                               lower_bound: float | None, b: torch.Tensor, z: torch.Tensor,
                               o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
-                              eps: float = 1e-5) -> tuple[bool, str]:
-    problem = _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z,
-                                    o_norm_weight, S_pool, state_indices, eps)
+                              eps: float = 1e-5, *, v_blocks: int | None = None,
+                              num_warps: int | None = None) -> tuple[bool, str]:
+    problem = _first(_plan_problem(z.shape[-1], v_blocks, num_warps),
+                     _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z,
+                                           o_norm_weight, S_pool, state_indices, eps))
     return not problem, problem
 
 
 def kda_decode_fused(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
                      dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None, b: torch.Tensor,
                      z: torch.Tensor, o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
-                     eps: float = 1e-5) -> torch.Tensor:
-    """`kda_ref.kda_decode_fused` in one launch: grid B·H, one program per (sequence, head) holding the
-    head's K×V state tile (read once, written once in place)."""
-    _raise_if(_decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z,
-                                    o_norm_weight, S_pool, state_indices, eps), "kda_decode_fused")
+                     eps: float = 1e-5, *, v_blocks: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """`kda_ref.kda_decode_fused`. v_blocks 1: one launch, one program per (sequence, head) holding the
+    head's K×V state tile (read once, written once in place). v_blocks > 1: the state's V columns in
+    that many blocks, one program each, writing bf(o); then a launch of B·H programs for the gated norm
+    and the conv history. None (the model's calls): `decode_fused_plan` and `decode_fused_warps` choose."""
+    _raise_if(_first(_plan_problem(z.shape[-1], v_blocks, num_warps),
+                     _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z,
+                                           o_norm_weight, S_pool, state_indices, eps)), "kda_decode_fused")
     B, H, K = f.shape
     V, W = z.shape[-1], conv_weight.shape[1]
     y = torch.empty(B, H, V, dtype=xqkv.dtype, device=xqkv.device)
     if B == 0:
         return y
-    BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
-    _kda_decode_fused_kernel[(B * H,)](
+    v_blocks = v_blocks or decode_fused_plan(B, H, V, xqkv.device)
+    num_warps = num_warps or decode_fused_warps(K, V, v_blocks)
+    BK, BV, BW = triton.next_power_of_2(K), triton.next_power_of_2(V) // v_blocks, triton.next_power_of_2(W)
+    NV = triton.cdiv(V, BV)
+    _kda_decode_fused_kernel[(B * H * NV,)](
         xqkv=xqkv, conv_weight=conv_weight, conv_pool=conv_pool, f=f, dt_bias=dt_bias, A_log=A_log, b=b, z=z,
         o_norm_weight=o_norm_weight, S_pool=S_pool, state_indices=state_indices, y=y, s_x=xqkv.stride(0),
-        s_b=b.stride(0), s_z=z.stride(0), H=H, K=K, V=V, W=W, BK=BK, BV=BV, BW=triton.next_power_of_2(W),
+        s_b=b.stride(0), s_z=z.stride(0), H=H, K=K, V=V, W=W, BK=BK, BV=BV, BW=BW, NV=NV, SPLIT=NV > 1,
         USE_LOWER_BOUND=lower_bound is not None, LOWER_BOUND=float(lower_bound or 0.0), SCALE=K ** -0.5,
-        EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, num_warps=8 if BK * BV >= 8192 else 4)
+        EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, num_warps=num_warps)
+    if NV > 1:  # stream order: every V-block has read the old conv history before this launch shifts it
+        _kda_decode_norm_kernel[(B * H,)](
+            xqkv=xqkv, conv_pool=conv_pool, z=z, o_norm_weight=o_norm_weight, state_indices=state_indices, y=y,
+            s_x=xqkv.stride(0), s_z=z.stride(0), H=H, K=K, V=V, W=W, BK=BK, BV=triton.next_power_of_2(V), BW=BW,
+            EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, num_warps=4)
     return y
 
 
