@@ -87,6 +87,24 @@ def check_sampler_top_p_through_the_kernel_keeps_the_reference_set() -> None:
         assert torch.equal(probs[i], want), i
 
 
+def test_kernels_compile_for_hopper():
+    """The interpreter runs what a GPU compile refuses (a global that is not a tl.constexpr): both
+    kernels compile for sm_90a as their wrappers launch them, without spills."""
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import sample
+
+    runs = [(sample._threshold_kernel, dict(p_ptr="*fp32", need_ptr="*i64", act_ptr="*i8", bits_ptr="*i32",
+                                            above_ptr="*i64", V=163840, s_p=163840),
+             dict(BLOCK=sample.THRESHOLD_BLOCK), 8),
+            (sample._race_kernel, dict(p_ptr="*fp32", seed_ptr="*i64", step_ptr="*i64", val_ptr="*fp64",
+                                       idx_ptr="*i64", V=163840, s_p=163840, NB=163840 // sample.BLOCK),
+             dict(BLOCK=sample.BLOCK), 4)]
+    for kernel, args, constexprs, warps in runs:
+        c = compile_sm90(kernel, args, constexprs, num_warps=warps, num_stages=1)
+        assert c.stack == 0, f"{kernel.fn.__name__}: {c}"
+
+
 @pytest.mark.parametrize("name", CHECKS.names)
 def test_under_interpreter(name: str) -> None:
     CHECKS.assert_passed(name)

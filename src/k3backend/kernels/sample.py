@@ -64,8 +64,9 @@ def race_draw_supports(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Te
 # ---- top_p_threshold: the top-p cut of rows whose nucleus outgrew the sampler's candidates ----
 
 THRESHOLD_BLOCK = 4096
-UNITS_PER_ONE = 1125899906842624.0  # 1 / sample_ref.MASS_UNIT = 2**50
-INF_BITS = 0x7F800000  # float32 +inf: every probability's bits lie below
+# tl.constexpr: a compiled kernel reads no other globals (the interpreter does, so only a GPU compile shows it)
+UNITS_PER_ONE = tl.constexpr(1125899906842624.0)  # 1 / sample_ref.MASS_UNIT = 2**50
+INF_BITS = tl.constexpr(0x7F800000)  # float32 +inf: every probability's bits lie below
 
 
 @triton.jit
