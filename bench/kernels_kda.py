@@ -115,13 +115,13 @@ def _decode_fused_case(B: int, H: int, label: str, device: str, variant: tuple[i
 
     def check() -> str:
         a, b = d.copy(), d.copy()
-        y, y_ref = kda.kda_decode_fused(*a, **knobs), kda_ref.kda_decode_fused(*b)
+        y, y_ref = kda.decode_fused_split(*a, **knobs), kda_ref.kda_decode_fused(*b)
         s = d.slots.long()
         assert torch.equal(a[2][s], b[2][s]), "conv_pool: the rows' slots differ from the reference"
         return ", ".join((_assert_rel("y", y, y_ref, REL_BF16), _assert_rel("S", a[10][s], b[10][s], REL_BF16)))
 
     fla = _tried(f"decode_fused B{B} H{H}", _fla_decode_fused(d, device))
-    return Case("kda", name, f"B{B} H{H} K{KV} V{KV}", run=lambda: kda.kda_decode_fused(*mine, **knobs),
+    return Case("kda", name, f"B{B} H{H} K{KV} V{KV}", run=lambda: kda.decode_fused_split(*mine, **knobs),
                 ref=(lambda: kda_ref.kda_decode_fused(*ref)) if timed_ref else None, fla=fla,
                 bytes=d.state_bytes + d.io_bytes, check=check)
 

@@ -97,7 +97,7 @@ def check_kda_decode_fused(dtype: str, lower_bound: float | None, seed: int, v_b
     ref = clone_all(args)
     before_conv, before_S = args[2].clone(), args[10].clone()
     with poisoned_empty():
-        y = kda.kda_decode_fused(*args, v_blocks=v_blocks)
+        y = kda.decode_fused_split(*args, v_blocks=v_blocks)
     y_ref = kda_ref.kda_decode_fused(*ref)
     torch.testing.assert_close(y, y_ref, **KERNEL[dt], msg=lambda m: f"y (every row, padding rows too): {m}")
     assert_slots(args[10], ref[10], before_S, SLOTS, KERNEL[a], "S_pool")
@@ -334,10 +334,10 @@ def test_kda_decode_fused_rule_splits_v_beyond_one_head_per_sm(B):
 def test_kda_decode_fused_declines_a_split_it_cannot_run(v_blocks, reason):
     from k3backend.kernels import kda
 
-    ok, why = kda.kda_decode_fused_supports(*_decode_fused_args(), v_blocks=v_blocks)
+    ok, why = kda.decode_fused_split_supports(*_decode_fused_args(), v_blocks=v_blocks)
     assert not ok and reason in why, why
     with pytest.raises(ValueError, match="kda_decode_fused: "):
-        kda.kda_decode_fused(*_decode_fused_args(), v_blocks=v_blocks)
+        kda.decode_fused_split(*_decode_fused_args(), v_blocks=v_blocks)
 
 
 def test_cpu_tensors_are_declined_unless_interpreting():

@@ -316,19 +316,37 @@ def kda_decode_fused_supports(xqkv: torch.Tensor, conv_weight: torch.Tensor, con
                               f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
                               lower_bound: float | None, b: torch.Tensor, z: torch.Tensor,
                               o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
-                              eps: float = 1e-5, *, v_blocks: int | None = None,
-                              num_warps: int | None = None) -> tuple[bool, str]:
+                              eps: float = 1e-5) -> tuple[bool, str]:
+    return decode_fused_split_supports(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z,
+                                       o_norm_weight, S_pool, state_indices, eps)
+
+
+def kda_decode_fused(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
+                     dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None, b: torch.Tensor,
+                     z: torch.Tensor, o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
+                     eps: float = 1e-5) -> torch.Tensor:
+    """`kda_ref.kda_decode_fused` (the op's signature), split as `decode_fused_plan` says."""
+    return decode_fused_split(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z, o_norm_weight,
+                              S_pool, state_indices, eps)
+
+
+def decode_fused_split_supports(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor,
+                                f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                                lower_bound: float | None, b: torch.Tensor, z: torch.Tensor,
+                                o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
+                                eps: float = 1e-5, *, v_blocks: int | None = None,
+                                num_warps: int | None = None) -> tuple[bool, str]:
     problem = _first(_plan_problem(z.shape[-1], v_blocks, num_warps),
                      _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z,
                                            o_norm_weight, S_pool, state_indices, eps))
     return not problem, problem
 
 
-def kda_decode_fused(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
-                     dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None, b: torch.Tensor,
-                     z: torch.Tensor, o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
-                     eps: float = 1e-5, *, v_blocks: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """`kda_ref.kda_decode_fused`. v_blocks 1: one launch, one program per (sequence, head) holding the
+def decode_fused_split(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
+                       dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None, b: torch.Tensor,
+                       z: torch.Tensor, o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
+                       eps: float = 1e-5, *, v_blocks: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """`kda_decode_fused` with its split chosen by the caller (the bench and tests). v_blocks 1: one launch, one program per (sequence, head) holding the
     head's K×V state tile (read once, written once in place). v_blocks > 1: the state's V columns in
     that many blocks, one program each, writing bf(o); then a launch of B·H programs for the gated norm
     and the conv history. None (the model's calls): `decode_fused_plan` and `decode_fused_warps` choose."""
