@@ -436,40 +436,27 @@ def test_killed_stub_in_explicit_mode_unloads_and_reloads(triton_server, tmp_pat
     assert status == 200, body
 
 
-def test_killed_server_leaves_no_process_even_with_a_frozen_stub(triton_server):
-    """[HLT-10] when the stub's own parent watch cannot run (a thread blocked in a call into the dead
-    server can hold the GIL; here the stub is SIGSTOPped): its guardian ends it once the server is gone."""
-    srv = triton_server(REPO, MODELS, fresh=True)
-    watch = Watch(srv.grpc_url, "k3_lm", {"text_input": "long", **LONG}, "frozen")
-    try:
-        wait_until(lambda: watch.responses, 60, "the first response")
-        stub = stub_pid(srv.log_path)
-        guardian = log_pid(srv.log_path, r"k3_lm: guardian pid (\d+)")
-        os.kill(stub, signal.SIGSTOP)
-        os.kill(srv.pid, signal.SIGKILL)
-        wait_until(lambda: not alive(stub) and not alive(guardian), 10, "the frozen stub and its guardian to exit")
-        assert "did not exit within" in srv.log_path.read_text(errors="replace")
-        srv.process.wait(5)
-        wait_until(lambda: not group_pids(srv.pid), 10, "every process of the server")
-    finally:
-        watch.close()
-
-
-def test_killed_server_leaves_no_process(triton_server):
+@pytest.mark.parametrize("frozen", [False, True])
+def test_killed_server_leaves_no_process(triton_server, frozen):
     """[HLT-10]: SIGKILL of tritonserver: the k3_lm stub (even while the dead server is an unreaped
-    zombie) and its guardian exit within 10 s."""
+    zombie) and its guardian exit within 10 s. Frozen: the stub's own parent watch cannot run (a
+    thread blocked in a call into the dead server can hold the GIL; here the stub is SIGSTOPped),
+    so its guardian ends it once the server is gone."""
     srv = triton_server(REPO, MODELS, fresh=True)
     watch = Watch(srv.grpc_url, "k3_lm", {"text_input": "long", **LONG}, "orphan")
     try:
         wait_until(lambda: watch.responses, 60, "the first response")
         stub = stub_pid(srv.log_path)
         guardian = log_pid(srv.log_path, r"k3_lm: guardian pid (\d+)")
+        if frozen:
+            os.kill(stub, signal.SIGSTOP)
         os.kill(srv.pid, signal.SIGKILL)
         try:
             wait_until(lambda: not alive(stub) and not alive(guardian), 10, "the k3_lm stub and guardian to exit")
         except AssertionError as e:  # say which one and what it is doing (a flake seen once under load)
             tail = srv.log_path.read_text(errors="replace").splitlines()[-15:]
             raise AssertionError("\n".join([str(e), describe(srv.pid), describe(stub), describe(guardian), *tail]))
+        assert not frozen or "did not exit within" in srv.log_path.read_text(errors="replace")
         srv.process.wait(5)  # reap: the other stubs see their parent gone
         wait_until(lambda: not group_pids(srv.pid), 10, "every process of the server")
     finally:

@@ -51,14 +51,20 @@ def race_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> 
     return idx.gather(1, vals.argmax(1, keepdim=True))[:, 0]
 
 
-def race_draw_supports(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> tuple[bool, str]:
-    if not interpreting() and not all(t.is_cuda for t in (probs, seeds, steps)):
-        return False, "tensors not on a GPU (the kernel needs CUDA, or TRITON_INTERPRET=1)"
+def _rows_problem(probs: torch.Tensor, *others: torch.Tensor) -> str:
+    """'' when the kernels can read `probs` (and find `others` beside it)."""
+    if not interpreting() and not all(t.is_cuda for t in (probs, *others)):
+        return "tensors not on a GPU (the kernel needs CUDA, or TRITON_INTERPRET=1)"
     if probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(-1) != 1:
-        return False, f"probs must be a float32 [S, V] tensor with contiguous rows, got {probs.dtype} {list(probs.shape)}"
-    if seeds.dtype != torch.int64 or steps.dtype != torch.int64:
-        return False, f"seeds / steps must be int64, got {seeds.dtype} / {steps.dtype}"
-    return True, ""
+        return f"probs must be a float32 [S, V] tensor with contiguous rows, got {probs.dtype} {list(probs.shape)}"
+    return ""
+
+
+def race_draw_supports(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> tuple[bool, str]:
+    problem = _rows_problem(probs, seeds, steps) or (
+        f"seeds / steps must be int64, got {seeds.dtype} / {steps.dtype}"
+        if seeds.dtype != torch.int64 or steps.dtype != torch.int64 else "")
+    return not problem, problem
 
 
 # ---- top_p_threshold: the top-p cut of rows whose nucleus outgrew the sampler's candidates ----
@@ -117,10 +123,7 @@ def top_p_threshold(probs: torch.Tensor, need: torch.Tensor,
 
 
 def top_p_threshold_supports(probs: torch.Tensor, need: torch.Tensor, active: torch.Tensor) -> tuple[bool, str]:
-    if not interpreting() and not all(t.is_cuda for t in (probs, need, active)):
-        return False, "tensors not on a GPU (the kernel needs CUDA, or TRITON_INTERPRET=1)"
-    if probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(-1) != 1:
-        return False, f"probs must be a float32 [S, V] tensor with contiguous rows, got {probs.dtype} {list(probs.shape)}"
-    if need.dtype != torch.int64 or active.dtype != torch.bool:
-        return False, f"need / active must be int64 / bool, got {need.dtype} / {active.dtype}"
-    return True, ""
+    problem = _rows_problem(probs, need, active) or (
+        f"need / active must be int64 / bool, got {need.dtype} / {active.dtype}"
+        if need.dtype != torch.int64 or active.dtype != torch.bool else "")
+    return not problem, problem
