@@ -25,8 +25,7 @@ from tolerances import KERNEL, KERNEL_PREFILL
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 H, K, V, W, N = 3, 12, 10, 4, 9  # heads, key dim, value dim, conv width, pool slots
-# v_blocks the rule picks at the bench's decode shapes (B·H ≤ 132 SMs: 1, beyond: 4), H = 16, K = V = 128
-RULE_V_BLOCKS = {1: 1, 8: 1, 16: 4, 64: 4, 128: 4, 256: 4}  # B -> v_blocks
+RULE_V_BLOCKS = 2  # what the rule picks at K = V = 128 (blocks of 64 columns)
 SLOTS = [7, 2, 5, 3]  # the real rows' slots, permuted; slot 5 starts from zero state and history
 UNUSED = [1, 4, 6, 8]  # slots no row points at: NaN sentinels
 
@@ -250,7 +249,7 @@ CASES: Cases = {
     **{f"decode_fused-k128-{d}-v{nv}": ("check_kda_decode_fused", {"dtype": d, "lower_bound": -5.0, "seed": 60 + i,
                                                                    "v_blocks": nv, "kv": 128, "heads": 2})
        for i, (d, nv) in enumerate((d, nv) for d in ("fp32", "bf16")
-                                   for nv in sorted(set(RULE_V_BLOCKS.values()) | {1, 2, 8}))},
+                                   for nv in (1, RULE_V_BLOCKS, 4, 8))},
     **{f"decode-{d}": ("check_kda_decode", {"dtype": d, "seed": 20 + i}) for i, d in enumerate(("fp64", "fp32"))},
     **{f"short_conv-{d}": ("check_short_conv", {"dtype": d, "seed": 30 + i}) for i, d in enumerate(DTYPES)},
     **{f"prefill-{d}-{gate}": ("check_kda_prefill", {"dtype": d, "gate": gate, "seed": 40 + i})
@@ -318,14 +317,12 @@ def test_kda_decode_fused_declines_what_it_cannot_run_and_says_why(args, reason)
         kda.kda_decode_fused(*args)
 
 
-@pytest.mark.parametrize("B", sorted(RULE_V_BLOCKS))
-def test_kda_decode_fused_rule_splits_v_beyond_one_head_per_sm(B):
-    """The model's calls take the rule's v_blocks; the interpreter cases above check those at K = V = 128."""
+def test_kda_decode_fused_rule_splits_v_in_blocks_of_64():
+    """The model's calls take the rule's v_blocks and warps; the interpreter cases above check those at K = V = 128."""
     from k3backend.kernels import kda
 
-    nv = kda.decode_fused_plan(B, 16, 128, torch.device("cpu"))
-    assert nv == RULE_V_BLOCKS[B], nv
-    assert kda.decode_fused_warps(128, 128, nv) == (8 if nv == 1 else 4)
+    assert [kda.decode_fused_plan(v) for v in (10, 64, 128, 256)] == [1, 1, RULE_V_BLOCKS, 4]
+    assert kda.decode_fused_warps(128, 128, RULE_V_BLOCKS) == 4 and kda.decode_fused_warps(128, 128, 1) == 8
 
 
 @pytest.mark.parametrize("v_blocks, reason", [(3, "v_blocks = 3: expected a power of two from 1 to 16"),

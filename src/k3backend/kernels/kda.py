@@ -286,21 +286,21 @@ def _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower
     )
 
 
-def decode_fused_plan(B: int, H: int, V: int, device: torch.device) -> int:
-    """The rule for the v_blocks of `kda_decode_fused`, by the number of heads B·H. Up to one
-    program per SM: one program holds a head (a second launch for the norm would cost more than the
-    split saves). Beyond: 32 columns a block (K×32 fp32 = 16 KB), so several programs fit an SM and
-    one's state load overlaps another's arithmetic. Set from the H200 bench (bench/kernels_kda.py)."""
-    return 1 if B * H <= _num_sms(device) else max(1, triton.next_power_of_2(V) // 32)
+def decode_fused_plan(V: int) -> int:
+    """The rule for the v_blocks of `kda_decode_fused`: 64 columns a block (K×64 fp32 = 32 KB, 4 warps).
+    Measured on the H200 (bench/gpu_kda_decode.sh) at H 16, K = V = 128: the fastest of 1, 2, 4, 8
+    blocks × 2, 4, 8 warps from B 64 to 256 (77-81 % of HBM, one block of 8 warps 49-51 %), within
+    a microsecond of the fastest at B 1 and 16, and never slower than one block."""
+    return max(1, triton.next_power_of_2(V) // 64)
 
 
 def decode_fused_warps(K: int, V: int, v_blocks: int) -> int:
-    """The rule for num_warps: a whole head 8 warps from 64×128 up (64 values a thread at 128×128), as
-    before the split; a V-block 32 state values a thread (K×32: 4 warps)."""
+    """The rule for num_warps: 64 state values a thread (a whole 128×128 head 8 warps, as before the
+    split; a 128×64 block 4)."""
     tile = triton.next_power_of_2(K) * (triton.next_power_of_2(V) // v_blocks)
     if v_blocks == 1:
         return 8 if tile >= 8192 else 4
-    return max(1, min(8, tile // 1024))
+    return max(1, min(8, tile // 2048))
 
 
 def _plan_problem(V: int, v_blocks: int | None, num_warps: int | None) -> str:
@@ -358,7 +358,7 @@ def decode_fused_split(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool:
     y = torch.empty(B, H, V, dtype=xqkv.dtype, device=xqkv.device)
     if B == 0:
         return y
-    v_blocks = v_blocks or decode_fused_plan(B, H, V, xqkv.device)
+    v_blocks = v_blocks or decode_fused_plan(V)
     num_warps = num_warps or decode_fused_warps(K, V, v_blocks)
     BK, BV, BW = triton.next_power_of_2(K), triton.next_power_of_2(V) // v_blocks, triton.next_power_of_2(W)
     NV = triton.cdiv(V, BV)
