@@ -3,9 +3,8 @@
 race_draw over S = 1, 16, 64, 256 rows of the K3 vocabulary (163,840 ids): bytes are one fp32 read
 of the probabilities; the reference materialises the float64 uniforms. `--check` wants the same ids
 as the reference, bit for bit. sampler/*: `Sampler()` over bf16 logits as the engine calls it, for
-temperature-only rows, top-p 0.9 rows (nuclei of ~600-1,600 ids here: within the 1,024 candidates or
-past them, so both the candidate cut and the threshold pass run), top-k 50 rows, top-p 0.9 rows
-asking for 5 log-probs, and greedy rows. The reference column is the always-sorted path (a stable
+temperature-only rows, top-p 0.9 rows (nuclei of ~600-1,600 ids here), top-k 50 rows, top-p 0.9 rows
+asking for 5 log-probs, and greedy rows (the cuts by radix select: engine/sampler.py `_select`). The reference column is the always-sorted path (a stable
 sort of [S, V] for top-k / top-p and for the top log-probs, the reference draw), which must pick the
 same tokens and top log-prob ids. Timed eagerly: the sampler ends in the step's one host copy.
 """

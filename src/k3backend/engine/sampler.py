@@ -21,7 +21,7 @@ from k3backend.engine.request import TokenLogprob
 from k3backend.engine.sampling_params import SamplingParams
 
 DRAW_ROWS = 32  # rows drawn together: bounds the [rows, V] float64 temporaries of the draw
-CANDIDATES = 1024  # largest probabilities looked at for top-p; a larger nucleus takes the slower cut
+RADIX = (12, 12, 7)  # digits of a non-negative float32's 31 bits, most significant first
 
 
 @dataclass(frozen=True)
@@ -163,41 +163,32 @@ class Sampler:
     def _top_k_top_p(probs: torch.Tensor, p: Sequence[SamplingParams]) -> torch.Tensor:
         """Steps 5-6 without sorting the vocabulary: zeros past top-k and top-p (ties to the lower id).
 
-        The K largest probabilities (K = CANDIDATES, or the largest top-k) give each row its cut
-        value v and how many ids equal to v it keeps (m): then a row keeps p > v and the m lowest
-        ids with p == v, the prefix of the reference's stable sort. The top-p mass is counted in
-        integer units (`prob_mass`), so the candidates' running sum is the reference's to the bit.
-        A top-p row whose nucleus outgrows the candidates takes its cut from `top_p_threshold`,
-        launched for every such step: the rows that need it are not known on the host.
+        Each row's cut is a value t and how many ids equal to t it keeps (m): the row keeps p > t and
+        the m lowest ids with p == t, the prefix of the reference's stable sort. t comes from `_select`
+        over the probabilities' bit patterns (which order like the values, all being >= 0): for top-k
+        the k-th largest; for top-p the value where the mass, in `prob_mass` integer units, of the ids
+        at or above it first reaches top_p times the top-k set's mass (the reference's cut, exactly).
         """
         dev, V = probs.device, probs.shape[1]
+        bits = probs.view(torch.int32)
         ks = [q.top_k if 0 < q.top_k < V else V for q in p]
-        K = min(V, max([CANDIDATES] + [k for k in ks if k < V]))
-        vals = torch.topk(probs, K, dim=-1).values  # sorted; which ids of equal values it took is moot
-        pos = torch.arange(K, device=dev)[None, :]
-        n = k = to_device(ks, torch.long, dev)[:, None]  # n: ids kept, a prefix of the reference's order
-        past = None  # top-p rows whose nucleus reaches past the K candidates
+        k = to_device(ks, torch.long, dev)[:, None]
+        if all(k_ == V for k_ in ks):  # no top-k: every id is in the set, the cut at +0.0 keeps the zeros too
+            t, m = torch.zeros_like(k, dtype=torch.int32), k
+        else:
+            t, above = _select(bits, torch.ones_like(bits, dtype=torch.int64), k)
+            m = k - above
         if any(q.top_p < 1.0 for q in p):
+            units = kernels.prob_mass(probs)
+            total = torch.where(bits > t, units, 0).sum(-1, keepdim=True) + m * kernels.prob_mass(t.view(torch.float32))
             top_p = to_device([q.top_p for q in p], torch.float64, dev)[:, None]
-            units = torch.cumsum(torch.where(pos < k, kernels.prob_mass(vals), 0), dim=-1)
-            total = units[:, -1:]  # the top-k total where k <= K; a row without top-k counts every id
-            if K < V and any(k_ == V and q.top_p < 1.0 for k_, q in zip(ks, p)):
-                total = torch.where(k <= K, total, kernels.prob_mass(probs).sum(-1, keepdim=True))
             need = torch.ceil(top_p * total.double()).long()
-            n_p = (units < need).sum(-1, keepdim=True) + 1
-            n = torch.where(top_p < 1.0, torch.minimum(k, n_p), k)
-            past = (n_p > K) & (top_p < 1.0) if K < V else None
-        v = vals.gather(1, (n - 1).clamp(max=K - 1))  # the cut value
-        m = ((vals == v) & (pos < n)).sum(-1, keepdim=True)  # ids equal to v that are kept
-        if past is not None:
-            v_past, above = kernels.top_p_threshold(probs, need[:, 0], past[:, 0])
-            v_past, above = v_past[:, None], above[:, None]
-            each = kernels.prob_mass(v_past).clamp(min=1)  # units of one id equal to v (> 0 where past)
-            v = torch.where(past, v_past, v)
-            m = torch.where(past, (need - above + each - 1) // each, m)
-        v = torch.where(n >= V, torch.full_like(v, -1.0), v)  # every id kept
-        tie = probs == v
-        keep = (probs > v) | (tie & (torch.cumsum(tie, dim=-1, dtype=torch.int32) <= m))
+            t_p, above = _select(bits, units, need)
+            each = kernels.prob_mass(t_p.view(torch.float32)).clamp(min=1)  # units of one id at the cut
+            t = torch.where(top_p < 1.0, t_p, t)  # within the top-k set: need <= its mass
+            m = torch.where(top_p < 1.0, (need - above + each - 1) // each, m)
+        tie = bits == t
+        keep = (bits > t) | (tie & (torch.cumsum(tie, dim=-1, dtype=torch.int32) <= m))
         return torch.where(keep, probs, torch.zeros_like(probs))
 
     # ---- log-probs and the one host copy --------------------------------------------------------
@@ -238,3 +229,23 @@ def _top_ids(x: torch.Tensor, k: int) -> torch.Tensor:
     V = x.shape[1]
     key = (ordered << 32) | (V - 1 - torch.arange(V, device=x.device))
     return V - 1 - (torch.topk(key, k, dim=-1).values & 0xFFFFFFFF)
+
+
+def _select(bits: torch.Tensor, weight: torch.Tensor, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: t [S, 1], the largest bit pattern whose ids at or above it weigh at least `need` [S, 1],
+    and the weight strictly above t. A radix select: one per-row histogram of weights per digit
+    (RADIX), each pass inside the digits chosen so far; exact in integers, no sort, no host sync."""
+    S, dev = bits.shape[0], bits.device
+    t = torch.zeros(S, 1, dtype=torch.int32, device=dev)
+    above = torch.zeros(S, 1, dtype=torch.int64, device=dev)
+    rest, hi = need, 31
+    for width in RADIX:
+        lo = hi - width
+        digit = ((bits >> lo) & ((1 << width) - 1)).long()
+        w = weight if hi == 31 else torch.where((bits >> hi) == t, weight, 0)
+        hist = torch.zeros(S, 1 << width, dtype=torch.int64, device=dev).scatter_add_(1, digit, w)
+        at_or_above = hist.flip(1).cumsum(1).flip(1)  # non-increasing: the digits that reach `rest` lead
+        d = ((at_or_above >= rest).sum(1, keepdim=True) - 1).clamp(min=0)
+        higher = at_or_above.gather(1, (d + 1).clamp(max=(1 << width) - 1)) * (d + 1 < (1 << width))
+        above, rest, t, hi = above + higher, rest - higher, (t << width) | d.int(), lo
+    return t, above

@@ -48,7 +48,7 @@ from k3backend.kernels.norm_ref import (
     l2_norm,
     rms_norm,
 )
-from k3backend.kernels.sample_ref import prob_mass, race_draw, top_p_threshold
+from k3backend.kernels.sample_ref import prob_mass, race_draw
 from k3backend.kernels.varlen import VarlenLayout, varlen_layout
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,6 @@ FAST_OPS: dict[str, str] = {
     "attn_res_mix": "k3backend.kernels.norm",
     "attn_res_mix_norm": "k3backend.kernels.norm",
     "race_draw": "k3backend.kernels.sample",
-    "top_p_threshold": "k3backend.kernels.sample",
 }
 
 Verifier = Callable[..., tuple[bool, str]]
@@ -137,5 +136,5 @@ __all__ = [
     "gated_rms_norm", "glu", "kda_chunked",
     "kda_decode", "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "prob_mass", "race_draw", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
-    "situ_and_mul", "top_p_threshold", "glu_linear", "kda_decode_fused", "VarlenLayout", "varlen_layout",
+    "situ_and_mul", "glu_linear", "kda_decode_fused", "VarlenLayout", "varlen_layout",
 ]

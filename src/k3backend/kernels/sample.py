@@ -51,79 +51,11 @@ def race_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> 
     return idx.gather(1, vals.argmax(1, keepdim=True))[:, 0]
 
 
-def _rows_problem(probs: torch.Tensor, *others: torch.Tensor) -> str:
-    """'' when the kernels can read `probs` (and find `others` beside it)."""
-    if not interpreting() and not all(t.is_cuda for t in (probs, *others)):
-        return "tensors not on a GPU (the kernel needs CUDA, or TRITON_INTERPRET=1)"
-    if probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(-1) != 1:
-        return f"probs must be a float32 [S, V] tensor with contiguous rows, got {probs.dtype} {list(probs.shape)}"
-    return ""
-
-
 def race_draw_supports(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> tuple[bool, str]:
-    problem = _rows_problem(probs, seeds, steps) or (
-        f"seeds / steps must be int64, got {seeds.dtype} / {steps.dtype}"
-        if seeds.dtype != torch.int64 or steps.dtype != torch.int64 else "")
-    return not problem, problem
-
-
-# ---- top_p_threshold: the top-p cut of rows whose nucleus outgrew the sampler's candidates ----
-
-THRESHOLD_BLOCK = 4096
-# tl.constexpr: a compiled kernel reads no other globals (the interpreter does, so only a GPU compile shows it)
-UNITS_PER_ONE = tl.constexpr(1125899906842624.0)  # 1 / sample_ref.MASS_UNIT = 2**50
-INF_BITS = tl.constexpr(0x7F800000)  # float32 +inf: every probability's bits lie below
-
-
-@triton.jit
-def _units_from(row, V, t, BLOCK: tl.constexpr):
-    """Units of mass of the row's probabilities whose float32 bits are >= t (as int32: the same
-    order as the values, probabilities being >= 0)."""
-    acc = tl.zeros([BLOCK], dtype=tl.int64)
-    for start in range(0, V, BLOCK):
-        col = start + tl.arange(0, BLOCK)
-        p = tl.load(row + col, mask=col < V, other=0.0)
-        units = (p * UNITS_PER_ONE).to(tl.int64)
-        acc += tl.where(p.to(tl.int32, bitcast=True) >= t, units, 0)
-    return tl.sum(acc, axis=0)
-
-
-@triton.jit
-def _threshold_kernel(p_ptr, need_ptr, act_ptr, bits_ptr, above_ptr, V, s_p, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    row = p_ptr + r.to(tl.int64) * s_p
-    need = tl.load(need_ptr + r)
-    lo = tl.zeros([], dtype=tl.int32)
-    above = tl.zeros([], dtype=tl.int64)
-    if tl.load(act_ptr + r) != 0:  # the other rows cost one load
-        hi = tl.full([], INF_BITS, dtype=tl.int32)
-        while lo < hi:  # invariant: the units at or above bits lo reach need (lo = 0: all of them)
-            mid = lo + (hi - lo + 1) // 2
-            if _units_from(row, V, mid, BLOCK) >= need:
-                lo = mid
-            else:
-                hi = mid - 1
-        above = _units_from(row, V, lo + 1, BLOCK)
-    tl.store(bits_ptr + r, lo)
-    tl.store(above_ptr + r, above)
-
-
-def top_p_threshold(probs: torch.Tensor, need: torch.Tensor,
-                    active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_ref.top_p_threshold` without a sort: each active row bisects the 31 bits of a float32
-    (31 passes over its row, one program per row); an inactive row returns at once, so the sampler
-    can launch it for every step without asking the host which rows need it."""
-    S, V = probs.shape
-    bits = torch.empty(S, dtype=torch.int32, device=probs.device)
-    above = torch.empty(S, dtype=torch.int64, device=probs.device)
-    if S:
-        _threshold_kernel[(S,)](probs, need, active.to(torch.int8), bits, above, V, probs.stride(0),
-                                BLOCK=THRESHOLD_BLOCK, num_warps=8)
-    return bits.view(torch.float32), above
-
-
-def top_p_threshold_supports(probs: torch.Tensor, need: torch.Tensor, active: torch.Tensor) -> tuple[bool, str]:
-    problem = _rows_problem(probs, need, active) or (
-        f"need / active must be int64 / bool, got {need.dtype} / {active.dtype}"
-        if need.dtype != torch.int64 or active.dtype != torch.bool else "")
-    return not problem, problem
+    if not interpreting() and not all(t.is_cuda for t in (probs, seeds, steps)):
+        return False, "tensors not on a GPU (the kernel needs CUDA, or TRITON_INTERPRET=1)"
+    if probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(-1) != 1:
+        return False, f"probs must be a float32 [S, V] tensor with contiguous rows, got {probs.dtype} {list(probs.shape)}"
+    if seeds.dtype != torch.int64 or steps.dtype != torch.int64:
+        return False, f"seeds / steps must be int64, got {seeds.dtype} / {steps.dtype}"
+    return True, ""

@@ -51,25 +51,3 @@ def prob_mass(probs: torch.Tensor) -> torch.Tensor:
     summation, so a partial sort and a full sort cut top-p at the same token; a softmax's units sum
     below 2**53, so their float64 conversions are exact too."""
     return (probs * (1.0 / MASS_UNIT)).to(torch.int64)
-
-
-def top_p_threshold(probs: torch.Tensor, need: torch.Tensor,
-                    active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each active row: v, the largest probability of the row whose units at or above it reach
-    need (the value at the top-p cut), and the units strictly above v. Inactive rows: (0.0, 0).
-
-    probs [S, V] float32 >= 0; need [S] int64 (at most the row's units); active [S] bool.
-    Returns v [S] float32 and above [S] int64. The batched sampler asks only for the rows whose cut
-    lies past its candidates.
-    """
-    v = torch.zeros(probs.shape[0], dtype=probs.dtype, device=probs.device)
-    above = torch.zeros(probs.shape[0], dtype=torch.int64, device=probs.device)
-    rows = active.nonzero()[:, 0]
-    if len(rows):
-        s = torch.sort(probs[rows], dim=-1, descending=True).values
-        units = prob_mass(s)
-        first = (torch.cumsum(units, -1) < need[rows, None]).sum(-1, keepdim=True).clamp(max=s.shape[1] - 1)
-        cut = s.gather(1, first)
-        v[rows] = cut[:, 0]
-        above[rows] = torch.where(s > cut, units, 0).sum(-1)
-    return v, above
