@@ -4,7 +4,7 @@ race_draw over S = 1, 16, 64, 256 rows of the K3 vocabulary (163,840 ids): bytes
 of the probabilities; the reference materialises the float64 uniforms. `--check` wants the same ids
 as the reference, bit for bit. sampler/*: `Sampler()` over bf16 logits as the engine calls it, for
 temperature-only rows, top-p 0.9 rows (nuclei of ~600-1,600 ids here), top-k 50 rows, top-p 0.9 rows
-asking for 5 log-probs, and greedy rows (the cuts by radix select: engine/sampler.py `_select`). The reference column is the always-sorted path (a stable
+asking for 5 log-probs, and greedy rows (top-k without a sort; top-p sorts, as the reference column). The reference column is the always-sorted path (a stable
 sort of [S, V] for top-k / top-p and for the top log-probs, the reference draw), which must pick the
 same tokens and top log-prob ids. Timed eagerly: the sampler ends in the step's one host copy.
 """
@@ -30,10 +30,9 @@ def _ids_equal(fast, ref):
 
 def cases(args) -> list[Case]:
     from k3backend import kernels
-    from k3backend.engine.sampler import Sampler, SamplingRow
+    from k3backend.engine.sampler import Sampler, SamplingRow, sorted_cut
     from k3backend.engine.sampling_params import SamplingParams
     from k3backend.kernels import sample, sample_ref
-    from k3backend.kernels.sample_ref import prob_mass
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=device).manual_seed(0)
@@ -51,16 +50,10 @@ def cases(args) -> list[Case]:
     sampler = Sampler()
 
     def sorted_top_k_top_p(probs: torch.Tensor, p: list) -> torch.Tensor:
-        """Steps 5-6 over the stably sorted vocabulary, as `sampler_ref.filter_probs` defines them."""
+        """Steps 5-6 over the stably sorted vocabulary for every row, top-p or not."""
         V = probs.shape[1]
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        pos = torch.arange(V, device=probs.device)[None, :]
-        keep = pos < torch.tensor([q.top_k if 0 < q.top_k < V else V for q in p], device=probs.device)[:, None]
-        units = torch.cumsum(torch.where(keep, prob_mass(sorted_probs), 0), dim=-1)
-        top_p = torch.tensor([q.top_p for q in p], dtype=torch.float64, device=probs.device)[:, None]
-        need = torch.ceil(top_p * units[:, -1:].double()).long()
-        keep &= (pos < (units < need).sum(-1, keepdim=True) + 1) | (top_p >= 1.0)
-        return torch.zeros_like(probs).scatter(1, order, torch.where(keep, sorted_probs, 0.0))
+        k = torch.tensor([q.top_k if 0 < q.top_k < V else V for q in p], device=probs.device)[:, None]
+        return sorted_cut(probs, k, torch.tensor([q.top_p for q in p], dtype=torch.float64, device=probs.device)[:, None])
 
     def before(logits: torch.Tensor, rows: list) -> list[int]:
         """The draw sorted: every row's top-k / top-p over the sorted vocabulary (even when they keep

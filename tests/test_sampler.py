@@ -116,10 +116,12 @@ def test_top_k_top_p_keeps_the_reference_set(seed):
     params = [SamplingParams(temperature=rng.choice([0.3, 1.0, 2.5]), top_k=rng.choice([0, 0, 1, 3, 17, 40, 300]),
                              top_p=rng.choice([1.0, 0.05, 0.5, 0.9, 0.99, 0.999999]),
                              min_p=rng.choice([0.0, 0.0, 0.1])) for _ in range(32)]
+    top_k_only = [SamplingParams(temperature=q.temperature, top_k=q.top_k, min_p=q.min_p) for q in params]
     g = torch.Generator().manual_seed(seed)
-    assert_filters_equal(torch.randn(32, V, generator=g) * 3, params)
-    assert_filters_equal(tied_logits(32, V, seed), params)
-    assert_filters_equal(torch.randn(32, V, generator=g).bfloat16().float(), params)
+    for logits in (torch.randn(32, V, generator=g) * 3, tied_logits(32, V, seed),
+                   torch.randn(32, V, generator=g).bfloat16().float()):
+        assert_filters_equal(logits, params)  # a top-p row in the batch: the sorted cut
+        assert_filters_equal(logits, top_k_only)  # top-k alone: the k largest, no sort
 
 
 def boundary_top_ps(logits: torch.Tensor, temperature: float, top_k: int) -> list[float]:
@@ -155,6 +157,8 @@ def test_ties_at_the_cut_keep_the_lower_ids():
     params = [SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(top_p=0.7)]
     got = batched_filter(logits.expand(3, V), params)
     assert (got[0] > 0).nonzero()[:, 0].tolist() == [5, 13, 40]
+    alone = batched_filter(logits.expand(2, V), [SamplingParams(top_k=3), SamplingParams(top_k=6)])  # no sort
+    assert [(row > 0).nonzero()[:, 0].tolist() for row in alone] == [[5, 13, 40], [5, 13, 31, 40, 77, 99]]
     for row, q, n_tied in ((got[1], params[1], 3), (got[2], params[2], 5)):
         assert torch.equal(row, filter_probs(logits, q))
         assert (row > 0).nonzero()[:, 0].tolist() == sorted([40] + sorted(tied)[:n_tied])

@@ -21,7 +21,6 @@ from k3backend.engine.request import TokenLogprob
 from k3backend.engine.sampling_params import SamplingParams
 
 DRAW_ROWS = 32  # rows drawn together: bounds the [rows, V] float64 temporaries of the draw
-RADIX = (12, 12, 7)  # digits of a non-negative float32's 31 bits, most significant first
 
 
 @dataclass(frozen=True)
@@ -161,34 +160,22 @@ class Sampler:
 
     @staticmethod
     def _top_k_top_p(probs: torch.Tensor, p: Sequence[SamplingParams]) -> torch.Tensor:
-        """Steps 5-6 without sorting the vocabulary: zeros past top-k and top-p (ties to the lower id).
-
-        Each row's cut is a value t and how many ids equal to t it keeps (m): the row keeps p > t and
-        the m lowest ids with p == t, the prefix of the reference's stable sort. t comes from `_select`
-        over the probabilities' bit patterns (which order like the values, all being >= 0): for top-k
-        the k-th largest; for top-p the value where the mass, in `prob_mass` integer units, of the ids
-        at or above it first reaches top_p times the top-k set's mass (the reference's cut, exactly).
-        """
+        """Steps 5-6: zeros past top-k and top-p (ties to the lower id). Top-k alone takes the k largest
+        values (no sort of the vocabulary), then keeps p > v and the lowest ids equal to the cut v up
+        to k. Top-p walks the stably sorted vocabulary as the reference does: on the H200 both
+        sort-free top-p cuts tried (a bisection kernel, a radix select in torch ops) were slower."""
         dev, V = probs.device, probs.shape[1]
-        bits = probs.view(torch.int32)
         ks = [q.top_k if 0 < q.top_k < V else V for q in p]
         k = to_device(ks, torch.long, dev)[:, None]
-        if all(k_ == V for k_ in ks):  # no top-k: every id is in the set, the cut at +0.0 keeps the zeros too
-            t, m = torch.zeros_like(k, dtype=torch.int32), k
-        else:
-            t, above = _select(bits, torch.ones_like(bits, dtype=torch.int64), k)
-            m = k - above
         if any(q.top_p < 1.0 for q in p):
-            units = kernels.prob_mass(probs)
-            total = torch.where(bits > t, units, 0).sum(-1, keepdim=True) + m * kernels.prob_mass(t.view(torch.float32))
-            top_p = to_device([q.top_p for q in p], torch.float64, dev)[:, None]
-            need = torch.ceil(top_p * total.double()).long()
-            t_p, above = _select(bits, units, need)
-            each = kernels.prob_mass(t_p.view(torch.float32)).clamp(min=1)  # units of one id at the cut
-            t = torch.where(top_p < 1.0, t_p, t)  # within the top-k set: need <= its mass
-            m = torch.where(top_p < 1.0, (need - above + each - 1) // each, m)
-        tie = bits == t
-        keep = (bits > t) | (tie & (torch.cumsum(tie, dim=-1, dtype=torch.int32) <= m))
+            return sorted_cut(probs, k, to_device([q.top_p for q in p], torch.float64, dev)[:, None])
+        K = max(k_ for k_ in ks if k_ < V)
+        vals = torch.topk(probs, K, dim=-1).values  # sorted; which ids of equal values it took is moot
+        v = vals.gather(1, (k - 1).clamp(max=K - 1))
+        m = ((vals == v) & (torch.arange(K, device=dev)[None, :] < k)).sum(-1, keepdim=True)  # kept ids equal to v
+        v = torch.where(k >= V, torch.full_like(v, -1.0), v)  # rows without top-k keep every id
+        tie = probs == v
+        keep = (probs > v) | (tie & (torch.cumsum(tie, dim=-1, dtype=torch.int32) <= m))
         return torch.where(keep, probs, torch.zeros_like(probs))
 
     # ---- log-probs and the one host copy --------------------------------------------------------
@@ -231,21 +218,14 @@ def _top_ids(x: torch.Tensor, k: int) -> torch.Tensor:
     return V - 1 - (torch.topk(key, k, dim=-1).values & 0xFFFFFFFF)
 
 
-def _select(bits: torch.Tensor, weight: torch.Tensor, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: t [S, 1], the largest bit pattern whose ids at or above it weigh at least `need` [S, 1],
-    and the weight strictly above t. A radix select: one per-row histogram of weights per digit
-    (RADIX), each pass inside the digits chosen so far; exact in integers, no sort, no host sync."""
-    S, dev = bits.shape[0], bits.device
-    t = torch.zeros(S, 1, dtype=torch.int32, device=dev)
-    above = torch.zeros(S, 1, dtype=torch.int64, device=dev)
-    rest, hi = need, 31
-    for width in RADIX:
-        lo = hi - width
-        digit = ((bits >> lo) & ((1 << width) - 1)).long()
-        w = weight if hi == 31 else torch.where((bits >> hi) == t, weight, 0)
-        hist = torch.zeros(S, 1 << width, dtype=torch.int64, device=dev).scatter_add_(1, digit, w)
-        at_or_above = hist.flip(1).cumsum(1).flip(1)  # non-increasing: the digits that reach `rest` lead
-        d = ((at_or_above >= rest).sum(1, keepdim=True) - 1).clamp(min=0)
-        higher = at_or_above.gather(1, (d + 1).clamp(max=(1 << width) - 1)) * (d + 1 < (1 << width))
-        above, rest, t, hi = above + higher, rest - higher, (t << width) | d.int(), lo
-    return t, above
+def sorted_cut(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Steps 5-6 over the stably sorted vocabulary (`sampler_ref.filter_probs` for [S, V] rows): the
+    first k ids, then the shortest prefix whose integer mass (`prob_mass`) reaches top_p of theirs."""
+    V = probs.shape[1]
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    pos = torch.arange(V, device=probs.device)[None, :]
+    keep = pos < k
+    units = torch.cumsum(torch.where(keep, kernels.prob_mass(sorted_probs), 0), dim=-1)
+    need = torch.ceil(top_p * units[:, -1:].double()).long()
+    keep &= (pos < (units < need).sum(-1, keepdim=True) + 1) | (top_p >= 1.0)
+    return torch.zeros_like(probs).scatter(1, order, torch.where(keep, sorted_probs, 0.0))
