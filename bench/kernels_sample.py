@@ -3,10 +3,9 @@
 race_draw over S = 1, 16, 64, 256 rows of the K3 vocabulary (163,840 ids): bytes are one fp32 read
 of the probabilities; the reference materialises the float64 uniforms. `--check` wants the same ids
 as the reference, bit for bit. sampler/*: `Sampler()` over bf16 logits as the engine calls it, for
-temperature-only rows, top-p 0.9 rows (nuclei of ~600-1,600 ids here), top-k 50 rows, top-p 0.9 rows
-asking for 5 log-probs, and greedy rows (top-k without a sort; top-p sorts, as the reference column). The reference column is the always-sorted path (a stable
-sort of [S, V] for top-k / top-p and for the top log-probs, the reference draw), which must pick the
-same tokens and top log-prob ids. Timed eagerly: the sampler ends in the step's one host copy.
+temperature-only rows (no sort), top-p 0.9 rows (a sort of [S, V]), top-k 50 rows (the 50 largest,
+no sort) and greedy rows; the reference column of temperature and top-k rows is the always-sorted
+path with the reference draw, which must pick the same tokens. Timed eagerly: the sampler ends in the step's one host copy.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ def _ids_equal(fast, ref):
 
 def cases(args) -> list[Case]:
     from k3backend import kernels
-    from k3backend.engine.sampler import Sampler, SamplingRow, sorted_cut
+    from k3backend.engine.sampler import Sampler, SamplingRow
     from k3backend.engine.sampling_params import SamplingParams
     from k3backend.kernels import sample, sample_ref
 
@@ -49,39 +48,26 @@ def cases(args) -> list[Case]:
 
     sampler = Sampler()
 
-    def sorted_top_k_top_p(probs: torch.Tensor, p: list) -> torch.Tensor:
-        """Steps 5-6 over the stably sorted vocabulary for every row, top-p or not."""
-        V = probs.shape[1]
-        k = torch.tensor([q.top_k if 0 < q.top_k < V else V for q in p], device=probs.device)[:, None]
-        return sorted_cut(probs, k, torch.tensor([q.top_p for q in p], dtype=torch.float64, device=probs.device)[:, None])
-
     def before(logits: torch.Tensor, rows: list) -> list[int]:
-        """The draw sorted: every row's top-k / top-p over the sorted vocabulary (even when they keep
-        everything), the reference draw; then the top log-prob ids of the rows that ask, sorted."""
+        """The draw as it was: every row sorted (top-k / top-p even when they keep everything), the
+        reference draw."""
         x = logits.float()
         p = [r.params for r in rows]
         temp = torch.tensor([q.temperature for q in p], device=x.device)[:, None]
-        probs = sorted_top_k_top_p(torch.softmax(x / temp, dim=-1), p)
+        probs = Sampler._sorted_top_k_top_p(torch.softmax(x / temp, dim=-1), p)
         with kernels.reference_ops():
             ids = kernels.race_draw(probs, torch.tensor([r.seed for r in rows], device=x.device),
                                     torch.tensor([r.step for r in rows], device=x.device))
-        k = max((q.logprobs or 0 for q in p), default=0)
-        top = torch.sort(torch.log_softmax(x, -1), dim=-1, descending=True, stable=True).indices[:, :k] if k else None
-        return ids.tolist() + (top.flatten().tolist() if k else [])
-
-    def after(logits: torch.Tensor, rows: list) -> list[int]:
-        out = sampler(logits, rows)
-        return out.token_ids + [t for lp in out.logprobs if lp is not None for t, _ in lp.top]
+        return ids.tolist()
 
     modes = {"temperature": dict(temperature=1.0), "top_p0.9": dict(temperature=0.8, top_p=0.9),
-             "top_k50": dict(temperature=0.8, top_k=50),
-             "top_p0.9+lp5": dict(temperature=0.8, top_p=0.9, logprobs=5), "greedy": dict(temperature=0.0)}
+             "top_k50": dict(temperature=0.8, top_k=50), "greedy": dict(temperature=0.0)}
     for S in sizes:
         logits = (torch.randn(S, V, generator=g, device=device) * 3).bfloat16()
         for mode, kw in modes.items():
             rows = [SamplingRow(SamplingParams(max_tokens=64, seed=i, **kw), seed=i, step=17) for i in range(S)]
-            run = lambda x=logits, r=rows: after(x, r)  # noqa: E731
-            ref = (lambda x=logits, r=rows: before(x, r)) if mode != "greedy" else None
+            run = lambda x=logits, r=rows: sampler(x, r).token_ids  # noqa: E731
+            ref = (lambda x=logits, r=rows: before(x, r)) if mode in ("temperature", "top_k50") else None
             out.append(Case("sample", f"sampler/{mode}", f"S{S} V{V}", run=run, ref=ref, graph=False,
                             check=_ids_equal(run, ref) if ref else None))
     return out

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from k3backend.engine.sampler import Sampler, SamplingRow, _top_ids
+from k3backend.engine.sampler import Sampler, SamplingRow
 from k3backend.engine.sampler_ref import banned_ids, filter_probs, request_seed, sample, token_logprob
 from k3backend.engine.sampling_params import SamplingParams
-from k3backend.kernels.sample_ref import counter_uniform, prob_mass
+from k3backend.kernels.sample_ref import counter_uniform
 
 V = 257
 
@@ -125,18 +125,17 @@ def test_top_k_top_p_keeps_the_reference_set(seed):
 
 
 def boundary_top_ps(logits: torch.Tensor, temperature: float, top_k: int) -> list[float]:
-    """top_p at the exact mass of a prefix of the reference's order (integer units over their total),
-    and the floats just below and above it: the cut moves by one id across each."""
+    """top_p at the float32 mass of a prefix of the reference's order, and the floats just below and
+    above it (as float32, which both paths compare in): the cut moves by one id across each."""
     probs = torch.softmax(logits / temperature, dim=-1)
     s = torch.sort(probs, descending=True, stable=True).values
-    units = prob_mass(s)
     if 0 < top_k < len(s):
-        units[top_k:] = 0
-    cum, total = torch.cumsum(units, 0), int(units.sum())
+        s[top_k:] = 0
+    mass = torch.cumsum(s / s.sum(), 0)
     out = []
     for j in (0, 1, 2, 5, 9, 20):
-        exact = int(cum[j]) / total
-        out += [exact, math.nextafter(exact, 0.0), math.nextafter(exact, 1.0)]
+        exact = float(mass[j])
+        out += [exact, float(torch.nextafter(mass[j], torch.tensor(0.0))), float(torch.nextafter(mass[j], torch.tensor(1.0)))]
     return [t for t in out if 0 < t < 1]
 
 
@@ -180,9 +179,3 @@ def test_mixed_batch_equals_the_reference(seed):
             lp = token_logprob(logits[i], want, row.params.logprobs)
             g = got.logprobs[i]
             assert (g.rank, g.top) == (lp.rank, lp.top)
-
-
-def test_top_ids_break_ties_to_the_lower_id():
-    x = torch.tensor([[0.0, -1.0, 0.0, 2.0, -1.0, -0.0, float("-inf"), 2.0],
-                      [-3.0, -3.0, -3.0, -3.0, -2.5, -3.0, -3.0, -3.0]])
-    assert _top_ids(x, 5).tolist() == [[3, 7, 0, 2, 5], [4, 0, 1, 2, 3]]

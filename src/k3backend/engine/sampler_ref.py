@@ -9,7 +9,6 @@ tokens depend only on its own seed and history, never on the batch it runs in ([
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from typing import Sequence
 
@@ -17,7 +16,7 @@ import torch
 
 from k3backend.engine.request import TokenLogprob
 from k3backend.engine.sampling_params import SamplingParams
-from k3backend.kernels.sample_ref import prob_mass, race_draw
+from k3backend.kernels.sample_ref import race_draw
 
 
 def as_int64(seed: int) -> int:
@@ -58,8 +57,8 @@ def banned_ids(p: SamplingParams, output_ids: Sequence[int], eos_ids: Sequence[i
 def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Steps 4–7: temperature, top-k, top-p (ties to the lower id), min-p. Returns unnormalised probs [V].
 
-    Top-p counts mass in integer units (`prob_mass`), so the cut does not depend on the order in
-    which a sum is taken: the batched sampler finds it from a partial sort and picks the same set.
+    Written over the whole sorted vocabulary (zeros past top-k), as the batched sampler computes
+    it, so that both round the top-p mass identically.
     """
     probs = torch.softmax(logits / p.temperature, dim=-1)
     sorted_probs, order = torch.sort(probs, descending=True, stable=True)  # ties: lower id first
@@ -68,11 +67,9 @@ def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     pos = torch.arange(V, device=probs.device)
     keep = pos < k
     if p.top_p < 1.0:
-        # definition: integer units renormalised by their top-k total, not a float32 cumsum of p / sum
-        units = torch.where(keep, prob_mass(sorted_probs), 0)
-        total = int(units.sum())
-        need = math.ceil(p.top_p * float(total))  # float64, as the batched sampler rounds it
-        n = int((torch.cumsum(units, dim=0) < need).sum()) + 1  # the smallest prefix whose mass reaches top_p
+        top = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        mass = torch.cumsum(top / top.sum(), dim=0)
+        n = int((mass < p.top_p).sum()) + 1  # the smallest prefix whose mass reaches top_p
         keep = keep & (pos < n)
     probs = torch.zeros_like(probs).scatter(0, order, torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)))
     if p.min_p > 0:

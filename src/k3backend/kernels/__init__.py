@@ -48,7 +48,7 @@ from k3backend.kernels.norm_ref import (
     l2_norm,
     rms_norm,
 )
-from k3backend.kernels.sample_ref import prob_mass, race_draw
+from k3backend.kernels.sample_ref import race_draw
 from k3backend.kernels.varlen import VarlenLayout, varlen_layout
 
 log = logging.getLogger(__name__)
@@ -135,6 +135,6 @@ __all__ = [
     "Activation", "acc_dtype", "attn_res_mix", "attn_res_mix_norm", "dequant_mxfp4", "experts", "experts_mxfp4",
     "gated_rms_norm", "glu", "kda_chunked",
     "kda_decode", "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
-    "mla_write", "prob_mass", "race_draw", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
+    "mla_write", "race_draw", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
     "situ_and_mul", "glu_linear", "kda_decode_fused", "VarlenLayout", "varlen_layout",
 ]

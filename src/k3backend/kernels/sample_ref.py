@@ -39,15 +39,3 @@ def race_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> 
     """
     u = counter_uniform(seeds, steps, probs.shape[1])
     return torch.argmax(probs.double() / -torch.log(u), dim=-1)
-
-
-# ---- top-p mass in exact integers ([SMP-6] step 6) -------------------------------------------
-
-MASS_UNIT = 2.0 ** -50  # a probability p counts trunc(p / MASS_UNIT) units of mass
-
-
-def prob_mass(probs: torch.Tensor) -> torch.Tensor:
-    """int64 units of each probability. Sums of them are exact and do not depend on the order of
-    summation, so a partial sort and a full sort cut top-p at the same token; a softmax's units sum
-    below 2**53, so their float64 conversions are exact too."""
-    return (probs * (1.0 / MASS_UNIT)).to(torch.int64)
