@@ -506,3 +506,26 @@ def test_an_overlapped_engine_waits_for_a_long_step_so_its_news_comes_at_once(mo
     outs = run(core, _overlap_requests(tok, model64))
     assert_each_alone(model64, _overlap_requests(tok, model64), outs)
     assert max(fed) > 0  # decode steps still overlap
+
+
+def test_step_trace_accounts_for_every_prompt_token_and_decode_row(model64, tok, tmp_path, monkeypatch):
+    """K3_STEP_TRACE: one JSON line per step; over a run the lines add up to the requests added and
+    first scheduled, every prompt token not served by the prefix cache prefilled once and every later
+    token decoded once."""
+    import json
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("K3_STEP_TRACE", str(path))
+    core = new_core(model64, max_num_batched_tokens=16, **PAGED)
+    reqs = [Request(f"t{i}", tok.encode(f"request number {i} " * (i + 1), allow_special=True),
+                    SamplingParams(max_tokens=3 + i, min_tokens=3 + i, temperature=0.0))
+            for i in range(4)]
+    outs = run(core, reqs)
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(steps) == core.steps
+    assert sum(s["added"] for s in steps) == sum(s["new"] for s in steps) == len(reqs)
+    cached = sum(outs[r.request_id].num_cached_tokens for r in reqs)  # prefix hits are not prefilled
+    assert sum(s["prefill"] for s in steps) == sum(len(r.prompt_ids) for r in reqs) - cached
+    assert max(s["decode"] + s["prefill"] for s in steps) <= 16  # the step budget
+    assert sum(s["decode"] for s in steps) == sum(len(outs[r.request_id].token_ids) - 1 for r in reqs)
+    assert all(s["t"] <= n["t"] for s, n in zip(steps, steps[1:])) and steps[0]["waiting"] >= 0

@@ -14,7 +14,9 @@ does not repeat them.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +34,7 @@ from k3backend.errors import InvalidArgument, K3Error
 log = logging.getLogger(__name__)
 
 HEAVY_STEP_MS = 15.0  # a step measured to take longer is not overlapped with the next one's scheduling
+TRACE_ENV = "K3_STEP_TRACE"  # a file path: one JSON line per step (what it carried, arrivals, waits)
 
 
 class EngineCore:
@@ -56,6 +59,7 @@ class EngineCore:
         self._light_prefill = max((n for n, ms in executor.prefill_ms.items() if ms < HEAVY_STEP_MS), default=0) \
             if executor.prefill_ms else None
         self.steps = 0
+        self._trace = _Trace(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -71,6 +75,8 @@ class EngineCore:
             return
         seq = Sequence(rid, request, pad_id=self.info.media_pad_id)
         self._seqs[rid] = seq
+        if self._trace is not None:
+            self._trace.added += 1
         if _reads_history(request):
             self._history.add(rid)
         self.sched.add(seq)
@@ -117,6 +123,8 @@ class EngineCore:
                 seq.started = True
                 rows.started.append((seq.rid, seq.num_cached_tokens))
         launched = self.executor.launch(plan) if not plan.empty else None
+        if self._trace is not None and not plan.empty:
+            self._trace.step(plan, len(rows.started), self._heavy(plan), len(self.sched.waiting))
         self.sched.update(plan, seqs)
         sampling = [seq for sch, seq in zip(plan.seqs, seqs) if sch.sample]
         for seq in sampling:
@@ -139,7 +147,10 @@ class EngineCore:
         """Wait for the step in flight; its tokens join their sequences, which may end."""
         launched, sampling = self._in_flight
         self._in_flight = None
+        t0 = time.monotonic()
         sampled = self.executor.finish(launched)
+        if self._trace is not None:
+            self._trace.waited += time.monotonic() - t0
         ended = False
         for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
             seq.pending -= 1
@@ -182,6 +193,26 @@ class EngineCore:
             raise InvalidArgument(f"the prompt has {pads} image pad positions but image_embeds has {n_rows} rows")
         if emb is not None and (emb.dim() != 2 or emb.shape[1] != info.hidden_size):
             raise InvalidArgument(f"image_embeds: expected [{n_rows}, {info.hidden_size}], got {list(emb.shape)}")
+
+
+class _Trace:
+    """K3_STEP_TRACE: per step, when it was launched (monotonic s), its decode rows, prefill chunks and
+    tokens, the requests first scheduled in it, requests added and seconds spent waiting for the
+    device since the previous step, the prompts still waiting, and whether it was a heavy step.
+    For finding where time to first token goes under a given load (docs/operations.md)."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 - line-buffered: the process may end by os._exit
+        self.added, self.waited = 0, 0.0
+        log.info("step trace: %s", path)
+
+    def step(self, plan: StepPlan, new: int, heavy: bool, waiting: int) -> None:
+        chunks = plan.seqs[plan.num_decode:]
+        self.file.write(json.dumps({
+            "t": round(time.monotonic(), 6), "decode": plan.num_decode, "chunks": len(chunks),
+            "prefill": sum(len(s.token_ids) for s in chunks), "new": new, "added": self.added,
+            "waited_ms": round(self.waited * 1e3, 3), "waiting": waiting, "heavy": heavy}) + "\n")
+        self.added, self.waited = 0, 0.0
 
 
 def _reads_history(request: Request) -> bool:
