@@ -183,9 +183,10 @@ def _stub_died(args: argparse.Namespace) -> None:
 
 
 def _end_orphaned_stub(stub_pid: int, model: str) -> None:
-    """[HLT-10] once the server is gone: the stub's own parent watch is a Python thread, which a thread
-    blocked in a call into the dead server while holding the GIL keeps from running (seen under load),
-    so a stub still here after a grace is killed. It is ours while it is our parent."""
+    """[HLT-10] once the server is gone: the stub's own parent watch is a Python thread, and under load
+    a stub outlived its dead server by more than 10 s with every thread in a futex wait (a thread
+    stuck in a call into the dead server is the likely cause), so a stub still here after a grace is
+    killed. It is ours while it is our parent."""
     deadline = time.monotonic() + STUB_GRACE_S
     while os.getppid() == stub_pid and time.monotonic() < deadline:
         time.sleep(0.1)
