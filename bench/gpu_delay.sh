@@ -6,7 +6,9 @@
 #  2. bench/engine.py in process on the same checkpoint and lengths, each delay in DELAYS;
 #  3. bench/engine.py's staggered and steady workloads (random weights), each delay in DELAYS.
 # Carry .dev (bench/make_gpu_bundle.sh). Writes delay.txt and the full outputs under $OUT.
-#   SERVED_DELAYS (default 5)  DELAYS (default 0,5,15)  SKIP="served inproc staggered" leaves phases out
+#   SERVED_DELAYS (default 5; empty: delay 0 only)  DELAYS (default 0,5,15)  SKIP="served inproc staggered"
+#   TRACE=1: K3_STEP_TRACE of each served server and in-process run, summarised by bench/step_trace.py
+#   (issue 15: TRACE=1 SERVED_DELAYS= DELAYS=0 SKIP=staggered bash bench/gpu_delay.sh)
 set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
@@ -26,9 +28,10 @@ done
 set_lm() { sed -i "s|key: \"$1\" value: { string_value: \"[^\"]*\"|key: \"$1\" value: { string_value: \"$2\"|" $REPO/k3_lm/config.pbtxt; }
 set_lm dtype bfloat16; set_lm gpu_memory_utilization 0.80; set_lm max_model_len 4096
 L="python3 bench/serving_load.py --url localhost:8001 --metrics-url localhost:8002 --tokenizer $CK --prompt-len 284 --procs 8 --model k3_lm"
-skip served || for d in 0 ${SERVED_DELAYS:-5}; do
+trace() { [ "${TRACE:-0}" = 1 ] && echo "$OUT/trace-$1.jsonl"; }  # K3_STEP_TRACE of a run (empty: none)
+skip served || for d in 0 ${SERVED_DELAYS-5}; do
   set_lm max_prefill_delay_ms "$d"
-  k3_gpu_serve $REPO 400 || exit 1
+  K3_STEP_TRACE=$(trace "served-$d") k3_gpu_serve $REPO 400 || exit 1
   say "== served k3_lm, max_prefill_delay_ms $d (server ready after $(( $(date +%s) - T0 )) s)"
   [ "$d" = 0 ] && timeout 100 $L --concurrency 64 --num-requests 64 --output-len 16 2>&1 | tail -2 | sed 's/^/(warm-up) /' | tee -a "$R"
   [ "$d" = 0 ] && timeout 100 $L --concurrency 1 --num-requests 12 --output-len 256 --warmup 2 2>&1 | tail -2 | tee -a "$R"
@@ -38,7 +41,7 @@ skip served || for d in 0 ${SERVED_DELAYS:-5}; do
   grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm|CudaDriver" | head -5 | tee -a "$R"
 done
 skip inproc || { say "== in process, same checkpoint and lengths, max_prefill_delay_ms ${DELAYS:-0,5,15} (the first workload warms)"
-  timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
+  K3_STEP_TRACE=$(trace inproc) timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
     --concurrency 64,64,256 --num-requests 64,256,512 --output-len 16,128,64 --max-prefill-delay-ms "${DELAYS:-0,5,15}" \
     >"$OUT/engine-inproc.txt" 2>&1
   grep -E "$KEEP" "$OUT/engine-inproc.txt" | tee -a "$R"; }
@@ -46,4 +49,5 @@ skip staggered || { say "== staggered and steady (random weights), max_prefill_d
   timeout 200 python3 bench/engine.py --random-weights small --dtype bfloat16 --max-model-len 16384 \
     --workload staggered,steady --max-prefill-delay-ms "${DELAYS:-0,5,15}" >"$OUT/engine-staggered.txt" 2>&1
   grep -E "$KEEP" "$OUT/engine-staggered.txt" | awk '!seen[$0]++' | tee -a "$R"; }
+[ "${TRACE:-0}" = 1 ] && python3 bench/step_trace.py --since 5 "$OUT"/trace-*.jsonl 2>&1 | tee -a "$R"
 say "total $(( $(date +%s) - T0 )) s"
