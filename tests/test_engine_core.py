@@ -7,7 +7,10 @@ serves. float64 makes the chunking and batching differences (last bits) irreleva
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -529,3 +532,7 @@ def test_step_trace_accounts_for_every_prompt_token_and_decode_row(model64, tok,
     assert max(s["decode"] + s["prefill"] for s in steps) <= 16  # the step budget
     assert sum(s["decode"] for s in steps) == sum(len(outs[r.request_id].token_ids) - 1 for r in reqs)
     assert all(s["t"] <= n["t"] for s, n in zip(steps, steps[1:])) and steps[0]["waiting"] >= 0
+    with_prompt = sum(1 for s in steps if s["prefill"])  # bench/step_trace.py reads the same lines
+    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "step_trace.py"), str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert f"steps with prompt tokens         {with_prompt} (" in out, out
