@@ -8,7 +8,7 @@ pool slots no row uses hold NaN, and every element is compared: the rows' slots 
 reference, the other slots against their NaN sentinels. Slot 0 is not compared (rows pointing at it
 may scribble it, the contract allows that), except by the fused decode, whose kernels write no pool
 for such rows: there slot 0 must come back as it was. The fused decode runs at every V split
-(`v_blocks` 1, 2, 4, 8), also at K = V = 128 where the split blocks are the GPU's 32 columns.
+(`v_blocks` 1, 2, 4, 8), also at K = V = 128, where the rule's blocks are 64 columns.
 """
 
 from __future__ import annotations

@@ -140,8 +140,7 @@ class EngineCore:
     def _heavy(self, plan: StepPlan) -> bool:
         """A step long enough that overlapping it saves little host time and costs much time to first
         token: a request arriving while it runs would miss the step scheduled behind it."""
-        prefill = sum(len(s.token_ids) for s in plan.seqs[plan.num_decode:])
-        return self._light_prefill is not None and prefill > self._light_prefill
+        return self._light_prefill is not None and plan.prefill_tokens > self._light_prefill
 
     def _resolve(self, rows: _Rows) -> None:
         """Wait for the step in flight; its tokens join their sequences, which may end."""
@@ -207,10 +206,9 @@ class _Trace:
         log.info("step trace: %s", path)
 
     def step(self, plan: StepPlan, new: int, heavy: bool, waiting: int) -> None:
-        chunks = plan.seqs[plan.num_decode:]
         self.file.write(json.dumps({
-            "t": round(time.monotonic(), 6), "decode": plan.num_decode, "chunks": len(chunks),
-            "prefill": sum(len(s.token_ids) for s in chunks), "new": new, "added": self.added,
+            "t": round(time.monotonic(), 6), "decode": plan.num_decode, "chunks": len(plan.chunks),
+            "prefill": plan.prefill_tokens, "new": new, "added": self.added,
             "waited_ms": round(self.waited * 1e3, 3), "waiting": waiting, "heavy": heavy}) + "\n")
         self.added, self.waited = 0, 0.0
 

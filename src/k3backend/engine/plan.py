@@ -65,6 +65,15 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
 
+    @property
+    def chunks(self) -> list[ScheduledSeq]:
+        """The prompt chunks (after the decode rows)."""
+        return self.seqs[self.num_decode:]
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.chunks)
+
 
 @dataclass(frozen=True)
 class CacheCapacity:
