@@ -3,6 +3,9 @@
 #   k3_gpu_prepare       unpack .dev/tritonserver.tar.xz to /tmp/k3ts, install the carried wheels (numpy 1.26.4
 #                        into python3 itself: the stub needs numpy<2; the others under /tmp/k3site), put src/ on
 #                        python3's path, export PYTHONPATH, K3_DEFAULT_CHECKPOINT, PYTHONUNBUFFERED
+#   k3_gpu_small_repo CK  copy model_repository to REPO=/tmp/k3repo with k3_lm and k3_vision on checkpoint CK,
+#                        k3_lm at bfloat16, gpu_memory_utilization 0.80, max_model_len 4096
+#   k3_lm_param KEY VALUE set one k3_lm parameter of that copy
 #   k3_gpu_serve REPO [S] tritonserver on REPO in the background (SERVER=its pid, log $OUT/server.log); waits up
 #                        to S seconds (300) for k3_ensemble to be ready, else prints the log tail, kills it, fails
 
@@ -33,4 +36,18 @@ for _ in range(int(os.environ["WAIT_S"])):
 else:
     raise SystemExit("server not ready")
 PY
+}
+
+k3_lm_param() {
+  sed -i "s|key: \"$1\" value: { string_value: \"[^\"]*\"|key: \"$1\" value: { string_value: \"$2\"|" $REPO/k3_lm/config.pbtxt
+}
+
+k3_gpu_small_repo() {
+  local m
+  REPO=/tmp/k3repo; rm -rf $REPO; cp -r model_repository $REPO
+  for m in k3_lm k3_vision; do
+    sed -i "s|key: \"model_path\" value: { string_value: \"[^\"]*\"|key: \"model_path\" value: { string_value: \"$1\"|" \
+      $REPO/$m/config.pbtxt
+  done
+  k3_lm_param dtype bfloat16; k3_lm_param gpu_memory_utilization 0.80; k3_lm_param max_model_len 4096
 }

@@ -21,16 +21,11 @@ KEEP="requests, concurrency|output tok/s|^ +[0-9]|max_prefill_delay|^(steady|sta
 CK=/tmp/k3small
 T0=$(date +%s)
 [ -f $CK/config.json ] || python3 -m k3backend make-checkpoint --preset small --out $CK 2>&1 | tail -1 | tee -a "$R"
-REPO=/tmp/k3repo; rm -rf $REPO; cp -r model_repository $REPO
-for m in k3_lm k3_vision; do
-  sed -i "s|key: \"model_path\" value: { string_value: \"[^\"]*\"|key: \"model_path\" value: { string_value: \"$CK\"|" $REPO/$m/config.pbtxt
-done
-set_lm() { sed -i "s|key: \"$1\" value: { string_value: \"[^\"]*\"|key: \"$1\" value: { string_value: \"$2\"|" $REPO/k3_lm/config.pbtxt; }
-set_lm dtype bfloat16; set_lm gpu_memory_utilization 0.80; set_lm max_model_len 4096
+k3_gpu_small_repo $CK
 L="python3 bench/serving_load.py --url localhost:8001 --metrics-url localhost:8002 --tokenizer $CK --prompt-len 284 --procs 8 --model k3_lm"
 trace() { [ "${TRACE:-0}" = 1 ] && echo "$OUT/trace-$1.jsonl"; }  # K3_STEP_TRACE of a run (empty: none)
 skip served || for d in 0 ${SERVED_DELAYS-5}; do
-  set_lm max_prefill_delay_ms "$d"
+  k3_lm_param max_prefill_delay_ms "$d"
   K3_STEP_TRACE=$(trace "served-$d") k3_gpu_serve $REPO 400 || exit 1
   say "== served k3_lm, max_prefill_delay_ms $d (server ready after $(( $(date +%s) - T0 )) s)"
   [ "$d" = 0 ] && timeout 100 $L --concurrency 64 --num-requests 64 --output-len 16 2>&1 | tail -2 | sed 's/^/(warm-up) /' | tee -a "$R"

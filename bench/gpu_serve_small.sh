@@ -23,11 +23,7 @@ say "== in process, same checkpoint and lengths (the first two workloads only wa
 timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
   --concurrency 64,256,1,64,256 --num-requests 64,256,12,256,512 --output-len 16,16,256,128,64 2>&1 \
   | grep -E "requests, concurrency|output tok/s|^ +[0-9]|roofline|model ready|decode graph" | tee -a "$R"
-REPO=/tmp/k3repo; rm -rf $REPO; cp -r model_repository $REPO
-for m in k3_lm k3_vision; do
-  sed -i "s|key: \"model_path\" value: { string_value: \"[^\"]*\"|key: \"model_path\" value: { string_value: \"$CK\"|" $REPO/$m/config.pbtxt
-done
-sed -i -e 's|key: "dtype" value: { string_value: "[^"]*"|key: "dtype" value: { string_value: "bfloat16"|' -e 's|key: "gpu_memory_utilization" value: { string_value: "[^"]*"|key: "gpu_memory_utilization" value: { string_value: "0.80"|' -e 's|key: "max_model_len" value: { string_value: "[^"]*"|key: "max_model_len" value: { string_value: "4096"|' $REPO/k3_lm/config.pbtxt
+k3_gpu_small_repo $CK
 say "engine pass done after $(( $(date +%s) - T0 )) s"
 k3_gpu_serve $REPO 400 || exit 1
 say "server ready after $(( $(date +%s) - T0 )) s"
