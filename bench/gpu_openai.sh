@@ -10,7 +10,7 @@
 # checkpoint is written to /tmp/k3small first if missing (a few minutes, about 12 GB of disk; do it in
 # a call of its own where calls are limited to 10 minutes); CKPT=tiny serves the built-in one instead.
 # GATEWAYS: the gateway argument sets to compare, ';'-separated (default ";--grpc-channels 4;--workers 4");
-# FAKE=0 leaves out the run against the fake server.
+# FAKE=0 leaves out the run against the fake server; REPEATS: ABBA pairs per concurrency (default 1).
 set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
@@ -32,8 +32,8 @@ grep -E "k3_lm: (stub|worker)|cache:" "$OUT/server.log" | head -10
 IFS=';' read -ra SETS <<< "${GATEWAYS:-;--grpc-channels 4;--workers 4}"  # gateway argument sets, ';'-separated
 for ARGS in "${SETS[@]}"; do
   echo "== gateway ${ARGS:-defaults}" | tee -a "$OUT/openai.txt"
-  timeout "${T:-400}" python3 bench/openai_overhead.py --grpc-url 127.0.0.1:8001 --concurrency 1 64 \
-    --max-tokens 128 --prompt-chars 512 --client-procs 8 --gateway-args "$ARGS" 2>&1 \
+  timeout "${T:-400}" python3 bench/openai_overhead.py --grpc-url 127.0.0.1:8001 --concurrency ${CONC:-1 64} \
+    --max-tokens 128 --prompt-chars 512 --client-procs 8 --repeats "${REPEATS:-1}" --gateway-args "$ARGS" 2>&1 \
     | grep -v INFO | tee -a "$OUT/openai.txt"
 done
 [ "${FAKE:-1}" = 0 ] || { echo "== gateway against tests/fake_triton.py" | tee -a "$OUT/openai.txt"
