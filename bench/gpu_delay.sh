@@ -7,8 +7,11 @@
 #  3. bench/engine.py's staggered and steady workloads (random weights), each delay in DELAYS.
 # Carry .dev (bench/make_gpu_bundle.sh). Writes delay.txt and the full outputs under $OUT.
 #   SERVED_DELAYS (default 5; empty: delay 0 only)  DELAYS (default 0,5,15)  SKIP="served inproc staggered"
+#   SERVED: instead of SERVED_DELAYS, the k3_lm parameter sets to serve, ';'-separated, each "key=value ..."
+#     (e.g. SERVED="response_send_threads=1;response_send_threads=4"); the first set also runs concurrency 1
 #   TRACE=1: K3_STEP_TRACE of each served server and in-process run, summarised by bench/step_trace.py
 #   (issue 15: TRACE=1 SERVED_DELAYS= DELAYS=0 SKIP=staggered bash bench/gpu_delay.sh)
+#   SPY=1: py-spy of the k3_lm stub and the engine core over a longer run at concurrency 256, with the last set
 set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
@@ -24,14 +27,28 @@ T0=$(date +%s)
 k3_gpu_small_repo $CK
 L="python3 bench/serving_load.py --url localhost:8001 --metrics-url localhost:8002 --tokenizer $CK --prompt-len 284 --procs 8 --model k3_lm"
 trace() { [ "${TRACE:-0}" = 1 ] && echo "$OUT/trace-$1.jsonl"; }  # K3_STEP_TRACE of a run (empty: none)
-skip served || for d in 0 ${SERVED_DELAYS-5}; do
-  k3_lm_param max_prefill_delay_ms "$d"
-  K3_STEP_TRACE=$(trace "served-$d") k3_gpu_serve $REPO 400 || exit 1
-  say "== served k3_lm, max_prefill_delay_ms $d (server ready after $(( $(date +%s) - T0 )) s)"
-  [ "$d" = 0 ] && timeout 100 $L --concurrency 64 --num-requests 64 --output-len 16 2>&1 | tail -2 | sed 's/^/(warm-up) /' | tee -a "$R"
-  [ "$d" = 0 ] && timeout 100 $L --concurrency 1 --num-requests 12 --output-len 256 --warmup 2 2>&1 | tail -2 | tee -a "$R"
+IFS=';' read -ra SETS <<< "${SERVED-$(printf 'max_prefill_delay_ms=%s;' 0 ${SERVED_DELAYS-5})}"
+first=1
+skip served || for set in "${SETS[@]}"; do
+  for kv in $set; do k3_lm_param "${kv%%=*}" "${kv#*=}"; done
+  name=$(echo "$set" | tr ' =' '_-')
+  K3_STEP_TRACE=$(trace "served-$name") k3_gpu_serve $REPO 400 || exit 1
+  say "== served k3_lm, $set (server ready after $(( $(date +%s) - T0 )) s)"
+  [ $first = 1 ] && timeout 100 $L --concurrency 64 --num-requests 64 --output-len 16 2>&1 | tail -2 | sed 's/^/(warm-up) /' | tee -a "$R"
+  [ $first = 1 ] && timeout 100 $L --concurrency 1 --num-requests 12 --output-len 256 --warmup 2 2>&1 | tail -2 | tee -a "$R"
+  first=0
   timeout 100 $L --concurrency 64 --num-requests 256 --output-len 128 2>&1 | tail -2 | tee -a "$R"
   timeout 120 $L --concurrency 256 --num-requests 512 --output-len 64 2>&1 | tail -2 | tee -a "$R"
+  if [ "${SPY:-0}" = 1 ] && [ "$set" = "${SETS[-1]}" ]; then
+    STUB=$(grep -oP 'k3_lm: stub pid \K[0-9]+' "$OUT/server.log" | head -1)
+    CORE=$(grep -oP 'engine core pid \K[0-9]+' "$OUT/server.log" | head -1)
+    for p in stub:$STUB core:$CORE; do
+      ( sleep 4; /tmp/k3site/bin/py-spy record -r 100 -d 8 --nonblocking -f raw -o "$OUT/profile-${p%%:*}.txt" \
+          -p "${p#*:}" >/dev/null 2>&1 ) &
+    done
+    timeout 120 $L --concurrency 256 --num-requests 2048 --output-len 64 2>&1 | tail -2 | sed 's/^/(profiled) /' | tee -a "$R"
+    wait
+  fi
   kill $SERVER; wait $SERVER
   grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm|CudaDriver" | head -5 | tee -a "$R"
 done
@@ -45,4 +62,5 @@ skip staggered || { say "== staggered and steady (random weights), max_prefill_d
     --workload staggered,steady --max-prefill-delay-ms "${DELAYS:-0,5,15}" >"$OUT/engine-staggered.txt" 2>&1
   grep -E "$KEEP" "$OUT/engine-staggered.txt" | awk '!seen[$0]++' | tee -a "$R"; }
 [ "${TRACE:-0}" = 1 ] && python3 bench/step_trace.py --since 5 "$OUT"/trace-*.jsonl 2>&1 | tee -a "$R"
+for f in "$OUT"/profile-*.txt; do [ -f "$f" ] && python3 bench/spy_summary.py "$f" | tee -a "$R"; done
 say "total $(( $(date +%s) - T0 )) s"

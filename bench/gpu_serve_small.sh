@@ -47,17 +47,5 @@ grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm|CudaDriver" 
 say "total $(( $(date +%s) - T0 )) s"
 for f in "$OUT"/profile-*.txt; do
   [ -f "$f" ] || continue
-  python3 - "$f" <<'PY' | tee -a "$R"
-import collections, sys
-c = collections.Counter()
-total = 0
-for line in open(sys.argv[1]):
-    stack, _, n = line.rpartition(" ")
-    total += int(n)
-    for fr in set(f.split(" (")[0] for f in stack.split(";")):
-        c[fr] += int(n)
-print(f"== {sys.argv[1]}: {total} samples; frames in the most samples (inclusive)")
-for fr, n in c.most_common(25):
-    print(f"{100 * n / total:5.1f}%  {fr}")
-PY
+  python3 bench/spy_summary.py "$f" | tee -a "$R"
 done
