@@ -8,7 +8,7 @@
 # Carry .dev (bench/make_gpu_bundle.sh). Writes delay.txt and the full outputs under $OUT.
 #   SERVED_DELAYS (default 5; empty: delay 0 only)  DELAYS (default 0,5,15)  SKIP="served inproc staggered"
 #   SERVED: instead of SERVED_DELAYS, the k3_lm parameter sets to serve, ';'-separated, each "key=value ..."
-#     (e.g. SERVED="response_send_threads=1;response_send_threads=4"); the first set also runs concurrency 1
+#     (e.g. SERVED="max_num_batched_tokens=8192;max_num_batched_tokens=4096"); the first set also runs concurrency 1
 #   TRACE=1: K3_STEP_TRACE of each served server and in-process run, summarised by bench/step_trace.py
 #   (issue 15: TRACE=1 SERVED_DELAYS= DELAYS=0 SKIP=staggered bash bench/gpu_delay.sh)
 #   SPY=1: py-spy of the k3_lm stub and the engine core over a longer run at concurrency 256, with the last set

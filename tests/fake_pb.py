@@ -112,25 +112,18 @@ class FakeSender:
         self.cancelled = False
         self.final = threading.Event()
         self.after_final: list[str] = []  # calls made after the final response: each is a defect
-        self.concurrent = 0  # sends that began while another send of this sender ran: each is a defect
-        self._sending = False
 
     def send(self, response: Any = None, flags: int = 0) -> None:
         if self.final.is_set():
             self.after_final.append("send")
-        self.concurrent += self._sending
-        self._sending = True
-        try:
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            if self.gate is not None:
-                self.gate.wait()
-            if self.log is not None:
-                self.log.append((self.name, flags))
-            self.responses.append(response)
-            self.flags.append(flags)
-        finally:
-            self._sending = False
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.gate is not None:
+            self.gate.wait()
+        if self.log is not None:
+            self.log.append((self.name, flags))
+        self.responses.append(response)
+        self.flags.append(flags)
         if flags & FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
             self.final.set()
 

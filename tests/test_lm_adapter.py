@@ -175,14 +175,21 @@ def test_a_client_that_reads_slowly_gets_coalesced_responses(lm_ckpt):
 
 def test_a_new_requests_first_response_goes_before_the_others_responses(lm_ckpt):
     """Each send is a round trip to the server, so under load a response round takes a while; a new
-    request's first token must not wait behind it. With one send thread: three streaming requests
-    decode while that thread is held in a send (a gate); a new request arrives and its tokens are
-    drawn meanwhile. Once the gate opens, the round in progress ends and the next one sends the new
-    request's first response before any other request's."""
-    server = start(lm_ckpt, response_send_threads="1")
+    request's first token must not wait behind it. Three streaming requests decode while the response
+    thread is held in a send (a gate); a new request arrives and its tokens are drawn meanwhile.
+    Once the gate opens, the round in progress ends and the next one sends the new request's first
+    response before any other request's."""
+    server = start(lm_ckpt)
     gate, log = threading.Event(), []
     try:
-        old, new = _held_and_new(server, gate, log)
+        # few tokens: the engine core finishes them and goes idle rather than filling the pipe to the
+        # held response thread (a full pipe would stop it before the new request's tokens)
+        common = {"max_tokens": 24, "min_tokens": 24, "ignore_eos": True, "temperature": 0.0, "stream": True}
+        old = [ask(server, f"old {i}", FakeSender(gate=gate, log=log, name=f"old{i}"), **common) for i in range(3)]
+        time.sleep(1.0)  # their first tokens: the response thread is now held in one of their sends
+        # not streamed: its one response is final, so no held-back text ([STR-3]) can delay it
+        new = ask(server, "new", FakeSender(log=log, name="new"), max_tokens=2, temperature=0.0)
+        time.sleep(1.5)  # the engine goes on meanwhile: the new request's tokens, the old ones' last
         held = len(log)
         gate.set()
         assert new.final.wait(60) and new.error is None
@@ -194,40 +201,6 @@ def test_a_new_requests_first_response_goes_before_the_others_responses(lm_ckpt)
         gate.set()
         server.close()
     assert all(s.final.is_set() and not s.after_final for s in old)
-
-
-def test_a_request_whose_sends_are_held_does_not_hold_the_others_back(lm_ckpt):
-    """With four send threads (the default), each request's responses go through one of them: three
-    requests whose sends are held (a client that stopped reading, a slow round trip) occupy three, and
-    a new request is answered in full on the fourth meanwhile. The held ones then get every token, in
-    order, and nothing after their final."""
-    server = start(lm_ckpt)
-    gate, log = threading.Event(), []
-    try:
-        old, new = _held_and_new(server, gate, log)
-        assert new.final.wait(30) and new.error is None, "the new request waited for the held ones' sends"
-        assert not any(s.final.is_set() for s in old)
-        gate.set()
-        for s in old:
-            assert s.final.wait(60) and s.error is None
-            assert sum(counted(s)) == 24 and s.flags.count(FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL) == 1
-    finally:
-        gate.set()
-        server.close()
-    assert all(not s.after_final and not s.concurrent for s in old + [new])
-
-
-def _held_and_new(server, gate: threading.Event, log: list) -> tuple[list[FakeSender], FakeSender]:
-    # few tokens: the engine core finishes them and goes idle rather than filling the pipe to the
-    # held response thread (a full pipe would stop it before the new request's tokens)
-    common = {"max_tokens": 24, "min_tokens": 24, "ignore_eos": True, "temperature": 0.0, "stream": True,
-              "return_num_output_tokens": True}
-    old = [ask(server, f"old {i}", FakeSender(gate=gate, log=log, name=f"old{i}"), **common) for i in range(3)]
-    time.sleep(1.0)  # their first tokens: the send threads are now held in their sends
-    # not streamed: its one response is final, so no held-back text ([STR-3]) can delay it
-    new = ask(server, "new", FakeSender(log=log, name="new"), max_tokens=2, temperature=0.0)
-    time.sleep(1.5)  # the engine goes on meanwhile: the new request's tokens, the old ones' last
-    return old, new
 
 
 def test_a_requests_arrival_is_its_receipt_by_execute_not_its_turn_in_the_prepare_queue(lm_ckpt, monkeypatch):

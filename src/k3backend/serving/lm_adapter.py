@@ -8,9 +8,8 @@ the load:
   nothing else waits on it;
 - the prepare thread, in arrival order, parses, registers one `RequestStream` per request,
   tokenizes and renders, then hands the request to the engine;
-- the response thread (`serving.responder`) reads the engine's per-step messages, builds the
-  responses and hands each request's to one of a few send threads (`serving.senders`), which
-  send them, so that round trips to the server overlap; no two threads touch one sender;
+- the response thread (`serving.responder`) reads the engine's per-step messages and sends the
+  responses, and is the only thread that touches a sender;
 - the lifecycle thread: gauges, the server's shutdown ([HLT-9]), engine health ([HLT-5], [HLT-7]).
 """
 
@@ -67,8 +66,7 @@ PARAMETERS = {  # SERVING.md §4.4 with defaults
     "max_prefill_delay_ms": "0",
     "exclude_input_in_output": "true", "default_max_tokens": "16",
     "default_thinking": "false", "max_prompt_bytes": "8388608", "max_queued_requests": "0",
-    "cancellation_check_period_ms": "100", "response_send_threads": "4", "allow_stop_by_request_id": "true",
-    "stop_tombstone_ttl_s": "30",
+    "cancellation_check_period_ms": "100", "allow_stop_by_request_id": "true", "stop_tombstone_ttl_s": "30",
     "startup_timeout_s": "3600", "shutdown_timeout_s": "20", "step_timeout_s": "300",
     "unload_on_engine_failure": "true", "stub_failure_action": "exit", "REPORT_CUSTOM_METRICS": "true",
     "metrics_prefix": "k3", "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
@@ -89,7 +87,6 @@ class LmServer:
         if tp % ep:
             raise ConfigError(f"{MODEL}: expert_parallel_size {ep} must divide tensor_parallel_size {tp}")
         self.period_s = p.int("cancellation_check_period_ms", lo=1) / 1000
-        send_threads = p.int("response_send_threads", lo=1, hi=32)
         self.shutdown_timeout_s = p.float("shutdown_timeout_s", lo=0)
         self.step_timeout_s = p.float("step_timeout_s", lo=0.001)
         self.unload_on_failure = p.bool("unload_on_engine_failure")
@@ -147,8 +144,7 @@ class LmServer:
         self._prepare_q: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()  # (request, sender, receipt times)
         self._accepting, self._accepting_lock = True, threading.Lock()  # the prepare thread takes requests
         self._guardian_fd = guardian.spawn(MODEL, stub_failure_action)
-        self.responder = Responder(pb_utils, self.engine, self.registry, self.metrics, self.period_s, warm_stats,
-                                   send_threads)
+        self.responder = Responder(pb_utils, self.engine, self.registry, self.metrics, self.period_s, warm_stats)
         self._threads = [threading.Thread(target=self._prepare_loop, name="k3-lm-prepare", daemon=True),
                          threading.Thread(target=self._lifecycle_loop, name="k3-lm-lifecycle", daemon=True)]
         for t in self._threads:

@@ -1,19 +1,17 @@
 """The response thread of `k3_lm`: engine news and local work in, responses out (ENGINE.md §8).
 
 One thread owns every response sender from the moment the prepare thread hands it over ("open") to its
-final response. It builds the responses and is the only one that asks `is_cancelled()`: on 2.51
-that call on a finished request reads a freed response factory and crashes the server, so it is
-never made once a final is queued. The sends go to a `SendPool` (one thread per shard of the
-requests, each request's responses on one thread, in order), so that round trips to the server
-overlap. Each wake-up it drains what the other threads queued (`put`), reads every step message
-the engine core sent meanwhile, then queues at most one response per request whose previous one
-has been sent, first responses first: a request whose sends fell behind gets all its pending
-tokens in one response. It also keeps the metrics that responses decide (time to first token,
-time per output token, successes and failures) and the engine's latest `EngineStats` for the gauges.
+final response, and is the only one that sends or asks `is_cancelled()`: on 2.51 that call on a
+finished request reads a freed response factory and crashes the server, so it is never made after
+a final. Each wake-up it drains what the other threads queued (`put`), reads every step message
+the engine core sent meanwhile, then sends at most one response per request, first responses
+first: a request whose sends fell behind gets all its pending tokens in one response. It also keeps the metrics that
+responses decide (time to first token, time per output token, successes and failures) and the
+engine's latest `EngineStats` for the gauges.
 
 Work items: ("open", stream), ("send", sender, client_id, outputs, error) for a request that never
-got a stream, ("fail", stream, error), ("cancel", stream, Cancel), ("sent", stream) from a send
-thread, ("shutdown",); None ends the thread once every open stream got its final response.
+got a stream, ("fail", stream, error), ("cancel", stream, Cancel), ("shutdown",); None ends the
+thread once every open stream got its final response.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from k3backend.engine.request import FinishReason
 from k3backend.errors import Internal, Unavailable
 from k3backend.serving.registry import SHUTDOWN_ERROR, Registry
 from k3backend.serving.responses import error_message
-from k3backend.serving.senders import SendPool
 from k3backend.serving.stream import Cancel, RequestStream
 from k3backend.serving.triton_io import data_response, error_response
 
@@ -80,13 +77,11 @@ class Responder:
     """The response thread and what it owns; `put()` hands it work, `join()` waits for its end."""
 
     def __init__(self, pb_utils: Any, engine: EngineClient, registry: Registry, metrics: Any, period_s: float,
-                 stats: EngineStats, send_threads: int = 4) -> None:
+                 stats: EngineStats) -> None:
         self.pb, self.engine, self.registry, self.metrics, self.period_s = pb_utils, engine, registry, metrics, period_s
         self.stats = stats  # the engine's latest, for the gauges
         self.steps_seen = 0  # engine messages read: the step watchdog's progress count
         self.inbox = _Inbox()
-        self._senders = SendPool(send_threads, lambda stream: self.inbox.put(("sent", stream)))
-        self._opened = 0  # streams opened: each one's send shard
         self._lock = threading.Lock()  # put() against the thread's last drain
         self.alive = True
         self._thread = threading.Thread(target=self._run, name="k3-lm-respond", daemon=True)
@@ -103,7 +98,6 @@ class Responder:
             return True
 
     def join(self, timeout: float) -> None:
-        """Wait for the thread, which ends after its send threads sent every final response."""
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -124,8 +118,7 @@ class Responder:
                     self._local(item, open_, touched)
             for stream in list(open_):
                 stream.fail(error)
-                self._respond(stream, open_, last=True)
-        self._senders.close(timeout=5.0)
+                self._respond(stream, open_)
 
     def _loop(self, open_: dict) -> None:
         """See the module docstring."""
@@ -154,14 +147,9 @@ class Responder:
         if kind == "open":
             open_[item[1]] = None
             item[1].last_poll = time.monotonic()
-            item[1].shard, self._opened = self._opened, self._opened + 1
-        elif kind == "sent":  # its previous response is out: what it gathered meanwhile may go
-            item[1].sending = False
-            if item[1] in open_:
-                touched[item[1]] = None
         elif kind == "send":  # a request that never got a stream: its one (final) response
             _, sender, client_id, outputs, error = item
-            self._senders.put(0, sender, self._response(client_id, outputs, error), self._flags(True), client_id)
+            self.send(sender, client_id, outputs, error, final=True)
         elif kind == "fail":
             item[1].fail(item[2])
             touched[item[1]] = None
@@ -211,55 +199,42 @@ class Responder:
         if generated:
             self.metrics.inc("generation_tokens_total", generated)
 
-    def _respond(self, stream: RequestStream, open_: dict, last: bool = False) -> None:
-        """Queue the stream's one response of this batch, if it has one and its previous one was sent
-        (`last`: the thread is ending and queues it anyway; the send thread keeps the order)."""
-        if stream.sending and not last:
-            return  # it gathers tokens meanwhile; the "sent" item touches it again
+    def _respond(self, stream: RequestStream, open_: dict) -> None:
+        """Send the stream's one response of this batch, if it has one."""
         try:
             response = stream.take_response()
-            if response is None:
-                return
-            outputs, error, final = response
-            built = self._response(stream.client_id, outputs, error)
         except Exception as e:  # noqa: BLE001 - a defect building it ends the request, at once
             log.error("%s: building a response of request %r failed", MODEL, stream.client_id, exc_info=e)
             stream.done = True
             if stream.rid:
                 self.engine.abort(stream.rid)
-            outputs, error, final = None, Internal(f"response processing failed: {type(e).__name__}: {e}"), True
-            built = self._response(stream.client_id, None, error)
+            response = (None, Internal(f"response processing failed: {type(e).__name__}: {e}"), True)
+        if response is None:
+            return
+        outputs, error, final = response
         if outputs is not None:
             self._count_response(stream, final)
-        stream.sending = True
-        self._senders.put(stream.shard, stream.sender, built, self._flags(final), stream.client_id, stream)
-        if final:  # no is_cancelled() from here on: the final may be out before the next poll
+        self.send(stream.sender, stream.client_id, outputs, error, final)
+        if final:
             open_.pop(stream, None)
             self.registry.forget(stream)
             if error is None:
                 self._count_final(stream)
 
     def send(self, sender: Any, client_id: str, outputs: dict | None, error: Exception | None, final: bool) -> None:
-        """Send one response from the calling thread (the response thread has ended: the sender is
-        nobody else's)."""
+        if error is not None:
+            code, message = error_message(MODEL, error, client_id)
+            if code == "CANCELLED":  # a direct cancellation counts as a finished request (§9)
+                self.metrics.inc("request_success_total", finished_reason="cancelled")
+            else:
+                self.metrics.inc("request_failure_total", code=code)
+            response = error_response(self.pb, code, message)
+        else:
+            response = data_response(self.pb, outputs)
         try:
-            sender.send(self._response(client_id, outputs, error), flags=self._flags(final))
+            sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         except Exception:  # noqa: BLE001 - a vanished client must not stop other responses
             log.exception("%s: sending a response of request %r failed", MODEL, client_id)
-
-    def _response(self, client_id: str, outputs: dict | None, error: Exception | None) -> Any:
-        """The Triton response for outputs or an error (counted in the metrics)."""
-        if error is None:
-            return data_response(self.pb, outputs)
-        code, message = error_message(MODEL, error, client_id)
-        if code == "CANCELLED":  # a direct cancellation counts as a finished request (§9)
-            self.metrics.inc("request_success_total", finished_reason="cancelled")
-        else:
-            self.metrics.inc("request_failure_total", code=code)
-        return error_response(self.pb, code, message)
-
-    def _flags(self, final: bool) -> int:
-        return self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
 
     def _poll_cancellations(self, open_: dict) -> None:
         """[CAN-1]: ask each open sender `is_cancelled()` at most once per period, never after its final.

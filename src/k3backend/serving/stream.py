@@ -6,8 +6,7 @@ hold-back), its response builder, its cancellation and its metrics bookkeeping. 
 speaks ids; the stream turns each step's ids into at most one response.
 
 Threads: the prepare thread calls `prepare()`; from then on only the response thread touches the
-stream (it owns the sender: it hands each response to one send thread, and asks nothing of the
-sender once the final response is queued).
+stream (it owns the sender: nothing is sent or asked `is_cancelled()` after the final response).
 The engine learns of a stop string one step late, so tokens that arrive after the stream ended
 are dropped, never sent or counted ([STP-3]: the token that completed the match is the last one).
 """
@@ -54,8 +53,6 @@ class RequestStream:
     last_token_ns: int = 0
     metrics_token_ns: int = 0  # last token time covered by a time-per-output-token observation
     finish_reason: FinishReason | None = None  # how it ended, once done (None for an error)
-    shard: int = 0  # the send thread of its responses (serving.senders)
-    sending: bool = False  # a response of it is queued or being sent: the next one waits for it
     _sent_tokens: int = 0  # tokens covered by the responses sent so far
     _detok: IncrementalDetokenizer | None = None
     _builder: ResponseBuilder | None = None
