@@ -50,7 +50,8 @@ def prompts(tokenizer_dir: str, n: int, length: int, seed: int) -> list[str]:
     return out
 
 
-def _client(url: str, model: str, jobs: list[str], n_out: int, streams: int, results: mp.Queue, go) -> None:
+def _client(url: str, model: str, jobs: list[str], n_out: int, streams: int, results: mp.Queue, ready: mp.Queue,
+            go) -> None:
     import tritonclient.grpc as grpcclient
 
     def inputs(text: str) -> list:
@@ -70,10 +71,13 @@ def _client(url: str, model: str, jobs: list[str], n_out: int, streams: int, res
     for j in jobs:
         todo.put(j)
 
-    def stream(k: int) -> None:
+    def connect() -> tuple:
         client = grpcclient.InferenceServerClient(url)
         got: queue.SimpleQueue = queue.SimpleQueue()
         client.start_stream(callback=lambda result, error: got.put((time.monotonic(), result, error)))
+        return client, got
+
+    def stream(k: int, client, got: queue.SimpleQueue) -> None:
         n = 0
         while True:
             try:
@@ -98,8 +102,11 @@ def _client(url: str, model: str, jobs: list[str], n_out: int, streams: int, res
         client.stop_stream()
         client.close()
 
+    # every stream open before the clock starts: the first wave leaves at once, as in bench/engine.py
+    connected = [connect() for _ in range(streams)]
+    ready.put(streams)
     go.wait()
-    threads = [threading.Thread(target=stream, args=(k,)) for k in range(streams)]
+    threads = [threading.Thread(target=stream, args=(k, *c)) for k, c in enumerate(connected)]
     for t in threads:
         t.start()
     for t in threads:
@@ -108,15 +115,16 @@ def _client(url: str, model: str, jobs: list[str], n_out: int, streams: int, res
 
 def run(url: str, model: str, texts: list[str], n_out: int, concurrency: int, procs: int) -> list[tuple]:
     ctx = mp.get_context("spawn")
-    results, go = ctx.Queue(), ctx.Event()
+    results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = max(1, min(procs, concurrency))
     share = [texts[i::procs] for i in range(procs)]
     streams = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
-    workers = [ctx.Process(target=_client, args=(url, model, share[i], n_out, streams[i], results, go))
+    workers = [ctx.Process(target=_client, args=(url, model, share[i], n_out, streams[i], results, ready, go))
                for i in range(procs)]
     for w in workers:
         w.start()
-    time.sleep(2.0)  # every client imported and connected before the clock starts
+    for _ in workers:  # every client imported and its streams open before the clock starts
+        ready.get(timeout=120)
     go.set()
     out = [results.get() for _ in texts]
     for w in workers:
