@@ -34,27 +34,29 @@ WORDS = ("the of and to in is that for it as with was on be by at this from or h
          "our over man me even most made after also did many before must through back years where much your way").split()
 
 
-def prompts(tokenizer_dir: str, n: int, length: int, seed: int) -> list[str]:
+def prompts(tokenizer_dir: str, n: int, length: int, seed: int, std: float = 0.0) -> list[str]:
+    """n random-word prompts of `length` tokens each, or of gauss(length, std) tokens (at least 1) each."""
     from k3backend.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tokenizer_dir)
     rng = random.Random(seed)
     out = []
     for _ in range(n):
+        want = max(1, int(rng.gauss(length, std))) if std else length
         ids: list[int] = []
-        while len(ids) < length:
-            ids = tok.encode(" ".join(rng.choice(WORDS) for _ in range(length * 2)), allow_special=False)
-        out.append(tok.decode(ids[:length]))
+        while len(ids) < want:
+            ids = tok.encode(" ".join(rng.choice(WORDS) for _ in range(want * 2)), allow_special=False)
+        out.append(tok.decode(ids[:want]))
     n = [len(tok.encode_text_input(t)) for t in out]
     print(f"prompts: {len(out)} of {min(n)}..{max(n)} tokens (mean {sum(n) / len(n):.1f}) as k3_lm tokenizes them")
     return out
 
 
-def _client(url: str, model: str, jobs: list[str], n_out: int, streams: int, results: mp.Queue, ready: mp.Queue,
+def _client(url: str, model: str, jobs: list[tuple[str, int]], streams: int, results: mp.Queue, ready: mp.Queue,
             go) -> None:
     import tritonclient.grpc as grpcclient
 
-    def inputs(text: str) -> list:
+    def inputs(text: str, n_out: int) -> list:
         values = {"text_input": np.array([[text.encode()]], dtype=object),
                   "max_tokens": np.array([[n_out]], dtype=np.int32), "min_tokens": np.array([[n_out]], dtype=np.int32),
                   "temperature": np.array([[0.0]], dtype=np.float32), "ignore_eos": np.array([[True]]),
@@ -81,11 +83,11 @@ def _client(url: str, model: str, jobs: list[str], n_out: int, streams: int, res
         n = 0
         while True:
             try:
-                text = todo.get_nowait()
+                text, n_out = todo.get_nowait()
             except queue.Empty:
                 break
             t0 = time.monotonic()
-            client.async_stream_infer(model, inputs(text), request_id=f"load-{k}-{n}")
+            client.async_stream_infer(model, inputs(text, n_out), request_id=f"load-{k}-{n}")
             n += 1
             times, tokens, error = [], [], None
             while True:
@@ -113,20 +115,21 @@ def _client(url: str, model: str, jobs: list[str], n_out: int, streams: int, res
         t.join()
 
 
-def run(url: str, model: str, texts: list[str], n_out: int, concurrency: int, procs: int) -> list[tuple]:
+def run(url: str, model: str, jobs: list[tuple[str, int]], concurrency: int, procs: int) -> list[tuple]:
+    """Each (prompt, output tokens) job once, `concurrency` at a time; one row per job."""
     ctx = mp.get_context("spawn")
     results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = max(1, min(procs, concurrency))
-    share = [texts[i::procs] for i in range(procs)]
+    share = [jobs[i::procs] for i in range(procs)]
     streams = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
-    workers = [ctx.Process(target=_client, args=(url, model, share[i], n_out, streams[i], results, ready, go))
+    workers = [ctx.Process(target=_client, args=(url, model, share[i], streams[i], results, ready, go))
                for i in range(procs)]
     for w in workers:
         w.start()
     for _ in workers:  # every client imported and its streams open before the clock starts
         ready.get(timeout=120)
     go.set()
-    out = [results.get() for _ in texts]
+    out = [results.get() for _ in jobs]
     for w in workers:
         w.join()
     return out
@@ -175,19 +178,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--warmup", type=int, default=0, help="requests before the measured ones (default: concurrency)")
     ap.add_argument("--prompt-len", type=int, default=284)
+    ap.add_argument("--prompt-len-std", type=float, default=0.0, help="spread of the prompt lengths (gauss, as "
+                    "bench/engine.py draws them: with the two spreads requests end and arrive at different times)")
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-len-std", type=float, default=0.0)
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--metrics-url", default="", help="Triton's metrics endpoint, e.g. localhost:8002 (splits TTFT)")
     args = ap.parse_args(argv)
     warm = args.warmup or args.concurrency
-    texts = prompts(args.tokenizer, warm + args.num_requests, args.prompt_len, args.seed)
-    run(args.url, args.model, texts[:warm], args.output_len, min(args.concurrency, warm), args.procs)
+    texts = prompts(args.tokenizer, warm + args.num_requests, args.prompt_len, args.seed, args.prompt_len_std)
+    rng = random.Random(args.seed + 1)
+    outs = [max(1, int(rng.gauss(args.output_len, args.output_len_std))) if args.output_len_std else args.output_len
+            for _ in texts]
+    jobs = list(zip(texts, outs))
+    run(args.url, args.model, jobs[:warm], min(args.concurrency, warm), args.procs)
     before = server_means(args.metrics_url) if args.metrics_url else {}
-    rows = run(args.url, args.model, texts[warm:], args.output_len, args.concurrency, args.procs)
+    rows = run(args.url, args.model, jobs[warm:], args.concurrency, args.procs)
     s = summarize(rows)
-    print(f"served {args.model}: concurrency {args.concurrency}, {args.num_requests} requests, prompt {args.prompt_len}, "
-          f"output {args.output_len}: {s['tok/s']:.1f} tok/s, TTFT p50 {s['ttft50'] * 1e3:.1f} p99 "
+    spread = lambda n, std: f"{n}±{std:g}" if std else f"{n}"  # noqa: E731
+    print(f"served {args.model}: concurrency {args.concurrency}, {args.num_requests} requests, prompt "
+          f"{spread(args.prompt_len, args.prompt_len_std)}, output {spread(args.output_len, args.output_len_std)}: "
+          f"{s['tok/s']:.1f} tok/s, TTFT p50 {s['ttft50'] * 1e3:.1f} p99 "
           f"{s['ttft99'] * 1e3:.1f} ms, ITL p50 {s['itl50'] * 1e3:.2f} p99 {s['itl99'] * 1e3:.2f} ms, "
           f"{s['responses/token']:.2f} responses per token, {len(s['errors'])} errors")
     if before:
