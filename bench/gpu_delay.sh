@@ -12,6 +12,8 @@
 #   TRACE=1: K3_STEP_TRACE of each served server and in-process run, summarised by bench/step_trace.py
 #   (issue 15: TRACE=1 SERVED_DELAYS= DELAYS=0 SKIP=staggered bash bench/gpu_delay.sh)
 #   SPY=1: py-spy of the k3_lm stub and the engine core over a longer run at concurrency 256, with the last set
+#   STAGGER=1: also a staggered load served and in process on the checkpoint (64 in flight, prompts 256 ± 64,
+#     outputs 128 ± 48: requests end and arrive at different times, so no waves form)
 set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
@@ -25,6 +27,7 @@ CK=/tmp/k3small
 T0=$(date +%s)
 [ -f $CK/config.json ] || python3 -m k3backend make-checkpoint --preset small --out $CK 2>&1 | tail -1 | tee -a "$R"
 k3_gpu_small_repo $CK
+STAGGERED="--concurrency 64 --prompt-len 256 --prompt-len-std 64 --output-len 128 --output-len-std 48"
 L="python3 bench/serving_load.py --url localhost:8001 --metrics-url localhost:8002 --tokenizer $CK --prompt-len 284 --procs 8 --model k3_lm"
 trace() { [ "${TRACE:-0}" = 1 ] && echo "$OUT/trace-$1.jsonl"; }  # K3_STEP_TRACE of a run (empty: none)
 IFS=';' read -ra SETS <<< "${SERVED-$(printf 'max_prefill_delay_ms=%s;' 0 ${SERVED_DELAYS-5})}"
@@ -39,6 +42,7 @@ skip served || for set in "${SETS[@]}"; do
   first=0
   timeout 100 $L --concurrency 64 --num-requests 256 --output-len 128 2>&1 | tail -2 | tee -a "$R"
   timeout 120 $L --concurrency 256 --num-requests 512 --output-len 64 2>&1 | tail -2 | tee -a "$R"
+  [ "${STAGGER:-0}" = 1 ] && timeout 100 $L $STAGGERED --num-requests 256 2>&1 | tail -2 | tee -a "$R"
   if [ "${SPY:-0}" = 1 ] && [ "$set" = "${SETS[-1]}" ]; then
     STUB=$(grep -oP 'k3_lm: stub pid \K[0-9]+' "$OUT/server.log" | head -1)
     CORE=$(grep -oP 'engine core pid \K[0-9]+' "$OUT/server.log" | head -1)
@@ -56,7 +60,10 @@ skip inproc || { say "== in process, same checkpoint and lengths, max_prefill_de
   K3_STEP_TRACE=$(trace inproc) timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
     --concurrency 64,64,256 --num-requests 64,256,512 --output-len 16,128,64 --max-prefill-delay-ms "${DELAYS:-0,5,15}" \
     >"$OUT/engine-inproc.txt" 2>&1
-  grep -E "$KEEP" "$OUT/engine-inproc.txt" | tee -a "$R"; }
+  grep -E "$KEEP" "$OUT/engine-inproc.txt" | tee -a "$R"
+  [ "${STAGGER:-0}" = 1 ] && { timeout 150 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --max-model-len 4096 \
+    --warmup 8 $STAGGERED --num-requests 256 >"$OUT/engine-inproc-staggered.txt" 2>&1
+    grep -E "$KEEP" "$OUT/engine-inproc-staggered.txt" | tee -a "$R"; }; }
 skip staggered || { say "== staggered and steady (random weights), max_prefill_delay_ms ${DELAYS:-0,5,15}"
   timeout 200 python3 bench/engine.py --random-weights small --dtype bfloat16 --max-model-len 16384 \
     --workload staggered,steady --max-prefill-delay-ms "${DELAYS:-0,5,15}" >"$OUT/engine-staggered.txt" 2>&1
