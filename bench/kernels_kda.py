@@ -340,10 +340,11 @@ def compile_sm90() -> None:
           {**p("Akk beta", "*fp32"), **p("kb v w u", "*bf16"), **idx, "stride_v": "i32"},
           dict(H=H, K=K, V=K, BC=32, **bf), 4)
     state = {**p("w u qg kg Aqk", "*bf16"), **p("gl S_pool o", "*fp32"), **p("state_indices cu_seqlens", "*i32"),
-             "has_initial_state": "*i1", "first_chunk": "*i64"}
+             "has_initial_state": "*i1", "first_chunk": "*i64", "chunk_snapshot": "*i32"}
     for stages in (1, 2):
-        build(f"kda_prefill state ({stages} stage)", kda_chunk._kda_state_kernel, state,
-              dict(H=H, K=K, V=K, BK=K, BV=32, **bf), 4, stages)
+        for snap in (False, True):
+            build(f"kda_prefill state ({stages} stage{', snapshots' if snap else ''})", kda_chunk._kda_state_kernel,
+                  state, dict(H=H, K=K, V=K, BK=K, BV=32, SNAP=snap, **bf), 4, stages)
 
 
 if __name__ == "__main__":
