@@ -354,3 +354,18 @@ def test_kda_prefill_declines_rows_that_are_not_contiguous_per_head():
             torch.ones(1, dtype=torch.bool)]
     ok, why = kda_chunk.kda_prefill_supports(*args)
     assert not ok and "contiguous [H, D] rows" in why, why
+
+
+def test_every_kda_kernel_compiles_for_hopper():
+    """bench/kernels_kda.py --sm90 compiles each KDA kernel (and variant) for sm_90a without a GPU: the
+    interpreter accepts code the compiler refuses (a global that is not a constexpr, an argument the listing
+    does not know), which a GPU run would find only at its first launch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "kernels_kda.py"
+    run = subprocess.run([sys.executable, str(bench), "--sm90"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    listed = [line for line in run.stdout.splitlines() if " warps " in line]
+    assert len(listed) >= 10 and all("registers" in line for line in listed), run.stdout
