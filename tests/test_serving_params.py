@@ -229,6 +229,24 @@ def test_TXT3_in_think(tok: Tokenizer):
     assert not ends_in_think(tok.encode("<|open|>think", allow_special=True), tok)  # unfinished markup
 
 
+def test_TXT3_in_think_follows_the_last_markup_of_any_prompt(tok: Tokenizer):
+    """Random id sequences of markup and text against the definition: the last <|open|> or <|close|>
+    is an <|open|> whose element name, up to the next <|sep|>, is `think`."""
+    import random
+
+    o, c, sep = (tok.id_of(n) for n in ("<|open|>", "<|close|>", "<|sep|>"))
+    think, other = tok.encode("think", allow_special=False), tok.encode("message", allow_special=False)
+    units = [[o], [c], [sep], think, other, [5], [o, *think, sep], [o, *other, sep]]
+    rng = random.Random(0)
+    for _ in range(400):
+        ids = [t for _ in range(rng.randrange(0, 12)) for t in rng.choice(units)]
+        last = max((i for i, t in enumerate(ids) if t in (o, c)), default=None)
+        tail = ids[last + 1:] if last is not None else []
+        want = (last is not None and ids[last] == o and sep in tail
+                and tok.decode(tail[:tail.index(sep)]).split()[:1] == ["think"])
+        assert ends_in_think(ids, tok) == want and ends_in_think(tuple(ids), tok) == want, ids
+
+
 # ---- stop requests (§6.3) ------------------------------------------------------------------------
 
 

@@ -77,6 +77,8 @@ class RenderedPrompt:
 
 def _split_long_runs(text: str, limit: int) -> list[str]:
     """`_split_whitespaces_or_nonwhitespaces` of tokenization_kimi.py: cut every `limit` chars of a run."""
+    if len(text) <= limit:  # no run can be longer (every prompt of ordinary size: the scan is most of encode())
+        return [text]
     cuts = [c for m in _RUN_RE.finditer(text) for c in range(m.start() + limit, m.end(), limit)]
     bounds = [0, *cuts, len(text)]
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]

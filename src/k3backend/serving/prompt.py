@@ -222,7 +222,8 @@ def ends_in_think(ids: Sequence[int], tokenizer: Tokenizer) -> bool:
     (thinking=True chat prompts, or a text_input rendered that way by the client).
     """
     open_id, close_id, sep_id = (tokenizer.id_of(name) for name in ("<|open|>", "<|close|>", "<|sep|>"))
-    start = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] in (open_id, close_id)), None)
+    backwards = list(reversed(ids))  # list.index runs in C: most prompts have no markup to find
+    start = max((len(ids) - 1 - backwards.index(t) for t in (open_id, close_id) if t in backwards), default=None)
     if start is None or ids[start] != open_id:
         return False
     tail = list(ids[start + 1:])
