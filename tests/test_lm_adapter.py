@@ -203,6 +203,46 @@ def test_a_new_requests_first_response_goes_before_the_others_responses(lm_ckpt)
     assert all(s.final.is_set() and not s.after_final for s in old)
 
 
+def test_a_finished_requests_final_response_goes_before_the_others_next_responses(lm_ckpt):
+    """In a closed loop a final response frees a client to send its next request, so after the round's
+    first responses it goes before the others. Four long requests stream (one, B, through a gate); a
+    short one joins, and its first send closes the gate, so the response thread is held in B's send
+    while the short one ends. Once the gate opens, the round in progress ends (each long request once)
+    and the next round starts with the short request's final, not with B again."""
+    gate, log = threading.Event(), []
+
+    class ClosesTheGate(FakeSender):
+        def send(self, response=None, flags=0) -> None:
+            if not self.responses:
+                gate.clear()
+            super().send(response, flags)
+
+    server = start(lm_ckpt)
+    gate.set()
+    long = {"max_tokens": 400, "min_tokens": 400, "ignore_eos": True, "temperature": 0.0, "stream": True}
+    try:
+        old = [ask(server, "b", FakeSender(gate=gate, log=log, name="B"), **long)]
+        old += [ask(server, f"o{i}", FakeSender(log=log, name=f"O{i}"), **long) for i in range(3)]
+        wait_until(lambda: {n for n, _ in log} == {"B", "O0", "O1", "O2"}, 60, "the long requests' first responses")
+        short = ask(server, "s", ClosesTheGate(log=log, name="S"), max_tokens=16, min_tokens=16, ignore_eos=True,
+                    temperature=0.0, stream=True)
+        wait_until(lambda: not gate.is_set(), 60, "the short request's first response")
+        time.sleep(1.0)  # its last tokens meanwhile; the response thread is held in B's send
+        assert not short.final.is_set()
+        held = len(log)
+        gate.set()
+        assert short.final.wait(60) and short.error is None
+        after = log[held:]
+        final = next(i for i, (name, flags) in enumerate(after)
+                     if name == "S" and flags & FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        before = [name for name, _ in after[:final]]
+        assert len(set(before)) == len(before) <= 4, [name for name, _ in after[:final + 5]]
+    finally:
+        gate.set()
+        server.close()
+    assert all(s.final.is_set() and not s.after_final for s in old + [short])
+
+
 def test_a_requests_arrival_is_its_receipt_by_execute_not_its_turn_in_the_prepare_queue(lm_ckpt, monkeypatch):
     """Parsing runs on the prepare thread, after execute() queued the request; arrival_time_ns (and the
     TTFT and queue-time metrics built on it) must still count from receipt: here parsing is held 0.5 s."""

@@ -5,9 +5,9 @@ final response, and is the only one that sends or asks `is_cancelled()`: on 2.51
 finished request reads a freed response factory and crashes the server, so it is never made after
 a final. Each wake-up it drains what the other threads queued (`put`), reads every step message
 the engine core sent meanwhile, then sends at most one response per request, first responses
-first: a request whose sends fell behind gets all its pending tokens in one response. It also keeps the metrics that
-responses decide (time to first token, time per output token, successes and failures) and the
-engine's latest `EngineStats` for the gauges.
+first, then final ones: a request whose sends fell behind gets all its pending tokens in one
+response. It also keeps the metrics that responses decide (time to first token, time per output
+token, successes and failures) and the engine's latest `EngineStats` for the gauges.
 
 Work items: ("open", stream), ("send", sender, client_id, outputs, error) for a request that never
 got a stream, ("fail", stream, error), ("cancel", stream, Cancel), ("shutdown",); None ends the
@@ -132,9 +132,9 @@ class Responder:
                     self._local(item, open_, touched)
             for message in self.engine.receive():
                 self._engine_message(message, open_, touched)
-            # first responses first: a new request's first token does not wait behind the others' sends,
-            # each a round trip to the server
-            for stream in sorted(touched, key=lambda st: st.first_sent is not None):
+            # first responses first, then final ones: a new request's first token does not wait behind the
+            # others' sends (each a round trip to the server), nor does the client whose request ended
+            for stream in sorted(touched, key=lambda st: (st.first_sent is not None, not st.done)):
                 self._respond(stream, open_)
             self._poll_cancellations(open_)
             if stopping and open_:  # after "shutdown" everything left is ended; do not wait for more
