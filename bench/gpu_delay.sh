@@ -8,7 +8,9 @@
 # Carry .dev (bench/make_gpu_bundle.sh). Writes delay.txt and the full outputs under $OUT.
 #   SERVED_DELAYS (default 5; empty: delay 0 only)  DELAYS (default 0,5,15)  SKIP="served inproc staggered"
 #   SERVED: instead of SERVED_DELAYS, the k3_lm parameter sets to serve, ';'-separated, each "key=value ..."
-#     (e.g. SERVED="max_num_batched_tokens=8192;max_num_batched_tokens=4096"); the first set also runs concurrency 1
+#     (e.g. SERVED="max_num_batched_tokens=8192;max_num_batched_tokens=4096"); the first set also runs concurrency 1;
+#     an item src=DIR serves that set from an older tree's src/ (relative to the repository), e.g. a git archive
+#     of the previous commit's src/ and bench/ unpacked under .dev/old: SERVED="src=.dev/old/src;"
 #   TRACE=1: K3_STEP_TRACE of each served server and in-process run, summarised by bench/step_trace.py
 #   (issue 15: TRACE=1 SERVED_DELAYS= DELAYS=0 SKIP=staggered bash bench/gpu_delay.sh)
 #   SPY=1: py-spy of the k3_lm stub and the engine core over a longer run at concurrency 256, with the last set
@@ -32,9 +34,13 @@ L="python3 bench/serving_load.py --url localhost:8001 --metrics-url localhost:80
 trace() { [ "${TRACE:-0}" = 1 ] && echo "$OUT/trace-$1.jsonl"; }  # K3_STEP_TRACE of a run (empty: none)
 IFS=';' read -ra SETS <<< "${SERVED-$(printf 'max_prefill_delay_ms=%s;' 0 ${SERVED_DELAYS-5})}"
 first=1
+PTH=$(python3 -c 'import site; print(site.getsitepackages()[0])')/k3backend-src.pth  # where the stub imports k3backend from
 skip served || for set in "${SETS[@]}"; do
-  for kv in $set; do k3_lm_param "${kv%%=*}" "${kv#*=}"; done
-  name=$(echo "$set" | tr ' =' '_-')
+  echo "$ROOT/src" > "$PTH"
+  for kv in $set; do
+    case $kv in src=*) echo "$ROOT/${kv#src=}" > "$PTH";; *) k3_lm_param "${kv%%=*}" "${kv#*=}";; esac
+  done
+  name=$(echo "$set" | tr ' =/.' '_---')
   K3_STEP_TRACE=$(trace "served-$name") k3_gpu_serve $REPO 400 || exit 1
   say "== served k3_lm, $set (server ready after $(( $(date +%s) - T0 )) s)"
   [ $first = 1 ] && timeout 100 $L --concurrency 64 --num-requests 64 --output-len 16 2>&1 | tail -2 | sed 's/^/(warm-up) /' | tee -a "$R"
@@ -56,6 +62,7 @@ skip served || for set in "${SETS[@]}"; do
   kill $SERVER; wait $SERVER
   grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm|CudaDriver" | head -5 | tee -a "$R"
 done
+echo "$ROOT/src" > "$PTH"
 skip inproc || { say "== in process, same checkpoint and lengths, max_prefill_delay_ms ${DELAYS:-0,5,15} (the first workload warms)"
   K3_STEP_TRACE=$(trace inproc) timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
     --concurrency 64,64,256 --num-requests 64,256,512 --output-len 16,128,64 --max-prefill-delay-ms "${DELAYS:-0,5,15}" \
