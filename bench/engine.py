@@ -130,21 +130,32 @@ def image_request(rid: int, ids: list[int], params: SamplingParams, rows: int, h
 
 
 def run(core: EngineCore, jobs: list[tuple[list[int], int, int]], concurrency: int, first_id: int,
-        hidden: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """Closed loop over the engine core's steps: per-request TTFT, inter-token intervals, tokens."""
+        hidden: int = 0, dtype: torch.dtype = torch.float32, turnaround: tuple[float, float] = (0.0, 0.0)) -> dict:
+    """Closed loop over the engine core's steps: per-request TTFT, inter-token intervals, tokens.
+
+    turnaround (s): a finished request's client sends its next one that much later, plus the second
+    value times its place among the requests that finished in the same step: a model of the served
+    path, where each final response and each new request cross gRPC and the stub one after another
+    (0, 0: the next request is added before the very next step)."""
     pending = list(enumerate(jobs, first_id))[::-1]
-    live: dict[int, list[float]] = {}  # id -> [submitted, time of its last token]
+    live: dict[int, list[float]] = {}  # id -> [sent, time of its last token]
+    clients = [time.monotonic()] * concurrency  # when each client sends its next request
     ttft, itl, tokens, done = [], [], 0, 0
     images = sum(1 for _, _, rows in jobs if rows)
     start = time.monotonic()
     while pending or live:
-        while pending and len(live) < concurrency:
+        if not live and pending:  # every client is between requests: wait for the first to send
+            time.sleep(max(0.0, min(clients) - time.monotonic()))
+        now = time.monotonic()
+        while pending and clients and min(clients) <= now:
+            sent = min(clients)  # TTFT counts from here, as a served client's does from its send
+            clients.remove(sent)
             rid, (ids, n_out, rows) = pending.pop()
             p = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=1.0, seed=rid)
             core.add(rid, image_request(rid, ids, p, rows, hidden, dtype) if rows else Request(f"bench-{rid}", ids, p))
-            live[rid] = [time.monotonic(), 0.0]
+            live[rid] = [sent, 0.0]
         out = core.step()
-        now = time.monotonic()
+        now, finished = time.monotonic(), 0
         for rid, token, finish in zip(out.ids.tolist(), out.tokens.tolist(), out.finish.tolist()):
             state = live[rid]
             if token >= 0:
@@ -156,8 +167,16 @@ def run(core: EngineCore, jobs: list[tuple[list[int], int, int]], concurrency: i
                     print(f"request {rid} failed: {out.errors.get(rid)}", file=sys.stderr)
                 del live[rid]
                 done += 1
+                clients.append(now + turnaround[0] + finished * turnaround[1])
+                finished += 1
     wall = time.monotonic() - start
     return {"wall": wall, "ttft": ttft, "itl": itl, "tokens": tokens, "n": done, "images": images}
+
+
+def turnaround(spec: str) -> tuple[float, float]:
+    """--turnaround-ms "A,B" (or "A") -> seconds."""
+    a, _, b = spec.partition(",")
+    return float(a) / 1e3, float(b or 0) / 1e3
 
 
 def pct(values: list[float], q: float) -> float:
@@ -229,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="off: every step waits for the previous one's ids; both: each workload overlapped, then not")
     ap.add_argument("--decode-stall-ms", default=str(EngineConfig.decode_stall_ms),
                     help="k3_lm's decode_stall_ms (0: off); a comma list runs each workload once per value")
+    ap.add_argument("--turnaround-ms", default="0,0",
+                    help="A,B: a finished request's client sends its next one A ms later, plus B ms per request "
+                         "that finished before it in the same step (a model of the served path's round trip; "
+                         "default 0,0: at once)")
     ap.add_argument("--max-prefill-delay-ms", default=str(EngineConfig.max_prefill_delay_ms),
                     help="k3_lm's max_prefill_delay_ms (0: off); a comma list runs each workload once per value")
     ap.add_argument("--expert-stats", action="store_true")
@@ -305,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs = workload(w, info.vocab_size, info.media_pad_id)
         run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first, info.hidden_size, dtype)
         before, coord0 = core.stats(), getattr(executor, "coordination_s", 0.0)
-        r = run(core, jobs[w.warmup:], w.concurrency, first + w.warmup, info.hidden_size, dtype)
+        r = run(core, jobs[w.warmup:], w.concurrency, first + w.warmup, info.hidden_size, dtype,
+                turnaround(w.turnaround_ms))
         first += len(jobs)
         after, coord = core.stats(), getattr(executor, "coordination_s", 0.0) - coord0
         report(w, r, before, after, coord, executor, counts)
@@ -353,7 +377,8 @@ def report(args: argparse.Namespace, r: dict, before, after, coord: float, execu
     print(f"\n{args.name + ': ' if args.name else ''}{r['n']} requests, concurrency {args.concurrency}, prompt "
           f"{args.prompt_len}±{args.prompt_len_std:g}, output {args.output_len}±{args.output_len_std:g}, shared prefix "
           f"{args.shared_prefix_len} x {args.shared_prefix_fraction:g}{images}, preemptions "
-          f"{after.num_preemptions - before.num_preemptions}")
+          f"{after.num_preemptions - before.num_preemptions}"
+          f"{'' if turnaround(args.turnaround_ms) == (0, 0) else f', client turnaround {args.turnaround_ms} ms'}")
     if counts:
         print(f"expert load: {spread(counts)}")
     steps = after.steps - before.steps

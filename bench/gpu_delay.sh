@@ -14,6 +14,8 @@
 #   TRACE=1: K3_STEP_TRACE of each served server and in-process run, summarised by bench/step_trace.py
 #   (issue 15: TRACE=1 SERVED_DELAYS= DELAYS=0 SKIP=staggered bash bench/gpu_delay.sh)
 #   SPY=1: py-spy of the k3_lm stub and the engine core over a longer run at concurrency 256, with the last set
+#   TURNAROUND="A,B ...": the in-process closed loop again with each client turnaround (bench/engine.py
+#     --turnaround-ms: a successor leaves A ms after its request ended, plus B ms per earlier finisher of the step)
 #   STAGGER=1: also a staggered load served and in process on the checkpoint (64 in flight, prompts 256 ± 64,
 #     outputs 128 ± 48: requests end and arrive at different times, so no waves form)
 set -uo pipefail
@@ -68,6 +70,12 @@ skip inproc || { say "== in process, same checkpoint and lengths, max_prefill_de
     --concurrency 64,64,256 --num-requests 64,256,512 --output-len 16,128,64 --max-prefill-delay-ms "${DELAYS:-0,5,15}" \
     >"$OUT/engine-inproc.txt" 2>&1
   grep -E "$KEEP" "$OUT/engine-inproc.txt" | tee -a "$R"
+  for t in ${TURNAROUND:-}; do
+    timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
+      --concurrency 64,64,256 --num-requests 64,256,512 --output-len 16,128,64 --turnaround-ms "$t" \
+      >"$OUT/engine-inproc-turnaround-$t.txt" 2>&1
+    grep -E "$KEEP|turnaround" "$OUT/engine-inproc-turnaround-$t.txt" | tail -n +4 | tee -a "$R"
+  done
   [ "${STAGGER:-0}" = 1 ] && { timeout 150 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --max-model-len 4096 \
     --warmup 8 $STAGGERED --num-requests 256 >"$OUT/engine-inproc-staggered.txt" 2>&1
     grep -E "$KEEP" "$OUT/engine-inproc-staggered.txt" | tee -a "$R"; }; }
