@@ -174,8 +174,8 @@ def run(core: EngineCore, jobs: list[tuple[list[int], int, int]], concurrency: i
 
 
 def turnaround(spec: str) -> tuple[float, float]:
-    """--turnaround-ms "A,B" (or "A") -> seconds."""
-    a, _, b = spec.partition(",")
+    """One --turnaround-ms entry, "A/B" or "A" (ms) -> seconds."""
+    a, _, b = str(spec).partition("/")
     return float(a) / 1e3, float(b or 0) / 1e3
 
 
@@ -248,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="off: every step waits for the previous one's ids; both: each workload overlapped, then not")
     ap.add_argument("--decode-stall-ms", default=str(EngineConfig.decode_stall_ms),
                     help="k3_lm's decode_stall_ms (0: off); a comma list runs each workload once per value")
-    ap.add_argument("--turnaround-ms", default="0,0",
-                    help="A,B: a finished request's client sends its next one A ms later, plus B ms per request "
-                         "that finished before it in the same step (a model of the served path's round trip; "
-                         "default 0,0: at once)")
+    ap.add_argument("--turnaround-ms", default="0",
+                    help="A or A/B, a comma list zipped with --concurrency: a finished request's client sends its "
+                         "next one A ms later, plus B ms per request that finished before it in the same step (a "
+                         "model of the served path's round trip; default 0: at once)")
     ap.add_argument("--max-prefill-delay-ms", default=str(EngineConfig.max_prefill_delay_ms),
                     help="k3_lm's max_prefill_delay_ms (0: off); a comma list runs each workload once per value")
     ap.add_argument("--expert-stats", action="store_true")
@@ -362,9 +362,11 @@ def workloads(args: argparse.Namespace) -> list[argparse.Namespace]:
                 for i, (name, spec) in enumerate(runs)]
     lists = {k: [int(v) for v in str(getattr(args, k)).split(",")] for k in ("concurrency", "num_requests",
                                                                             "output_len")}
+    lists["turnaround_ms"] = str(args.turnaround_ms).split(",")
     n = max(map(len, lists.values()))
     if any(len(v) not in (1, n) for v in lists.values()):
-        raise SystemExit(f"--concurrency, --num-requests and --output-len: lists of one length, got {lists}")
+        raise SystemExit(f"--concurrency, --num-requests, --output-len, --turnaround-ms: lists of one length, "
+                         f"got {lists}")
     return [argparse.Namespace(**{**vars(args), **{k: v[i if len(v) > 1 else 0] for k, v in lists.items()},
                                   "seed": args.seed + 1000 * i, "name": ""})  # other prompts: no prefix hits on the
             for i in range(n)]                                                 # last workload's

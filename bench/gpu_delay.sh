@@ -14,7 +14,7 @@
 #   TRACE=1: K3_STEP_TRACE of each served server and in-process run, summarised by bench/step_trace.py
 #   (issue 15: TRACE=1 SERVED_DELAYS= DELAYS=0 SKIP=staggered bash bench/gpu_delay.sh)
 #   SPY=1: py-spy of the k3_lm stub and the engine core over a longer run at concurrency 256, with the last set
-#   TURNAROUND="A,B ...": the in-process closed loop again with each client turnaround (bench/engine.py
+#   TURNAROUND="A/B ...": the in-process closed loop again with each client turnaround (bench/engine.py
 #     --turnaround-ms: a successor leaves A ms after its request ended, plus B ms per earlier finisher of the step)
 #   STAGGER=1: also a staggered load served and in process on the checkpoint (64 in flight, prompts 256 ± 64,
 #     outputs 128 ± 48: requests end and arrive at different times, so no waves form)
