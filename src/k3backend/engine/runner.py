@@ -198,7 +198,9 @@ class ModelRunner:
                 parts[0] = parts[0].clone()
             logits = self.prefill_graphs.run([_chunk(s) for s in chunks], *self._image_rows(chunks))
             sampled = [i for i, s in enumerate(chunks) if s.sample]
-            parts.append(logits if len(sampled) == len(chunks) else logits[sampled])
+            # not logits[sampled]: a list index is a copy from pageable memory, which waits for the step
+            parts.append(logits if len(sampled) == len(chunks) else
+                         logits.index_select(0, to_device(sampled, torch.long, logits.device)))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _eager_reason(self, decodes: list[ScheduledSeq], chunks: list[ScheduledSeq]) -> str:
