@@ -248,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="off: every step waits for the previous one's ids; both: each workload overlapped, then not")
     ap.add_argument("--decode-stall-ms", default=str(EngineConfig.decode_stall_ms),
                     help="k3_lm's decode_stall_ms (0: off); a comma list runs each workload once per value")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="GPU: warn (once per line) for every operation that makes the host wait for the device "
+                         "implicitly during the measured runs (a pageable copy, .item(), nonzero); explicit waits, "
+                         "as for the step's sampled ids, are not reported")
     ap.add_argument("--turnaround-ms", default="0",
                     help="A or A/B, a comma list zipped with --concurrency: a finished request's client sends its "
                          "next one A ms later, plus B ms per request that finished before it in the same step (a "
@@ -328,8 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         jobs = workload(w, info.vocab_size, info.media_pad_id)
         run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first, info.hidden_size, dtype)
         before, coord0 = core.stats(), getattr(executor, "coordination_s", 0.0)
+        if args.sync_debug and device.type == "cuda":  # every op that waits for the device warns, with its line
+            torch.cuda.set_sync_debug_mode("warn")
         r = run(core, jobs[w.warmup:], w.concurrency, first + w.warmup, info.hidden_size, dtype,
                 turnaround(w.turnaround_ms))
+        if args.sync_debug and device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
         first += len(jobs)
         after, coord = core.stats(), getattr(executor, "coordination_s", 0.0) - coord0
         report(w, r, before, after, coord, executor, counts)
