@@ -130,7 +130,8 @@ def image_request(rid: int, ids: list[int], params: SamplingParams, rows: int, h
 
 
 def run(core: EngineCore, jobs: list[tuple[list[int], int, int]], concurrency: int, first_id: int,
-        hidden: int = 0, dtype: torch.dtype = torch.float32, turnaround: tuple[float, float] = (0.0, 0.0)) -> dict:
+        hidden: int = 0, dtype: torch.dtype = torch.float32, turnaround: tuple[float, float] = (0.0, 0.0),
+        temperature: float = 1.0) -> dict:
     """Closed loop over the engine core's steps: per-request TTFT, inter-token intervals, tokens.
 
     turnaround (s): a finished request's client sends its next one that much later, plus the second
@@ -151,7 +152,7 @@ def run(core: EngineCore, jobs: list[tuple[list[int], int, int]], concurrency: i
             sent = min(clients)  # TTFT counts from here, as a served client's does from its send
             clients.remove(sent)
             rid, (ids, n_out, rows) = pending.pop()
-            p = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=1.0, seed=rid)
+            p = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=temperature, seed=rid)
             core.add(rid, image_request(rid, ids, p, rows, hidden, dtype) if rows else Request(f"bench-{rid}", ids, p))
             live[rid] = [sent, 0.0]
         out = core.step()
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="off: every step waits for the previous one's ids; both: each workload overlapped, then not")
     ap.add_argument("--decode-stall-ms", default=str(EngineConfig.decode_stall_ms),
                     help="k3_lm's decode_stall_ms (0: off); a comma list runs each workload once per value")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="sampling temperature of every request (default 1, seeded; 0: greedy, as the requests of "
+                         "bench/serving_load.py, for a served-against-in-process comparison)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="GPU: warn (once per line) for every operation that makes the host wait for the device "
                          "implicitly during the measured runs (a pageable copy, .item(), nonzero); explicit waits, "
@@ -330,12 +334,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"decode_stall_ms {w.stall_ms:g}: steps that decode take at most "
                   f"{core.sched.cfg.prefill_cap or cfg.max_num_batched_tokens} prefill tokens", flush=True)
         jobs = workload(w, info.vocab_size, info.media_pad_id)
-        run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first, info.hidden_size, dtype)
+        run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first, info.hidden_size, dtype,
+            temperature=args.temperature)
         before, coord0 = core.stats(), getattr(executor, "coordination_s", 0.0)
         if args.sync_debug and device.type == "cuda":  # every op that waits for the device warns, with its line
             torch.cuda.set_sync_debug_mode("warn")
         r = run(core, jobs[w.warmup:], w.concurrency, first + w.warmup, info.hidden_size, dtype,
-                turnaround(w.turnaround_ms))
+                turnaround(w.turnaround_ms), args.temperature)
         if args.sync_debug and device.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")
         first += len(jobs)
@@ -388,7 +393,8 @@ def report(args: argparse.Namespace, r: dict, before, after, coord: float, execu
           f"{args.prompt_len}±{args.prompt_len_std:g}, output {args.output_len}±{args.output_len_std:g}, shared prefix "
           f"{args.shared_prefix_len} x {args.shared_prefix_fraction:g}{images}, preemptions "
           f"{after.num_preemptions - before.num_preemptions}"
-          f"{'' if turnaround(args.turnaround_ms) == (0, 0) else f', client turnaround {args.turnaround_ms} ms'}")
+          f"{'' if turnaround(args.turnaround_ms) == (0, 0) else f', client turnaround {args.turnaround_ms} ms'}"
+          f"{', greedy' if args.temperature == 0 else ''}")
     if counts:
         print(f"expert load: {spread(counts)}")
     steps = after.steps - before.steps

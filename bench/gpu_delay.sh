@@ -3,7 +3,7 @@
 # for a few milliseconds, so that a wave of arrivals shares one prefill step, lowers TTFT and keeps decode fed.
 #  1. served k3_lm (closed-loop gRPC streaming, bench/serving_load.py) at concurrency 1, 64 and 256 with
 #     the delay at 0, then at each of SERVED_DELAYS (one server per value);
-#  2. bench/engine.py in process on the same checkpoint and lengths, each delay in DELAYS;
+#  2. bench/engine.py in process on the same checkpoint and lengths, greedy as the served load, each delay in DELAYS;
 #  3. bench/engine.py's staggered and steady workloads (random weights), each delay in DELAYS.
 # Carry .dev (bench/make_gpu_bundle.sh). Writes delay.txt and the full outputs under $OUT.
 #   SERVED_DELAYS (default 5; empty: delay 0 only)  DELAYS (default 0,5,15)  SKIP="served inproc staggered"
@@ -65,18 +65,18 @@ skip served || for set in "${SETS[@]}"; do
   grep -iE "error|traceback" "$OUT/server.log" | grep -viE "nvml|dcgm|CudaDriver" | head -5 | tee -a "$R"
 done
 echo "$ROOT/src" > "$PTH"
-skip inproc || { say "== in process, same checkpoint and lengths, max_prefill_delay_ms ${DELAYS:-0,5,15} (the first workload warms)"
-  K3_STEP_TRACE=$(trace inproc) timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
+skip inproc || { say "== in process, same checkpoint and lengths, greedy, max_prefill_delay_ms ${DELAYS:-0,5,15} (the first workload warms)"
+  K3_STEP_TRACE=$(trace inproc) timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --temperature 0 --prompt-len 284 --max-model-len 4096 --warmup 8 \
     --concurrency 64,64,256 --num-requests 64,256,512 --output-len 16,128,64 --max-prefill-delay-ms "${DELAYS:-0,5,15}" \
     >"$OUT/engine-inproc.txt" 2>&1
   grep -E "$KEEP" "$OUT/engine-inproc.txt" | tee -a "$R"
   for t in ${TURNAROUND:-}; do
-    timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --prompt-len 284 --max-model-len 4096 --warmup 8 \
+    timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --temperature 0 --prompt-len 284 --max-model-len 4096 --warmup 8 \
       --concurrency 64,64,256 --num-requests 64,256,512 --output-len 16,128,64 --turnaround-ms "$t" \
       >"$OUT/engine-inproc-turnaround-$t.txt" 2>&1
     grep -E "$KEEP|turnaround" "$OUT/engine-inproc-turnaround-$t.txt" | tail -n +4 | tee -a "$R"
   done
-  [ "${STAGGER:-0}" = 1 ] && { timeout 150 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --max-model-len 4096 \
+  [ "${STAGGER:-0}" = 1 ] && { timeout 150 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --temperature 0 --max-model-len 4096 \
     --warmup 8 $STAGGERED --num-requests 256 >"$OUT/engine-inproc-staggered.txt" 2>&1
     grep -E "$KEEP" "$OUT/engine-inproc-staggered.txt" | tee -a "$R"; }; }
 skip staggered || { say "== staggered and steady (random weights), max_prefill_delay_ms ${DELAYS:-0,5,15}"
