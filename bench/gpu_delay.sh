@@ -10,7 +10,8 @@
 #   SERVED: instead of SERVED_DELAYS, the k3_lm parameter sets to serve, ';'-separated, each "key=value ..."
 #     (e.g. SERVED="max_num_batched_tokens=8192;max_num_batched_tokens=4096"); the first set also runs concurrency 1;
 #     an item src=DIR serves that set from an older tree's src/ (relative to the repository), e.g. a git archive
-#     of the previous commit's src/ and bench/ unpacked under .dev/old: SERVED="src=.dev/old/src;"
+#     of the previous commit's src/ and bench/ unpacked under .dev/old (every set names at least one item):
+#     SERVED="src=.dev/old/src max_prefill_delay_ms=0;max_prefill_delay_ms=0"
 #   TRACE=1: K3_STEP_TRACE of each served server and in-process run, summarised by bench/step_trace.py
 #   (issue 15: TRACE=1 SERVED_DELAYS= DELAYS=0 SKIP=staggered bash bench/gpu_delay.sh)
 #   SPY=1: py-spy of the k3_lm stub and the engine core over a longer run at concurrency 256, with the last set
