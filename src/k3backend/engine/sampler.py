@@ -151,7 +151,7 @@ class Sampler:
         temp_min_p = to_device([(q.temperature, q.min_p) for q in p], x.dtype, dev)
         seeds, steps = to_device([[r.seed for r in rows], [r.step for r in rows]], torch.int64, dev)
         probs = torch.softmax(x / temp_min_p[:, :1], dim=-1)
-        if any(0 < q.top_k < V or q.top_p < 1.0 for q in p):
+        if any(k < V for k in _top_ks(p, V)) or any(q.top_p < 1.0 for q in p):
             probs = Sampler._top_k_top_p(probs, p)  # else every id is kept: no sort
         if any(q.min_p > 0 for q in p):
             floor = temp_min_p[:, 1:] * probs.max(-1, keepdim=True).values
@@ -164,7 +164,7 @@ class Sampler:
         k largest values matter (`_top_k`); top-p walks the sorted vocabulary."""
         V = probs.shape[1]
         if all(q.top_p >= 1.0 for q in p):
-            return Sampler._top_k(probs, [q.top_k if 0 < q.top_k < V else V for q in p])
+            return Sampler._top_k(probs, _top_ks(p, V))
         return Sampler._sorted_top_k_top_p(probs, p)
 
     @staticmethod
@@ -174,7 +174,7 @@ class Sampler:
         dev, V = probs.device, probs.shape[1]
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         pos = torch.arange(V, device=dev)[None, :]
-        k = to_device([q.top_k if 0 < q.top_k < V else V for q in p], torch.long, dev)[:, None]
+        k = to_device(_top_ks(p, V), torch.long, dev)[:, None]
         keep = pos < k
         if any(q.top_p < 1.0 for q in p):
             top = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
@@ -228,3 +228,8 @@ class Sampler:
             packed, done = host, torch.cuda.Event()
             done.record()
         return DeviceSample(ids, packed, done, lp_rows, ks, kmax)
+
+
+def _top_ks(p: Sequence[SamplingParams], V: int) -> list[int]:
+    """Each row's top-k ([SMP-6] step 5), V where it keeps every id (0, or not below V)."""
+    return [q.top_k if 0 < q.top_k < V else V for q in p]
