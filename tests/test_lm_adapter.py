@@ -227,7 +227,7 @@ def test_a_finished_requests_final_response_goes_before_the_others_next_response
         short = ask(server, "s", ClosesTheGate(log=log, name="S"), max_tokens=16, min_tokens=16, ignore_eos=True,
                     temperature=0.0, stream=True)
         wait_until(lambda: not gate.is_set(), 60, "the short request's first response")
-        time.sleep(1.0)  # its last tokens meanwhile; the response thread is held in B's send
+        time.sleep(2.0)  # its last tokens meanwhile (about 16 steps); the response thread is held in B's send
         assert not short.final.is_set()
         held = len(log)
         gate.set()
