@@ -6,7 +6,8 @@ Sizes: the `small` preset (hidden 2048, latent D 1024, E 64 experts top-6, I 102
 layer, allocated once and shared by the K3 cases), at T ∈ {1, 16, 64, 256, 512, 8192, 16384} tokens.
 `--smoke`: tiny sizes (E 7, k 3, D 37, I 23), for TRITON_INTERPRET=1 on a CPU.
 Tile sweep on a GPU: `python bench/kernels_moe.py --shape k3 --tokens 16 512 8192` times the tiles that
-kernels/moe.py `experts_config` picks against one-change-at-a-time alternatives (best row marked *).
+kernels/moe.py `experts_config` picks against one-change-at-a-time alternatives (best row marked *; each
+row's largest error against the reference, in bf16 ulps of the row's largest output, must stay <= 2).
 
 Routing: independent N(0, 1) logits spread tokens almost uniformly over the experts (busiest expert
 1.1-1.3× the mean load at 8 K tokens), which flatters the prefill tail. The logits here add a fixed
@@ -173,7 +174,8 @@ def cases(args: argparse.Namespace) -> list[Case]:
 
 # ----------------------------------------------------------------------------- tile sweep (GPU, by hand)
 def _candidates(cfg) -> list:
-    """The chosen tiles, then one change at a time: up's tiles, down's tiles, BM, GROUP_M."""
+    """The chosen tiles, then one change at a time: up's tiles, down's tiles, BM, GROUP_M; then the
+    other operand path (ExpertsConfig.tma) with a few tiles."""
     from dataclasses import replace
 
     tiles = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (64, 64, 4, 6),
@@ -183,6 +185,9 @@ def _candidates(cfg) -> list:
     out += [replace(cfg, down=t) for t in tiles if t != cfg.down]
     out += [replace(cfg, block_m=bm) for bm in (16, 32, 64, 128) if bm != cfg.block_m]
     out += [replace(cfg, group_m=g) for g in (1, 4, 16) if g != cfg.group_m]
+    tma = replace(cfg, tma=not cfg.tma)  # the other operand path, then its tiles
+    out += [tma] + [replace(tma, up=t, down=t) for t in tiles[3:9] if t != cfg.up]
+    out += [replace(tma, block_m=bm) for bm in (64, 128) if bm != cfg.block_m]
     return out
 
 
@@ -198,18 +203,23 @@ def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
         hit = int(torch.unique(ids).numel())
         byts, flops = hit * 3 * shape.I * shape.D * 2, 2.0 * T * shape.k * 3 * shape.I * shape.D
         rows = []
+        want = moe_ref.experts(x, w, ids, layer.w13, layer.w2, SITU, 1.0)
+        ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
         for cfg in _candidates(moe.experts_config(T, shape.k, shape.E, shape.D, shape.I)):
+            run = lambda: moe.experts_with(x, w, ids, layer.w13, layer.w2, SITU, 1.0, cfg)  # noqa: E731
             try:
-                t = time_fn(lambda: moe.experts_with(x, w, ids, layer.w13, layer.w2, SITU, 1.0, cfg), True, iters)
+                err = ((run().float() - want.float()).abs() / ulp).max().item()  # every element, in bf16 ulps
+                t = time_fn(run, True, iters)
             except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit: report, go on
                 print(f"{shape.name} T{T} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
                 continue
-            rows.append((t, cfg))
-        best = min(t for t, _ in rows)
-        for t, cfg in rows:
+            rows.append((t, cfg, err))
+        best = min(t for t, _, _ in rows)
+        for t, cfg, err in rows:
             mark = "*" if t == best else " "
-            print(f"{mark} {shape.name} T{T:<6} {t * 1e3:9.3f} ms {byts / t / 1e12:5.2f} TB/s "
-                  f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}",
+            print(f"{mark} {shape.name} T{T:<6} {t * 1e3:9.3f} ms {byts / t / 1e12:5.2f} TB/s {err:4.2f} ulp "
+                  f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}"
+                  f"{' tma' if cfg.tma else ''}",
                   flush=True)
 
 
