@@ -43,7 +43,7 @@ skip served || for set in "${SETS[@]}"; do
   for kv in $set; do
     case $kv in src=*) echo "$ROOT/${kv#src=}" > "$PTH";; *) k3_lm_param "${kv%%=*}" "${kv#*=}";; esac
   done
-  name=$(echo "$set" | tr ' =/.' '_---')
+  name=$(echo "$set" | sed 's/ /_/g; s/[=/.]/-/g')
   K3_STEP_TRACE=$(trace "served-$name") k3_gpu_serve $REPO 400 || exit 1
   say "== served k3_lm, $set (server ready after $(( $(date +%s) - T0 )) s)"
   [ $first = 1 ] && timeout 100 $L --concurrency 64 --num-requests 64 --output-len 16 2>&1 | tail -2 | sed 's/^/(warm-up) /' | tee -a "$R"
@@ -72,10 +72,11 @@ skip inproc || { say "== in process, same checkpoint and lengths, greedy, max_pr
     >"$OUT/engine-inproc.txt" 2>&1
   grep -E "$KEEP" "$OUT/engine-inproc.txt" | tee -a "$R"
   for t in ${TURNAROUND:-}; do
+    tn=${t//\//-}  # 10/0.5 -> 10-0.5 in the file name
     timeout 200 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --temperature 0 --prompt-len 284 --max-model-len 4096 --warmup 8 \
       --concurrency 64,64,256 --num-requests 64,256,512 --output-len 16,128,64 --turnaround-ms "$t" \
-      >"$OUT/engine-inproc-turnaround-$t.txt" 2>&1
-    grep -E "$KEEP|turnaround" "$OUT/engine-inproc-turnaround-$t.txt" | tail -n +4 | tee -a "$R"
+      >"$OUT/engine-inproc-turnaround-$tn.txt" 2>&1
+    grep -E "$KEEP|turnaround" "$OUT/engine-inproc-turnaround-$tn.txt" | tail -n +4 | tee -a "$R"
   done
   [ "${STAGGER:-0}" = 1 ] && { timeout 150 python3 bench/engine.py --checkpoint $CK --dtype bfloat16 --temperature 0 --max-model-len 4096 \
     --warmup 8 $STAGGERED --num-requests 256 >"$OUT/engine-inproc-staggered.txt" 2>&1
