@@ -179,7 +179,8 @@ def _candidates(cfg) -> list:
     from dataclasses import replace
 
     tiles = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (64, 64, 4, 6),
-             (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 32, 4, 6)]
+             (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 32, 4, 6),
+             (64, 64, 8, 4), (64, 128, 8, 3)]  # BN 64 on 8 warps: half the accumulator registers of BN 128
     out = [cfg]
     out += [replace(cfg, up=t) for t in tiles if t != cfg.up]
     out += [replace(cfg, down=t) for t in tiles if t != cfg.down]
@@ -187,6 +188,7 @@ def _candidates(cfg) -> list:
     out += [replace(cfg, group_m=g) for g in (1, 4, 16) if g != cfg.group_m]
     tma = replace(cfg, tma=not cfg.tma)  # the other operand path, then its tiles
     out += [tma] + [replace(tma, up=t, down=t) for t in tiles[3:9] if t != cfg.up]
+    out += [replace(tma, up=t) for t in tiles[10:]]
     out += [replace(tma, block_m=bm) for bm in (64, 128) if bm != cfg.block_m]
     return out
 
