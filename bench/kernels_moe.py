@@ -174,8 +174,7 @@ def cases(args: argparse.Namespace) -> list[Case]:
 
 # ----------------------------------------------------------------------------- tile sweep (GPU, by hand)
 def _candidates(cfg) -> list:
-    """The chosen tiles, then one change at a time: up's tiles, down's tiles, BM, GROUP_M; then the
-    other operand path (ExpertsConfig.tma) with a few tiles."""
+    """The chosen tiles, then one change at a time: up's tiles, down's tiles, BM, GROUP_M."""
     from dataclasses import replace
 
     tiles = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (64, 64, 4, 6),
@@ -186,10 +185,6 @@ def _candidates(cfg) -> list:
     out += [replace(cfg, down=t) for t in tiles if t != cfg.down]
     out += [replace(cfg, block_m=bm) for bm in (16, 32, 64, 128) if bm != cfg.block_m]
     out += [replace(cfg, group_m=g) for g in (1, 4, 16) if g != cfg.group_m]
-    tma = replace(cfg, tma=not cfg.tma)  # the other operand path, then its tiles
-    out += [tma] + [replace(tma, up=t, down=t) for t in tiles[3:9] if t != cfg.up]
-    out += [replace(tma, up=t) for t in tiles[10:]]
-    out += [replace(tma, block_m=bm) for bm in (64, 128) if bm != cfg.block_m]
     return out
 
 
@@ -220,8 +215,7 @@ def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
         for t, cfg, err in rows:
             mark = "*" if t == best else " "
             print(f"{mark} {shape.name} T{T:<6} {t * 1e3:9.3f} ms {byts / t / 1e12:5.2f} TB/s {err:4.2f} ulp "
-                  f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}"
-                  f"{' tma' if cfg.tma else ''}",
+                  f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}",
                   flush=True)
 
 

@@ -199,28 +199,6 @@ def check_experts_activations_and_dtypes_equal_reference():
             torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * scale.max().item(), msg=f"{act} fp16")
 
 
-def check_experts_through_tma_equal_pointer_kernels_and_reference():
-    """ExpertsConfig.tma: the TMA kernels (rows gathered first, zero-filled K tails, weight tiles running
-    into the next rows at the N edge) give the pointer kernels' bits in each tier; D 37 cannot use TMA
-    (unaligned rows) and falls back to them."""
-    import dataclasses
-
-    from k3backend.kernels import moe, moe_ref
-    from k3backend.kernels.moe_ref import Activation
-
-    E, k, act = 7, 3, Activation(**SITU)
-    for T, D, I in [(5, 96, 40), (61, 96, 40), (157, 64, 72), (467, 96, 40), (9, 37, 23)]:
-        x, weights, ids, w13, w2 = experts_case(T, E, k, D, I, seed=500 + T)
-        cfg = moe.experts_config(T, k, E, D, I)
-        assert moe._tma_ok(x, w13) == (D != 37)
-        with poisoned_empty():
-            got = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, dataclasses.replace(cfg, tma=True))
-        plain = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, cfg)
-        assert torch.equal(got, plain), f"T={T}: TMA and pointer kernels differ"
-        want = moe_ref.experts(x, weights, ids, w13, w2, act, 1.0)
-        assert_bf16_close(got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), f"TMA T={T}")
-
-
 def check_experts_of_other_ranks_only_give_zero():
     from k3backend.kernels.moe_ref import Activation
 

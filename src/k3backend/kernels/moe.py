@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3backend.kernels.moe_ref import Activation
 
@@ -451,67 +450,6 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, sorted_ptr, block_ex
     tl.store(y_ptrs, y, mask=real[:, None] & (offs_n < D)[None, :])
 
 
-@triton.jit(do_not_specialize=["n", "num_blocks"])
-def _up_tma_kernel(x_desc, w_desc, h_ptr, sorted_ptr, block_expert_ptr, n, I, num_blocks, k_steps, stride_hm,
-                   inv_beta, beta, inv_lam, lam, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
-                   ROUND_GU: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """`_up_kernel` with both operands through TMA (ExpertsConfig.tma): x_desc tiles [BM, BK] of the rows
-    in sorted order (gathered beforehand; DENSE: x itself), w_desc tiles [BN, BK] of w13 as [E·2I, D].
-    Tiles past the end of a row read zeros (TMA), or the next rows' weights, whose columns are not stored."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if DENSE:
-        a_idx = rows
-        w_row = pid_n * BLOCK_N
-    else:
-        e = tl.load(block_expert_ptr + pid_m)
-        if e < 0:
-            return
-        a_idx = tl.load(sorted_ptr + rows)
-        w_row = e * 2 * I + pid_n * BLOCK_N
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_steps):
-        xa = x_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K])
-        acc_g = _mma(xa, tl.trans(w_desc.load([w_row, k0 * BLOCK_K])), acc_g, GPU)
-        acc_u = _mma(xa, tl.trans(w_desc.load([w_row + I, k0 * BLOCK_K])), acc_u, GPU)
-    dt = h_ptr.dtype.element_ty
-    if ROUND_GU:
-        acc_g = _round(acc_g, dt, GPU).to(tl.float32)
-        acc_u = _round(acc_u, dt, GPU).to(tl.float32)
-    h = _round(_glu(acc_g, acc_u, inv_beta, beta, inv_lam, lam, ACT, HAS_LAMBDA, GPU), dt, GPU)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
-    tl.store(h_ptrs, h, mask=(a_idx < n)[:, None] & (offs_n < I)[None, :])
-
-
-@triton.jit(do_not_specialize=["n", "num_blocks"])
-def _down_tma_kernel(h_desc, w_desc, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, n, D, num_blocks, k_steps,
-                     stride_yn, stride_pt, stride_pk, TOP_K: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """`_down_kernel` through TMA: h_desc tiles [BM, BK] of h, w_desc tiles [BN, BK] of w2 as [E·D, I]
-    (padding rows of h hold garbage: their outputs are not stored)."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(D, BLOCK_N), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e < 0:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    a_idx = tl.load(sorted_ptr + rows)
-    real = a_idx < n
-    w_row = e * D + pid_n * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_steps):
-        acc = _mma(h_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K]), tl.trans(w_desc.load([w_row, k0 * BLOCK_K])),
-                   acc, GPU)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    a_safe = tl.where(real, a_idx, 0)
-    wt = tl.load(weights_ptr + (a_safe // TOP_K) * stride_pt + (a_safe % TOP_K) * stride_pk, mask=real, other=0.0)
-    y = _round(acc * wt[:, None], y_ptr.dtype.element_ty, GPU)
-    y_ptrs = y_ptr + a_safe.to(tl.int64)[:, None] * stride_yn + offs_n[None, :]
-    tl.store(y_ptrs, y, mask=real[:, None] & (offs_n < D)[None, :])
-
-
 @triton.jit(do_not_specialize=["T"])
 def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it, stride_ik, stride_ot,
                 TOP_K: tl.constexpr, GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -531,16 +469,13 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it,
 @dataclass(frozen=True)
 class ExpertsConfig:
     """Tiles of the two grouped GEMMs; both share block_m (the align step's padding). decode: how
-    MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_expand` + tl.dot); bf16 weights ignore it.
-    tma: `_up_tma_kernel` / `_down_tma_kernel` where every operand suits TMA (`_tma_ok`), else the
-    pointer kernels."""
+    MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_expand` + tl.dot); bf16 weights ignore it."""
 
     block_m: int
     up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
     down: tuple[int, int, int, int]
     group_m: int = 8
     decode: int = 0
-    tma: bool = False  # bf16 weights: both operands through TMA descriptors (the rows gathered first)
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -569,7 +504,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     elif m <= 192:
         bm, up, down = 64, (128, 64, 4, 4), (128, 64, 4, 4)
     else:
-        bm, up, down = 128, (128, 64, 8, 3), (128, 64, 8, 4)
+        bm, up, down = 128, (128, 64, 8, 4), (128, 64, 8, 3)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
         bn, bk, warps, stages = tiles  # tiny test sizes: no tile wider than the (padded) matrix
@@ -588,20 +523,6 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
     nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
     situ, lam = act.kind == "situ", act.linear_beta
     bn, bk, warps, stages = cfg.up
-    if cfg.tma and s is None and _tma_ok(x, w):
-        # the rows in sorted order; padding rows and the unwritten rows of unused blocks read token 0
-        rows = x if dense else x.index_select(0, torch.where((sorted_ids >= 0) & (sorted_ids < n), sorted_ids // k, 0))
-        _up_tma_kernel[(nb * triton.cdiv(I, bn),)](
-            x_desc=TensorDescriptor.from_tensor(rows, [cfg.block_m, bk]),
-            w_desc=TensorDescriptor.from_tensor(w.reshape(-1, D), [bn, bk]), h_ptr=h,
-            sorted_ptr=x if dense else sorted_ids, block_expert_ptr=x if dense else block_expert, n=n, I=I,
-            num_blocks=nb, k_steps=triton.cdiv(D, bk), stride_hm=h.stride(0),
-            inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
-            inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, ACT=int(situ),
-            HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, GPU=_GPU, BLOCK_M=cfg.block_m,
-            BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
-        )
-        return
     _up_kernel[(nb * triton.cdiv(I, bn),)](
         x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, h_ptr=h, sorted_ptr=x if dense else sorted_ids,
         block_expert_ptr=x if dense else block_expert, n=n, D=D, I=I, num_blocks=nb, stride_xt=x.stride(0),
@@ -613,12 +534,6 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
         MX=s is not None, DECODE=cfg.decode, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
         num_warps=warps, num_stages=stages,
     )
-
-
-def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned bases and row strides, and w's rows flattened over the experts."""
-    flat = w.dim() == 2 or w.stride(0) == w.shape[1] * w.stride(1)
-    return flat and all(t.data_ptr() % 16 == 0 and t.stride(-2) * t.element_size() % 16 == 0 for t in (x, w))
 
 
 def _act_supported(act: Activation) -> tuple[bool, str]:
@@ -723,24 +638,14 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
     _launch_up(x, w13, s13, h, sorted_ids, block_expert, T * k, k, act, cfg, dense=False, round_gu=True)
     bn, bk, warps, stages = cfg.down
-    if cfg.tma and s2 is None and _tma_ok(h, w2):
-        _down_tma_kernel[(nb * triton.cdiv(D, bn),)](
-            h_desc=TensorDescriptor.from_tensor(h, [cfg.block_m, bk]),
-            w_desc=TensorDescriptor.from_tensor(w2.reshape(-1, I), [bn, bk]), y_ptr=y, weights_ptr=weights,
-            sorted_ptr=sorted_ids, block_expert_ptr=block_expert, n=T * k, D=D, num_blocks=nb,
-            k_steps=triton.cdiv(I, bk), stride_yn=y.stride(0), stride_pt=weights.stride(0),
-            stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
-        )
-    else:
-        _down_kernel[(nb * triton.cdiv(D, bn),)](
-            h_ptr=h, w2_ptr=w2, s2_ptr=w2 if s2 is None else s2, y_ptr=y, weights_ptr=weights, sorted_ptr=sorted_ids,
-            block_expert_ptr=block_expert, n=T * k, D=D, I=I, num_blocks=nb, stride_hm=h.stride(0),
-            stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=0 if s2 is None else s2.stride(0),
-            stride_sn=0 if s2 is None else s2.stride(1), stride_yn=y.stride(0), stride_pt=weights.stride(0),
-            stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
-            BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
-        )
+    _down_kernel[(nb * triton.cdiv(D, bn),)](
+        h_ptr=h, w2_ptr=w2, s2_ptr=w2 if s2 is None else s2, y_ptr=y, weights_ptr=weights, sorted_ptr=sorted_ids,
+        block_expert_ptr=block_expert, n=T * k, D=D, I=I, num_blocks=nb, stride_hm=h.stride(0),
+        stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=0 if s2 is None else s2.stride(0),
+        stride_sn=0 if s2 is None else s2.stride(1), stride_yn=y.stride(0), stride_pt=weights.stride(0),
+        stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
+        BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
+    )
     block_d = min(1024, triton.next_power_of_2(D))
     block_t = max(1, 2048 // block_d)
     _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
