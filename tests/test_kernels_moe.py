@@ -199,6 +199,39 @@ def check_experts_activations_and_dtypes_equal_reference():
             torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * scale.max().item(), msg=f"{act} fp16")
 
 
+def check_activation_table_gives_the_epilogue_math_bits():
+    """ExpertsConfig.table: the lookup of bf16 gate/up values gives the bits of the math epilogue, for
+    SiTU with and without its cap and SiLU, in each tier, with gate/up values large enough to saturate
+    tanh; glu_linear's rounded front takes the table too."""
+    import dataclasses
+
+    from k3backend.kernels import moe
+    from k3backend.kernels.moe_ref import Activation
+
+    E, k, D, I = 7, 3, 64, 40
+    for act in (Activation(**SITU), Activation("situ", 4.0, None), Activation("silu")):
+        for T in (5, 61, 157, 467):
+            x, weights, ids, w13, w2 = experts_case(T, E, k, D, I, seed=600 + T)
+            w13 = w13 * 8.0  # |g|, |u| up to ~30: SiTU's tanh saturates, σ reaches 0 and 1
+            cfg = moe.experts_config(T, k, E, D, I)
+            assert cfg.table
+            with poisoned_empty():
+                got = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, cfg)
+            plain = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, dataclasses.replace(cfg, table=False))
+            assert torch.equal(got, plain), f"{act} T={T}: table and math epilogues differ"
+    x, w_gu = randn(33, 64, seed=650, dtype=BF16), randn(80, 64, seed=651, scale=1.0, dtype=BF16)
+    act = Activation(**SITU)
+    table = moe._act_table(act, x.device)
+    assert table.shape == (2, 65536)
+    got = moe.glu_linear(x, w_gu, act)
+    moe._TABLES.clear()
+    moe._TABLES[(act, x.device)] = torch.full_like(table, float("nan"))  # a table read shows as NaN
+    assert moe.glu_linear(x, w_gu, act).isnan().all(), "glu_linear with a rounded front reads the table"
+    assert not moe.glu_linear(x, w_gu, act, fp32_front=True).isnan().any(), "the fp32 front cannot use it"
+    moe._TABLES.clear()
+    assert torch.equal(moe.glu_linear(x, w_gu, act), got)
+
+
 def check_experts_of_other_ranks_only_give_zero():
     from k3backend.kernels.moe_ref import Activation
 

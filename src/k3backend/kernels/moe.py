@@ -12,7 +12,8 @@ width (the latent), I expert width, BM the block of rows that share one expert.
              (expert of each row block, -1 = unused); per expert, rows padded to a multiple of BM
              (SGLang/vLLM's moe_align_block_size, written here with two small kernels; an atomic
              cursor per expert places rows, and the row order inside an expert changes no result).
-  2. up      h [NB·BM, I] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)), bf16, one rounding (§2.4).
+  2. up      h [NB·BM, I] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)), bf16, one rounding (§2.4); act's two
+             halves of bf16 inputs are looked up in a table of all 65,536 values (`_act_table`).
   3. down    y [n, D] = bf(w_a · fp32(h·w2ᵀ)): the routed weight scales the fp32 accumulator (§7.4).
   4. sum     out [T, D] = bf(scaling · Σ_j fp32(y[t·k + j])), j in slot order; slots whose expert
              is outside [0, E) (another rank's, §9.4) are skipped. No atomics in the reduction.
@@ -91,22 +92,51 @@ def _tanh(x, GPU: tl.constexpr):
 
 
 @triton.jit
-def _glu(g, u, inv_beta, beta, inv_lam, lam, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, GPU: tl.constexpr):
-    """act(g)·up(u) in fp32 on bf16-rounded inputs, in the reference's order of operations.
+def _gate(g, inv_beta, beta, ACT: tl.constexpr, GPU: tl.constexpr):
+    """The gate half of the GLU in fp32, in the reference's order of operations.
 
-    SiTU (§2.4): (β·tanh(g·(1/β)))·σ(g) · λ·tanh(u·(1/λ)). torch's CUDA division by a Python scalar
-    multiplies by the fp32 reciprocal, as SGLang's SiTU kernel does (`tanhf(g·(1/β))`).
-    SiLU (§2.3): g / (1 + exp(-g)) · u (torch's CUDA silu).
+    SiTU (§2.4): (β·tanh(g·(1/β)))·σ(g). torch's CUDA division by a Python scalar multiplies by the
+    fp32 reciprocal, as SGLang's SiTU kernel does (`tanhf(g·(1/β))`). SiLU (§2.3): g / (1 + exp(-g))
+    (torch's CUDA silu).
     """
     if ACT == 0:
-        return _div(g, 1.0 + _exp(-g, GPU), GPU) * u
+        return _div(g, 1.0 + _exp(-g, GPU), GPU)
     else:
-        gate = beta * _tanh(g * inv_beta, GPU) * _sigmoid(g, GPU)
-        if HAS_LAMBDA:
-            up = lam * _tanh(u * inv_lam, GPU)
-        else:
-            up = u
-        return gate * up
+        return beta * _tanh(g * inv_beta, GPU) * _sigmoid(g, GPU)
+
+
+@triton.jit
+def _up(u, inv_lam, lam, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, GPU: tl.constexpr):
+    """The up half: SiTU's cap λ·tanh(u·(1/λ)), else u itself."""
+    if ACT == 1 and HAS_LAMBDA:
+        return lam * _tanh(u * inv_lam, GPU)
+    else:
+        return u
+
+
+@triton.jit
+def _glu(g, u, inv_beta, beta, inv_lam, lam, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, GPU: tl.constexpr):
+    """act(g)·up(u) in fp32 on bf16-rounded inputs (or, for the fused MoE front, fp32 ones)."""
+    return _gate(g, inv_beta, beta, ACT, GPU) * _up(u, inv_lam, lam, ACT, HAS_LAMBDA, GPU)
+
+
+@triton.jit
+def _act_table_kernel(table_ptr, inv_beta, beta, inv_lam, lam, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr,
+                      GPU: tl.constexpr, BLOCK: tl.constexpr):
+    """table[0, c] = _gate(bf16 code c), table[1, c] = _up(c), for every 16-bit pattern c."""
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = c.to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    tl.store(table_ptr + c, _gate(v, inv_beta, beta, ACT, GPU))
+    tl.store(table_ptr + 65536 + c, _up(v, inv_lam, lam, ACT, HAS_LAMBDA, GPU))
+
+
+@triton.jit
+def _glu_table(g, u, table_ptr):
+    """_glu of bf16-rounded g and u by lookup: two gathers from a 512 KB table instead of two tanh, an
+    exp and a division per element (a fifth of the experts op's time at prefill sizes, H200)."""
+    gi = g.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+    ui = u.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+    return tl.load(table_ptr + gi) * tl.load(table_ptr + 65536 + ui)
 
 
 @triton.jit
@@ -355,17 +385,18 @@ def _w_ptrs(w_ptr, s_ptr, rows, stride_wn, stride_sn, MX: tl.constexpr, BLOCK_K:
 
 
 @triton.jit(do_not_specialize=["n", "num_blocks"])
-def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, n, D, I, num_blocks,
+def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, table_ptr, n, D, I, num_blocks,
                stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm, inv_beta, beta, inv_lam, lam,
                TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
-               ROUND_GU: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
+               ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
                DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                GROUP_M: tl.constexpr):
     """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
 
     DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
-    activation reads the fp32 accumulator (the fused MoE front, §7.6). MX: w13 holds MXFP4 codes
-    [E, 2I, D/2] and s13 their exponents [E, 2I, D/32].
+    activation reads the fp32 accumulator (the fused MoE front, §7.6). TABLE (with ROUND_GU, bf16): the
+    activation by lookup in `table_ptr` (`_act_table`). MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13
+    their exponents [E, 2I, D/32].
     """
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -405,7 +436,10 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, n, 
     if ROUND_GU:  # gu = bf(x·w13ᵀ): the reference's rounding point
         acc_g = _round(acc_g, dt, GPU).to(tl.float32)
         acc_u = _round(acc_u, dt, GPU).to(tl.float32)
-    h = _round(_glu(acc_g, acc_u, inv_beta, beta, inv_lam, lam, ACT, HAS_LAMBDA, GPU), dt, GPU)
+    if TABLE:
+        h = _round(_glu_table(acc_g, acc_u, table_ptr), dt, GPU)
+    else:
+        h = _round(_glu(acc_g, acc_u, inv_beta, beta, inv_lam, lam, ACT, HAS_LAMBDA, GPU), dt, GPU)
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h, mask=(a_idx < n)[:, None] & (offs_n < I)[None, :])
 
@@ -469,13 +503,15 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it,
 @dataclass(frozen=True)
 class ExpertsConfig:
     """Tiles of the two grouped GEMMs; both share block_m (the align step's padding). decode: how
-    MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_expand` + tl.dot); bf16 weights ignore it."""
+    MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_expand` + tl.dot); bf16 weights ignore it.
+    table: the up GEMM's activation by lookup where its inputs are bf16-rounded (`_glu_table`)."""
 
     block_m: int
     up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
     down: tuple[int, int, int, int]
     group_m: int = 8
     decode: int = 0
+    table: bool = True
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -514,6 +550,28 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=MX_DECODE if mxfp4 else 0)
 
 
+_TABLES: dict[tuple[Activation, torch.device], torch.Tensor] = {}
+
+
+def _act_table(act: Activation, device: torch.device) -> torch.Tensor | None:
+    """[2, 65536] fp32: `_gate` and `_up` of every bf16 value, built once per activation and device by
+    the kernels' own math, so a lookup gives the bits the epilogue would compute. None while a CUDA
+    graph is being captured and the table is not built yet: kernels recorded there would only run at
+    replay (the engine's warm-up runs outside the capture build it first)."""
+    key = (act, device)
+    if key not in _TABLES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        situ, lam = act.kind == "situ", act.linear_beta
+        table = torch.empty(2, 65536, dtype=torch.float32, device=device)
+        _act_table_kernel[(65536 // 1024,)](
+            table, inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
+            inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, ACT=int(situ),
+            HAS_LAMBDA=situ and lam is not None, GPU=_GPU, BLOCK=1024, num_warps=4)
+        _TABLES[key] = table
+    return _TABLES[key]
+
+
 def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torch.Tensor,
                sorted_ids: torch.Tensor | None, block_expert: torch.Tensor | None, n: int, k: int, act: Activation,
                cfg: ExpertsConfig, *, dense: bool, round_gu: bool) -> None:
@@ -523,14 +581,17 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
     nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
     situ, lam = act.kind == "situ", act.linear_beta
     bn, bk, warps, stages = cfg.up
+    table = _act_table(act, x.device) if cfg.table and round_gu and h.dtype == torch.bfloat16 else None
     _up_kernel[(nb * triton.cdiv(I, bn),)](
         x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, h_ptr=h, sorted_ptr=x if dense else sorted_ids,
-        block_expert_ptr=x if dense else block_expert, n=n, D=D, I=I, num_blocks=nb, stride_xt=x.stride(0),
+        block_expert_ptr=x if dense else block_expert, table_ptr=h if table is None else table, n=n, D=D, I=I,
+        num_blocks=nb, stride_xt=x.stride(0),
         stride_we=0 if dense else w.stride(0), stride_wn=w.stride(-2), stride_se=0 if s is None else s.stride(0),
         stride_sn=0 if s is None else s.stride(-2), stride_hm=h.stride(0),
         inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
         inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
-        HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, GPU=_GPU, EVEN_K=D % bk == 0,
+        HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
+        EVEN_K=D % bk == 0,
         MX=s is not None, DECODE=cfg.decode, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
         num_warps=warps, num_stages=stages,
     )
