@@ -382,6 +382,40 @@ def check_glu_linear_equals_reference_with_and_without_the_fp32_front():
     assert not moe.glu_linear_supports(x, w_gu[:31], Activation("silu"))[0], "odd 2I declined"
 
 
+def check_gemv_kernels_equal_reference_for_a_few_rows():
+    """ExpertsConfig.gemv (GEMV_ROWS raised for the check): routed experts and glu_linear for 1-5 rows,
+    uneven and even K, both activations, fp16, slots of other ranks' experts skipped; the tiers above
+    GEMV_ROWS keep the MMA tiles."""
+    from k3backend.kernels import moe, moe_ref
+    from k3backend.kernels.moe_ref import Activation
+
+    saved, moe.GEMV_ROWS = moe.GEMV_ROWS, 16
+    try:
+        assert moe.experts_config(5, 3, 7, 64, 32).gemv is not None
+        assert moe.experts_config(6, 3, 7, 64, 32).gemv is None, "18 assignments > GEMV_ROWS: MMA tiles"
+        assert moe.experts_config(1, 3, 7, 64, 32, mxfp4=True).gemv is None, "MXFP4 keeps the MMA tiles"
+        for T, D, I, act, dtype in [(1, 37, 23, Activation(**SITU), BF16), (2, 64, 32, Activation(**SITU), BF16),
+                                    (5, 300, 40, Activation("situ", 4.0, None), BF16),
+                                    (3, 37, 23, Activation("silu"), BF16), (4, 64, 32, Activation("silu"), torch.float16)]:
+            x, weights, ids, w13, w2 = experts_case(T, 7, 3, D, I, seed=700 + T, dtype=dtype)
+            ids[0, 1] = -1  # another rank's expert
+            got, want, scale = experts_both(x, weights, ids, w13, w2, act, 1.5)
+            if dtype == BF16:
+                assert_bf16_close(got, want, scale, f"gemv T={T} D={D} I={I} {act.kind}")
+            else:
+                torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * scale.max().item(), msg="gemv fp16")
+        for T, D, I in [(1, 37, 23), (4, 64, 48)]:
+            x, w_gu = randn(T, D, seed=750 + T, dtype=BF16), randn(2 * I, D, seed=751 + T, scale=D ** -0.5, dtype=BF16)
+            for fp32_front in (False, True):
+                with poisoned_empty():
+                    got = moe.glu_linear(x, w_gu, Activation(**SITU), fp32_front)
+                want = moe_ref.glu_linear(x, w_gu, Activation(**SITU), fp32_front)
+                assert_bf16_close(got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3),
+                                  f"gemv glu_linear T={T} fp32_front={fp32_front}")
+    finally:
+        moe.GEMV_ROWS = saved
+
+
 def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
     """K3_KERNELS=triton (set for the child): the switch routes MoE.forward to kernels/moe.py, with
     bf16 and with MXFP4 routed experts."""

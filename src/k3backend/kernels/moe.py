@@ -52,6 +52,8 @@ _MAX_EXPERTS = 4096  # route: one program holds a token's E scores in registers
 # How experts_mxfp4 expands MXFP4 tiles (ExpertsConfig.decode): 0 tl.dot_scaled, 1 `_mx_expand`; the
 # faster on the GPU per bench/kernels_mxfp4.py --sweep (both are checked there and under the interpreter).
 MX_DECODE = 0
+# The most assignments (T·k) that take the GEMV kernels instead of the MMA tiles (ExpertsConfig.gemv).
+GEMV_ROWS = 0
 
 
 # ----------------------------------------------------------------------------- scalar math
@@ -484,6 +486,95 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, sorted_ptr, block_ex
     tl.store(y_ptrs, y, mask=real[:, None] & (offs_n < D)[None, :])
 
 
+@triton.jit
+def _gemv(acc, w_ptrs, v, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BN, BK] + w [BN, BK] · v [BK] elementwise in fp32 (bf16 products are exact in fp32)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[None, :], other=0.0)
+    return acc + w.to(tl.float32) * v[None, :]
+
+
+@triton.jit(do_not_specialize=["n"])
+def _up_gemv_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I, E, stride_xt, stride_we, stride_wn,
+                    stride_it, stride_ik, stride_hm, inv_beta, beta, inv_lam, lam, TOP_K: tl.constexpr,
+                    ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr, ROUND_GU: tl.constexpr,
+                    TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """`_up_kernel` for a handful of rows (ExpertsConfig.gemv): one program per (assignment, N block),
+    h[a] in assignment order; the weights stream through vector loads and fp32 FMAs instead of MMA
+    tiles padded to 16 rows, and no align step runs. Assignments to other ranks' experts do nothing."""
+    a = tl.program_id(0)
+    if DENSE:
+        t = a
+        w_ptr = w13_ptr
+    else:
+        t = a // TOP_K
+        e = tl.load(ids_ptr + t * stride_it + (a % TOP_K) * stride_ik)
+        if (e < 0) | (e >= E):
+            return
+        w_ptr = w13_ptr + e.to(tl.int64) * stride_we
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + (offs_n % I).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + I * stride_wn
+    x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + offs_k
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(D, BLOCK_K)):
+        k_left = D - k0 * BLOCK_K
+        if EVEN_K:
+            xv = tl.load(x_ptrs).to(tl.float32)
+        else:
+            xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
+        acc_g = _gemv(acc_g, g_ptrs, xv, k_left, EVEN_K, BLOCK_K)
+        acc_u = _gemv(acc_u, u_ptrs, xv, k_left, EVEN_K, BLOCK_K)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    dt = h_ptr.dtype.element_ty
+    if ROUND_GU:
+        g = _round(g, dt, GPU).to(tl.float32)
+        u = _round(u, dt, GPU).to(tl.float32)
+    if TABLE:
+        h = _round(_glu_table(g, u, table_ptr), dt, GPU)
+    else:
+        h = _round(_glu(g, u, inv_beta, beta, inv_lam, lam, ACT, HAS_LAMBDA, GPU), dt, GPU)
+    tl.store(h_ptr + a.to(tl.int64) * stride_hm + offs_n, h, mask=offs_n < I)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, I, E, stride_hm, stride_we, stride_wn,
+                      stride_yn, stride_it, stride_ik, stride_pt, stride_pk, TOP_K: tl.constexpr, GPU: tl.constexpr,
+                      EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[a, n-block] = bf(w_a · fp32(h[a]·w2ᵀ)) for one assignment (ExpertsConfig.gemv)."""
+    a = tl.program_id(0)
+    t, j = a // TOP_K, a % TOP_K
+    e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
+    if (e < 0) | (e >= E):
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w2_ptr + e.to(tl.int64) * stride_we + (offs_n % D).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    h_ptrs = h_ptr + a.to(tl.int64) * stride_hm + offs_k
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(I, BLOCK_K)):
+        k_left = I - k0 * BLOCK_K
+        if EVEN_K:
+            hv = tl.load(h_ptrs).to(tl.float32)
+        else:
+            hv = tl.load(h_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
+        acc = _gemv(acc, w_ptrs, hv, k_left, EVEN_K, BLOCK_K)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    wt = tl.load(weights_ptr + t * stride_pt + j * stride_pk)
+    y = _round(tl.sum(acc, axis=1) * wt, y_ptr.dtype.element_ty, GPU)
+    tl.store(y_ptr + a.to(tl.int64) * stride_yn + offs_n, y, mask=offs_n < D)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it, stride_ik, stride_ot,
                 TOP_K: tl.constexpr, GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -504,7 +595,8 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it,
 class ExpertsConfig:
     """Tiles of the two grouped GEMMs; both share block_m (the align step's padding). decode: how
     MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_expand` + tl.dot); bf16 weights ignore it.
-    table: the up GEMM's activation by lookup where its inputs are bf16-rounded (`_glu_table`)."""
+    table: the up GEMM's activation by lookup where its inputs are bf16-rounded (`_glu_table`).
+    gemv: bf16 weights run `_up_gemv_kernel` / `_down_gemv_kernel` with these tiles instead (a few rows)."""
 
     block_m: int
     up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
@@ -512,6 +604,7 @@ class ExpertsConfig:
     group_m: int = 8
     decode: int = 0
     table: bool = True
+    gemv: tuple[int, int, int, int] | None = None  # BLOCK_N, BLOCK_K, num_warps, num_stages
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -521,6 +614,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - m ≤ 16 (decode): weight-streaming. BM 16 (the smallest tl.dot); N split fine (BN 64, or 32 / 16
       when the touched experts alone would not fill 2 waves of 132 SMs) instead of split-K, so the
       activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
+    - T·k ≤ GEMV_ROWS assignments (bf16 weights): the GEMV kernels, one program per assignment and
+      N block, BN 16 and BK 256 (the widest that fit small test sizes).
     - m ≤ 64: BM 32. m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger:
       BM 128 × BN 128, 8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why
       BM grows only with m (K3 at 8 K tokens: m ≈ 146).
@@ -542,12 +637,16 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     else:
         bm, up, down = 128, (128, 64, 8, 4), (128, 64, 8, 3)
 
+    gemv = None
+    if not mxfp4 and T * k <= GEMV_ROWS:
+        gemv = (min(16, max(16, triton.next_power_of_2(I))), min(256, max(16, triton.next_power_of_2(D))), 4, 3)
+
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
         bn, bk, warps, stages = tiles  # tiny test sizes: no tile wider than the (padded) matrix
         bk = min(bk, max(16, triton.next_power_of_2(K)))
         return min(bn, max(16, triton.next_power_of_2(N))), max(64, bk) if mxfp4 else bk, warps, stages
 
-    return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=MX_DECODE if mxfp4 else 0)
+    return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=MX_DECODE if mxfp4 else 0, gemv=gemv)
 
 
 _TABLES: dict[tuple[Activation, torch.device], torch.Tensor] = {}
@@ -574,14 +673,27 @@ def _act_table(act: Activation, device: torch.device) -> torch.Tensor | None:
 
 def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torch.Tensor,
                sorted_ids: torch.Tensor | None, block_expert: torch.Tensor | None, n: int, k: int, act: Activation,
-               cfg: ExpertsConfig, *, dense: bool, round_gu: bool) -> None:
-    """The gate-up GEMM + activation over n rows: sorted expert blocks, or (dense) x's rows against one w.
-    s: the MXFP4 exponents of w (then w holds codes), or None for weights in x's dtype."""
+               cfg: ExpertsConfig, *, dense: bool, round_gu: bool, ids: torch.Tensor | None = None) -> None:
+    """The gate-up GEMM + activation over n rows: sorted expert blocks, or (dense) x's rows against one w,
+    or (cfg.gemv) the n assignments of `ids` in order. s: the MXFP4 exponents of w (then w holds codes),
+    or None for weights in x's dtype."""
     D, I = x.shape[1], w.shape[-2] // 2
-    nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
     situ, lam = act.kind == "situ", act.linear_beta
-    bn, bk, warps, stages = cfg.up
     table = _act_table(act, x.device) if cfg.table and round_gu and h.dtype == torch.bfloat16 else None
+    if cfg.gemv is not None and s is None:
+        bn, bk, warps, stages = cfg.gemv
+        _up_gemv_kernel[(n, triton.cdiv(I, bn))](
+            x_ptr=x, w13_ptr=w, h_ptr=h, ids_ptr=x if dense else ids, table_ptr=h if table is None else table, n=n,
+            D=D, I=I, E=1 if dense else w.shape[0], stride_xt=x.stride(0), stride_we=0 if dense else w.stride(0),
+            stride_wn=w.stride(-2), stride_it=0 if dense else ids.stride(0), stride_ik=0 if dense else ids.stride(1),
+            stride_hm=h.stride(0), inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
+            inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
+            HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
+            EVEN_K=D % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        )
+        return
+    nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
+    bn, bk, warps, stages = cfg.up
     _up_kernel[(nb * triton.cdiv(I, bn),)](
         x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, h_ptr=h, sorted_ptr=x if dense else sorted_ids,
         block_expert_ptr=x if dense else block_expert, table_ptr=h if table is None else table, n=n, D=D, I=I,
@@ -693,6 +805,19 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0 or k == 0:
         return out.zero_()
+    if cfg.gemv is not None and scales is None:  # a few rows: assignment order, no align step
+        h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+        y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
+        _launch_up(x, w13, None, h, None, None, T * k, k, act, cfg, dense=False, round_gu=True, ids=ids)
+        bn, bk, warps, stages = cfg.gemv
+        _down_gemv_kernel[(T * k, triton.cdiv(D, bn))](
+            h_ptr=h, w2_ptr=w2, y_ptr=y, weights_ptr=weights, ids_ptr=ids, n=T * k, D=D, I=I, E=E,
+            stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_yn=y.stride(0),
+            stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_pt=weights.stride(0),
+            stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
+            num_warps=warps, num_stages=stages,
+        )
+        return _sum(y, ids, out, E, scaling)
     sorted_ids, block_expert = _align(ids, E, cfg.block_m)
     nb = block_expert.numel()
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
@@ -707,6 +832,12 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
         BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
     )
+    return _sum(y, ids, out, E, scaling)
+
+
+def _sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, scaling: float) -> torch.Tensor:
+    """out [T, D] = bf(scaling · Σ_j y[t·k + j]) over the slots of this rank's experts (step 4)."""
+    (T, D), k = out.shape, ids.shape[1]
     block_d = min(1024, triton.next_power_of_2(D))
     block_t = max(1, 2048 // block_d)
     _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
