@@ -142,6 +142,20 @@ def _glu_table(g, u, table_ptr):
 
 
 @triton.jit
+def _up_epilogue(g, u, table_ptr, inv_beta, beta, inv_lam, lam, dt: tl.constexpr, ACT: tl.constexpr,
+                 HAS_LAMBDA: tl.constexpr, ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr):
+    """h = bf(act(g)·up(u)) from the fp32 gate/up sums; ROUND_GU: gu = bf(x·w13ᵀ) first, the
+    reference's rounding point (then TABLE may look the activation up)."""
+    if ROUND_GU:
+        g = _round(g, dt, GPU).to(tl.float32)
+        u = _round(u, dt, GPU).to(tl.float32)
+    if TABLE:
+        return _round(_glu_table(g, u, table_ptr), dt, GPU)
+    else:
+        return _round(_glu(g, u, inv_beta, beta, inv_lam, lam, ACT, HAS_LAMBDA, GPU), dt, GPU)
+
+
+@triton.jit
 def _round(x, dt: tl.constexpr, GPU: tl.constexpr):
     """fp32 -> dt, round to nearest even (a GPU cast does; the interpreter's bf16 cast truncates)."""
     if GPU or dt != tl.bfloat16:
@@ -434,14 +448,8 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, tab
         u_ptrs += step_w
         gs_ptrs += step_s
         us_ptrs += step_s
-    dt = h_ptr.dtype.element_ty
-    if ROUND_GU:  # gu = bf(x·w13ᵀ): the reference's rounding point
-        acc_g = _round(acc_g, dt, GPU).to(tl.float32)
-        acc_u = _round(acc_u, dt, GPU).to(tl.float32)
-    if TABLE:
-        h = _round(_glu_table(acc_g, acc_u, table_ptr), dt, GPU)
-    else:
-        h = _round(_glu(acc_g, acc_u, inv_beta, beta, inv_lam, lam, ACT, HAS_LAMBDA, GPU), dt, GPU)
+    h = _up_epilogue(acc_g, acc_u, table_ptr, inv_beta, beta, inv_lam, lam, h_ptr.dtype.element_ty, ACT, HAS_LAMBDA,
+                     ROUND_GU, TABLE, GPU)
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h, mask=(a_idx < n)[:, None] & (offs_n < I)[None, :])
 
@@ -487,6 +495,15 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, sorted_ptr, block_ex
 
 
 @triton.jit
+def _vec(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of an activation row, in fp32, zeros past its end."""
+    if EVEN_K:
+        return tl.load(ptrs).to(tl.float32)
+    else:
+        return tl.load(ptrs, mask=tl.arange(0, BLOCK_K) < k_left, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv(acc, w_ptrs, v, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BN, BK] + w [BN, BK] · v [BK] elementwise in fp32 (bf16 products are exact in fp32)."""
     if EVEN_K:
@@ -524,10 +541,7 @@ def _up_gemv_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I, E, strid
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
         k_left = D - k0 * BLOCK_K
-        if EVEN_K:
-            xv = tl.load(x_ptrs).to(tl.float32)
-        else:
-            xv = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
+        xv = _vec(x_ptrs, k_left, EVEN_K, BLOCK_K)
         acc_g = _gemv(acc_g, g_ptrs, xv, k_left, EVEN_K, BLOCK_K)
         acc_u = _gemv(acc_u, u_ptrs, xv, k_left, EVEN_K, BLOCK_K)
         x_ptrs += BLOCK_K
@@ -535,14 +549,8 @@ def _up_gemv_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I, E, strid
         u_ptrs += BLOCK_K
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
-    dt = h_ptr.dtype.element_ty
-    if ROUND_GU:
-        g = _round(g, dt, GPU).to(tl.float32)
-        u = _round(u, dt, GPU).to(tl.float32)
-    if TABLE:
-        h = _round(_glu_table(g, u, table_ptr), dt, GPU)
-    else:
-        h = _round(_glu(g, u, inv_beta, beta, inv_lam, lam, ACT, HAS_LAMBDA, GPU), dt, GPU)
+    h = _up_epilogue(g, u, table_ptr, inv_beta, beta, inv_lam, lam, h_ptr.dtype.element_ty, ACT, HAS_LAMBDA, ROUND_GU,
+                     TABLE, GPU)
     tl.store(h_ptr + a.to(tl.int64) * stride_hm + offs_n, h, mask=offs_n < I)
 
 
@@ -563,11 +571,7 @@ def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, I, E, st
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         k_left = I - k0 * BLOCK_K
-        if EVEN_K:
-            hv = tl.load(h_ptrs).to(tl.float32)
-        else:
-            hv = tl.load(h_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
-        acc = _gemv(acc, w_ptrs, hv, k_left, EVEN_K, BLOCK_K)
+        acc = _gemv(acc, w_ptrs, _vec(h_ptrs, k_left, EVEN_K, BLOCK_K), k_left, EVEN_K, BLOCK_K)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     wt = tl.load(weights_ptr + t * stride_pt + j * stride_pk)
