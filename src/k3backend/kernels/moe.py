@@ -52,8 +52,13 @@ _MAX_EXPERTS = 4096  # route: one program holds a token's E scores in registers
 # How experts_mxfp4 expands MXFP4 tiles (ExpertsConfig.decode): 0 tl.dot_scaled, 1 `_mx_expand`; the
 # faster on the GPU per bench/kernels_mxfp4.py --sweep (both are checked there and under the interpreter).
 MX_DECODE = 0
-# The most assignments (T·k) that take the GEMV kernels instead of the MMA tiles (ExpertsConfig.gemv).
-GEMV_ROWS = 0
+# Shapes that take the GEMV kernels instead of the MMA tiles (ExpertsConfig.gemv): at most GEMV_ROWS
+# assignments (T·k) and GEMV_PER_MATRIX rows per weight matrix (T·k/E), since each row streams its
+# matrix again. On the H200 at `small` (bench/kernels_moe.py, 2026-12-02): routed experts 2.1× at 1
+# token, 1.2× at 2, 1.1× at 4, 0.9× at 8; a dense [2·1024, 2048] glu 1.4× at 1-2 rows, [2·8192, 2048] 1.5×
+# at 1 row and 0.6× at 4.
+GEMV_ROWS = 24
+GEMV_PER_MATRIX = 2
 
 
 # ----------------------------------------------------------------------------- scalar math
@@ -618,8 +623,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - m ≤ 16 (decode): weight-streaming. BM 16 (the smallest tl.dot); N split fine (BN 64, or 32 / 16
       when the touched experts alone would not fill 2 waves of 132 SMs) instead of split-K, so the
       activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
-    - T·k ≤ GEMV_ROWS assignments (bf16 weights): the GEMV kernels, one program per assignment and
-      N block, BN 16 and BK 256 (the widest that fit small test sizes).
+    - a few rows (GEMV_ROWS, GEMV_PER_MATRIX; bf16 weights): the GEMV kernels, one program per
+      assignment and N block, BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens).
     - m ≤ 64: BM 32. m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger:
       BM 128 × BN 128, 8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why
       BM grows only with m (K3 at 8 K tokens: m ≈ 146).
@@ -642,7 +647,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         bm, up, down = 128, (128, 64, 8, 4), (128, 64, 8, 3)
 
     gemv = None
-    if not mxfp4 and T * k <= GEMV_ROWS:
+    if not mxfp4 and T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX:
         gemv = (min(16, max(16, triton.next_power_of_2(I))), min(256, max(16, triton.next_power_of_2(D))), 4, 3)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
