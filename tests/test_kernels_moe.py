@@ -383,9 +383,9 @@ def check_glu_linear_equals_reference_with_and_without_the_fp32_front():
 
 
 def check_gemv_kernels_equal_reference_for_a_few_rows():
-    """ExpertsConfig.gemv: routed experts and glu_linear for 1-4 rows, uneven and even K, both
-    activations, fp16, slots of other ranks' experts skipped; more rows (per matrix, or in all) keep
-    the MMA tiles."""
+    """ExpertsConfig.gemv: routed experts (bf16 and MXFP4) and glu_linear for 1-4 rows, uneven and even
+    K, both activations, fp16, slots of other ranks' experts skipped; more rows (per matrix, or in all)
+    keep the MMA tiles."""
     from k3backend.kernels import moe, moe_ref
     from k3backend.kernels.moe_ref import Activation
 
@@ -397,7 +397,7 @@ def check_gemv_kernels_equal_reference_for_a_few_rows():
         assert moe.experts_config(5, 3, 7, 64, 32).gemv is None, "15 rows over 7 experts > GEMV_PER_MATRIX"
         assert moe.experts_config(2, 1, 1, 64, 32).gemv is not None, "a dense glu at 2 rows"
         assert moe.experts_config(3, 1, 1, 64, 32).gemv is None, "a dense glu at 3 rows: MMA tiles"
-        assert moe.experts_config(1, 3, 7, 64, 32, mxfp4=True).gemv is None, "MXFP4 keeps the MMA tiles"
+        assert moe.experts_config(1, 3, 7, 64, 32, mxfp4=True).gemv is not None, "MXFP4 too"
         for T, D, I, act, dtype in [(1, 37, 23, Activation(**SITU), BF16), (2, 64, 32, Activation(**SITU), BF16),
                                     (4, 300, 40, Activation("situ", 4.0, None), BF16),
                                     (3, 37, 23, Activation("silu"), BF16),
@@ -410,6 +410,11 @@ def check_gemv_kernels_equal_reference_for_a_few_rows():
                 assert_bf16_close(got, want, scale, f"gemv T={T} D={D} I={I} {act.kind}")
             else:
                 torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * scale.max().item(), msg="gemv fp16")
+        for T, D, I in [(1, 96, 64), (2, 64, 96), (4, 320, 64)]:  # MXFP4: K tails of 1 and 2 exponent groups
+            args = mxfp4_case(T, 7, 3, D, I, seed=780 + T)
+            args[2][0, 0] = 9  # another rank's expert
+            got, want, scale = experts_mxfp4_both(*args, Activation(**SITU))
+            assert_bf16_close(got, want, scale, f"gemv mxfp4 T={T} D={D} I={I}")
         for T, D, I in [(1, 37, 23), (2, 64, 48)]:
             x, w_gu = randn(T, D, seed=750 + T, dtype=BF16), randn(2 * I, D, seed=751 + T, scale=D ** -0.5, dtype=BF16)
             for fp32_front in (False, True):

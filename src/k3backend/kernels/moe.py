@@ -355,14 +355,18 @@ def _mx_expand(w, s, BLOCK_K: tl.constexpr):
     """MXFP4 tile -> bf16 [BK, BN] by hand (DECODE 1): w [BK/2, BN] codes (low nibble = even k),
     s [BN, BK/32] E8M0 exponents. E2M1 codes become fp16 bit patterns (value · 2^-14; the 0.5 code
     is an fp16 subnormal, which conversions keep), then fp32 · 2^14 · 2^(s-127): exact."""
-    BN: tl.constexpr = w.shape[1]
-    wt = tl.trans(w)  # [BN, BK/2]
+    return tl.trans(_mx_rows(tl.trans(w), s, BLOCK_K).to(tl.bfloat16))
+
+
+@triton.jit
+def _mx_rows(wt, s, BLOCK_K: tl.constexpr):
+    """MXFP4 rows -> fp32 [BN, BK]: wt [BN, BK/2] codes, s [BN, BK/32] exponents (see `_mx_expand`)."""
+    BN: tl.constexpr = wt.shape[0]
     c = tl.join(wt & 0xF, wt >> 4).reshape(BN, BLOCK_K).to(tl.uint16)  # [BN, BK], k interleaved
     bits = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.uint16)  # (the shifts may have promoted c to int32)
     v = bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
     sc = tl.where(s == 0, 0x00400000, s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s-127)
-    v = (v.reshape(BN, BLOCK_K // 32, 32) * sc[:, :, None]).reshape(BN, BLOCK_K)
-    return tl.trans(v.to(tl.bfloat16))
+    return (v.reshape(BN, BLOCK_K // 32, 32) * sc[:, :, None]).reshape(BN, BLOCK_K)
 
 
 @triton.jit
@@ -509,49 +513,74 @@ def _vec(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv(acc, w_ptrs, v, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BN, BK] + w [BN, BK] · v [BK] elementwise in fp32 (bf16 products are exact in fp32)."""
-    if EVEN_K:
-        w = tl.load(w_ptrs)
+def _gemv(acc, w_ptrs, s_ptrs, v, k_left, EVEN_K: tl.constexpr, MX: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BN, BK] + w [BN, BK] · v [BK] elementwise in fp32 (bf16 products, and those of MXFP4 values
+    expanded by `_mx_rows`, are exact in fp32). MX: w_ptrs [BN, BK/2] codes, s_ptrs [BN, BK/32]."""
+    if MX:
+        if EVEN_K:
+            w = _mx_rows(tl.load(w_ptrs), tl.load(s_ptrs), BLOCK_K)
+        else:
+            w = _mx_rows(tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[None, :], other=0),
+                         tl.load(s_ptrs, mask=(tl.arange(0, BLOCK_K // 32) < k_left // 32)[None, :], other=127),
+                         BLOCK_K)
+    elif EVEN_K:
+        w = tl.load(w_ptrs).to(tl.float32)
     else:
-        w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[None, :], other=0.0)
-    return acc + w.to(tl.float32) * v[None, :]
+        w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[None, :], other=0.0).to(tl.float32)
+    return acc + w * v[None, :]
+
+
+@triton.jit
+def _row_ptrs(w_ptr, s_ptr, rows, stride_wn, stride_sn, MX: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pointers of the first K step of weight rows `rows` [BN] (int64) for the GEMV kernels: w [BN, BK]
+    (MXFP4: codes [BN, BK/2] and exponents [BN, BK/32]); step them by BK (BK/2, BK/32)."""
+    if MX:
+        w = w_ptr + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
+        s = s_ptr + rows[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
+    else:
+        w = w_ptr + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+        s = s_ptr
+    return w, s
 
 
 @triton.jit(do_not_specialize=["n"])
-def _up_gemv_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I, E, stride_xt, stride_we, stride_wn,
-                    stride_it, stride_ik, stride_hm, inv_beta, beta, inv_lam, lam, TOP_K: tl.constexpr,
-                    ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr, ROUND_GU: tl.constexpr,
-                    TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I, E, stride_xt, stride_we, stride_wn,
+                    stride_se, stride_sn, stride_it, stride_ik, stride_hm, inv_beta, beta, inv_lam, lam,
+                    TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
+                    ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr,
+                    MX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_up_kernel` for a handful of rows (ExpertsConfig.gemv): one program per (assignment, N block),
     h[a] in assignment order; the weights stream through vector loads and fp32 FMAs instead of MMA
-    tiles padded to 16 rows, and no align step runs. Assignments to other ranks' experts do nothing."""
+    tiles padded to 16 rows, and no align step runs. Assignments to other ranks' experts do nothing.
+    MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13 their exponents [E, 2I, D/32]."""
     a = tl.program_id(0)
     if DENSE:
         t = a
-        w_ptr = w13_ptr
+        w_ptr, s_ptr = w13_ptr, s13_ptr
     else:
         t = a // TOP_K
         e = tl.load(ids_ptr + t * stride_it + (a % TOP_K) * stride_ik)
         if (e < 0) | (e >= E):
             return
-        w_ptr = w13_ptr + e.to(tl.int64) * stride_we
+        w_ptr, s_ptr = w13_ptr + e.to(tl.int64) * stride_we, s13_ptr + e.to(tl.int64) * stride_se
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + (offs_n % I).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + I * stride_wn
-    x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + offs_k
+    g_ptrs, gs_ptrs = _row_ptrs(w_ptr, s_ptr, (offs_n % I).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)
+    u_ptrs, us_ptrs = g_ptrs + I * stride_wn, gs_ptrs + I * stride_sn
+    step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
+    step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
+    x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
         k_left = D - k0 * BLOCK_K
         xv = _vec(x_ptrs, k_left, EVEN_K, BLOCK_K)
-        acc_g = _gemv(acc_g, g_ptrs, xv, k_left, EVEN_K, BLOCK_K)
-        acc_u = _gemv(acc_u, u_ptrs, xv, k_left, EVEN_K, BLOCK_K)
+        acc_g = _gemv(acc_g, g_ptrs, gs_ptrs, xv, k_left, EVEN_K, MX, BLOCK_K)
+        acc_u = _gemv(acc_u, u_ptrs, us_ptrs, xv, k_left, EVEN_K, MX, BLOCK_K)
         x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        g_ptrs += step_w
+        u_ptrs += step_w
+        gs_ptrs += step_s
+        us_ptrs += step_s
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     h = _up_epilogue(g, u, table_ptr, inv_beta, beta, inv_lam, lam, h_ptr.dtype.element_ty, ACT, HAS_LAMBDA, ROUND_GU,
@@ -560,25 +589,30 @@ def _up_gemv_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I, E, strid
 
 
 @triton.jit(do_not_specialize=["n"])
-def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, I, E, stride_hm, stride_we, stride_wn,
-                      stride_yn, stride_it, stride_ik, stride_pt, stride_pk, TOP_K: tl.constexpr, GPU: tl.constexpr,
-                      EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[a, n-block] = bf(w_a · fp32(h[a]·w2ᵀ)) for one assignment (ExpertsConfig.gemv)."""
+def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, I, E, stride_hm, stride_we,
+                      stride_wn, stride_se, stride_sn, stride_yn, stride_it, stride_ik, stride_pt, stride_pk,
+                      TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[a, n-block] = bf(w_a · fp32(h[a]·w2ᵀ)) for one assignment (ExpertsConfig.gemv; MX: w2 codes
+    [E, D, I/2], s2 exponents [E, D, I/32])."""
     a = tl.program_id(0)
     t, j = a // TOP_K, a % TOP_K
     e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
     if (e < 0) | (e >= E):
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w2_ptr + e.to(tl.int64) * stride_we + (offs_n % D).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    h_ptrs = h_ptr + a.to(tl.int64) * stride_hm + offs_k
+    w_ptrs, s_ptrs = _row_ptrs(w2_ptr + e.to(tl.int64) * stride_we, s2_ptr + e.to(tl.int64) * stride_se,
+                               (offs_n % D).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)
+    step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
+    step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
+    h_ptrs = h_ptr + a.to(tl.int64) * stride_hm + tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         k_left = I - k0 * BLOCK_K
-        acc = _gemv(acc, w_ptrs, _vec(h_ptrs, k_left, EVEN_K, BLOCK_K), k_left, EVEN_K, BLOCK_K)
+        acc = _gemv(acc, w_ptrs, s_ptrs, _vec(h_ptrs, k_left, EVEN_K, BLOCK_K), k_left, EVEN_K, MX, BLOCK_K)
         h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += step_w
+        s_ptrs += step_s
     wt = tl.load(weights_ptr + t * stride_pt + j * stride_pk)
     y = _round(tl.sum(acc, axis=1) * wt, y_ptr.dtype.element_ty, GPU)
     tl.store(y_ptr + a.to(tl.int64) * stride_yn + offs_n, y, mask=offs_n < D)
@@ -605,7 +639,7 @@ class ExpertsConfig:
     """Tiles of the two grouped GEMMs; both share block_m (the align step's padding). decode: how
     MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_expand` + tl.dot); bf16 weights ignore it.
     table: the up GEMM's activation by lookup where its inputs are bf16-rounded (`_glu_table`).
-    gemv: bf16 weights run `_up_gemv_kernel` / `_down_gemv_kernel` with these tiles instead (a few rows)."""
+    gemv: `_up_gemv_kernel` / `_down_gemv_kernel` with these tiles instead (a few rows)."""
 
     block_m: int
     up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
@@ -623,8 +657,9 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - m ≤ 16 (decode): weight-streaming. BM 16 (the smallest tl.dot); N split fine (BN 64, or 32 / 16
       when the touched experts alone would not fill 2 waves of 132 SMs) instead of split-K, so the
       activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
-    - a few rows (GEMV_ROWS, GEMV_PER_MATRIX; bf16 weights): the GEMV kernels, one program per
-      assignment and N block, BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens).
+    - a few rows (GEMV_ROWS, GEMV_PER_MATRIX): the GEMV kernels, one program per assignment and N
+      block, BN 16 and BK 256 (near the best of the bf16 tiles measured at 1-4 tokens); MXFP4 weights
+      too, expanded to fp32 in registers.
     - m ≤ 64: BM 32. m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger:
       BM 128 × BN 128, 8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why
       BM grows only with m (K3 at 8 K tokens: m ≈ 146).
@@ -647,7 +682,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         bm, up, down = 128, (128, 64, 8, 4), (128, 64, 8, 3)
 
     gemv = None
-    if not mxfp4 and T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX:
+    if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX:
         gemv = (min(16, max(16, triton.next_power_of_2(I))), min(256, max(16, triton.next_power_of_2(D))), 4, 3)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
@@ -689,16 +724,18 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
     D, I = x.shape[1], w.shape[-2] // 2
     situ, lam = act.kind == "situ", act.linear_beta
     table = _act_table(act, x.device) if cfg.table and round_gu and h.dtype == torch.bfloat16 else None
-    if cfg.gemv is not None and s is None:
+    if cfg.gemv is not None:
         bn, bk, warps, stages = cfg.gemv
         _up_gemv_kernel[(n, triton.cdiv(I, bn))](
-            x_ptr=x, w13_ptr=w, h_ptr=h, ids_ptr=x if dense else ids, table_ptr=h if table is None else table, n=n,
-            D=D, I=I, E=1 if dense else w.shape[0], stride_xt=x.stride(0), stride_we=0 if dense else w.stride(0),
-            stride_wn=w.stride(-2), stride_it=0 if dense else ids.stride(0), stride_ik=0 if dense else ids.stride(1),
-            stride_hm=h.stride(0), inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
+            x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, h_ptr=h, ids_ptr=x if dense else ids,
+            table_ptr=h if table is None else table, n=n, D=D, I=I, E=1 if dense else w.shape[0],
+            stride_xt=x.stride(0), stride_we=0 if dense else w.stride(0), stride_wn=w.stride(-2),
+            stride_se=0 if s is None or dense else s.stride(0), stride_sn=0 if s is None else s.stride(-2),
+            stride_it=0 if dense else ids.stride(0), stride_ik=0 if dense else ids.stride(1), stride_hm=h.stride(0),
+            inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
             inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
             HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
-            EVEN_K=D % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+            EVEN_K=D % bk == 0, MX=s is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
         )
         return
     nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
@@ -814,17 +851,18 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0 or k == 0:
         return out.zero_()
-    if cfg.gemv is not None and scales is None:  # a few rows: assignment order, no align step
+    if cfg.gemv is not None:  # a few rows: assignment order, no align step
         h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
         y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
-        _launch_up(x, w13, None, h, None, None, T * k, k, act, cfg, dense=False, round_gu=True, ids=ids)
+        _launch_up(x, w13, s13, h, None, None, T * k, k, act, cfg, dense=False, round_gu=True, ids=ids)
         bn, bk, warps, stages = cfg.gemv
         _down_gemv_kernel[(T * k, triton.cdiv(D, bn))](
-            h_ptr=h, w2_ptr=w2, y_ptr=y, weights_ptr=weights, ids_ptr=ids, n=T * k, D=D, I=I, E=E,
-            stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_yn=y.stride(0),
-            stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_pt=weights.stride(0),
-            stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=warps, num_stages=stages,
+            h_ptr=h, w2_ptr=w2, s2_ptr=w2 if s2 is None else s2, y_ptr=y, weights_ptr=weights, ids_ptr=ids, n=T * k,
+            D=D, I=I, E=E, stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1),
+            stride_se=0 if s2 is None else s2.stride(0), stride_sn=0 if s2 is None else s2.stride(1),
+            stride_yn=y.stride(0), stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_pt=weights.stride(0),
+            stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, BLOCK_N=bn,
+            BLOCK_K=bk, num_warps=warps, num_stages=stages,
         )
         return _sum(y, ids, out, E, scaling)
     sorted_ids, block_expert = _align(ids, E, cfg.block_m)
