@@ -174,7 +174,9 @@ def cases(args: argparse.Namespace) -> list[Case]:
 
 # ----------------------------------------------------------------------------- tile sweep (GPU, by hand)
 def _candidates(cfg) -> list:
-    """The chosen tiles, then one change at a time: up's tiles, down's tiles, BM, GROUP_M."""
+    """The chosen tiles, then one change at a time: up's tiles, down's tiles, BM, GROUP_M; the GEMV
+    kernels' tiles (ExpertsConfig.gemv) where the shape is small enough to choose them, two of them
+    otherwise."""
     from dataclasses import replace
 
     tiles = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (64, 64, 4, 6),
@@ -185,6 +187,11 @@ def _candidates(cfg) -> list:
     out += [replace(cfg, down=t) for t in tiles if t != cfg.down]
     out += [replace(cfg, block_m=bm) for bm in (16, 32, 64, 128) if bm != cfg.block_m]
     out += [replace(cfg, group_m=g) for g in (1, 4, 16) if g != cfg.group_m]
+    gemv = [(16, 256, 4, 3), (8, 512, 4, 3), (32, 128, 4, 3), (8, 256, 2, 3), (16, 128, 4, 3)]
+    if cfg.gemv is not None:  # a few rows: the GEMV tiles, and the MMA tiles above (gemv None) for comparison
+        out = [cfg] + [replace(cfg, gemv=t) for t in gemv if t != cfg.gemv] + [replace(c, gemv=None) for c in out]
+    else:
+        out += [replace(cfg, gemv=t) for t in gemv[:2]]
     return out
 
 
@@ -215,7 +222,8 @@ def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
         for t, cfg, err in rows:
             mark = "*" if t == best else " "
             print(f"{mark} {shape.name} T{T:<6} {t * 1e3:9.3f} ms {byts / t / 1e12:5.2f} TB/s {err:4.2f} ulp "
-                  f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}",
+                  f"{flops / t / 1e12:6.1f} TFLOP/s  "
+                  + (f"gemv{cfg.gemv}" if cfg.gemv else f"BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}"),
                   flush=True)
 
 
