@@ -657,9 +657,10 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - m ≤ 16 (decode): weight-streaming. BM 16 (the smallest tl.dot); N split fine (BN 64, or 32 / 16
       when the touched experts alone would not fill 2 waves of 132 SMs) instead of split-K, so the
       activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
-    - a few rows (GEMV_ROWS, GEMV_PER_MATRIX): the GEMV kernels, one program per assignment and N
-      block, BN 16 and BK 256 (near the best of the bf16 tiles measured at 1-4 tokens); MXFP4 weights
-      too, expanded to fp32 in registers.
+    - a few rows (GEMV_ROWS, GEMV_PER_MATRIX; bf16 weights): the GEMV kernels, one program per
+      assignment and N block, BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens).
+      They take MXFP4 weights too (expanded to fp32 in registers), which bench/kernels_mxfp4.py times
+      against the MMA tiles; until a GPU run says so, MXFP4 keeps the MMA tiles.
     - m ≤ 64: BM 32. m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger:
       BM 128 × BN 128, 8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why
       BM grows only with m (K3 at 8 K tokens: m ≈ 146).
@@ -682,7 +683,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         bm, up, down = 128, (128, 64, 8, 4), (128, 64, 8, 3)
 
     gemv = None
-    if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX:
+    if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX and not mxfp4:  # MXFP4: built, not yet timed
         gemv = (min(16, max(16, triton.next_power_of_2(I))), min(256, max(16, triton.next_power_of_2(D))), 4, 3)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
