@@ -148,6 +148,32 @@ def test_several_prefill_chunks_share_one_padded_graph_step_and_change_no_output
     assert core.stats().steps == len(steps)  # every step replayed
 
 
+def test_steps_of_one_chunk_take_the_one_chunk_prefill_graphs(model64, tok):
+    """With the one-chunk graphs beside the multi-chunk ones (as `capture_graphs` makes them; here
+    their buffers run eagerly on the CPU), a step of one prefill chunk replays a one-chunk graph (no
+    dummy places) and a step of several the multi-chunk one, mixed steps included. Every request
+    equals its run alone."""
+    reqs = [Request(f"o{i}", tok.encode(f"one chunk {i}: " + "rs" * (1 + 3 * (i % 4)), allow_special=True),
+                    SamplingParams(max_tokens=2 + 3 * (i % 3), temperature=0.0 if i % 2 else 0.8, seed=i,
+                                   ignore_eos=True))
+            for i in range(7)]
+    reqs.insert(4, image_request(tok, "o-img", model64, "b", 3))
+    core = new_core(model64, max_num_seqs=4, max_num_batched_tokens=64, **PAGED)
+    runner = core.executor.runner
+    runner.graphs = runner.make_decode_graphs(core.cfg, capture=False)
+    runner.prefill_graphs = runner.make_prefill_graphs(core.cfg, (16, 32, 64), capture=False)
+    runner.prefill_single = runner.make_prefill_graphs(core.cfg, (16, 32, 64), capture=False, max_seqs=1)
+    used = []
+    for name in ("prefill_graphs", "prefill_single"):
+        graphs = getattr(runner, name)
+        graphs.run = lambda chunks, *rest, g=graphs, n=name, run_graph=graphs.run: \
+            used.append((n, len(chunks))) or run_graph(chunks, *rest)
+    outs = run(core, reqs[:1]) | run(core, reqs[1:])  # one prompt alone, then a wave that arrives together
+    assert_each_alone(model64, reqs, outs)
+    assert ("prefill_single", 1) in used and any(n == "prefill_graphs" and k > 1 for n, k in used), used
+    assert all((n == "prefill_single") == (k == 1) for n, k in used), used
+
+
 def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, tok):
     """Steps with decode rows and prefill chunks (requests admitted while others decode, with
     staggered lengths, an image prompt among them) run as the decode graphs' padded batch and then

@@ -15,7 +15,9 @@ one memory pool over static input buffers:
   as a one-token dummy sequence and the rest of the captured token count as a padding sequence of
   at least `PREFILL_PAD` tokens, all on the null slot and block. The sequences are independent in
   every op (varlen attention and recurrences, row-wise GEMMs and norms), so the padding changes no
-  real row. The layout tables are derived on the device inside the graph (kernels/varlen.py).
+  real row. The layout tables are derived on the device inside the graph (kernels/varlen.py). The
+  same sizes are captured again with one chunk place (`ModelRunner.prefill_single`): a step of one
+  chunk (a long prompt, a lone arrival) does not pay for the dummies.
 
 A step of decode rows and prefill chunks replays the decode graph and then the prefill graph
 (`ModelRunner._graphed`); a step that no graph holds runs eagerly, logged once per reason.

@@ -92,14 +92,17 @@ class ModelRunner:
         self._slots: dict[int, _Slot] = {}
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        # one chunk place per graph: a step of one chunk replays these, without the multi-chunk graphs'
+        # dummy places (one-token sequences, about 60 µs each at the `small` shape on the H200)
+        self.prefill_single: PrefillGraphs | None = None
         self._eager_logged: set[str] = set()
         self.prefill_ms: dict[int, float] = {}  # prefill tokens -> device ms of that graph's replay (GPU)
         self._last: tuple[torch.Tensor, dict[int, int]] = (torch.zeros(0, dtype=torch.long), {})  # ids, slot -> row
 
     @torch.inference_mode()
     def capture_graphs(self, cfg: EngineConfig) -> None:
-        """CUDA graphs for decode steps and prefill steps where `_wants_graphs`, in
-        one memory pool; a kind whose capture fails stays off."""
+        """CUDA graphs for decode steps and prefill steps (of several chunks, and of one) where
+        `_wants_graphs`, in one memory pool; a kind whose capture fails stays off."""
         if not _wants_graphs(self.device, cfg):
             return
         pool = torch.cuda.graph_pool_handle()
@@ -109,12 +112,18 @@ class ModelRunner:
             log.warning("CUDA graphs: capturing prefill graphs of one chunk each instead")
             prefill = self.make_prefill_graphs(cfg, sizes, capture=True, pool=pool, max_seqs=1)
         self.prefill_graphs = prefill if prefill is not None and prefill.graphs else None
+        if self.prefill_graphs is not None and self.prefill_graphs.max_seqs > 1:
+            single = self.make_prefill_graphs(cfg, sizes, capture=True, pool=pool, max_seqs=1)
+            self.prefill_single = single if single.graphs else None
         decode = self.make_decode_graphs(cfg, capture=True, pool=pool)
         self.graphs = decode if decode.graphs else None
         if self.prefill_graphs is not None:  # every rank replays the same graphs: they meet in the collectives
             self.prefill_ms = self.prefill_graphs.replay_ms(self.device)
             log.info("prefill graphs, device ms by prefill tokens: %s",
                      ", ".join(f"{n}: {ms:.2f}" for n, ms in sorted(self.prefill_ms.items())))
+        if self.prefill_single is not None:
+            log.info("prefill graphs of one chunk, device ms by prefill tokens: %s", ", ".join(
+                f"{n}: {ms:.2f}" for n, ms in sorted(self.prefill_single.replay_ms(self.device).items())))
 
     def _forward(self, batch) -> torch.Tensor:
         return self.model(batch, self.pools)
@@ -196,12 +205,19 @@ class ModelRunner:
         if chunks:
             if parts:  # the graphs share one memory pool: the decode logits must leave it first
                 parts[0] = parts[0].clone()
-            logits = self.prefill_graphs.run([_chunk(s) for s in chunks], *self._image_rows(chunks))
+            logits = self._prefill_for(chunks).run([_chunk(s) for s in chunks], *self._image_rows(chunks))
             sampled = [i for i, s in enumerate(chunks) if s.sample]
             # not logits[sampled]: a list index is a copy from pageable memory, which waits for the step
             parts.append(logits if len(sampled) == len(chunks) else
                          logits.index_select(0, to_device(sampled, torch.long, logits.device)))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _prefill_for(self, chunks: list[ScheduledSeq]) -> PrefillGraphs:
+        """The one-chunk graphs for a step of one chunk, else the graphs with room for several."""
+        single = self.prefill_single
+        if len(chunks) == 1 and single is not None and single.size_for([len(chunks[0].token_ids)]) is not None:
+            return single
+        return self.prefill_graphs
 
     def _eager_reason(self, decodes: list[ScheduledSeq], chunks: list[ScheduledSeq]) -> str:
         """'' when captured graphs hold the step's decode rows and prefill chunks, else why not."""
