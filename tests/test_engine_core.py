@@ -83,6 +83,15 @@ def test_padded_decode_steps_of_the_graph_buffers_change_no_output(model64, tok)
     assert {3, 1} <= set(calls), calls  # padded (3 -> 4) and exact-size steps both ran
 
 
+def staggered_requests(tok, name: str, n: int, letters: str, grow: int, tokens: int, more: int) -> list[Request]:
+    """n requests, greedy and sampled in turn, whose prompt and output lengths differ with i % 4 and
+    i % 3, so that they arrive, prefill and end in different steps; ids name[0] + i."""
+    return [Request(f"{name[0]}{i}", tok.encode(f"{name} {i}: " + letters * (1 + grow * (i % 4)), allow_special=True),
+                    SamplingParams(max_tokens=tokens + more * (i % 3), temperature=0.0 if i % 2 else 0.8, seed=i,
+                                   ignore_eos=True))
+            for i in range(n)]
+
+
 def _record_prefill(runner, calls: list) -> None:
     """Record (chunk lengths, starts, image rows, graph size) of every prefill-graph step."""
     graphs, run_graph = runner.prefill_graphs, runner.prefill_graphs.run
@@ -123,10 +132,7 @@ def test_several_prefill_chunks_share_one_padded_graph_step_and_change_no_output
     an image prompt) through the prefill graphs' buffers, eagerly on the CPU: chunk places a step
     leaves unused are one-token dummies, steps move between graph sizes (a larger graph's chunk
     place is a smaller one's padding row). Every request equals its run alone."""
-    reqs = [Request(f"s{i}", tok.encode(f"several {i}: " + "mn" * (1 + 3 * (i % 4)), allow_special=True),
-                    SamplingParams(max_tokens=3 + 3 * (i % 3), temperature=0.0 if i % 2 else 0.8, seed=i,
-                                   ignore_eos=True))
-            for i in range(8)]
+    reqs = staggered_requests(tok, "several", 8, "mn", 3, 3, 3)
     reqs.insert(2, image_request(tok, "s-img", model64, "e", 5))
     reqs.insert(6, image_request(tok, "s-img2", model64, "f", 6, text="and this one:"))
     core = new_core(model64, max_num_seqs=4, max_num_batched_tokens=64, **PAGED)
@@ -153,10 +159,7 @@ def test_steps_of_one_chunk_take_the_one_chunk_prefill_graphs(model64, tok):
     their buffers run eagerly on the CPU), a step of one prefill chunk replays a one-chunk graph (no
     dummy places) and a step of several the multi-chunk one, mixed steps included. Every request
     equals its run alone."""
-    reqs = [Request(f"o{i}", tok.encode(f"one chunk {i}: " + "rs" * (1 + 3 * (i % 4)), allow_special=True),
-                    SamplingParams(max_tokens=2 + 3 * (i % 3), temperature=0.0 if i % 2 else 0.8, seed=i,
-                                   ignore_eos=True))
-            for i in range(7)]
+    reqs = staggered_requests(tok, "one chunk", 7, "rs", 3, 2, 3)
     reqs.insert(4, image_request(tok, "o-img", model64, "b", 3))
     core = new_core(model64, max_num_seqs=4, max_num_batched_tokens=64, **PAGED)
     runner = core.executor.runner
@@ -178,10 +181,7 @@ def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, 
     """Steps with decode rows and prefill chunks (requests admitted while others decode, with
     staggered lengths, an image prompt among them) run as the decode graphs' padded batch and then
     the prefill graphs' padded chunks, eagerly on the CPU. Every request equals its run alone."""
-    reqs = [Request(f"m{i}", tok.encode(f"mixed {i}: " + "pq" * (1 + 2 * (i % 4)), allow_special=True),
-                    SamplingParams(max_tokens=3 + 4 * (i % 3), temperature=0.0 if i % 2 else 0.8, seed=i,
-                                   ignore_eos=True))
-            for i in range(7)]
+    reqs = staggered_requests(tok, "mixed", 7, "pq", 2, 3, 4)
     reqs.insert(3, image_request(tok, "m-img", model64, "d", 4))
     core = new_core(model64, max_num_seqs=3, max_num_batched_tokens=16, **PAGED)
     runner = core.executor.runner
