@@ -108,13 +108,15 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         sizes = prefill_graph_sizes(cfg)
         prefill = self.make_prefill_graphs(cfg, sizes, capture=True, pool=pool) if sizes else None
-        if prefill is not None and not prefill.graphs and prefill.max_seqs > 1:  # keep one-chunk graphs at least
-            log.warning("CUDA graphs: capturing prefill graphs of one chunk each instead")
-            prefill = self.make_prefill_graphs(cfg, sizes, capture=True, pool=pool, max_seqs=1)
-        self.prefill_graphs = prefill if prefill is not None and prefill.graphs else None
-        if self.prefill_graphs is not None and self.prefill_graphs.max_seqs > 1:
+        single = None
+        if prefill is not None and prefill.max_seqs > 1:  # the same sizes with one chunk place
             single = self.make_prefill_graphs(cfg, sizes, capture=True, pool=pool, max_seqs=1)
-            self.prefill_single = single if single.graphs else None
+            if not prefill.graphs:  # keep one-chunk graphs at least
+                if single.graphs:
+                    log.warning("CUDA graphs: only prefill steps of one chunk replay graphs")
+                prefill, single = single, None
+        self.prefill_graphs = prefill if prefill is not None and prefill.graphs else None
+        self.prefill_single = single if single is not None and single.graphs else None
         decode = self.make_decode_graphs(cfg, capture=True, pool=pool)
         self.graphs = decode if decode.graphs else None
         if self.prefill_graphs is not None:  # every rank replays the same graphs: they meet in the collectives

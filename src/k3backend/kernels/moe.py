@@ -684,7 +684,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
 
     gemv = None
     if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX and not mxfp4:  # MXFP4: built, not yet timed
-        gemv = (min(16, max(16, triton.next_power_of_2(I))), min(256, max(16, triton.next_power_of_2(D))), 4, 3)
+        gemv = (16, min(256, max(16, triton.next_power_of_2(D))), 4, 3)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
         bn, bk, warps, stages = tiles  # tiny test sizes: no tile wider than the (padded) matrix
