@@ -109,8 +109,9 @@ def check(layer: MxLayer, args: tuple, cfg=None) -> str:
 
 
 def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list[str]:
-    """Check and time experts_mxfp4 with each expansion (moe.MX_DECODE's first), the GEMV kernels where
-    the bf16 experts take them, and the bf16 kernel at each T; returns the table rows."""
+    """Check and time experts_mxfp4 with each expansion (moe.MX_DECODE's first), the MMA tiles where it
+    takes the GEMV kernels and the GEMV kernels where only the bf16 experts do, and the bf16 kernel at
+    each T; returns the table rows."""
     from k3backend.kernels import moe
 
     s, rows = layer.s, []
@@ -121,8 +122,9 @@ def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list
         chosen = moe.experts_config(T, s.k, s.E, s.D, s.I, mxfp4=True)
         t_bf = time_fn(lambda: moe.experts(*layer.bf16_args(x, w, ids)), True, iters)
         gemv = moe.experts_config(T, s.k, s.E, s.D, s.I).gemv  # the bf16 rule's GEMV tiles, where it takes them
-        for cfg in (chosen, dataclasses.replace(chosen, decode=1 - chosen.decode)) + (
-                (dataclasses.replace(chosen, gemv=gemv),) if gemv and not chosen.gemv else ()):
+        other = (dataclasses.replace(chosen, gemv=None) if chosen.gemv
+                 else dataclasses.replace(chosen, gemv=gemv) if gemv else None)
+        for cfg in (chosen, dataclasses.replace(chosen, gemv=None, decode=1 - chosen.decode)) + ((other,) if other else ()):
             shape = f"T{T} hit{hit}/{s.E} " + (f"gemv{cfg.gemv[:2]}" if cfg.gemv else f"BM{cfg.block_m} d{cfg.decode}")
             try:
                 status = check(layer, (x, w, ids), cfg) if do_check else ""

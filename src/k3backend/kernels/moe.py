@@ -59,6 +59,9 @@ MX_DECODE = 0
 # at 1 row and 0.6× at 4.
 GEMV_ROWS = 24
 GEMV_PER_MATRIX = 2
+# MXFP4 weights expand in registers, so the GEMV kernels win over fewer rows (same bench, bench/
+# kernels_mxfp4.py): 2.06× the MMA tiles at 1 token, 1.31× at 2, 0.92× at 4, 0.68× at 8.
+GEMV_ROWS_MXFP4 = 12
 
 
 # ----------------------------------------------------------------------------- scalar math
@@ -659,8 +662,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
     - a few rows (GEMV_ROWS, GEMV_PER_MATRIX; bf16 weights): the GEMV kernels, one program per
       assignment and N block, BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens).
-      They take MXFP4 weights too (expanded to fp32 in registers), which bench/kernels_mxfp4.py times
-      against the MMA tiles; until a GPU run says so, MXFP4 keeps the MMA tiles.
+      MXFP4 weights take them too (expanded to fp32 in registers), over fewer rows (GEMV_ROWS_MXFP4).
     - m ≤ 64: BM 32. m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger:
       BM 128 × BN 128, 8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why
       BM grows only with m (K3 at 8 K tokens: m ≈ 146).
@@ -683,7 +685,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         bm, up, down = 128, (128, 64, 8, 4), (128, 64, 8, 3)
 
     gemv = None
-    if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX and not mxfp4:  # MXFP4: built, not yet timed
+    if T * k <= (GEMV_ROWS_MXFP4 if mxfp4 else GEMV_ROWS) and m <= GEMV_PER_MATRIX:
         gemv = (16, min(256, max(16, triton.next_power_of_2(D))), 4, 3)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
