@@ -332,6 +332,10 @@ def compile_sm90() -> None:
             "has_initial_state": "*i1", "T": "i32", "s_x": "i32"}
     build("short_conv", kda._short_conv_kernel, conv, dict(C=C, W=W, BT=16, BC=128, ACC=tl.float32, BITS=False), 4)
     build("short_conv history", kda._short_conv_history_kernel, conv, dict(C=C, W=W, BW=W, BC=128), 4)
+    build("kda_prefill inputs", kda_chunk._kda_inputs_kernel,
+          {**p("q k f b", "*bf16"), **p("dt_bias A_log q_out k_out g_out beta_out", "*fp32"),
+           **p("T s_q s_k s_f s_b", "i32")},
+          dict(H=H, K=K, BK=K, ROWS=16, SCALE=K ** -0.5, USE_LOWER_BOUND=True, LOWER_BOUND=LB, ACC=tl.float32), 4)
     idx = {"chunk_seq": "*i32", "chunk_start": "*i64", "cu_seqlens": "*i32"}
     build("kda_prefill intra", kda_chunk._kda_intra_kernel,
           {**p("q k g beta Akk gl", "*fp32"), **p("Aqk kb qg kg", "*bf16"), **idx,

@@ -182,6 +182,29 @@ def check_kda_prefill(dtype: str, gate: str, seed: int) -> None:
     assert_slots(args[5], ref[5], before, slots + [3], KERNEL_PREFILL[dt], "S_pool")
 
 
+def check_kda_prefill_inputs(dtype: str, lower_bound: float | None, seed: int) -> None:
+    """q̂, k̂, g and β of 37 tokens (two 16-row blocks and a ragged third) from row-strided slices, as the
+    layer passes them (q and k columns of the conv output, f and b of the input GEMM's rows)."""
+    from k3backend.kernels import kda_chunk, kda_ref
+
+    dt = DTYPES[dtype]
+    a = acc(dt)
+    gen = torch.Generator().manual_seed(seed)
+    T = 37
+    qk = row_slice(rand(gen, T, 2, H, K, scale=2).to(dt))
+    q, k = qk[:, 0], qk[:, 1]
+    f, b = row_slice(rand(gen, T, H, K, scale=3).to(dt)), row_slice(rand(gen, T, H, scale=2).to(dt))
+    args = [q, k, f, b, rand(gen, H * K, scale=0.5).to(a),
+            torch.log(1 + 15 * torch.rand(H, generator=gen, dtype=torch.float64)).to(a), lower_bound, K ** -0.5]
+    ok, why = kda_chunk.kda_prefill_inputs_supports(*args)
+    assert ok, why
+    with poisoned_empty():
+        got = kda_chunk.kda_prefill_inputs(*args)
+    for name, x, y in zip(("q", "k", "g", "beta"), got, kda_ref.kda_prefill_inputs(*args)):
+        assert x.dtype == y.dtype == a, f"{name}: {x.dtype}, reference {y.dtype}"
+        torch.testing.assert_close(x, y, **KERNEL[a], msg=lambda m: f"{name}: {m}")
+
+
 def check_layer_steps(dtype: str) -> None:
     """A KDA layer over prefill, decode and mixed steps: with every registered fast op (each call must be
     accepted by its verifier, and each op must run) it equals the same steps on the references."""
@@ -231,7 +254,8 @@ def check_layer_steps(dtype: str) -> None:
         outs[mode] = (torch.cat(ys), streams.cache.state, streams.cache.conv)
     for name, op in dispatchers.items():
         setattr(kernels, name, op)
-    unused = [name for name in ("kda_decode_fused", "short_conv", "kda_prefill") if not calls[name]]
+    unused = [name for name in ("kda_decode_fused", "short_conv", "kda_prefill_inputs", "kda_prefill")
+              if not calls[name]]
     assert not unused, f"the layer never called {unused}"
     (y, S, conv), (y_ref, S_ref, conv_ref) = outs["triton"], outs["ref"]
     torch.testing.assert_close(y, y_ref, **KERNEL_PREFILL[dt], msg=lambda m: f"layer output: {m}")
@@ -254,6 +278,9 @@ CASES: Cases = {
     **{f"short_conv-{d}": ("check_short_conv", {"dtype": d, "seed": 30 + i}) for i, d in enumerate(DTYPES)},
     **{f"prefill-{d}-{gate}": ("check_kda_prefill", {"dtype": d, "gate": gate, "seed": 40 + i})
        for i, (d, gate) in enumerate((("fp64", "lb5"), ("fp64", "steep"), ("bf16", "lb5")))},
+    **{f"inputs-{d}-{gate}": ("check_kda_prefill_inputs", {"dtype": d, "lower_bound": lb, "seed": 50 + i})
+       for i, (d, (gate, lb)) in enumerate((d, g) for d in DTYPES for g in (("lb5", -5.0), ("softplus", None))
+                                           if d != "fp32" or g[1] is not None)},
     "layer-fp32": ("check_layer_steps", {"dtype": "fp32"}),
 }
 
@@ -284,6 +311,11 @@ def test_short_conv_matches_reference(case, interpreted):
 
 @pytest.mark.parametrize("case", _cases("prefill"))
 def test_kda_prefill_matches_reference(case, interpreted):
+    assert interpreted[case] is None, interpreted[case]
+
+
+@pytest.mark.parametrize("case", _cases("inputs"))
+def test_kda_prefill_inputs_match_reference(case, interpreted):
     assert interpreted[case] is None, interpreted[case]
 
 

@@ -23,6 +23,7 @@ from k3backend.kernels.kda_ref import (
     kda_decode_fused,
     kda_gate,
     kda_prefill,
+    kda_prefill_inputs,
     kda_recurrent,
     short_conv,
     short_conv_decode,
@@ -60,7 +61,7 @@ if MODE not in ("ref", "triton", "auto"):
 # Fast implementations: op name -> module that defines `<op>` and `<op>_supports(*args, **kwargs)`.
 FAST_OPS: dict[str, str] = {
     **dict.fromkeys(("kda_decode_fused", "kda_decode", "short_conv"), "k3backend.kernels.kda"),
-    "kda_prefill": "k3backend.kernels.kda_chunk",
+    **dict.fromkeys(("kda_prefill", "kda_prefill_inputs"), "k3backend.kernels.kda_chunk"),
     "experts": "k3backend.kernels.moe",
     "experts_mxfp4": "k3backend.kernels.moe",
     "glu_linear": "k3backend.kernels.moe",
@@ -134,7 +135,7 @@ def reference_ops() -> Iterator[None]:
 __all__ = [
     "Activation", "acc_dtype", "attn_res_mix", "attn_res_mix_norm", "dequant_mxfp4", "experts", "experts_mxfp4",
     "gated_rms_norm", "glu", "kda_chunked",
-    "kda_decode", "kda_gate", "kda_prefill", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
+    "kda_decode", "kda_gate", "kda_prefill", "kda_prefill_inputs", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "race_draw", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
     "situ_and_mul", "glu_linear", "kda_decode_fused", "VarlenLayout", "varlen_layout",
 ]

@@ -133,9 +133,9 @@ def _store_history(hist, window, c, m_c, C: tl.constexpr, W: tl.constexpr, BW: t
 
 
 @triton.jit
-def _l2(x, EPS: tl.constexpr, ACC: tl.constexpr):
-    """§2.6: x·rsqrt(Σx² + eps)."""
-    return x * tl.math.rsqrt(tl.sum(x * x, axis=0) + tl.full([], EPS, ACC))
+def _l2(x, EPS: tl.constexpr, ACC: tl.constexpr, AXIS: tl.constexpr = 0):
+    """§2.6: x·rsqrt(Σx² + eps), the sum over AXIS (a row, or the rows of a [tokens, K] block)."""
+    return x * tl.math.rsqrt(tl.sum(x * x, axis=AXIS, keep_dims=True) + tl.full([], EPS, ACC))
 
 
 @triton.jit

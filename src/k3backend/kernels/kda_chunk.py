@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from k3backend.kernels.kda import (
-    _FLOATS, _INTERPRET, _acc, _device_problem, _first, _num_sms, _raise_if, _round, _shape_problem,
+    _FLOATS, _INTERPRET, _acc, _device_problem, _first, _kda_gate, _l2, _num_sms, _raise_if, _round, _shape_problem,
 )
 from k3backend.kernels.varlen import KDA_CHUNK, VarlenLayout, layout_problem, varlen_layout
 
@@ -318,6 +318,77 @@ def _kda_state_kernel(w, u, qg, kg, Aqk, gl, S_pool, state_indices, has_initial_
                 tl.store(p_D, S.to(S_pool.dtype.element_ty), mask=m_S)
     if slot != 0:
         tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _kda_inputs_kernel(q, k, f, b, dt_bias, A_log, q_out, k_out, g_out, beta_out, T, s_q, s_k, s_f, s_b,
+                       H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr,
+                       USE_LOWER_BOUND: tl.constexpr, LOWER_BOUND: tl.constexpr, ACC: tl.constexpr):
+    """Program (ROWS tokens, head h): their q̂, k̂, g and β, one read of each input row."""
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    i_h = tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    m_t = t < T
+    m = m_t[:, None] & (o_k < K)[None, :]
+    t64 = t.to(tl.int64)
+    col = i_h * K + o_k[None, :]
+    out = t64[:, None] * (H * K) + col
+    x = tl.load(q + t64[:, None] * s_q + col, mask=m, other=0).to(ACC)
+    tl.store(q_out + out, _l2(x, 1e-6, ACC, 1) * tl.full([], SCALE, ACC), mask=m)
+    x = tl.load(k + t64[:, None] * s_k + col, mask=m, other=0).to(ACC)
+    tl.store(k_out + out, _l2(x, 1e-6, ACC, 1), mask=m)
+    bias = tl.load(dt_bias + col, mask=(o_k < K)[None, :], other=0)
+    g = _kda_gate(tl.load(f + t64[:, None] * s_f + col, mask=m, other=0), bias, tl.load(A_log + i_h),
+                  USE_LOWER_BOUND, LOWER_BOUND, ACC)
+    tl.store(g_out + out, g, mask=m)
+    tl.store(beta_out + t64 * H + i_h, tl.sigmoid(tl.load(b + t64 * s_b + i_h, mask=m_t, other=0).to(ACC)), mask=m_t)
+
+
+def _inputs_problem(q, k, f, b, dt_bias, A_log) -> str:
+    if q.dim() != 3 or b.dim() != 2:
+        return f"expected q, k, f [T, H, K] and b [T, H]; got q {list(q.shape)}, b {list(b.shape)}"
+    T, H, K = q.shape
+    acc = torch.float64 if dt_bias.dtype == torch.float64 else torch.float32
+    rows = [n for n, t in (("q", q), ("k", k), ("f", f)) if t.stride(-1) != 1 or t.stride(-2) != K]
+    return _first(
+        _shape_problem("k", k, (T, H, K), (q.dtype,)),
+        _shape_problem("f", f, (T, H, K), _FLOATS),
+        _shape_problem("b", b, (T, H), _FLOATS),
+        _shape_problem("dt_bias", dt_bias.view(-1), (H * K,), _FLOATS),
+        _shape_problem("A_log", A_log, (H,), _FLOATS),
+        "" if (q.dtype == torch.float64) == (acc == torch.float64) else
+        f"q {q.dtype} and dt_bias {dt_bias.dtype} have different accumulation dtypes",
+        "" if K <= 256 else f"head dim K = {K}: more than 256",
+        "" if not rows and b.stride(-1) == 1 else "q, k, f need contiguous [H, K] rows and b contiguous [H]",
+        _device_problem(dt_bias, A_log) or _device_problem(q, k, f, b, dt_bias, contiguous=False),
+    )
+
+
+def kda_prefill_inputs_supports(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                                dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None,
+                                scale: float) -> tuple[bool, str]:
+    problem = _inputs_problem(q, k, f, b, dt_bias, A_log)
+    return not problem, problem
+
+
+def kda_prefill_inputs(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor,
+                       A_log: torch.Tensor, lower_bound: float | None,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`kda_ref.kda_prefill_inputs` in one launch instead of about ten elementwise ones: the inputs may
+    be row-strided slices (of the conv output, of the input GEMM's rows)."""
+    _raise_if(_inputs_problem(q, k, f, b, dt_bias, A_log), "kda_prefill_inputs")
+    T, H, K = q.shape
+    acc = torch.float64 if dt_bias.dtype == torch.float64 else torch.float32
+    q_out, k_out, g = (torch.empty(T, H, K, dtype=acc, device=q.device) for _ in range(3))
+    beta = torch.empty(T, H, dtype=acc, device=q.device)
+    if T:
+        ROWS = 16
+        _kda_inputs_kernel[(triton.cdiv(T, ROWS), H)](
+            q, k, f, b, dt_bias, A_log, q_out, k_out, g, beta, T, q.stride(0), k.stride(0), f.stride(0), b.stride(0),
+            H=H, K=K, BK=triton.next_power_of_2(K), ROWS=ROWS, SCALE=scale, USE_LOWER_BOUND=lower_bound is not None,
+            LOWER_BOUND=0.0 if lower_bound is None else lower_bound, ACC=tl.float64 if acc == torch.float64
+            else tl.float32, num_warps=4)
+    return q_out, k_out, g, beta
 
 
 def _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout=None) -> str:

@@ -54,6 +54,16 @@ def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, lower_
     return -A * torch.where(s > 20.0, s, torch.log1p(torch.exp(s)))
 
 
+def kda_prefill_inputs(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor,
+                       A_log: torch.Tensor, lower_bound: float | None,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked form's per-token inputs: q̂ = l2(q)·scale, k̂ = l2(k) (§2.6), g = `kda_gate(f)` (§5.3)
+    and β = σ(b) (§5.4), in the accumulation dtype. q, k, f: [T, H, K] (conv output, gate
+    pre-activation); b: [T, H] beta logits."""
+    g = kda_gate(f, dt_bias, A_log, lower_bound)
+    return l2_norm(q) * scale, l2_norm(k), g, torch.sigmoid(b.to(g.dtype))
+
+
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token recurrence (§5.6), everything in the accumulation dtype of S.

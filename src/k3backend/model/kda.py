@@ -101,14 +101,12 @@ class KDA(nn.Module):
         T = xqkv.shape[0]
         H, K, V = self.H, self.K, self.V
         nd, si = batch.num_decode, batch.state_indices
-        g = kernels.kda_gate(f, self.dt_bias, self.A_log, self.lower_bound)  # [T', H, K] fp32
-        beta = torch.sigmoid(b.to(g.dtype))  # [T', H]
         qkv = kernels.short_conv(xqkv, w, cache.conv, batch.prefill_cu_seqlens, si[nd:], batch.has_initial_state[nd:],
                                  layout=batch.prefill_layout)  # bf(silu(conv))
         self._snapshot_conv(xqkv, batch.prefill_layout, cache)
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-        q = kernels.l2_norm(q.view(T, H, K)) * K ** -0.5
-        k = kernels.l2_norm(k.view(T, H, K))
+        q, k, g, beta = kernels.kda_prefill_inputs(q.view(T, H, K), k.view(T, H, K), f, b, self.dt_bias, self.A_log,
+                                                   self.lower_bound, K ** -0.5)  # fp32; g [T', H, K], beta [T', H]
         o = kernels.kda_prefill(q, k, v.view(T, H, V), g, beta, cache.state, batch.prefill_cu_seqlens, si[nd:],
                                 batch.has_initial_state[nd:], layout=batch.prefill_layout)
         return kernels.gated_rms_norm(o.to(xqkv.dtype), z, self.o_norm.weight, O_NORM_EPS)  # out_t = bf(o_t)
