@@ -6,6 +6,7 @@ captured graph, or eager with --enforce-eager) and one prefill, on random `small
     python bench/profile_step.py --batch --prefill 0 --after-prefix 3072:1024 4080:16   # chunks that continue a prefix
     python bench/profile_step.py --step-kinds                    # decode, chunks, decode + chunks, image rows
     python bench/profile_step.py --step-kinds --layers 48        # how host time grows with depth
+    python bench/profile_step.py --step-kinds --kind-kernels --rows 15   # and each kind's top kernels
     python bench/profile_step.py --step-kinds --random-weights tiny --device cpu
 
 Prints, per step, the number of kernels, their summed device time and the top kernels by device
@@ -130,6 +131,8 @@ def kinds_table(runner, args: argparse.Namespace, device: torch.device, hidden: 
         med = lambda v: sorted(v)[len(v) // 2] * 1e3  # noqa: E731
         print(f"{label:<40} {med(host):>8.2f} {med(wall):>8.2f} {kernels:>8} {busy:>9} {searches[0]:>12} "
               f"{graph_check(runner, plan)}", flush=True)
+        if args.kind_kernels and device.type == "cuda":
+            profiled(step, args.rows, label)
 
 
 def graph_check(runner, plan: StepPlan) -> str:
@@ -221,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kind-chunk", type=int, default=256, help="--step-kinds: tokens of a prefill chunk")
     ap.add_argument("--kind-image-rows", type=int, default=256, help="--step-kinds: image rows of the image step")
     ap.add_argument("--iters", type=int, default=5, help="--step-kinds: timed runs of each kind (the median)")
+    ap.add_argument("--kind-kernels", action="store_true", help="--step-kinds: each kind's top kernels too")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     ns = argparse.Namespace(checkpoint=None, random_weights=args.random_weights, seed=0, experts=args.experts,
