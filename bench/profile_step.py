@@ -140,11 +140,14 @@ def graph_check(runner, plan: StepPlan) -> str:
     tokens alone) between the prefill graph's replay and (a) the same padded buffers run eagerly (the
     capture itself: 0 expected), (b) the chunks run eagerly unpadded (other shapes, so other GEMM
     tilings: rounding), as 'a/b (|logits| max)'; '-' when the step replays no prefill graph."""
-    nd, graphs = plan.num_decode, runner.prefill_graphs
+    nd = plan.num_decode
     chunks = plan.seqs[nd:]
     eager = getattr(runner, "_eager_reason", None)  # None: an older tree (gpu_traffic.sh's OLD_SRC)
-    if not chunks or graphs is None or eager is None or eager(plan.seqs[:nd], chunks):
+    if not chunks or runner.prefill_graphs is None or eager is None or eager(plan.seqs[:nd], chunks):
         return "-"
+    # the graphs the step replayed: their buffers hold its tables (a one-chunk step takes the one-chunk
+    # graphs, and the multi-chunk ones still hold an earlier step's)
+    graphs = runner._prefill_for(chunks) if hasattr(runner, "_prefill_for") else runner.prefill_graphs
     replay = runner.logits(plan)[nd:].float().clone()
     size = graphs.size_for([len(c.token_ids) for c in chunks])
     padded = graphs.forward(graphs.batch(size))[:len(chunks)].float()
