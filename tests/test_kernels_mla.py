@@ -146,6 +146,50 @@ def check_prefill_matches_reference() -> None:
         assert_matches(out, mla_ref.mla_prefill(*prefill_args(p)), f"prefill {dtype}")
 
 
+def check_prefill_expanded_prefix_matches_reference() -> None:
+    """Chunks of at least PREFIX_MIN_LEN tokens (4 here) see their cached prefix up-projected in the
+    workspace while the prefixes fit PREFIX_TOKENS (20 here): 6 + 4 and 3 + 7 do; 11 + 1 is too short,
+    15 + 5 and 2 + 6 are past the workspace (absorbed form). The workspace is NaN outside the rows
+    written, and every output element is compared with the reference (absorbed everywhere)."""
+    from k3backend.kernels import mla, mla_ref, varlen
+
+    prefix, chunk = PREFIX + [15, 2], CHUNK + [5, 6]
+    saved = mla.PREFIX_TOKENS, mla.PREFIX_MIN_LEN
+    mla.PREFIX_TOKENS, mla.PREFIX_MIN_LEN = 20, 4
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            p = paged_problem(prefix, chunk, dtype, seed=11)
+            args = prefill_args(p)
+            layout = varlen.varlen_layout(p["cu_seqlens"], int(p["cu_seqlens"][-1]), p["context_lens"],
+                                          p["block_tables"], DIMS["bs"])
+            pcu, mha = layout.expanded_prefix(mla.PREFIX_TOKENS, mla.PREFIX_MIN_LEN)
+            assert pcu.tolist() == [0, 0, 6, 6, 6, 9, 9, 9], pcu.tolist()
+            want_mha = [x == 0 or (x, c) in ((6, 4), (3, 7)) for x, c in zip(prefix, chunk)]
+            assert mha.tolist() == torch.repeat_interleave(torch.tensor(want_mha), torch.tensor(chunk)).tolist()
+            with poisoned_empty():
+                out = mla.mla_prefill(*args, layout=layout)
+            if dtype == torch.float32:
+                assert_matches(out, mla_ref.mla_prefill(*args), "prefill, expanded prefixes, fp32")
+                T, N, r = p["q_nope"].shape[0], DIMS["N"], DIMS["r"]  # the absorbed kernel skips those chunks
+                o_hat = mla.latent_attention(mla._absorb(p["q_nope"], p["w_kc"]), p["q_pe"], p["pool"],
+                                             p["block_tables"], p["context_lens"], p["scale"],
+                                             torch.full((T, N, r), float("nan")), cu_seqlens=p["cu_seqlens"],
+                                             splits=1, config=mla.PREFILL_LATENT, skip_fresh=True, prefix_cu=pcu)
+                assert torch.isnan(o_hat[mha]).all() and torch.isfinite(o_hat[~mha]).all()
+                continue
+            # bf16: the expanded form rounds k and v where the reference's absorbed form rounds q̂ and ô,
+            # so both are held to the same bound against the fp32 reference on the same values: 2 bf16
+            # ulps of the row's largest output
+            exact = mla_ref.mla_prefill(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+                                          for a in args))
+            bound = exact.abs().amax(-1, keepdim=True) * 2.0 ** -6
+            for what, got in (("kernels", out), ("bf16 reference", mla_ref.mla_prefill(*args))):
+                excess = ((got.float() - exact).abs() - bound).max().item()
+                assert excess <= 0, f"prefill, expanded prefixes, bf16 {what}: {excess} over 2 ulps of the row"
+    finally:
+        mla.PREFIX_TOKENS, mla.PREFIX_MIN_LEN = saved
+
+
 def check_prefill_all_fresh_and_all_cached() -> None:
     from k3backend.kernels import mla, mla_ref
 
@@ -233,6 +277,10 @@ def test_prefill_matches_reference():
     CHECKS.assert_passed("prefill_matches_reference")
 
 
+def test_prefill_expanded_prefix_matches_reference():
+    CHECKS.assert_passed("prefill_expanded_prefix_matches_reference")
+
+
 def test_prefill_all_fresh_and_all_cached():
     CHECKS.assert_passed("prefill_all_fresh_and_all_cached")
 
@@ -269,7 +317,7 @@ def _latent_args(config: dict, N: int, T: int, split: bool) -> dict:
     r, bn = 512, config["BLOCK_N"]
     desc = lambda w: f"tensordesc<bf16[{bn}, {w}]>" if config["tma"] else "*bf16"  # noqa: E731
     return dict(q_ptr="*bf16", qpe_ptr="*bf16", pool_ptr="*bf16", ckv_desc=desc(512), kpe_desc=desc(64), bt_ptr="*i32",
-                ctx_ptr="*i32", cu_ptr="*i32", tile_cu_ptr="*i32", out_ptr="*fp32" if split else "*bf16",
+                ctx_ptr="*i32", cu_ptr="*i32", tile_cu_ptr="*i32", pcu_ptr="*i32", out_ptr="*fp32" if split else "*bf16",
                 lse_ptr="*fp32", scale=0.07, B=64, N=N, num_splits=4, tiles_per_seq=1, s_qt=r, s_qh=T * r,
                 s_pt=N * 192, s_ph=192, s_blk=64 * 576, s_row=576, s_bt=256, s_os=T * N * r, s_ot=N * r, s_oh=r,
                 s_ls=T * N, s_lt=N, s_lh=1)
@@ -283,7 +331,7 @@ def test_configs_compile_for_hopper_without_spills():
     from k3backend.kernels import mla
 
     latent = {"BLOCK_SIZE": 64, "R": 512, "DR": 64, "BLOCK_R": 512, "BLOCK_DR": 64, "F32_DOT": False, "SPLIT_P": True,
-              "INTERPRET": False, "SEARCH": mla.SEARCH}
+              "INTERPRET": False, "SEARCH": mla.SEARCH, "PREFIX": False}
     runs = []
     cfg = mla.decode_config(16)
     runs.append(("decode", mla._latent_attn_kernel, _latent_args(cfg, 16, 64, True), cfg,
@@ -293,15 +341,24 @@ def test_configs_compile_for_hopper_without_spills():
     assert {k: v for k, v in mla.decode_config(32).items()} == cfg
     runs.append(("prefill latent", mla._latent_attn_kernel, _latent_args(cfg, 16, 4096, False), cfg,
                  {**latent, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "DECODE": False, "SKIP_FRESH": True,
-                  "SPLIT": False, "USE_TMA": cfg["tma"]}))
+                  "SPLIT": False, "USE_TMA": cfg["tma"], "PREFIX": True}))
     cfg, N = mla.PREFILL_MHA, 16
     mha_args = dict(qn_ptr="*bf16", qp_ptr="*bf16", kv_ptr="*bf16", kpe_ptr="*bf16", cu_ptr="*i32", ctx_ptr="*i32",
-                    tile_cu_ptr="*i32", out_ptr="*bf16", scale=0.07, B=2, s_nt=N * 192, s_nh=192, s_pt=N * 192,
-                    s_ph=192, s_kt=N * 256, s_kh=256, s_et=576, s_ot=N * 128, s_oh=128)
-    runs.append(("prefill mha", mla._mha_kernel, mha_args, cfg,
-                 {"DN": 128, "DR": 64, "DV": 128, "BLOCK_DN": 128, "BLOCK_DR": 64, "BLOCK_DV": 128,
-                  "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "F32_DOT": False, "SPLIT_P": True,
-                  "INTERPRET": False, "SEARCH": mla.SEARCH}))
+                    tile_cu_ptr="*i32", out_ptr="*bf16", pool_ptr="*bf16", bt_ptr="*i32", pcu_ptr="*i32",
+                    ws_ptr="*bf16", scale=0.07, B=2, s_nt=N * 192, s_nh=192, s_pt=N * 192,
+                    s_ph=192, s_kt=N * 256, s_kh=256, s_et=576, s_ot=N * 128, s_oh=128, s_blk=64 * 576, s_row=576,
+                    s_bt=256, s_wt=N * 256, s_wh=256)
+    for prefix in (False, True):
+        runs.append((f"prefill mha (prefix {prefix})", mla._mha_kernel, mha_args, cfg,
+                     {"DN": 128, "DR": 64, "DV": 128, "BLOCK_DN": 128, "BLOCK_DR": 64, "BLOCK_DV": 128,
+                      "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "F32_DOT": False, "SPLIT_P": True,
+                      "INTERPRET": False, "SEARCH": mla.SEARCH, "PREFIX": prefix, "R": 512, "BLOCK_SIZE": 64}))
+    cfg = mla.EXPAND
+    runs.append(("prefix expansion", mla._expand_kernel,
+                 dict(pool_ptr="*bf16", bt_ptr="*i32", pcu_ptr="*i32", w_ptr="*bf16", ws_ptr="*bf16", B=8,
+                      s_blk=64 * 576, s_row=576, s_bt=256, s_wn=512, s_wt=N * 256), cfg,
+                 {"NOUT": N * 256, "R": 512, "BLOCK_SIZE": 64, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
+                  "BLOCK_K": cfg["BLOCK_K"], "SEARCH": mla.SEARCH, "F32_DOT": False, "INTERPRET": False}))
     for what, kernel, args, cfg, constexprs in runs:
         c = compile_sm90(kernel, args, constexprs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         assert c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what} {cfg}: {c}"

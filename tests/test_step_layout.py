@@ -30,10 +30,10 @@ VARLEN_OPS = ("short_conv", "kda_prefill", "mla_prefill")
 MUTATIONS = {  # name: layout -> mutated layout, each in bounds; KDA's tables at fp64, MLA's at fp32
     "seq_ids": lambda lay: dataclasses.replace(lay, seq_ids=lay.seq_ids.flip(0)),
     "first_chunk": lambda lay: dataclasses.replace(lay, first_chunk=lay.first_chunk.roll(1)),
-    "fresh": lambda lay: dataclasses.replace(lay, fresh=~lay.fresh),
+    "prefix": lambda lay: dataclasses.replace(lay, prefix=lay.prefix.roll(1)),
     "latent_rows": lambda lay: dataclasses.replace(lay, latent_rows=lay.latent_rows.roll(1)),
 }
-MUTATED = {"fp64": ("seq_ids", "first_chunk"), "fp32": ("fresh", "latent_rows")}
+MUTATED = {"fp64": ("seq_ids", "first_chunk"), "fp32": ("prefix", "latent_rows")}
 
 
 def test_layout_tables_equal_a_host_walk_of_the_batch():
@@ -56,7 +56,7 @@ def test_layout_tables_equal_a_host_walk_of_the_batch():
         pos = [p for c in prefill for p in range(c.start, c.start + len(c.token_ids))]
         assert lay.seq_ids.tolist() == seq
         assert lay.positions.tolist() == pos
-        assert lay.fresh.tolist() == [prefill[b].start == 0 for b in seq]
+        assert lay.prefix.tolist() == [c.start for c in prefill]
         assert lay.latent_rows.tolist() == [prefill[b].block_table[p // bs] * bs + p % bs for b, p in zip(seq, pos)]
         starts = [(b, sum(len(c.token_ids) for c in prefill[:b]) + o)
                   for b, c in enumerate(prefill) for o in range(0, len(c.token_ids), KDA_CHUNK)]
@@ -191,6 +191,21 @@ def check_mixed_steps_equal_each_alone_and_layout_mutations_break_them_fp32() ->
     from tolerances import PATH_FP32_ATOL
 
     _check_steps("fp32", PATH_FP32_ATOL)
+
+
+def check_mixed_steps_with_expanded_prefixes_fp32() -> None:
+    """mla_prefill with chunks of 2+ tokens attending to their cached prefix in the expanded form, in
+    a workspace of 12 rows (some prefixes past it stay absorbed); the prefix mutation still breaks it."""
+    from tolerances import PATH_FP32_ATOL
+
+    from k3backend.kernels import mla
+
+    saved = mla.PREFIX_TOKENS, mla.PREFIX_MIN_LEN
+    mla.PREFIX_TOKENS, mla.PREFIX_MIN_LEN = 12, 2
+    try:
+        _check_steps("fp32", PATH_FP32_ATOL)
+    finally:
+        mla.PREFIX_TOKENS, mla.PREFIX_MIN_LEN = saved
 
 
 CHECKS = Checks(__file__, env={"K3_KERNELS": "triton"})

@@ -134,20 +134,20 @@ def _latent_step(ckv, kpe, qT, qpeT, visible, m_i, l_i, accT, scale, F32_DOT: tl
 # left unspecialised, so a new batch size never recompiles (e.g. during CUDA-graph capture).
 @triton.jit(do_not_specialize=["B", "N", "num_splits", "tiles_per_seq", "s_qh", "s_bt", "s_os", "s_oh", "s_ls"])
 def _latent_attn_kernel(
-    q_ptr, qpe_ptr, pool_ptr, ckv_desc, kpe_desc, bt_ptr, ctx_ptr, cu_ptr, tile_cu_ptr, out_ptr, lse_ptr,
+    q_ptr, qpe_ptr, pool_ptr, ckv_desc, kpe_desc, bt_ptr, ctx_ptr, cu_ptr, tile_cu_ptr, pcu_ptr, out_ptr, lse_ptr,
     scale, B, N, num_splits, tiles_per_seq,
     s_qt, s_qh, s_pt, s_ph, s_blk, s_row, s_bt, s_os, s_ot, s_oh, s_ls, s_lt, s_lh,
     BLOCK_SIZE: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr, SKIP_FRESH: tl.constexpr,
     SPLIT: tl.constexpr, USE_TMA: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_P: tl.constexpr,
-    INTERPRET: tl.constexpr, SEARCH: tl.constexpr,
+    INTERPRET: tl.constexpr, SEARCH: tl.constexpr, PREFIX: tl.constexpr = False,
 ):
     """Rows (token t, head h) of one sequence, flattened t·N + h, against the sequence's latent rows.
 
     DECODE: one query token per sequence (row tile = pid % tiles_per_seq, token = b); otherwise the
     varlen chunks of `cu_ptr`, tiles found in `tile_cu_ptr`. Query token i of a chunk of length L
     sits at position ctx − L + i and sees keys j ≤ that position. SKIP_FRESH: chunks with no cached
-    prefix are left to the MHA kernel. SPLIT: write fp32 partials + lse at split = program_id(1).
+    prefix, and (PREFIX) those whose prefix `pcu_ptr` expands, are left to the MHA kernel. SPLIT: write fp32 partials + lse at split = program_id(1).
     USE_TMA (BLOCK_N divides the pool's block size): whole key tiles are one slice of one pool block,
     loaded by TMA descriptors over the pool's [c_kv] and [k_pe] columns; the last, partial tile of a
     split takes the masked pointer loads, so rows past the context are never read (they may hold
@@ -170,7 +170,8 @@ def _latent_attn_kernel(
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     prefix = ctx - L
     if SKIP_FRESH:
-        if prefix == 0:
+        width = tl.load(pcu_ptr + b + 1) - tl.load(pcu_ptr + b) if PREFIX else 0
+        if prefix == width:
             return
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < L * N
@@ -259,16 +260,36 @@ def _latent_reduce_kernel(
     tl.store(out_ptr + t * s_t + h * s_h + cr, to_dtype(o, out_ptr.dtype.element_ty, INTERPRET), mask=cr < R)
 
 
-@triton.jit(do_not_specialize=["B"])
+@triton.jit
+def _mha_step(q, qpe, kn, v, kpe, visible, m_i, l_i, acc, scale, F32_DOT: tl.constexpr, SPLIT_P: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """One key tile of the expanded form's online softmax: kn [BLOCK_N, dn], v, kpe; visible [rows, keys]."""
+    s = _dot(q, tl.trans(kn), tl.zeros([q.shape[0], kn.shape[0]], tl.float32), F32_DOT)
+    s = _dot(qpe, tl.trans(kpe), s, F32_DOT) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = _pv(v, p, acc * alpha[:, None], F32_DOT, SPLIT_P, INTERPRET, P_LEFT=True)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["B", "s_bt"])
 def _mha_kernel(
-    qn_ptr, qp_ptr, kv_ptr, kpe_ptr, cu_ptr, ctx_ptr, tile_cu_ptr, out_ptr, scale, B,
-    s_nt, s_nh, s_pt, s_ph, s_kt, s_kh, s_et, s_ot, s_oh,
+    qn_ptr, qp_ptr, kv_ptr, kpe_ptr, cu_ptr, ctx_ptr, tile_cu_ptr, out_ptr, pool_ptr, bt_ptr, pcu_ptr, ws_ptr,
+    scale, B, s_nt, s_nh, s_pt, s_ph, s_kt, s_kh, s_et, s_ot, s_oh, s_blk, s_row, s_bt, s_wt, s_wh,
     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
-    SPLIT_P: tl.constexpr, INTERPRET: tl.constexpr, SEARCH: tl.constexpr,
+    SPLIT_P: tl.constexpr, INTERPRET: tl.constexpr, SEARCH: tl.constexpr, PREFIX: tl.constexpr = False,
+    R: tl.constexpr = 0, BLOCK_SIZE: tl.constexpr = 1,
 ):
-    """Expanded form of one head over a fresh chunk (no cached prefix): causal flash attention with
-    k = [k_nope_h ; k_pe], v = v_h from kv = bf(c_kv·W_kvbᵀ) [T, N, dn+dv] and k_pe [T, dr]."""
+    """Expanded form of one head over a chunk: causal flash attention with k = [k_nope_h ; k_pe],
+    v = v_h from kv = bf(c_kv·W_kvbᵀ) [T, N, dn+dv] and k_pe [T, dr]. A fresh chunk (no cached
+    prefix) sees its own rows; with PREFIX, a chunk whose prefix `pcu_ptr` gives workspace rows
+    first sees all of its prefix there (`ws_ptr` [rows, N, dn+dv], `expand_prefix`), its k_pe read
+    from the pool (`bt_ptr`, rows of R + dr). Other chunks are the absorbed kernel's."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = _find_seq(tile_cu_ptr, pid, B, SEARCH)
@@ -276,8 +297,10 @@ def _mha_kernel(
         return
     q_start = tl.load(cu_ptr + b)
     L = tl.load(cu_ptr + b + 1) - q_start
-    if tl.load(ctx_ptr + b) != L:
-        return  # a cached prefix: the absorbed kernel's chunk
+    prefix = tl.load(ctx_ptr + b) - L
+    p0 = tl.load(pcu_ptr + b) if PREFIX else 0
+    if prefix != (tl.load(pcu_ptr + b + 1) - p0 if PREFIX else 0):
+        return  # the absorbed kernel's chunk
     m0 = (pid - tl.load(tile_cu_ptr + b)) * BLOCK_M
     i = m0 + tl.arange(0, BLOCK_M)
     i_ok = i < L
@@ -292,8 +315,21 @@ def _mha_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if PREFIX:  # the cached prefix, every key visible to every row
+        bt_row = bt_ptr + b.to(tl.int64) * s_bt
+        for start in range(0, prefix, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            j_ok = j < prefix
+            w_row = ws_ptr + ((p0 + j).to(tl.int64) * s_wt + h * s_wh)[:, None]
+            kn = tl.load(w_row + cn[None, :], mask=j_ok[:, None] & (cn < DN)[None, :], other=0.0)
+            v = tl.load(w_row + DN + cv[None, :], mask=j_ok[:, None] & (cv < DV)[None, :], other=0.0)
+            blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+            p_row = pool_ptr + (blk * s_blk + (j % BLOCK_SIZE).to(tl.int64) * s_row + R)[:, None]
+            kpe = tl.load(p_row + cp[None, :], mask=j_ok[:, None] & (cp < DR)[None, :], other=0.0)
+            m_i, l_i, acc = _mha_step(q, qpe, kn, v, kpe, (i >= 0)[:, None] & j_ok[None, :], m_i, l_i, acc, scale,
+                                      F32_DOT, SPLIT_P, INTERPRET)
     kv_hi = tl.minimum(L, m0 + BLOCK_M)
-    for start in range(0, kv_hi, BLOCK_N):
+    for start in range(0, kv_hi, BLOCK_N):  # the chunk's own rows, causally
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < kv_hi
         tj = (q_start + j).to(tl.int64)
@@ -302,19 +338,46 @@ def _mha_kernel(
         v = tl.load(kv_row + DN + cv[None, :], mask=j_ok[:, None] & (cv < DV)[None, :], other=0.0)
         kpe = tl.load(kpe_ptr + (tj * s_et)[:, None] + cp[None, :], mask=j_ok[:, None] & (cp < DR)[None, :],
                       other=0.0)
-        s = _dot(q, tl.trans(kn), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), F32_DOT)
-        s = _dot(qpe, tl.trans(kpe), s, F32_DOT) * scale
-        s = tl.where((j[None, :] <= i[:, None]) & j_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = _pv(v, p, acc * alpha[:, None], F32_DOT, SPLIT_P, INTERPRET, P_LEFT=True)
-        m_i = m_new
+        m_i, l_i, acc = _mha_step(q, qpe, kn, v, kpe, (j[None, :] <= i[:, None]) & j_ok[None, :], m_i, l_i, acc,
+                                  scale, F32_DOT, SPLIT_P, INTERPRET)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (ti * s_ot + h * s_oh)[:, None] + cv[None, :], to_dtype(o, out_ptr.dtype.element_ty, INTERPRET),
              mask=i_ok[:, None] & (cv < DV)[None, :])
+
+
+@triton.jit(do_not_specialize=["B", "s_bt"])
+def _expand_kernel(pool_ptr, bt_ptr, pcu_ptr, w_ptr, ws_ptr, B, s_blk, s_row, s_bt, s_wn, s_wt,
+                   NOUT: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEARCH: tl.constexpr, F32_DOT: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """Workspace rows p < pcu[B]: ws[p] = bf(c_kv·W_kvbᵀ) of the latent row at position p − pcu[b] of
+    the sequence b whose rows [pcu[b], pcu[b+1]) hold p. The grid covers the workspace's capacity;
+    programs past the last row return at once."""
+    m0 = tl.program_id(0) * BLOCK_M
+    total = tl.load(pcu_ptr + B)
+    if m0 >= total:
+        return
+    p = m0 + tl.arange(0, BLOCK_M)
+    p_ok = p < total
+    b = tl.zeros([BLOCK_M], tl.int32)  # how many sequences end at or before the row
+    for c0 in range(0, B, SEARCH):
+        idx = c0 + tl.arange(0, SEARCH)
+        ends = tl.load(pcu_ptr + 1 + idx, mask=idx < B, other=2147483647)
+        b += tl.sum((ends[None, :] <= p[:, None]).to(tl.int32), axis=1)
+    b = tl.minimum(b, B - 1)
+    j = p - tl.load(pcu_ptr + b, mask=p_ok, other=0)
+    blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + j // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
+    row = blk * s_blk + (j % BLOCK_SIZE).to(tl.int64) * s_row
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, R, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(pool_ptr + row[:, None] + k[None, :], mask=p_ok[:, None] & (k < R)[None, :], other=0.0)
+        wT = tl.load(w_ptr + n[None, :].to(tl.int64) * s_wn + k[:, None], mask=(n < NOUT)[None, :] & (k < R)[:, None],
+                     other=0.0)
+        acc = _dot(a, wT, acc, F32_DOT)
+    tl.store(ws_ptr + p[:, None].to(tl.int64) * s_wt + n[None, :], to_dtype(acc, ws_ptr.dtype.element_ty, INTERPRET),
+             mask=p_ok[:, None] & (n < NOUT)[None, :])
 
 
 # ---- launch configuration -----------------------------------------------------------------------
@@ -360,6 +423,16 @@ def decode_config(num_heads: int) -> dict[str, int]:
 
 PREFILL_LATENT = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "tma": False}
 PREFILL_MHA = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+EXPAND = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+# A chunk of at least PREFIX_MIN_LEN tokens attends to its cached prefix in the expanded form: the
+# prefix's latent rows up-projected once (bf(c_kv·W_kvbᵀ), `expand_prefix`) into a workspace of
+# PREFIX_TOKENS rows, then flash attention over them and the chunk. Per key that costs ~2·r·N·(dn+dv)
+# once plus N·(dn+dr+dv) per query row, against N·(2r+dr) per query row absorbed: the expanded form
+# wins from a few dozen rows on (on the H200, a 1,024-token chunk after 3,072 cached tokens spent
+# 13.8 of its 27.0 ms in the absorbed kernel). Shorter chunks, and chunks past the workspace, stay
+# absorbed. PREFIX_TOKENS 0 turns the expanded form off.
+PREFIX_TOKENS = 16384
+PREFIX_MIN_LEN = 64
 
 
 def _descriptors(pool: torch.Tensor, r: int, dr: int, block_n: int) -> tuple | None:
@@ -389,12 +462,13 @@ def num_splits(tiles: int, max_kv: int, device: torch.device, ctas_per_sm: int =
 def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor, *, cu_seqlens: torch.Tensor | None,
                      splits: int, config: dict[str, int], skip_fresh: bool = False,
-                     tiles: torch.Tensor | None = None) -> torch.Tensor:
+                     tiles: torch.Tensor | None = None, prefix_cu: torch.Tensor | None = None) -> torch.Tensor:
     """ô = bf(softmax(q̂·c_kvᵀ + q_pe·k_peᵀ)·c_kv) into `out` [T, N, r] (model dtype), in place.
 
     q_hat [T, N, r], q_pe [T, N, dr] (any strides, last dim contiguous); cu_seqlens None: decode
     (T = B, one query per sequence). Rows of the chunks `skip_fresh` leaves out are not written
-    (one split) or written as zeros (several). tiles [B+1] int32: the step's tile offsets
+    (one split) or written as zeros (several); with prefix_cu ([B+1], `VarlenLayout.expanded_prefix`)
+    the chunks whose prefix it expands are left out too. tiles [B+1] int32: the step's tile offsets
     (`VarlenLayout.tile_offsets(N, BLOCK_M)`), computed here when None.
     """
     T, N, r = q_hat.shape
@@ -420,13 +494,15 @@ def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor
         dst, lse, s_o, s_l = out, out, (0, *out.stride()[:2]), (0, 0, 0)
     descs = _descriptors(pool, r, dr, bn) if config.get("tma") else None
     _latent_attn_kernel[(grid_m, splits)](
-        q_hat, q_pe, pool, *(descs or (pool, pool)), block_tables, context_lens, cu, tile_cu, dst, lse,
+        q_hat, q_pe, pool, *(descs or (pool, pool)), block_tables, context_lens, cu, tile_cu,
+        prefix_cu if prefix_cu is not None else cu, dst, lse,
         scale=scale, B=B, N=N, num_splits=splits, tiles_per_seq=tiles_per_seq,
         s_qt=q_hat.stride(0), s_qh=q_hat.stride(1), s_pt=q_pe.stride(0), s_ph=q_pe.stride(1),
         s_blk=pool.stride(0), s_row=pool.stride(1), s_bt=block_tables.stride(0),
         s_os=s_o[0], s_ot=s_o[1], s_oh=s_o[2], s_ls=s_l[0], s_lt=s_l[1], s_lh=s_l[2],
         BLOCK_SIZE=pool.shape[1], R=r, DR=dr, BLOCK_R=_block(r), BLOCK_DR=_block(dr), BLOCK_M=bm, BLOCK_N=bn,
         DECODE=cu_seqlens is None, SKIP_FRESH=skip_fresh, SPLIT=splits > 1, USE_TMA=descs is not None,
+        PREFIX=prefix_cu is not None,
         SEARCH=SEARCH, **{**_dot_modes(q_hat.dtype), **({"SPLIT_P": False} if config.get("p8") else {})},
         num_warps=config["num_warps"], num_stages=config["num_stages"], enable_fp_fusion=FP_FUSION)
     if splits > 1:
@@ -439,11 +515,13 @@ def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor
 
 def mha_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
                   cu_seqlens: torch.Tensor, context_lens: torch.Tensor, dv: int, scale: float, out: torch.Tensor,
-                  config: dict[str, int] = PREFILL_MHA, tiles: torch.Tensor | None = None) -> torch.Tensor:
+                  config: dict[str, int] = PREFILL_MHA, tiles: torch.Tensor | None = None,
+                  prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal expanded-form attention of the fresh chunks into `out` [T, N, dv], in place.
 
     kv [T, N, dn+dv] = bf(c_kv·W_kvbᵀ) of each token's own latent row; k_pe [T, dr]. Rows of chunks
-    with a cached prefix are not written. tiles: as in `latent_attention`, one row per token.
+    with a cached prefix are not written, except, with prefix = (pool, block_tables, prefix_cu, ws),
+    those whose prefix `expand_prefix` wrote into ws. tiles: as in `latent_attention`, one row per token.
     """
     T, N, dn = q_nope.shape
     B, dr = context_lens.shape[0], q_pe.shape[-1]
@@ -452,14 +530,36 @@ def mha_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, k_
     grid_m = -(-T // bm) + B
     if T == 0:
         return out
+    pool, bt, pcu, ws = prefix if prefix is not None else (kv, cu_seqlens[None], cu_seqlens, kv)
     _mha_kernel[(grid_m, N)](
-        q_nope, q_pe, kv, k_pe, cu_seqlens, context_lens, tile_cu, out, scale=scale, B=B,
+        q_nope, q_pe, kv, k_pe, cu_seqlens, context_lens, tile_cu, out, pool, bt, pcu, ws, scale=scale, B=B,
         s_nt=q_nope.stride(0), s_nh=q_nope.stride(1), s_pt=q_pe.stride(0), s_ph=q_pe.stride(1),
         s_kt=kv.stride(0), s_kh=kv.stride(1), s_et=k_pe.stride(0), s_ot=out.stride(0), s_oh=out.stride(1),
+        s_blk=pool.stride(0), s_row=pool.stride(1), s_bt=bt.stride(0), s_wt=ws.stride(0), s_wh=ws.stride(1),
         DN=dn, DR=dr, DV=dv, BLOCK_DN=_block(dn), BLOCK_DR=_block(dr), BLOCK_DV=_block(dv),
-        BLOCK_M=bm, BLOCK_N=config["BLOCK_N"], SEARCH=SEARCH, **_dot_modes(q_nope.dtype), num_warps=config["num_warps"],
-        num_stages=config["num_stages"], enable_fp_fusion=FP_FUSION)
+        BLOCK_M=bm, BLOCK_N=config["BLOCK_N"], SEARCH=SEARCH, **_dot_modes(q_nope.dtype),
+        PREFIX=prefix is not None, R=pool.shape[-1] - dr, BLOCK_SIZE=pool.shape[1] if prefix is not None else 1,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], enable_fp_fusion=FP_FUSION)
     return out
+
+
+def expand_prefix(pool: torch.Tensor, block_tables: torch.Tensor, prefix_cu: torch.Tensor, kv_b: torch.Tensor,
+                  ws: torch.Tensor, config: dict[str, int] = EXPAND) -> torch.Tensor:
+    """ws[p] = bf(c_kv·W_kvbᵀ) [N, dn+dv] of each cached prefix row that `prefix_cu` [B+1] gives workspace
+    row p (`VarlenLayout.expanded_prefix`), in place; rows past prefix_cu[B] are not written. ws:
+    [capacity, N, dn+dv]; kv_b [N·(dn+dv), r]. No host sync: the grid covers the capacity."""
+    cap, N, d = ws.shape
+    r = kv_b.shape[1]
+    if cap == 0:
+        return ws
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    _expand_kernel[(triton.cdiv(cap, bm), triton.cdiv(N * d, bn))](
+        pool, block_tables, prefix_cu, kv_b, ws, prefix_cu.shape[0] - 1, pool.stride(0), pool.stride(1),
+        block_tables.stride(0), kv_b.stride(0), ws.stride(0), NOUT=N * d, R=r, BLOCK_SIZE=pool.shape[1],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=min(config["BLOCK_K"], _block(r)), SEARCH=SEARCH,
+        F32_DOT=_dot_modes(ws.dtype)["F32_DOT"], INTERPRET=interpreting(), num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
+    return ws
 
 
 # ---- the ops (mla_ref signatures) ---------------------------------------------------------------
@@ -533,8 +633,10 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, cu
     """Causal attention of varlen prefill chunks over their paged context (`mla_ref.mla_prefill`).
 
     A chunk that is its sequence's whole context runs the expanded form over bf(c_kv·W_kvbᵀ) of its
-    own rows; a chunk with a cached prefix runs the absorbed form over the pool. Both are computed
-    for every token (the choice is per sequence and known only on the device) and selected per row.
+    own rows, and so does a chunk of at least PREFIX_MIN_LEN tokens over its cached prefix, up-projected
+    into a workspace while the step's prefixes fit PREFIX_TOKENS rows; other chunks with a cached
+    prefix run the absorbed form over the pool. Both kernels run (the choice is per sequence and known
+    only on the device; each skips the other's chunks) and the rows are selected.
     Memory is O(T·N·r): no [N, T, S] scores. Returns [T, N·dv]. `layout`: the step's token
     positions, latent rows and tile offsets (`varlen.varlen_layout`), built here when None.
     """
@@ -553,15 +655,23 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, cu
         layout = varlen_layout(cu_seqlens, T, context_lens, block_tables, bs)
     lat = pool.view(-1, pool.shape[-1])[layout.latent_rows]  # [T, r+dr]: each token's own row
     kv = (lat[:, :r] @ kv_b.t()).view(T, N, dn + dv)  # bf(c_kv·W_kvbᵀ)
+    prefix_cu, mha_rows = layout.expanded_prefix(PREFIX_TOKENS, PREFIX_MIN_LEN)
+    prefix = None
+    if PREFIX_TOKENS:
+        ws = torch.empty(PREFIX_TOKENS, N, dn + dv, dtype=q_nope.dtype, device=dev)
+        ws = expand_prefix(pool, block_tables, prefix_cu, kv_b, ws)
+        prefix = (pool, block_tables, prefix_cu, ws)
     o_mha = mha_attention(q_nope, q_pe, kv, lat[:, r:], cu_seqlens, context_lens, dv, scale,
-                          q_nope.new_empty(T, N, dv), tiles=layout.tile_offsets(1, PREFILL_MHA["BLOCK_M"]))
+                          q_nope.new_empty(T, N, dv), tiles=layout.tile_offsets(1, PREFILL_MHA["BLOCK_M"]),
+                          prefix=prefix)
     bm = PREFILL_LATENT["BLOCK_M"]
     splits = num_splits(-(-T * N // bm) + B, block_tables.shape[1] * bs, dev)
     o_hat = latent_attention(_absorb(q_nope, w_kc), q_pe, pool, block_tables, context_lens, scale,
                              _empty_heads_major(T, N, r, q_nope), cu_seqlens=cu_seqlens, splits=splits,
-                             config=PREFILL_LATENT, skip_fresh=True, tiles=layout.tile_offsets(N, bm))
-    # the expanded form where the sequence has no cached prefix
-    return torch.where(layout.fresh[:, None], o_mha.view(T, N * dv), _unabsorb(o_hat, w_vc))
+                             config=PREFILL_LATENT, skip_fresh=True, tiles=layout.tile_offsets(N, bm),
+                             prefix_cu=prefix_cu if prefix else None)
+    # the expanded form where the chunk is fresh or its prefix was expanded
+    return torch.where(mha_rows[:, None], o_mha.view(T, N * dv), _unabsorb(o_hat, w_vc))
 
 
 def _raise_if_layout(layout: VarlenLayout | None, T: int, B: int) -> None:

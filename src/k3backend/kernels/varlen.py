@@ -25,14 +25,14 @@ class VarlenLayout:
     """B sequences of T tokens laid end to end (the prefill rows of a step).
 
     cu_seqlens [B+1] int32; lens [B]; seq_ids [T] int32 (sequence of each token); positions [T]
-    int64 (position in its sequence: cached prefix + offset in the chunk); fresh [T] bool (its
-    sequence has no cached prefix); latent_rows [T] int64 (pool row of the token's own latent
+    int64 (position in its sequence: cached prefix + offset in the chunk); latent_rows [T] int64 (pool row of the token's own latent
     row; None without block tables); chunk_seq [NC] int32 (sequence of each KDA chunk, −1 past the
     last), chunk_start [NC] int64 (its first token), first_chunk [B] int64, num_chunks NC = T/64 + B
     (an upper bound from shapes alone). Prefix snapshots taken inside a chunk (at a whole number of
     KDA chunks from its start, `snapshot_tables`): chunk_snapshot [NC] int32, the KDA slot that gets
     the state after that chunk (0: none); snapshot_ends [M] int64, the flat end of each snapshot's
     prefix, and snapshot_slots [M] int64 its slot (0: an unused entry), for the conv history.
+    prefix [B] int64: each sequence's cached prefix (None: no context lens, no prefix).
     """
 
     cu_seqlens: torch.Tensor
@@ -40,7 +40,6 @@ class VarlenLayout:
     lens: torch.Tensor
     seq_ids: torch.Tensor
     positions: torch.Tensor
-    fresh: torch.Tensor
     latent_rows: torch.Tensor | None
     chunk_seq: torch.Tensor
     chunk_start: torch.Tensor
@@ -49,7 +48,9 @@ class VarlenLayout:
     chunk_snapshot: torch.Tensor | None = None
     snapshot_ends: torch.Tensor | None = None
     snapshot_slots: torch.Tensor | None = None
-    _tiles: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    prefix: torch.Tensor | None = None
+    _tiles: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -68,6 +69,23 @@ class VarlenLayout:
         return self._tiles[key]
 
 
+    def expanded_prefix(self, capacity: int, min_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which chunks attend to their cached prefix in the expanded form (MLA, kernels/mla.py): those
+        of at least `min_len` tokens, in order while their prefixes fit `capacity` workspace rows.
+        Returns (prefix_cu [B+1] int32: each sequence's first workspace row, its width the prefix when
+        expanded and 0 otherwise; mha [T] bool: the token's chunk runs the expanded form, fresh or
+        expanded). Built once per step, like the tile offsets."""
+        key = ("prefix", capacity, min_len)
+        if key not in self._tiles:
+            prefix = self.prefix if self.prefix is not None else torch.zeros_like(self.lens, dtype=torch.long)
+            want = torch.where(self.lens >= min_len, prefix, 0)
+            width = torch.where(torch.cumsum(want, 0) <= capacity, want, 0)
+            cu = torch.zeros(self.num_seqs + 1, dtype=torch.int32, device=self.lens.device)
+            cu[1:] = torch.cumsum(width, 0)
+            self._tiles[key] = (cu, (width == prefix)[self.seq_ids])
+        return self._tiles[key]
+
+
 def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int, context_lens: torch.Tensor | None = None,
                   block_tables: torch.Tensor | None = None, block_size: int = 0,
                   snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> VarlenLayout:
@@ -83,7 +101,6 @@ def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int, context_lens: torch
     seq_ids = torch.searchsorted(cu_seqlens[1:].contiguous(), tok, right=True, out_int32=True)  # [T]
     prefix = (context_lens - lens).long() if context_lens is not None else torch.zeros(B, dtype=torch.long, device=dev)
     positions = tok.long() - cu[seq_ids] + prefix[seq_ids]
-    fresh = (prefix == 0)[seq_ids]
     rows = None
     if block_tables is not None:
         rows = block_tables[seq_ids, positions // block_size].long() * block_size + positions % block_size
@@ -96,8 +113,9 @@ def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int, context_lens: torch
     chunk_seq = chunk_seq.clamp(max=max(B - 1, 0))
     first = ends - n
     start = cu[chunk_seq] + KDA_CHUNK * (ids - first[chunk_seq]) if B else ids
-    return VarlenLayout(cu_seqlens, T, lens, seq_ids, positions, fresh, rows,
-                        torch.where(valid, chunk_seq, -1).to(torch.int32), start, first, NC, *(snapshots or ()))
+    return VarlenLayout(cu_seqlens, T, lens, seq_ids, positions, rows,
+                        torch.where(valid, chunk_seq, -1).to(torch.int32), start, first, NC, *(snapshots or (None,) * 3),
+                        prefix=prefix if context_lens is not None else None)
 
 
 def num_chunks(num_tokens: int, num_seqs: int) -> int:
