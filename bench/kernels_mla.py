@@ -141,3 +141,53 @@ def cases(args) -> list[Case]:
                         bytes=B * ctx * row_bytes, flops=2.0 * B * N * ctx * (2 * dims["r"] + dims["dr"]),
                         check=checker(fn, mla_ref.mla_decode, a)))
     return out
+
+
+# (cached prefix, chunk) pairs for --prefix-forms: around the rule's PREFIX_MIN_LEN and up to 16 K
+PREFIX_FORMS = [(1024, 16), (1024, 64), (1024, 256), (1024, 1024), (3072, 1024), (7168, 32), (7168, 64),
+                (7168, 256), (7168, 1024), (15360, 1024), (8192, 2048), (0, 256), (0, 1024)]
+
+
+def prefix_forms(iters: int, smoke: bool) -> None:
+    """One chunk after a cached prefix in each of mla_prefill's two forms (kernels/mla.py PREFIX_MIN_LEN):
+    ms of the op (graph replays), and each form's largest error against the fp32 reference on the same
+    values, in bf16 ulps (2^-8) of the row's largest output. A fresh chunk (prefix 0) shows what the
+    expansion kernel costs when it has nothing to do (its programs return at once)."""
+    from kernels import time_fn
+
+    from k3backend.kernels import mla, mla_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dims = {"dn": 16, "dr": 16, "dv": 16, "r": 64, "bs": 16} if smoke else \
+        {"dn": DN, "dr": DR, "dv": DV, "r": R, "bs": BS}
+    forms = [(40, 9), (0, 24)] if smoke else PREFIX_FORMS
+    saved = mla.PREFIX_TOKENS, mla.PREFIX_MIN_LEN
+    print(f"{'prefix':>7} {'chunk':>6} {'absorbed ms':>12} {'expanded ms':>12} {'speed-up':>9} "
+          f"{'err absorbed':>13} {'err expanded':>13}  (N {WIDTHS['small']}, errors in bf16 ulps of the row max)")
+    try:
+        for P, L in forms:
+            a = _prefill_args(_problem(4 if smoke else WIDTHS["small"], [P], [L], dims, device, seed=P + L))
+            exact = mla_ref.mla_prefill(*(x.float() if torch.is_tensor(x) and x.is_floating_point() else x for x in a))
+            ulp = exact.abs().amax(-1, keepdim=True) * 2.0 ** -8
+            res = []
+            for tokens in (0, max(P, saved[0])):
+                mla.PREFIX_TOKENS, mla.PREFIX_MIN_LEN = tokens, 1
+                err = ((mla.mla_prefill(*a).float() - exact).abs() / ulp).max().item()
+                res.append((time_fn(lambda: mla.mla_prefill(*a), True, iters), err))
+            (ta, ea), (te, ee) = res
+            print(f"{P:>7} {L:>6} {ta * 1e3:>12.3f} {te * 1e3:>12.3f} {ta / te:>8.2f}x {ea:>13.2f} {ee:>13.2f}",
+                  flush=True)
+    finally:
+        mla.PREFIX_TOKENS, mla.PREFIX_MIN_LEN = saved
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="mla_prefill's two forms after a cached prefix (the other MLA "
+                                             "cases run through bench/kernels.py --families mla)")
+    ap.add_argument("--prefix-forms", action="store_true", required=True)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (TRITON_INTERPRET=1 on a CPU)")
+    args = ap.parse_args()
+    prefix_forms(args.iters, args.smoke)
