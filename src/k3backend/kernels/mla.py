@@ -427,12 +427,13 @@ EXPAND = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_sta
 # A chunk of at least PREFIX_MIN_LEN tokens attends to its cached prefix in the expanded form: the
 # prefix's latent rows up-projected once (bf(c_kv·W_kvbᵀ), `expand_prefix`) into a workspace of
 # PREFIX_TOKENS rows, then flash attention over them and the chunk. Per key that costs ~2·r·N·(dn+dv)
-# once plus N·(dn+dr+dv) per query row, against N·(2r+dr) per query row absorbed: the expanded form
-# wins from a few dozen rows on (on the H200, a 1,024-token chunk after 3,072 cached tokens spent
-# 13.8 of its 27.0 ms in the absorbed kernel). Shorter chunks, and chunks past the workspace, stay
-# absorbed. PREFIX_TOKENS 0 turns the expanded form off.
+# once plus N·(dn+dr+dv) per query row, against N·(2r+dr) per query row absorbed. On the H200 at 16
+# heads (bench/kernels_mla.py --prefix-forms) the expanded form takes 0.91x / 1.53x / 3.97x the
+# absorbed one's speed for 64 / 256 / 1,024-token chunks after 1,024 cached tokens, 0.75x / 2.06x /
+# 6.93x after 7,168, with errors against fp32 no larger. Shorter chunks, and chunks past the
+# workspace, stay absorbed. PREFIX_TOKENS 0 turns the expanded form off.
 PREFIX_TOKENS = 16384
-PREFIX_MIN_LEN = 64
+PREFIX_MIN_LEN = 128
 
 
 def _descriptors(pool: torch.Tensor, r: int, dr: int, block_n: int) -> tuple | None:
