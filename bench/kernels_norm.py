@@ -3,7 +3,7 @@
 T = 1, 64, 1024, 16384 tokens at hidden 2048 (the `small` preset) and 7168 (K3):
 rms_norm; attn_res_mix and the fused attn_res_mix_norm over 5 (small: attn_res_block_size 6) and 9
 (K3) candidate rows;
-gated_rms_norm and l2_norm over T x 16 heads x 128 (KDA o_norm, q/k). Bytes are one read of every input and one
+gated_rms_norm over T x 16 heads x 128 (KDA o_norm). Bytes are one read of every input and one
 write of the output. `--check` compares each case with its reference at tolerances.KERNEL and,
 on a GPU, replays it from a CUDA graph (bit-equal to eager).
 """
@@ -49,6 +49,4 @@ def cases(args) -> list[Case]:
         o, z = bf(T, KDA_HEADS, D), bf(T, KDA_HEADS, D, scale=3)
         add("gated_rms_norm/kda", f"T{T} H{KDA_HEADS} D{D}", norm.gated_rms_norm, norm_ref.gated_rms_norm,
             (o, z, wo, 1e-5), 3 * T * KDA_HEADS * D * 2)
-        add("l2_norm/kda", f"T{T} H{KDA_HEADS} D{D}", norm.l2_norm, norm_ref.l2_norm, (o,),
-            T * KDA_HEADS * D * (2 + 4))
     return out

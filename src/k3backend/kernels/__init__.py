@@ -70,7 +70,6 @@ FAST_OPS: dict[str, str] = {
     "mla_prefill": "k3backend.kernels.mla",
     "rms_norm": "k3backend.kernels.norm",
     "gated_rms_norm": "k3backend.kernels.norm",
-    "l2_norm": "k3backend.kernels.norm",
     "attn_res_mix": "k3backend.kernels.norm",
     "attn_res_mix_norm": "k3backend.kernels.norm",
     "race_draw": "k3backend.kernels.sample",

@@ -1,5 +1,6 @@
 """Triton normalisations and small fusions (K3_LM §2.2-§2.7, §4.2): the fast `rms_norm`, `gated_rms_norm`,
-`l2_norm`, `attn_res_mix` and `attn_res_mix_norm`, with the references' signatures. (The MLP's
+`attn_res_mix` and `attn_res_mix_norm`, with the references' signatures (KDA's q/k L2 norm is fused
+into `kda_prefill_inputs`, kernels/kda_chunk.py). (The MLP's
 act-and-mul is fused into its GEMM: `glu_linear` in kernels/moe.py.)
 
 Every kernel is token-parallel and memory-bound: one read of each input row, fp32 arithmetic in the
@@ -56,21 +57,18 @@ def _row_norm_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, KIND: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """KIND 0: rms_norm, x32·rsqrt(mean x32² + eps)·w32 (§2.2). 1: gated_rms_norm, ·σ(z32) (§2.7).
-    2: l2_norm, x32·rsqrt(Σ x32² + eps) (§2.6). One rounding, at the store."""
+    One rounding, at the store."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + r64 * s_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     ss = tl.sum(x * x, axis=1)
-    if KIND == 2:
-        y = x * (1.0 / tl.sqrt_rn(ss + eps))[:, None]
-    else:
-        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        y = x * (1.0 / tl.sqrt_rn(ss / D + eps))[:, None] * w[None, :]
-        if KIND == 1:
-            z = tl.load(z_ptr + r64 * s_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = y * tl.sigmoid(z)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    y = x * (1.0 / tl.sqrt_rn(ss / D + eps))[:, None] * w[None, :]
+    if KIND == 1:
+        z = tl.load(z_ptr + r64 * s_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = y * tl.sigmoid(z)
     tl.store(y_ptr + r64 * s_y + cols[None, :], to_dtype(y, y_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
@@ -156,11 +154,6 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return _row_norm(1, o, z, weight, eps, o.dtype)
 
 
-def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`norm_ref.l2_norm`: x / sqrt(Σ x² + eps), returned in fp32 (the reference's accumulation dtype)."""
-    return _row_norm(2, x, None, None, eps, torch.float32)
-
-
 def attn_res_mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
     """`norm_ref.attn_res_mix`: the pre-norm softmax mixture of the candidate rows (§4.2), one rounding.
 
@@ -218,10 +211,6 @@ def rms_norm_supports(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
 
 def gated_rms_norm_supports(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[bool, str]:
     return _supports(o, z, weight, width=o.shape[-1])
-
-
-def l2_norm_supports(x: torch.Tensor, eps: float = 1e-6) -> tuple[bool, str]:
-    return _supports(x, width=x.shape[-1])
 
 
 def attn_res_mix_supports(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor,
