@@ -458,6 +458,8 @@ def check_linear_gemv_equals_reference_for_a_few_rows():
             torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=f"linear fp16 M={M}")
     ok, why = moe.linear_supports(randn(5, 64, seed=1, dtype=BF16), randn(8, 64, seed=2, dtype=BF16))
     assert not ok and "cuBLAS" in why, why
+    big = torch.empty(moe.LINEAR_GEMV_MAX_WEIGHT // 64 + 1, 64, dtype=BF16)  # the LM head's size class
+    assert not moe.linear_supports(randn(1, 64, seed=1, dtype=BF16), big)[0]
 
 
 def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():

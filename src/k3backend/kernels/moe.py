@@ -60,9 +60,11 @@ MX_DECODE = 0
 GEMV_ROWS = 24
 GEMV_PER_MATRIX = 2
 # `linear` (the model's dense projections) takes `_linear_gemv_kernel` for at most LINEAR_GEMV_ROWS
-# rows, where cuBLAS picks kernels that stream a 4-8 MB weight at a third of HBM speed (decode B1 on
-# the H200: 9-12 us each, 70 of them a step); more rows go to cuBLAS.
+# rows of a weight of at most LINEAR_GEMV_MAX_WEIGHT elements, where cuBLAS picks kernels that stream
+# a 4-8 MB weight at a third of HBM speed (decode B1 on the H200: 9-12 us each, 70 of them a step);
+# more rows, and big weights (the LM head, which cuBLAS streams near HBM speed), go to cuBLAS.
 LINEAR_GEMV_ROWS = 4
+LINEAR_GEMV_MAX_WEIGHT = 2**24
 # MXFP4 weights expand in registers, so the GEMV kernels win over fewer rows (same bench, bench/
 # kernels_mxfp4.py): 2.06× the MMA tiles at 1 token, 1.31× at 2, 0.92× at 4, 0.68× at 8.
 GEMV_ROWS_MXFP4 = 12
@@ -931,12 +933,12 @@ def _sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, scaling:
 
 # ----------------------------------------------------------------------------- dense projections
 def linear_supports(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
-    """(ok, reason): at most LINEAR_GEMV_ROWS rows of bf16/fp16 x [M, K] and weight [N, K] of one dtype on
-    a GPU, unit inner strides; more rows are cuBLAS's."""
+    """(ok, reason): at most LINEAR_GEMV_ROWS rows of bf16/fp16 x [M, K] and a weight [N, K] of one dtype
+    and at most LINEAR_GEMV_MAX_WEIGHT elements on a GPU, unit inner strides; the rest is cuBLAS's."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         return False, f"expected x [M, K], weight [N, K], got {list(x.shape)}, {list(weight.shape)}"
-    if x.shape[0] > LINEAR_GEMV_ROWS:
-        return False, f"more than {LINEAR_GEMV_ROWS} rows: cuBLAS's GEMM"
+    if x.shape[0] > LINEAR_GEMV_ROWS or weight.numel() > LINEAR_GEMV_MAX_WEIGHT:
+        return False, f"more than {LINEAR_GEMV_ROWS} rows or {LINEAR_GEMV_MAX_WEIGHT} weights: cuBLAS's GEMM"
     if not (x.is_cuda or not _GPU) or weight.device != x.device:
         return False, "x not on a GPU, or weight on another device"
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
