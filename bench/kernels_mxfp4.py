@@ -124,7 +124,8 @@ def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list
         gemv = moe.experts_config(T, s.k, s.E, s.D, s.I).gemv  # the bf16 rule's GEMV tiles, where it takes them
         other = (dataclasses.replace(chosen, gemv=None) if chosen.gemv
                  else dataclasses.replace(chosen, gemv=gemv) if gemv else None)
-        for cfg in (chosen, dataclasses.replace(chosen, gemv=None, decode=1 - chosen.decode)) + ((other,) if other else ()):
+        flipped = dataclasses.replace(chosen, gemv=None, decode=1 - chosen.decode)
+        for cfg in (chosen, flipped) + ((other,) if other else ()):
             shape = f"T{T} hit{hit}/{s.E} " + (f"gemv{cfg.gemv[:2]}" if cfg.gemv else f"BM{cfg.block_m} d{cfg.decode}")
             try:
                 status = check(layer, (x, w, ids), cfg) if do_check else ""

@@ -317,7 +317,8 @@ def _latent_args(config: dict, N: int, T: int, split: bool) -> dict:
     r, bn = 512, config["BLOCK_N"]
     desc = lambda w: f"tensordesc<bf16[{bn}, {w}]>" if config["tma"] else "*bf16"  # noqa: E731
     return dict(q_ptr="*bf16", qpe_ptr="*bf16", pool_ptr="*bf16", ckv_desc=desc(512), kpe_desc=desc(64), bt_ptr="*i32",
-                ctx_ptr="*i32", cu_ptr="*i32", tile_cu_ptr="*i32", pcu_ptr="*i32", out_ptr="*fp32" if split else "*bf16",
+                ctx_ptr="*i32", cu_ptr="*i32", tile_cu_ptr="*i32", pcu_ptr="*i32",
+                out_ptr="*fp32" if split else "*bf16",
                 lse_ptr="*fp32", scale=0.07, B=64, N=N, num_splits=4, tiles_per_seq=1, s_qt=r, s_qh=T * r,
                 s_pt=N * 192, s_ph=192, s_blk=64 * 576, s_row=576, s_bt=256, s_os=T * N * r, s_ot=N * r, s_oh=r,
                 s_ls=T * N, s_lt=N, s_lh=1)

@@ -136,7 +136,8 @@ def reference_ops() -> Iterator[None]:
 __all__ = [
     "Activation", "acc_dtype", "attn_res_mix", "attn_res_mix_norm", "dequant_mxfp4", "experts", "experts_mxfp4",
     "gated_rms_norm", "glu", "kda_chunked",
-    "kda_decode", "kda_gate", "kda_prefill", "kda_prefill_inputs", "kda_recurrent", "l2_norm", "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
+    "kda_decode", "kda_gate", "kda_prefill", "kda_prefill_inputs", "kda_recurrent", "l2_norm", "mla_absorbed",
+    "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "race_draw", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
     "situ_and_mul", "glu_linear", "linear", "kda_decode_fused", "VarlenLayout", "varlen_layout",
 ]

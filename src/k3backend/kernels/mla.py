@@ -147,7 +147,8 @@ def _latent_attn_kernel(
     DECODE: one query token per sequence (row tile = pid % tiles_per_seq, token = b); otherwise the
     varlen chunks of `cu_ptr`, tiles found in `tile_cu_ptr`. Query token i of a chunk of length L
     sits at position ctx − L + i and sees keys j ≤ that position. SKIP_FRESH: chunks with no cached
-    prefix, and (PREFIX) those whose prefix `pcu_ptr` expands, are left to the MHA kernel. SPLIT: write fp32 partials + lse at split = program_id(1).
+    prefix, and (PREFIX) those whose prefix `pcu_ptr` expands, are left to the MHA kernel. SPLIT:
+    write fp32 partials + lse at split = program_id(1).
     USE_TMA (BLOCK_N divides the pool's block size): whole key tiles are one slice of one pool block,
     loaded by TMA descriptors over the pool's [c_kv] and [k_pe] columns; the last, partial tile of a
     split takes the masked pointer loads, so rows past the context are never read (they may hold

@@ -25,10 +25,10 @@ class VarlenLayout:
     """B sequences of T tokens laid end to end (the prefill rows of a step).
 
     cu_seqlens [B+1] int32; lens [B]; seq_ids [T] int32 (sequence of each token); positions [T]
-    int64 (position in its sequence: cached prefix + offset in the chunk); latent_rows [T] int64 (pool row of the token's own latent
-    row; None without block tables); chunk_seq [NC] int32 (sequence of each KDA chunk, −1 past the
-    last), chunk_start [NC] int64 (its first token), first_chunk [B] int64, num_chunks NC = T/64 + B
-    (an upper bound from shapes alone). Prefix snapshots taken inside a chunk (at a whole number of
+    int64 (position in its sequence: cached prefix + offset in the chunk); latent_rows [T] int64
+    (pool row of the token's own latent row; None without block tables); chunk_seq [NC] int32
+    (sequence of each KDA chunk, −1 past the last), chunk_start [NC] int64 (its first token),
+    first_chunk [B] int64, num_chunks NC = T/64 + B (an upper bound from shapes alone). Prefix snapshots taken inside a chunk (at a whole number of
     KDA chunks from its start, `snapshot_tables`): chunk_snapshot [NC] int32, the KDA slot that gets
     the state after that chunk (0: none); snapshot_ends [M] int64, the flat end of each snapshot's
     prefix, and snapshot_slots [M] int64 its slot (0: an unused entry), for the conv history.
@@ -113,9 +113,9 @@ def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int, context_lens: torch
     chunk_seq = chunk_seq.clamp(max=max(B - 1, 0))
     first = ends - n
     start = cu[chunk_seq] + KDA_CHUNK * (ids - first[chunk_seq]) if B else ids
-    return VarlenLayout(cu_seqlens, T, lens, seq_ids, positions, rows,
-                        torch.where(valid, chunk_seq, -1).to(torch.int32), start, first, NC, *(snapshots or (None,) * 3),
-                        prefix=prefix if context_lens is not None else None)
+    chunk_seq = torch.where(valid, chunk_seq, -1).to(torch.int32)
+    return VarlenLayout(cu_seqlens, T, lens, seq_ids, positions, rows, chunk_seq, start, first, NC,
+                        *(snapshots or (None,) * 3), prefix=prefix if context_lens is not None else None)
 
 
 def num_chunks(num_tokens: int, num_seqs: int) -> int:
