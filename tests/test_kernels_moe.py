@@ -437,17 +437,18 @@ def check_gemv_kernels_equal_reference_for_a_few_rows():
 
 
 def check_linear_gemv_equals_reference_for_a_few_rows():
-    """kernels.linear for 1-4 rows (the GEMV kernel, every weight tile read once for all rows): even and
-    ragged K and N, x rows strided like a slice of a wider output, bf16 and fp16, against the fp32
-    product rounded once; 5 rows are declined (cuBLAS)."""
+    """The few-row GEMV behind kernels.linear for 1-4 rows (every weight tile read once for all rows):
+    even and ragged K and N, x rows strided like a slice of a wider output, bf16 and fp16, against the
+    fp32 product rounded once; the op takes it for at most LINEAR_GEMV_ROWS rows and LINEAR_GEMV_MAX_N
+    outputs (cuBLAS otherwise)."""
     from k3backend.kernels import moe
 
-    assert moe.LINEAR_GEMV_ROWS == 4
+    assert (moe.LINEAR_GEMV_ROWS, moe.LINEAR_GEMV_MAX_N) == (2, 1024), "the measured rule"
     for M, N, K, dtype in [(1, 37, 300, BF16), (2, 64, 256, BF16), (3, 200, 64, BF16), (4, 48, 40, BF16),
                            (4, 64, 512, torch.float16), (1, 300, 2048, BF16)]:
         wide = randn(M, K + 9, seed=800 + M, dtype=dtype)
         x, w = wide[:, :K], randn(N, K, seed=801 + M, scale=K ** -0.5, dtype=dtype)
-        assert moe.linear_supports(x, w)[0]
+        assert moe.linear_supports(x, w)[0] == (M <= 2 and N <= 1024), (M, N)
         with poisoned_empty():
             got = moe.linear(x, w)
         want = (x.float() @ w.float().t()).to(dtype)
@@ -456,10 +457,8 @@ def check_linear_gemv_equals_reference_for_a_few_rows():
                               f"linear M={M} N={N} K={K}")
         else:
             torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=f"linear fp16 M={M}")
-    ok, why = moe.linear_supports(randn(5, 64, seed=1, dtype=BF16), randn(8, 64, seed=2, dtype=BF16))
+    ok, why = moe.linear_supports(randn(3, 64, seed=1, dtype=BF16), randn(8, 64, seed=2, dtype=BF16))
     assert not ok and "cuBLAS" in why, why
-    big = torch.empty(moe.LINEAR_GEMV_MAX_WEIGHT // 64 + 1, 64, dtype=BF16)  # the LM head's size class
-    assert not moe.linear_supports(randn(1, 64, seed=1, dtype=BF16), big)[0]
 
 
 def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
@@ -479,7 +478,7 @@ def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
     for quant in (None, "mxfp4"):
         cfg = dataclasses.replace(K3Config.from_dict(preset_config("tiny")).text, num_expert_group=2, topk_group=1,
                                   routed_expert_quant=quant)
-        for rows in (7, 3):  # 3: the projections take the few-row GEMV (linear)
+        for rows in (7, 2):  # 2: the narrow projections take the few-row GEMV (linear)
             _moe_layer_matches_reference(MoE(cfg), ops, randn(rows, cfg.hidden_size, seed=500, dtype=BF16),
                                          random_tensor)
 

@@ -60,11 +60,12 @@ MX_DECODE = 0
 GEMV_ROWS = 24
 GEMV_PER_MATRIX = 2
 # `linear` (the model's dense projections) takes `_linear_gemv_kernel` for at most LINEAR_GEMV_ROWS
-# rows of a weight of at most LINEAR_GEMV_MAX_WEIGHT elements, where cuBLAS picks kernels that stream
-# a 4-8 MB weight at a third of HBM speed (decode B1 on the H200: 9-12 us each, 70 of them a step);
-# more rows, and big weights (the LM head, which cuBLAS streams near HBM speed), go to cuBLAS.
-LINEAR_GEMV_ROWS = 4
-LINEAR_GEMV_MAX_WEIGHT = 2**24
+# rows and LINEAR_GEMV_MAX_N outputs: there cuBLAS streams the weight at a third of HBM speed. On the
+# H200 at `small` (call V of 2026-12-02, graph replays): [1024, 2048] 6.3 against 13.5 us at 1 row and
+# 6.5 against 13.6 at 2; every wider weight as fast or faster on cuBLAS (0.73-1.03x at 1 row, the LM
+# head 0.95x), and 4 rows slower everywhere but one shape.
+LINEAR_GEMV_ROWS = 2
+LINEAR_GEMV_MAX_N = 1024
 # MXFP4 weights expand in registers, so the GEMV kernels win over fewer rows (same bench, bench/
 # kernels_mxfp4.py): 2.06× the MMA tiles at 1 token, 1.31× at 2, 0.92× at 4, 0.68× at 8.
 GEMV_ROWS_MXFP4 = 12
@@ -934,11 +935,11 @@ def _sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, scaling:
 # ----------------------------------------------------------------------------- dense projections
 def linear_supports(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
     """(ok, reason): at most LINEAR_GEMV_ROWS rows of bf16/fp16 x [M, K] and a weight [N, K] of one dtype
-    and at most LINEAR_GEMV_MAX_WEIGHT elements on a GPU, unit inner strides; the rest is cuBLAS's."""
+    with at most LINEAR_GEMV_MAX_N rows, on a GPU, unit inner strides; the rest is cuBLAS's."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         return False, f"expected x [M, K], weight [N, K], got {list(x.shape)}, {list(weight.shape)}"
-    if x.shape[0] > LINEAR_GEMV_ROWS or weight.numel() > LINEAR_GEMV_MAX_WEIGHT:
-        return False, f"more than {LINEAR_GEMV_ROWS} rows or {LINEAR_GEMV_MAX_WEIGHT} weights: cuBLAS's GEMM"
+    if x.shape[0] > LINEAR_GEMV_ROWS or weight.shape[0] > LINEAR_GEMV_MAX_N:
+        return False, f"more than {LINEAR_GEMV_ROWS} rows or {LINEAR_GEMV_MAX_N} outputs: cuBLAS's GEMM"
     if not (x.is_cuda or not _GPU) or weight.device != x.device:
         return False, "x not on a GPU, or weight on another device"
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
