@@ -436,31 +436,6 @@ def check_gemv_kernels_equal_reference_for_a_few_rows():
         moe.GEMV_ROWS, moe.GEMV_PER_MATRIX, moe.GEMV_ROWS_MXFP4 = saved
 
 
-def check_linear_gemv_equals_reference_for_a_few_rows():
-    """The few-row GEMV behind kernels.linear for 1-4 rows (every weight tile read once for all rows):
-    even and ragged K and N, x rows strided like a slice of a wider output, bf16 and fp16, against the
-    fp32 product rounded once; the op takes it for at most LINEAR_GEMV_ROWS rows and LINEAR_GEMV_MAX_N
-    outputs (cuBLAS otherwise)."""
-    from k3backend.kernels import moe
-
-    assert (moe.LINEAR_GEMV_ROWS, moe.LINEAR_GEMV_MAX_N) == (2, 1024), "the measured rule"
-    for M, N, K, dtype in [(1, 37, 300, BF16), (2, 64, 256, BF16), (3, 200, 64, BF16), (4, 48, 40, BF16),
-                           (4, 64, 512, torch.float16), (1, 300, 2048, BF16)]:
-        wide = randn(M, K + 9, seed=800 + M, dtype=dtype)
-        x, w = wide[:, :K], randn(N, K, seed=801 + M, scale=K ** -0.5, dtype=dtype)
-        assert moe.linear_supports(x, w)[0] == (M <= 2 and N <= 1024), (M, N)
-        with poisoned_empty():
-            got = moe.linear(x, w)
-        want = (x.float() @ w.float().t()).to(dtype)
-        if dtype == BF16:
-            assert_bf16_close(got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3),
-                              f"linear M={M} N={N} K={K}")
-        else:
-            torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=f"linear fp16 M={M}")
-    ok, why = moe.linear_supports(randn(3, 64, seed=1, dtype=BF16), randn(8, 64, seed=2, dtype=BF16))
-    assert not ok and "cuBLAS" in why, why
-
-
 def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
     """K3_KERNELS=triton (set for the child): the switch routes MoE.forward to kernels/moe.py, with
     bf16 and with MXFP4 routed experts."""
@@ -472,15 +447,13 @@ def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
     from k3backend.model.moe import MoE
     from k3backend.presets import preset_config, random_tensor
 
-    ops = ("route", "experts", "experts_mxfp4", "glu_linear", "linear")
+    ops = ("route", "experts", "experts_mxfp4", "glu_linear")
     for op in ops:
         assert getattr(kernels, op).__wrapped__ is getattr(moe_ref, op), f"{op} must be registered in kernels.FAST_OPS"
     for quant in (None, "mxfp4"):
         cfg = dataclasses.replace(K3Config.from_dict(preset_config("tiny")).text, num_expert_group=2, topk_group=1,
                                   routed_expert_quant=quant)
-        for rows in (7, 2):  # 2: the narrow projections take the few-row GEMV (linear)
-            _moe_layer_matches_reference(MoE(cfg), ops, randn(rows, cfg.hidden_size, seed=500, dtype=BF16),
-                                         random_tensor)
+        _moe_layer_matches_reference(MoE(cfg), ops, randn(7, cfg.hidden_size, seed=500, dtype=BF16), random_tensor)
 
 
 def _moe_layer_matches_reference(layer, ops, h, random_tensor):

@@ -37,7 +37,6 @@ from k3backend.kernels.moe_ref import (
     experts_mxfp4,
     glu,
     glu_linear,
-    linear,
     route,
     silu_and_mul,
     situ_and_mul,
@@ -66,7 +65,6 @@ FAST_OPS: dict[str, str] = {
     "experts": "k3backend.kernels.moe",
     "experts_mxfp4": "k3backend.kernels.moe",
     "glu_linear": "k3backend.kernels.moe",
-    "linear": "k3backend.kernels.moe",
     "route": "k3backend.kernels.moe",
     "mla_decode": "k3backend.kernels.mla",
     "mla_prefill": "k3backend.kernels.mla",
@@ -139,5 +137,5 @@ __all__ = [
     "kda_decode", "kda_gate", "kda_prefill", "kda_prefill_inputs", "kda_recurrent", "l2_norm", "mla_absorbed",
     "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "race_draw", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
-    "situ_and_mul", "glu_linear", "linear", "kda_decode_fused", "VarlenLayout", "varlen_layout",
+    "situ_and_mul", "glu_linear", "kda_decode_fused", "VarlenLayout", "varlen_layout",
 ]

@@ -59,13 +59,6 @@ MX_DECODE = 0
 # at 1 row and 0.6× at 4.
 GEMV_ROWS = 24
 GEMV_PER_MATRIX = 2
-# `linear` (the model's dense projections) takes `_linear_gemv_kernel` for at most LINEAR_GEMV_ROWS
-# rows and LINEAR_GEMV_MAX_N outputs: there cuBLAS streams the weight at a third of HBM speed. On the
-# H200 at `small` (call V of 2026-12-02, graph replays): [1024, 2048] 6.3 against 13.5 us at 1 row and
-# 6.5 against 13.6 at 2; every wider weight as fast or faster on cuBLAS (0.73-1.03x at 1 row, the LM
-# head 0.95x), and 4 rows slower everywhere but one shape.
-LINEAR_GEMV_ROWS = 2
-LINEAR_GEMV_MAX_N = 1024
 # MXFP4 weights expand in registers, so the GEMV kernels win over fewer rows (same bench, bench/
 # kernels_mxfp4.py): 2.06× the MMA tiles at 1 token, 1.31× at 2, 0.92× at 4, 0.68× at 8.
 GEMV_ROWS_MXFP4 = 12
@@ -628,33 +621,6 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, 
     tl.store(y_ptr + a.to(tl.int64) * stride_yn + offs_n, y, mask=offs_n < D)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _linear_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, ROWS: tl.constexpr,
-                        GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[:, n-block] = bf(x·wᵀ) for all M ≤ ROWS rows of x at once: each weight tile is read once and
-    multiplied into every row's fp32 accumulator (vector loads and FMAs, no MMA tile padded to 16 rows)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, ROWS)
-    w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k0 * BLOCK_K
-        if EVEN_K:
-            w = tl.load(w_ptrs).to(tl.float32)
-            xv = tl.load(x_ptrs, mask=(rows < M)[:, None], other=0.0).to(tl.float32)
-        else:
-            w = tl.load(w_ptrs, mask=(offs_k < k_left)[None, :], other=0.0).to(tl.float32)
-            xv = tl.load(x_ptrs, mask=(rows < M)[:, None] & (offs_k < k_left)[None, :], other=0.0).to(tl.float32)
-        acc += w[None, :, :] * xv[:, None, :]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    y = _round(tl.sum(acc, axis=2), y_ptr.dtype.element_ty, GPU)
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], y,
-             mask=(rows < M)[:, None] & (offs_n < N)[None, :])
-
-
 @triton.jit(do_not_specialize=["T"])
 def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it, stride_ik, stride_ot,
                 TOP_K: tl.constexpr, GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -930,38 +896,6 @@ def _sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, scaling:
         BLOCK_T=block_t, BLOCK_D=block_d, num_warps=8,
     )
     return out
-
-
-# ----------------------------------------------------------------------------- dense projections
-def linear_supports(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
-    """(ok, reason): at most LINEAR_GEMV_ROWS rows of bf16/fp16 x [M, K] and a weight [N, K] of one dtype
-    with at most LINEAR_GEMV_MAX_N rows, on a GPU, unit inner strides; the rest is cuBLAS's."""
-    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        return False, f"expected x [M, K], weight [N, K], got {list(x.shape)}, {list(weight.shape)}"
-    if x.shape[0] > LINEAR_GEMV_ROWS or weight.shape[0] > LINEAR_GEMV_MAX_N:
-        return False, f"more than {LINEAR_GEMV_ROWS} rows or {LINEAR_GEMV_MAX_N} outputs: cuBLAS's GEMM"
-    if not (x.is_cuda or not _GPU) or weight.device != x.device:
-        return False, "x not on a GPU, or weight on another device"
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
-        return False, f"x, weight: expected bfloat16 or float16, both, got {x.dtype}, {weight.dtype}"
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        return False, "x, weight: expected unit stride in the last dimension"
-    return True, ""
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`moe_ref.linear` for a few rows (`_linear_gemv_kernel`): x [M, K], weight [N, K] -> [M, N]."""
-    (M, K), N = x.shape, weight.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return y
-    rows = triton.next_power_of_2(M)
-    bk = min(256 if rows <= 2 else 128, max(16, triton.next_power_of_2(K)))  # ≤ 8192 accumulators a program
-    bn = 16 if triton.cdiv(N, 16) >= 132 else 8  # a wave of programs over N at least, where N allows
-    _linear_gemv_kernel[(triton.cdiv(N, bn),)](
-        x, weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0), ROWS=rows, GPU=_GPU,
-        EVEN_K=K % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
-    return y
 
 
 # ----------------------------------------------------------------------------- dense GLU (shared experts)

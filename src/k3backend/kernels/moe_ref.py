@@ -30,11 +30,6 @@ def glu(gu: torch.Tensor, act: Activation, out_dtype: torch.dtype) -> torch.Tens
     return situ_and_mul(gu, act.beta, act.linear_beta, out_dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x·weightᵀ, rounded once to x's dtype: the model's projections (nn.Linear without bias)."""
-    return F.linear(x, weight)
-
-
 def glu_linear(x: torch.Tensor, w_gu: torch.Tensor, act: Activation, fp32_front: bool = False) -> torch.Tensor:
     """A GLU MLP's first half: act-and-mul of x·w_guᵀ, x [T, D], w_gu [2I, D] = [gate ; up] -> [T, I] (§7.1, §7.5).
 
