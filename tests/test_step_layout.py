@@ -66,6 +66,16 @@ def test_layout_tables_equal_a_host_walk_of_the_batch():
                                             for b in range(len(prefill))]
         assert lay.tile_offsets(4, 32).tolist() == [0] + list(torch.tensor(
             [-(-4 * len(c.token_ids) // 32) for c in prefill]).cumsum(0).tolist())
+        draw = lambda hi: int(torch.randint(0, hi, (), generator=gen))  # noqa: E731
+        capacity, min_len = draw(12), len(prefill[draw(n)].token_ids) + draw(2)  # a chunk's length, or one more
+        cu, mha = lay.expanded_prefix(capacity, min_len)
+        width, used = [], 0  # the host walk: long enough chunks, in order, while their prefixes fit
+        for c in prefill:
+            want = c.start if len(c.token_ids) >= min_len else 0
+            used += want
+            width.append(want if used <= capacity else 0)
+        assert cu.tolist() == [0] + list(torch.tensor(width).cumsum(0).tolist()), (capacity, min_len)
+        assert mha.tolist() == [width[b] == prefill[b].start for b in seq]
 
 
 def test_a_decode_only_step_has_no_layout():
