@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from k3backend.kernels.kda import (
-    _FLOATS, _INTERPRET, _acc, _device_problem, _first, _kda_gate, _l2, _num_sms, _raise_if, _round, _shape_problem,
+    _FLOATS, _INTERPRET, _acc, _acc_torch, _device_problem, _first, _kda_gate, _l2, _num_sms, _raise_if, _round,
+    _shape_problem,
 )
 from k3backend.kernels.varlen import KDA_CHUNK, VarlenLayout, layout_problem, varlen_layout
 
@@ -348,15 +349,14 @@ def _inputs_problem(q, k, f, b, dt_bias, A_log) -> str:
     if q.dim() != 3 or b.dim() != 2:
         return f"expected q, k, f [T, H, K] and b [T, H]; got q {list(q.shape)}, b {list(b.shape)}"
     T, H, K = q.shape
-    acc = torch.float64 if dt_bias.dtype == torch.float64 else torch.float32
     rows = [n for n, t in (("q", q), ("k", k), ("f", f)) if t.stride(-1) != 1 or t.stride(-2) != K]
     return _first(
         _shape_problem("k", k, (T, H, K), (q.dtype,)),
         _shape_problem("f", f, (T, H, K), _FLOATS),
         _shape_problem("b", b, (T, H), _FLOATS),
-        _shape_problem("dt_bias", dt_bias.view(-1), (H * K,), _FLOATS),
+        _shape_problem("dt_bias", dt_bias.reshape(-1), (H * K,), _FLOATS),
         _shape_problem("A_log", A_log, (H,), _FLOATS),
-        "" if (q.dtype == torch.float64) == (acc == torch.float64) else
+        "" if _acc_torch(q.dtype) == _acc_torch(dt_bias.dtype) else
         f"q {q.dtype} and dt_bias {dt_bias.dtype} have different accumulation dtypes",
         "" if K <= 256 else f"head dim K = {K}: more than 256",
         "" if not rows and b.stride(-1) == 1 else "q, k, f need contiguous [H, K] rows and b contiguous [H]",
@@ -378,7 +378,7 @@ def kda_prefill_inputs(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, b: tor
     be row-strided slices (of the conv output, of the input GEMM's rows)."""
     _raise_if(_inputs_problem(q, k, f, b, dt_bias, A_log), "kda_prefill_inputs")
     T, H, K = q.shape
-    acc = torch.float64 if dt_bias.dtype == torch.float64 else torch.float32
+    acc = _acc_torch(dt_bias.dtype)
     q_out, k_out, g = (torch.empty(T, H, K, dtype=acc, device=q.device) for _ in range(3))
     beta = torch.empty(T, H, dtype=acc, device=q.device)
     if T:

@@ -25,14 +25,15 @@ class VarlenLayout:
     """B sequences of T tokens laid end to end (the prefill rows of a step).
 
     cu_seqlens [B+1] int32; lens [B]; seq_ids [T] int32 (sequence of each token); positions [T]
-    int64 (position in its sequence: cached prefix + offset in the chunk); latent_rows [T] int64
-    (pool row of the token's own latent row; None without block tables); chunk_seq [NC] int32
-    (sequence of each KDA chunk, −1 past the last), chunk_start [NC] int64 (its first token),
-    first_chunk [B] int64, num_chunks NC = T/64 + B (an upper bound from shapes alone). Prefix snapshots taken inside a chunk (at a whole number of
-    KDA chunks from its start, `snapshot_tables`): chunk_snapshot [NC] int32, the KDA slot that gets
-    the state after that chunk (0: none); snapshot_ends [M] int64, the flat end of each snapshot's
-    prefix, and snapshot_slots [M] int64 its slot (0: an unused entry), for the conv history.
-    prefix [B] int64: each sequence's cached prefix (None: no context lens, no prefix).
+    int64 (position in its sequence: cached prefix + offset in the chunk); prefix [B] int64 (each
+    sequence's cached prefix, 0 without context lens); latent_rows [T] int64 (pool row of the
+    token's own latent row; None without block tables); chunk_seq [NC] int32 (sequence of each KDA
+    chunk, −1 past the last), chunk_start [NC] int64 (its first token), first_chunk [B] int64,
+    num_chunks NC = T/64 + B (an upper bound from shapes alone). Prefix snapshots taken inside a
+    chunk (at a whole number of KDA chunks from its start, `snapshot_tables`): chunk_snapshot [NC]
+    int32, the KDA slot that gets the state after that chunk (0: none); snapshot_ends [M] int64, the
+    flat end of each snapshot's prefix, and snapshot_slots [M] int64 its slot (0: an unused entry),
+    for the conv history.
     """
 
     cu_seqlens: torch.Tensor
@@ -40,6 +41,7 @@ class VarlenLayout:
     lens: torch.Tensor
     seq_ids: torch.Tensor
     positions: torch.Tensor
+    prefix: torch.Tensor
     latent_rows: torch.Tensor | None
     chunk_seq: torch.Tensor
     chunk_start: torch.Tensor
@@ -48,7 +50,6 @@ class VarlenLayout:
     chunk_snapshot: torch.Tensor | None = None
     snapshot_ends: torch.Tensor | None = None
     snapshot_slots: torch.Tensor | None = None
-    prefix: torch.Tensor | None = None
     _tiles: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, repr=False, compare=False)
 
@@ -68,7 +69,6 @@ class VarlenLayout:
             self._tiles[key] = tiles
         return self._tiles[key]
 
-
     def expanded_prefix(self, capacity: int, min_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Which chunks attend to their cached prefix in the expanded form (MLA, kernels/mla.py): those
         of at least `min_len` tokens, in order while their prefixes fit `capacity` workspace rows.
@@ -77,12 +77,11 @@ class VarlenLayout:
         expanded). Built once per step, like the tile offsets."""
         key = ("prefix", capacity, min_len)
         if key not in self._tiles:
-            prefix = self.prefix if self.prefix is not None else torch.zeros_like(self.lens, dtype=torch.long)
-            want = torch.where(self.lens >= min_len, prefix, 0)
+            want = torch.where(self.lens >= min_len, self.prefix, 0)
             width = torch.where(torch.cumsum(want, 0) <= capacity, want, 0)
             cu = torch.zeros(self.num_seqs + 1, dtype=torch.int32, device=self.lens.device)
             cu[1:] = torch.cumsum(width, 0)
-            self._tiles[key] = (cu, (width == prefix)[self.seq_ids])
+            self._tiles[key] = (cu, (width == self.prefix)[self.seq_ids])
         return self._tiles[key]
 
 
@@ -114,8 +113,8 @@ def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int, context_lens: torch
     first = ends - n
     start = cu[chunk_seq] + KDA_CHUNK * (ids - first[chunk_seq]) if B else ids
     chunk_seq = torch.where(valid, chunk_seq, -1).to(torch.int32)
-    return VarlenLayout(cu_seqlens, T, lens, seq_ids, positions, rows, chunk_seq, start, first, NC,
-                        *(snapshots or (None,) * 3), prefix=prefix if context_lens is not None else None)
+    return VarlenLayout(cu_seqlens, T, lens, seq_ids, positions, prefix, rows, chunk_seq, start, first, NC,
+                        *(snapshots or ()))
 
 
 def num_chunks(num_tokens: int, num_seqs: int) -> int:
