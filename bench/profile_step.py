@@ -146,11 +146,13 @@ def graph_check(runner, plan: StepPlan) -> str:
     if not chunks or runner.prefill_graphs is None or eager is None or eager(plan.seqs[:nd], chunks):
         return "-"
     # the graphs the step replayed: their buffers hold its tables (a one-chunk step takes the one-chunk
-    # graphs, and the multi-chunk ones still hold an earlier step's)
-    graphs = runner._prefill_for(chunks) if hasattr(runner, "_prefill_for") else runner.prefill_graphs
+    # graphs, a mixed step the mixed graphs, and the others still hold an earlier step's)
+    mixed = runner._mixed_for(plan.seqs[:nd], chunks) if hasattr(runner, "_mixed_for") else None
+    graphs = mixed or (runner._prefill_for(chunks) if hasattr(runner, "_prefill_for") else runner.prefill_graphs)
     replay = runner.logits(plan)[nd:].float().clone()
     size = graphs.size_for([len(c.token_ids) for c in chunks])
-    padded = graphs.forward(graphs.batch(size))[:len(chunks)].float()
+    first = getattr(graphs, "decode", 0)  # a mixed graph's chunk rows follow its decode rows
+    padded = graphs.forward(graphs.batch(size))[first:first + len(chunks)].float()
     alone = runner.model(runner._batch(plan), runner.pools)[nd:].float()
     d = lambda a, b: (a - b).abs().max().item()  # noqa: E731
     return f"{d(replay, padded):.3g}/{d(replay, alone):.3g} ({alone.abs().max().item():.3g})"

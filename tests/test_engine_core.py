@@ -199,6 +199,37 @@ def test_mixed_steps_as_a_decode_and_a_prefill_replay_change_no_output(model64, 
     assert core.stats().steps == len(steps)  # every step replayed (none needed a forward of its own)
 
 
+def test_mixed_steps_replay_one_mixed_graph_and_change_no_output(model64, tok):
+    """Steps with decode rows and prefill chunks through the mixed graphs' buffers (decode rows padded
+    to the next captured batch size in front of the chunks, as one forward), eagerly on the CPU: fewer
+    decode rows than the graph's, several chunks beside dummy places, a long prompt's chunk that
+    samples nothing, image rows; steps that no mixed graph holds take the two replays. Every request
+    equals its run alone."""
+    reqs = staggered_requests(tok, "joint", 8, "uvw", 4, 3, 4)
+    reqs.insert(6, image_request(tok, "j-img", model64, "7", 7))  # admitted while others decode
+    core = new_core(model64, max_num_seqs=4, max_num_batched_tokens=40, **PAGED)
+    runner = core.executor.runner
+    runner.graphs = runner.make_decode_graphs(core.cfg, capture=False)
+    runner.prefill_graphs = runner.make_prefill_graphs(core.cfg, (4, 8, 16, 32, 64), capture=False)
+    runner.mixed = runner.make_mixed_graphs(core.cfg, (8, 16, 32), capture=False)
+    assert list(runner.mixed) == [1, 2, 4] and [g.seqs(32) for g in runner.mixed.values()] == [2, 2, 2]
+    calls, steps = [], []
+    for d, graphs in runner.mixed.items():
+        graphs.run = lambda chunks, mm_positions=(), mm_embeds=None, decodes=(), fix_ids=None, d=d, run_graph=graphs.run: \
+            calls.append((len(decodes), d, [c.sample for c in chunks], len(mm_positions))) or \
+            run_graph(chunks, mm_positions, mm_embeds, decodes, fix_ids)
+    graphed = runner._graphed
+    runner._graphed = lambda decodes, chunks: steps.append((len(decodes), len(chunks))) or graphed(decodes, chunks)
+    outs = run(core, reqs)
+    assert_each_alone(model64, reqs, outs)
+    assert any(b < d for b, d, _, _ in calls), calls  # padding decode rows
+    assert any(len(sampled) >= 2 for _, _, sampled, _ in calls), calls  # several chunks in one mixed replay
+    assert any(not all(sampled) for _, _, sampled, _ in calls), calls  # a chunk that samples nothing
+    assert any(rows for _, _, _, rows in calls), calls  # image rows after the decode rows
+    assert sum(1 for d, c in steps if d and c) > len(calls), (steps, calls)  # some mixed steps took two replays
+    assert core.stats().steps == len(steps)  # every step replayed (none needed a forward of its own)
+
+
 def test_prefill_graphs_of_the_runners_sizes_hold_their_padding_when_max_model_len_is_short(model64, tok):
     """The runner's own graph sizes (up to the first size at or above the step budget: several chunks
     fill a step whatever max_model_len is) when max_model_len is below the largest size's padded tokens:

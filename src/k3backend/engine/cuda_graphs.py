@@ -19,7 +19,10 @@ one memory pool over static input buffers:
   same sizes are captured again with one chunk place (`ModelRunner.prefill_single`): a step of one
   chunk (a long prompt, a lone arrival) does not pay for the dummies.
 
-A step of decode rows and prefill chunks replays the decode graph and then the prefill graph
+A step of decode rows and prefill chunks replays one mixed graph (the same prefill graphs with
+`decode` padded decode rows in front, for each captured batch size, up to `MIXED_TOKENS` prefill
+tokens in at most `MIXED_SEQS` chunks): one forward over all of the step's tokens reads the weights
+once. A mixed step beyond them replays the decode graph and then the prefill graph
 (`ModelRunner._graphed`); a step that no graph holds runs eagerly, logged once per reason.
 
 The same padding runs eagerly when graphs are off (`capture=False`): that is how CPU tests check
@@ -35,7 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from k3backend.engine.batch import SeqChunk, copy_in
+from k3backend.engine.batch import SeqChunk, copy_in, to_device
 from k3backend.kernels.varlen import KDA_CHUNK, num_chunks, snapshot_tables, varlen_layout
 from k3backend.model.cache import ForwardBatch
 
@@ -45,6 +48,8 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_SIZES = (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)  # real tokens
 PREFILL_PAD = 16  # tokens of the padding sequence at least (no kernel sees an empty sequence)
 PREFILL_SEQS = 64  # chunks of one prefill graph at most (a step with more runs eagerly)
+MIXED_TOKENS = 1024  # prefill tokens of the largest mixed graph (decode rows and chunks in one replay)
+MIXED_SEQS = 4  # chunk places of a mixed graph: arrivals beside decoding requests come one or two a step
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -71,11 +76,14 @@ class _Graphs:
     the capture: the tables it derives on the device (the prefill layout) are rebuilt by each replay."""
 
     what = ""
+    quiet = False  # the capture logs at debug level (one of many sets; the runner sums them up)
 
-    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], sizes: Sequence[int]) -> None:
+    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], sizes: Sequence[int],
+                 out: torch.Tensor | None = None) -> None:
         self.forward, self.sizes = forward, tuple(sorted(sizes))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.out = out  # logits rows every graph writes, when given (many graphs, one buffer)
 
     def batch(self, size: int) -> ForwardBatch:
         raise NotImplementedError
@@ -90,7 +98,12 @@ class _Graphs:
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size]
-        return self.forward(self.batch(size))
+        return self.run_eagerly(size)
+
+    def run_eagerly(self, size: int) -> torch.Tensor:
+        """The forward over the buffers of `size`, as its graph runs it."""
+        logits = self.forward(self.batch(size))
+        return logits if self.out is None else self.out[:logits.shape[0]].copy_(logits)
 
     def capture(self, device: torch.device, pool: tuple | None = None) -> None:
         """Warm each size up eagerly (kernel compilation, autotuning), then capture, largest first so
@@ -104,11 +117,11 @@ class _Graphs:
                 self._prepare(size)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
-                    self.forward(self.batch(size))  # warm-up outside the capture
+                    self.run_eagerly(size)  # warm-up outside the capture
                 torch.cuda.current_stream(device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[size] = self.forward(self.batch(size))
+                    self.outputs[size] = self.run_eagerly(size)
                 self.graphs[size] = graph
             torch.cuda.synchronize(device)
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: run these steps eagerly
@@ -117,7 +130,8 @@ class _Graphs:
             torch.cuda.synchronize(device)
             log.warning("CUDA graphs off for %s steps, they run eagerly: capture failed: %s", self.what, e)
             return
-        log.info("CUDA graphs: captured %s sizes %s in %.1f s, %.0f MiB", self.what, list(self.sizes),
+        log.log(logging.DEBUG if self.quiet else logging.INFO, "CUDA graphs: captured %s sizes %s in %.1f s, %.0f MiB",
+                self.what, list(self.sizes),
                  time.monotonic() - t0, (torch.cuda.memory_reserved(device) - before) / 2**20)
 
 
@@ -188,23 +202,28 @@ class DecodeGraphs(_Graphs):
         return self._replay(size)[:b]
 
     def _fill(self, chunks: Sequence[SeqChunk], size: int) -> None:
-        """Rows 0..b-1 from the chunks, rows b..size-1 the null slot and block. Block-table columns past
-        the longest table keep stale entries: no kernel reads past a row's context length."""
-        b, bs = len(chunks), self.block_size
-        pad = size - b
-        ids = [c.token_ids[0] for c in chunks] + [0] * pad
-        slots = [c.slot for c in chunks] + [0] * pad
-        init = [c.has_initial_state for c in chunks] + [False] * pad
-        mapping = [c.block_table[c.start // bs] * bs + c.start % bs for c in chunks] + [0] * pad
-        lens = [c.start + 1 for c in chunks] + [1] * pad
-        width = max(len(c.block_table) for c in chunks)
-        tables = np.zeros((size, width), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.block_table)] = c.block_table
-        for dst, values in ((self.input_ids, ids), (self.state_indices, slots), (self.has_initial_state, init),
-                            (self.slot_mapping, mapping), (self.context_lens, lens)):
-            copy_in(dst[:size], values)
-        copy_in(self.block_tables[:size, :width], tables)
+        fill_decode_rows(self, chunks, size)
+
+
+def fill_decode_rows(g: DecodeGraphs | PrefillGraphs, chunks: Sequence[SeqChunk], size: int) -> None:
+    """Decode rows 0..b-1 of g's buffers from one-token chunks, rows b..size-1 the null slot and block.
+    Block-table columns past the longest table keep stale entries: no kernel reads past a row's
+    context length."""
+    b, bs = len(chunks), g.block_size
+    pad = size - b
+    ids = [c.token_ids[0] for c in chunks] + [0] * pad
+    slots = [c.slot for c in chunks] + [0] * pad
+    init = [c.has_initial_state for c in chunks] + [False] * pad
+    mapping = [c.block_table[c.start // bs] * bs + c.start % bs for c in chunks] + [0] * pad
+    lens = [c.start + 1 for c in chunks] + [1] * pad
+    width = max([len(c.block_table) for c in chunks] + [1])
+    tables = np.zeros((size, width), dtype=np.int32)
+    for i, c in enumerate(chunks):
+        tables[i, :len(c.block_table)] = c.block_table
+    for dst, values in ((g.input_ids, ids), (g.state_indices, slots), (g.has_initial_state, init),
+                        (g.slot_mapping, mapping), (g.context_lens, lens)):
+        copy_in(dst[:size], values)
+    copy_in(g.block_tables[:size, :width], tables)
 
 
 class PrefillGraphs(_Graphs):
@@ -214,30 +233,37 @@ class PrefillGraphs(_Graphs):
     for each unused chunk place, then the padding sequence, all dummies on the null slot and block.
     Image rows replace the embeddings of their positions from a static buffer; unused entries point
     at the padding sequence's last row. The graph computes the logits of every chunk place's last
-    token whether or not the step samples it."""
+    token whether or not the step samples it.
 
-    what = "prefill"
+    A mixed graph (`decode` > 0) has that many decode rows in front, filled as a decode graph's
+    (padding rows on the null slot and block), so a step of b <= decode decoding requests and
+    its chunks is one forward."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], sizes: Sequence[int], max_blocks: int,
                  block_size: int, device: torch.device, capture: bool, pool: tuple | None = None, *,
-                 hidden: int, dtype: torch.dtype, max_seqs: int = PREFILL_SEQS) -> None:
-        super().__init__(forward, sizes)
-        self.block_size, self.max_seqs = block_size, max_seqs
+                 hidden: int, dtype: torch.dtype, max_seqs: int = PREFILL_SEQS, decode: int = 0,
+                 out: torch.Tensor | None = None) -> None:
+        super().__init__(forward, sizes, out)
+        self.block_size, self.max_seqs, self.decode = block_size, max_seqs, decode
+        self.what, self.quiet = (f"mixed (decode {decode})", True) if decode else ("prefill", False)
+        D = decode
         n, seqs = self.padded_tokens(self.sizes[-1]), self.seqs(self.sizes[-1]) + 1
         max_blocks = max(max_blocks, -(-n // block_size))  # the padding sequence may outgrow max_model_len
         i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
-        self.cu_seqlens = torch.zeros(seqs + 1, **i32)
-        self.state_indices = torch.zeros(seqs, **i32)  # dummies and padding: the null slot
-        self.has_initial_state = torch.zeros(seqs, dtype=torch.bool, device=device)
-        self.block_tables = torch.zeros(seqs, max_blocks, **i32)
-        self.context_lens = torch.ones(seqs, **i32)
-        self.logits_index = torch.zeros(seqs - 1, dtype=torch.int64, device=device)
-        self.mm_positions = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
+        # rows: the decode rows, then the chunks' tokens (per token) or sequences (per sequence)
+        self.input_ids = torch.zeros(D + n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(D + n, dtype=torch.int64, device=device)
+        self.cu_seqlens = torch.zeros(seqs + 1, **i32)  # of the chunks alone
+        self.state_indices = torch.zeros(D + seqs, **i32)  # dummies and padding: the null slot
+        self.has_initial_state = torch.zeros(D + seqs, dtype=torch.bool, device=device)
+        self.block_tables = torch.zeros(D + seqs, max_blocks, **i32)
+        self.context_lens = torch.ones(D + seqs, **i32)
+        self.logits_index = torch.arange(D + seqs - 1, dtype=torch.int64, device=device)  # decode rows: their own
+        self._decode_cu = torch.arange(D, **i32)
+        self.mm_positions = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)  # flat, decode rows included
         self.mm_embeds = torch.zeros(self.sizes[-1], hidden, dtype=dtype, device=device)
-        self._no_images = {size: torch.full((size,), self.padded_tokens(size) - 1, dtype=torch.int64, device=device)
-                           for size in self.sizes}
+        self._no_images = {size: torch.full((size,), D + self.padded_tokens(size) - 1, dtype=torch.int64,
+                                            device=device) for size in self.sizes}
         self.chunk_snapshot = torch.zeros(num_chunks(n, seqs), **i32)  # prefix snapshots inside chunks
         self.snapshot_ends = torch.zeros(self.sizes[-1] // KDA_CHUNK, dtype=torch.int64, device=device)
         self.snapshot_slots = torch.zeros_like(self.snapshot_ends)
@@ -253,8 +279,8 @@ class PrefillGraphs(_Graphs):
         return prefill_seqs(size, self.max_seqs)
 
     def padded_tokens(self, size: int) -> int:
-        """Tokens of the graph of `size`: room for the chunks, their dummies and a padding sequence of
-        at least PREFILL_PAD tokens (no kernel sees an empty sequence)."""
+        """Tokens of the graph of `size` past the decode rows: room for the chunks, their dummies and a
+        padding sequence of at least PREFILL_PAD tokens (no kernel sees an empty sequence)."""
         return size + self.seqs(size) - 1 + PREFILL_PAD
 
     def size_for(self, lengths: Sequence[int]) -> int | None:
@@ -263,34 +289,46 @@ class PrefillGraphs(_Graphs):
         return next((s for s in self.sizes if s >= n and self.seqs(s) >= len(lengths)), None)
 
     def batch(self, size: int) -> ForwardBatch:
-        s, t = self.seqs(size) + 1, self.padded_tokens(size)
-        cu, lens, tables = self.cu_seqlens[:s + 1], self.context_lens[:s], self.block_tables[:s]
+        D, s, t = self.decode, self.seqs(size) + 1, self.padded_tokens(size)
+        cu, lens, tables = self.cu_seqlens[:s + 1], self.context_lens[:D + s], self.block_tables[:D + s]
         m = size // KDA_CHUNK
         snapshots = (self.chunk_snapshot[:num_chunks(t, s)], self.snapshot_ends[:m], self.snapshot_slots[:m])
         return ForwardBatch(
-            input_ids=self.input_ids[:t], cu_seqlens=cu, num_decode=0, state_indices=self.state_indices[:s],
-            has_initial_state=self.has_initial_state[:s], slot_mapping=self.slot_mapping[:t], block_tables=tables,
-            context_lens=lens, logits_indices=self.logits_index[:s - 1], prefill_cu_seqlens=cu,
-            prefill_layout=varlen_layout(cu, t, lens, tables, self.block_size, snapshots),
+            input_ids=self.input_ids[:D + t], cu_seqlens=torch.cat([self._decode_cu, cu + D]) if D else cu,
+            num_decode=D, state_indices=self.state_indices[:D + s], has_initial_state=self.has_initial_state[:D + s],
+            slot_mapping=self.slot_mapping[:D + t], block_tables=tables, context_lens=lens,
+            logits_indices=self.logits_index[:D + s - 1], prefill_cu_seqlens=cu,
+            prefill_layout=varlen_layout(cu, t, lens[D:], tables[D:], self.block_size, snapshots),
             mm_positions=self.mm_positions[:size], mm_embeds=self.mm_embeds[:size])
 
     def _prepare(self, size: int) -> None:
-        self._fill([], size, [], None)  # every place a dummy, on the null slot and block
+        self._fill([], size, [], None)  # every place a dummy, every decode row padding
 
-    def run(self, chunks: Sequence[SeqChunk], mm_positions: Sequence[int] = (),
-            mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(chunks), V] of each chunk's last token; mm_positions (flat positions in the
-        chunks laid end to end) get the rows of mm_embeds."""
+    def run(self, chunks: Sequence[SeqChunk], mm_positions: Sequence[int] = (), mm_embeds: torch.Tensor | None = None,
+            decodes: Sequence[SeqChunk] = (), fix_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Logits of the step's sampled rows: every decode row (one-token chunks, at most `decode`), then
+        the last token of each chunk that samples. mm_positions are flat positions in the chunks laid
+        end to end, which get the rows of mm_embeds; fix_ids edits the decode rows' filled ids on the
+        device before the replay."""
         size = self.size_for([len(c.token_ids) for c in chunks])
-        self._fill(chunks, size, mm_positions, mm_embeds)
-        return self._replay(size)[:len(chunks)]
+        self._fill(chunks, size, mm_positions, mm_embeds, decodes)
+        if fix_ids is not None:
+            fix_ids(self.input_ids[:len(decodes)])
+        out = self._replay(size)
+        rows = list(range(len(decodes))) + [self.decode + i for i, c in enumerate(chunks) if c.sample]
+        if rows == list(range(len(rows))):
+            return out[:len(rows)]
+        # not out[rows]: a list index is a copy from pageable memory, which waits for the step
+        return out.index_select(0, to_device(rows, torch.long, out.device))
 
     def _fill(self, chunks: Sequence[SeqChunk], size: int, mm_positions: Sequence[int],
-              mm_embeds: torch.Tensor | None) -> None:
-        """The buffers for `chunks` in the graph of `size` (see the class docstring). The block-table rows
-        of dummies (where they read: the first column) and of the padding sequence are zeroed: in another
-        step they held a chunk's table."""
-        bs, k, places, t = self.block_size, len(chunks), self.seqs(size), self.padded_tokens(size)
+              mm_embeds: torch.Tensor | None, decodes: Sequence[SeqChunk] = ()) -> None:
+        """The buffers for `decodes` and `chunks` in the graph of `size` (see the class docstring). The
+        block-table rows of dummies (where they read: the first column) and of the padding sequence are
+        zeroed: in another step they held a chunk's table."""
+        D, bs, k, places, t = self.decode, self.block_size, len(chunks), self.seqs(size), self.padded_tokens(size)
+        if D:
+            fill_decode_rows(self, decodes, D)
         lens = np.array([len(c.token_ids) for c in chunks] + [1] * (places - k), dtype=np.int64)
         lens = np.append(lens, t - int(lens.sum()))  # the padding sequence
         cu = np.zeros(places + 2, dtype=np.int64)
@@ -309,21 +347,22 @@ class PrefillGraphs(_Graphs):
             tables[i, :len(table)] = table
             starts[i] = c.start
         small = np.concatenate([cu, starts + lens, [c.slot for c in chunks] + [0] * (places + 1 - k),
-                                [c.has_initial_state for c in chunks] + [0] * (places + 1 - k), cu[1:places + 1] - 1])
+                                [c.has_initial_state for c in chunks] + [0] * (places + 1 - k),
+                                D + cu[1:places + 1] - 1])
         s = places + 1
         copy_in(self.cu_seqlens[:s + 1], small[:s + 1])
-        copy_in(self.context_lens[:s], small[s + 1:2 * s + 1])
-        copy_in(self.state_indices[:s], small[2 * s + 1:3 * s + 1])
-        copy_in(self.has_initial_state[:s], small[3 * s + 1:4 * s + 1])
-        copy_in(self.logits_index[:places], small[4 * s + 1:])
-        copy_in(self.input_ids[:t], ids)
-        copy_in(self.slot_mapping[:t], rows)
-        copy_in(self.block_tables[:places, :width], tables)
-        self.block_tables[places].zero_()  # the padding row: a chunk place's table in a larger graph
+        copy_in(self.context_lens[D:D + s], small[s + 1:2 * s + 1])
+        copy_in(self.state_indices[D:D + s], small[2 * s + 1:3 * s + 1])
+        copy_in(self.has_initial_state[D:D + s], small[3 * s + 1:4 * s + 1])
+        copy_in(self.logits_index[D:D + places], small[4 * s + 1:])
+        copy_in(self.input_ids[D:D + t], ids)
+        copy_in(self.slot_mapping[D:D + t], rows)
+        copy_in(self.block_tables[D:D + places, :width], tables)
+        self.block_tables[D + places].zero_()  # the padding row: a chunk place's table in a larger graph
         self.mm_positions[:size].copy_(self._no_images[size])  # unused: the padding sequence's last row
         self._fill_snapshots(chunks, lens, size, t)
         if len(mm_positions):
-            copy_in(self.mm_positions[:len(mm_positions)], mm_positions)
+            copy_in(self.mm_positions[:len(mm_positions)], np.asarray(mm_positions, dtype=np.int64) + D)
             self.mm_embeds[:len(mm_positions)].copy_(mm_embeds, non_blocking=True)
 
     def _fill_snapshots(self, chunks: Sequence[SeqChunk], lens: np.ndarray, size: int, t: int) -> None:

@@ -25,8 +25,8 @@ import torch
 from k3backend import kernels
 from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch, to_device
 from k3backend.engine.config import EngineConfig
-from k3backend.engine.cuda_graphs import (PREFILL_PAD, PREFILL_SEQS, DecodeGraphs, PrefillGraphs, capture_sizes,
-                                          prefill_seqs, prefill_sizes)
+from k3backend.engine.cuda_graphs import (MIXED_SEQS, MIXED_TOKENS, PREFILL_PAD, PREFILL_SEQS, DecodeGraphs,
+                                          PrefillGraphs, capture_sizes, prefill_seqs, prefill_sizes)
 from k3backend.engine.plan import PENDING, CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
 from k3backend.engine.sampler import DeviceSample, Sampled, Sampler, SamplingRow
 from k3backend.engine.sampler_ref import banned_ids
@@ -95,6 +95,8 @@ class ModelRunner:
         # one chunk place per graph: a step of one chunk replays these, without the multi-chunk graphs'
         # dummy places (one-token sequences, about 60 µs each at the `small` shape on the H200)
         self.prefill_single: PrefillGraphs | None = None
+        # decode rows and chunks in one replay, by the captured decode batch size (ascending)
+        self.mixed: dict[int, PrefillGraphs] = {}
         self._eager_logged: set[str] = set()
         self.prefill_ms: dict[int, float] = {}  # prefill tokens -> device ms of that graph's replay (GPU)
         self._last: tuple[torch.Tensor, dict[int, int]] = (torch.zeros(0, dtype=torch.long), {})  # ids, slot -> row
@@ -117,6 +119,13 @@ class ModelRunner:
                 prefill, single = single, None
         self.prefill_graphs = prefill if prefill is not None and prefill.graphs else None
         self.prefill_single = single if single is not None and single.graphs else None
+        t0, before = time.monotonic(), torch.cuda.memory_reserved(self.device)
+        mixed = self.make_mixed_graphs(cfg, capture=True, pool=pool)
+        self.mixed = {d: g for d, g in mixed.items() if g.graphs}
+        if self.mixed:
+            log.info("CUDA graphs: captured mixed steps of decode batch sizes %s beside prefill sizes %s in %.1f s, "
+                     "%.0f MiB", list(self.mixed), list(next(iter(self.mixed.values())).sizes), time.monotonic() - t0,
+                     (torch.cuda.memory_reserved(self.device) - before) / 2**20)
         decode = self.make_decode_graphs(cfg, capture=True, pool=pool)
         self.graphs = decode if decode.graphs else None
         if self.prefill_graphs is not None:  # every rank replays the same graphs: they meet in the collectives
@@ -137,13 +146,29 @@ class ModelRunner:
                             capture, pool)
 
     def make_prefill_graphs(self, cfg: EngineConfig, sizes: tuple[int, ...], capture: bool,
-                            pool: tuple | None = None, max_seqs: int = PREFILL_SEQS) -> PrefillGraphs:
-        """The static prefill buffers for steps of up to sizes[-1] prefill tokens (capture=False: padded
-        eager steps, for tests)."""
+                            pool: tuple | None = None, max_seqs: int = PREFILL_SEQS, decode: int = 0,
+                            out: torch.Tensor | None = None) -> PrefillGraphs:
+        """The static prefill buffers for steps of up to sizes[-1] prefill tokens, after `decode` decode
+        rows (capture=False: padded eager steps, for tests)."""
         lm = self.model.language_model
         return PrefillGraphs(self._forward, sizes, blocks_for(cfg.max_model_len, self.pools.block_size),
                              self.pools.block_size, self.device, capture, pool, hidden=lm.lm_head.weight.shape[1],
-                             dtype=lm.lm_head.weight.dtype, max_seqs=min(max_seqs, cfg.max_num_seqs))
+                             dtype=lm.lm_head.weight.dtype, max_seqs=min(max_seqs, cfg.max_num_seqs), decode=decode,
+                             out=out)
+
+    def make_mixed_graphs(self, cfg: EngineConfig, sizes: tuple[int, ...] | None = None, capture: bool = False,
+                          pool: tuple | None = None) -> dict[int, PrefillGraphs]:
+        """Mixed graphs for every captured decode batch size, over prefill `sizes` (default: those up to
+        MIXED_TOKENS) in MIXED_SEQS chunk places, sharing one logits buffer; largest first, so the smaller
+        reuse the pool's memory (capture=False: padded eager steps, for tests)."""
+        sizes = sizes or mixed_graph_sizes(cfg)
+        lm = self.model.language_model
+        decode = capture_sizes(cfg.max_num_seqs)
+        places = prefill_seqs(sizes[-1], min(MIXED_SEQS, cfg.max_num_seqs))
+        out = lm.lm_head.weight.new_empty(decode[-1] + places, lm.cfg.vocab_size)
+        graphs = {d: self.make_prefill_graphs(cfg, sizes, capture, pool, MIXED_SEQS, decode=d, out=out)
+                  for d in reversed(decode)}
+        return dict(sorted(graphs.items()))
 
     def execute(self, plan: StepPlan) -> Sampled | None:
         launched = self.launch(plan)
@@ -198,21 +223,30 @@ class ModelRunner:
         return logits
 
     def _graphed(self, decodes: list[ScheduledSeq], chunks: list[ScheduledSeq]) -> torch.Tensor:
-        """The step as graph replays: its decode rows, then its prefill chunks. A step with both
-        (requests admitted, or a long prompt's next chunk, while others decode) replays both graphs,
-        reading the weights twice instead of paying an eager step's host time."""
+        """The step as graph replays, logits of its sampled rows: one mixed replay where one holds the
+        decode rows and the chunks, else the decode rows' replay and then the chunks' (reading the
+        weights twice instead of paying an eager step's host time)."""
+        fix = lambda ids: self._feed(ids, decodes)  # noqa: E731
+        mixed = self._mixed_for(decodes, chunks)
+        if mixed is not None:
+            return mixed.run([_chunk(s) for s in chunks], *self._image_rows(chunks),
+                             decodes=[_chunk(s) for s in decodes], fix_ids=fix)
         parts = []
         if decodes:
-            parts.append(self.graphs.run([_chunk(s) for s in decodes], lambda ids: self._feed(ids, decodes)))
+            parts.append(self.graphs.run([_chunk(s) for s in decodes], fix))
         if chunks:
             if parts:  # the graphs share one memory pool: the decode logits must leave it first
                 parts[0] = parts[0].clone()
-            logits = self._prefill_for(chunks).run([_chunk(s) for s in chunks], *self._image_rows(chunks))
-            sampled = [i for i, s in enumerate(chunks) if s.sample]
-            # not logits[sampled]: a list index is a copy from pageable memory, which waits for the step
-            parts.append(logits if len(sampled) == len(chunks) else
-                         logits.index_select(0, to_device(sampled, torch.long, logits.device)))
+            parts.append(self._prefill_for(chunks).run([_chunk(s) for s in chunks], *self._image_rows(chunks)))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _mixed_for(self, decodes: list[ScheduledSeq], chunks: list[ScheduledSeq]) -> PrefillGraphs | None:
+        """The mixed graphs that hold a step of these decode rows and prefill chunks, or None."""
+        if not (decodes and chunks and self.mixed) or not _plain(decodes):
+            return None
+        graphs = next((g for d, g in self.mixed.items() if d >= len(decodes)), None)
+        fits = graphs is not None and graphs.size_for([len(s.token_ids) for s in chunks]) is not None
+        return graphs if fits else None
 
     def _prefill_for(self, chunks: list[ScheduledSeq]) -> PrefillGraphs:
         """The one-chunk graphs for a step of one chunk, else the graphs with room for several."""
@@ -223,12 +257,14 @@ class ModelRunner:
 
     def _eager_reason(self, decodes: list[ScheduledSeq], chunks: list[ScheduledSeq]) -> str:
         """'' when captured graphs hold the step's decode rows and prefill chunks, else why not."""
+        if self._mixed_for(decodes, chunks) is not None:
+            return ""
         if decodes:
             if self.graphs is None:
                 return "no decode graphs"
             if len(decodes) > self.graphs.max_batch:
                 return f"more than {self.graphs.max_batch} decode rows"
-            if not all(s.sample and not s.mm_offsets for s in decodes):
+            if not _plain(decodes):
                 return "a decode row that is not sampled or is an image row"
         if chunks:
             if self.prefill_graphs is None:
@@ -281,6 +317,11 @@ class ModelRunner:
 _NO_SAMPLE = DeviceSample(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), None, [], [])
 
 
+def _plain(decodes: list[ScheduledSeq]) -> bool:
+    """Decode rows a graph holds: sampled, and no image row (a graph's decode rows take token ids only)."""
+    return all(s.sample and not s.mm_offsets for s in decodes)
+
+
 def _chunk(s: ScheduledSeq) -> SeqChunk:
     return SeqChunk(s.token_ids, s.start, s.slot, s.has_initial_state, s.block_table, s.sample, s.snapshots)
 
@@ -328,14 +369,23 @@ def _cache_budget(model: K3Model, cfg: EngineConfig) -> int:
     if _wants_graphs(device, cfg):  # the graphs' pool keeps the largest graphed steps' activations for good
         b = capture_sizes(cfg.max_num_seqs)[-1]
         used += _activation_bytes(model, cfg, [SeqChunk([0], 0, 0, False, [0])] * b, b)
-        for p in prefill_graph_sizes(cfg)[-1:]:
-            dummies = prefill_seqs(p, min(PREFILL_SEQS, cfg.max_num_seqs)) - 1
-            used += _activation_bytes(model, cfg, [SeqChunk([0] * p, 0, 0, False, [0] * blocks_for(p, cfg.block_size))]
-                                      + [SeqChunk([0], 0, 0, False, [0])] * dummies
-                                      + [SeqChunk([0] * PREFILL_PAD, 0, 0, False, [0])], 0)
+        p, m = prefill_graph_sizes(cfg)[-1], mixed_graph_sizes(cfg)[-1]
+        used += _activation_bytes(model, cfg, _padded_step(cfg, p, PREFILL_SEQS), 0)
+        if b + m > p:  # the largest mixed step, where it is the larger (a short step budget)
+            used += _activation_bytes(model, cfg, [SeqChunk([0], 0, 0, False, [0])] * b
+                                      + _padded_step(cfg, m, MIXED_SEQS), b)
+        lm = model.language_model  # the mixed graphs' one logits buffer
+        used += (b + MIXED_SEQS) * lm.cfg.vocab_size * lm.lm_head.weight.element_size()
     free, total = torch.cuda.mem_get_info(device)
     # What the fraction allows, but never more than is free now (other processes share the GPU).
     return max(0, int(min(cfg.gpu_memory_utilization * total - used, free - 2**30)))
+
+
+def _padded_step(cfg: EngineConfig, size: int, max_seqs: int) -> list[SeqChunk]:
+    """The chunks of a prefill graph's step of `size` tokens: one chunk, the dummies, the padding."""
+    dummies = prefill_seqs(size, min(max_seqs, cfg.max_num_seqs)) - 1
+    return ([SeqChunk([0] * size, 0, 0, False, [0] * blocks_for(size, cfg.block_size))]
+            + [SeqChunk([0], 0, 0, False, [0])] * dummies + [SeqChunk([0] * PREFILL_PAD, 0, 0, False, [0])])
 
 
 def _activation_bytes(model: K3Model, cfg: EngineConfig, chunks: list[SeqChunk], num_decode: int) -> int:
@@ -360,6 +410,11 @@ def prefill_graph_sizes(cfg: EngineConfig) -> tuple[int, ...]:
     """The prefill graphs' token sizes: up to the step budget, which several chunks can fill even when
     max_model_len is shorter (each chunk is at most max_model_len)."""
     return prefill_sizes(cfg.max_num_batched_tokens)
+
+
+def mixed_graph_sizes(cfg: EngineConfig) -> tuple[int, ...]:
+    """The mixed graphs' prefill token sizes: the prefill graphs' up to MIXED_TOKENS."""
+    return prefill_sizes(min(cfg.max_num_batched_tokens, MIXED_TOKENS))
 
 
 def _wants_graphs(device: torch.device, cfg: EngineConfig) -> bool:
