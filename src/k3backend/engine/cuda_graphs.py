@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -68,6 +69,21 @@ def prefill_seqs(size: int, max_seqs: int = PREFILL_SEQS) -> int:
     """Chunk places of the prefill graph of `size` tokens: one per 16 tokens (short chunks of new
     prompts come several to a step), at most max_seqs."""
     return max(1, min(max_seqs, size // 16))
+
+
+@dataclass(frozen=True)
+class GraphPool:
+    """One memory pool and one capture stream for all of a runner's graphs. The caching allocator
+    reuses a freed block only on the stream that allocated it, so graph sets captured on streams of
+    their own each kept their largest step's activations (the one-chunk prefill set 1.2 GiB, the
+    mixed sets 3.5 GiB more at `small` on the H200)."""
+
+    handle: tuple
+    stream: torch.cuda.Stream
+
+    @classmethod
+    def new(cls, device: torch.device) -> GraphPool:
+        return cls(torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
 
 
 class _Graphs:
@@ -105,13 +121,13 @@ class _Graphs:
         logits = self.forward(self.batch(size))
         return logits if self.out is None else self.out[:logits.shape[0]].copy_(logits)
 
-    def capture(self, device: torch.device, pool: tuple | None = None) -> None:
+    def capture(self, device: torch.device, pool: GraphPool | None = None) -> None:
         """Warm each size up eagerly (kernel compilation, autotuning), then capture, largest first so
         the smaller graphs reuse the pool's memory. A capture that fails leaves none of these graphs."""
         t0 = time.monotonic()
         before = torch.cuda.memory_reserved(device)
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
+        pool = pool or GraphPool.new(device)
+        stream = pool.stream
         try:
             for size in reversed(self.sizes):
                 self._prepare(size)
@@ -120,7 +136,7 @@ class _Graphs:
                     self.run_eagerly(size)  # warm-up outside the capture
                 torch.cuda.current_stream(device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool.handle, stream=stream):
                     self.outputs[size] = self.run_eagerly(size)
                 self.graphs[size] = graph
             torch.cuda.synchronize(device)
@@ -162,7 +178,7 @@ class DecodeGraphs(_Graphs):
     what = "decode batch"
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], sizes: Sequence[int], max_blocks: int,
-                 block_size: int, device: torch.device, capture: bool, pool: tuple | None = None) -> None:
+                 block_size: int, device: torch.device, capture: bool, pool: GraphPool | None = None) -> None:
         super().__init__(forward, sizes)
         self.block_size = block_size
         n = self.sizes[-1]
@@ -240,7 +256,7 @@ class PrefillGraphs(_Graphs):
     its chunks is one forward."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], sizes: Sequence[int], max_blocks: int,
-                 block_size: int, device: torch.device, capture: bool, pool: tuple | None = None, *,
+                 block_size: int, device: torch.device, capture: bool, pool: GraphPool | None = None, *,
                  hidden: int, dtype: torch.dtype, max_seqs: int = PREFILL_SEQS, decode: int = 0,
                  out: torch.Tensor | None = None) -> None:
         super().__init__(forward, sizes, out)

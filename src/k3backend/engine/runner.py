@@ -26,7 +26,7 @@ from k3backend import kernels
 from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch, to_device
 from k3backend.engine.config import EngineConfig
 from k3backend.engine.cuda_graphs import (MIXED_SEQS, MIXED_TOKENS, PREFILL_PAD, PREFILL_SEQS, DecodeGraphs,
-                                          PrefillGraphs, capture_sizes, prefill_seqs, prefill_sizes)
+                                          GraphPool, PrefillGraphs, capture_sizes, prefill_seqs, prefill_sizes)
 from k3backend.engine.plan import PENDING, CacheCapacity, ScheduledSeq, SlotRequest, StepPlan
 from k3backend.engine.sampler import DeviceSample, Sampled, Sampler, SamplingRow
 from k3backend.engine.sampler_ref import banned_ids
@@ -104,10 +104,10 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_graphs(self, cfg: EngineConfig) -> None:
         """CUDA graphs for decode steps and prefill steps (of several chunks, and of one) where
-        `_wants_graphs`, in one memory pool; a kind whose capture fails stays off."""
+        `_wants_graphs`, in one memory pool and capture stream; a kind whose capture fails stays off."""
         if not _wants_graphs(self.device, cfg):
             return
-        pool = torch.cuda.graph_pool_handle()
+        pool = GraphPool.new(self.device)
         sizes = prefill_graph_sizes(cfg)
         prefill = self.make_prefill_graphs(cfg, sizes, capture=True, pool=pool) if sizes else None
         single = None
@@ -139,14 +139,14 @@ class ModelRunner:
     def _forward(self, batch) -> torch.Tensor:
         return self.model(batch, self.pools)
 
-    def make_decode_graphs(self, cfg: EngineConfig, capture: bool, pool: tuple | None = None) -> DecodeGraphs:
+    def make_decode_graphs(self, cfg: EngineConfig, capture: bool, pool: GraphPool | None = None) -> DecodeGraphs:
         """The static decode buffers for this runner's pools (capture=False: padded eager steps, for tests)."""
         return DecodeGraphs(self._forward, capture_sizes(cfg.max_num_seqs),
                             blocks_for(cfg.max_model_len, self.pools.block_size), self.pools.block_size, self.device,
                             capture, pool)
 
     def make_prefill_graphs(self, cfg: EngineConfig, sizes: tuple[int, ...], capture: bool,
-                            pool: tuple | None = None, max_seqs: int = PREFILL_SEQS, decode: int = 0,
+                            pool: GraphPool | None = None, max_seqs: int = PREFILL_SEQS, decode: int = 0,
                             out: torch.Tensor | None = None) -> PrefillGraphs:
         """The static prefill buffers for steps of up to sizes[-1] prefill tokens, after `decode` decode
         rows (capture=False: padded eager steps, for tests)."""
@@ -157,7 +157,7 @@ class ModelRunner:
                              out=out)
 
     def make_mixed_graphs(self, cfg: EngineConfig, sizes: tuple[int, ...] | None = None, capture: bool = False,
-                          pool: tuple | None = None) -> dict[int, PrefillGraphs]:
+                          pool: GraphPool | None = None) -> dict[int, PrefillGraphs]:
         """Mixed graphs for every captured decode batch size, over prefill `sizes` (default: those up to
         MIXED_TOKENS) in MIXED_SEQS chunk places, sharing one logits buffer; largest first, so the smaller
         reuse the pool's memory (capture=False: padded eager steps, for tests)."""
