@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             core.sched.cfg = dataclasses.replace(core.sched.cfg, prefill_cap=prefill_cap(executor.prefill_ms,
                                                                                        w.stall_ms))
             print(f"decode_stall_ms {w.stall_ms:g}: steps that decode take at most "
-                  f"{core.sched.cfg.prefill_cap or cfg.max_num_batched_tokens} prefill tokens", flush=True)
+                  f"{core.sched.cfg.prefill_cap or cfg.max_num_batched_tokens} tokens of longer prompts", flush=True)
         jobs = workload(w, info.vocab_size, info.media_pad_id)
         run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first, info.hidden_size, dtype,
             temperature=args.temperature)

@@ -45,7 +45,8 @@ class EngineCore:
         self.info = executor.info
         cap = prefill_cap(executor.prefill_ms, cfg.decode_stall_ms)
         if cap:
-            log.info("steps that decode take at most %d prefill tokens (decode_stall_ms %g)", cap, cfg.decode_stall_ms)
+            log.info("steps that decode take at most %d tokens of longer prompts (decode_stall_ms %g)", cap,
+                     cfg.decode_stall_ms)
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching,
                                                cfg.snapshot_interval, cap, cfg.max_prefill_delay_ms / 1e3),
                                executor.capacity)

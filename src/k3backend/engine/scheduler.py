@@ -2,8 +2,8 @@
 
 Spec: SERVING.md §5.5 (termination), §6 (cancellation); the engine contract's step rules:
 continuous batching with every decoding sequence first and prefill chunks after them, all in one
-forward, under `max_num_batched_tokens` (decode tokens count) and `max_num_seqs`; a step that
-decodes takes at most `prefill_cap` prefill tokens. A sequence is
+forward, under `max_num_batched_tokens` (decode tokens count) and `max_num_seqs`; in a step
+that decodes, the prompts longer than `prefill_cap` take at most that many tokens. A sequence is
 admitted only when a KDA slot and MLA blocks for its first chunk are free; when a decoding
 sequence needs a block and none is free, or when no running sequence can take a step at all
 (every one a prefill short of blocks), the newest running sequence is preempted: it gives up
@@ -135,8 +135,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     prefix_caching: bool
     snapshot_interval: int  # tokens between KDA prefix snapshots; a multiple of the block size
-    # Prefill tokens of a step that also decodes (0: the step budget alone), so a long prompt's chunks
-    # stall the decoding requests for a bounded time (EngineCore sets it from measured step times).
+    # Prefill tokens that the prompts longer than this take in a step that also decodes (0: the step
+    # budget alone), so a long prompt's chunks stall the decoding requests for a bounded time; shorter
+    # prompts are admitted whole, so a burst of them is not spread over extra steps (EngineCore sets it
+    # from measured step times).
     prefill_cap: int = 0
     # While requests decode, new prompts wait up to this long (s) so that several share one prefill step
     # (its fixed cost is paid once); 0: admitted at once. Like a dynamic batcher's max queue delay.
@@ -236,20 +238,41 @@ class Scheduler:
                 self._add(plan, seqs, seq, seq.num_computed, seq.num_computed + 1, sample=True)
                 budget -= 1
         plan.num_decode = len(seqs)
-        if plan.num_decode and self.cfg.prefill_cap:
-            budget = min(budget, self.cfg.prefill_cap)
+        # With decode rows, the prompts longer than the cap share `cap` prefill tokens a step, so each of
+        # their many chunks stalls the decoding requests for a bounded time; a short prompt is taken whole.
+        cap = self.cfg.prefill_cap if plan.num_decode else 0
+        long_left = cap
         for seq in self.running:  # prefills in progress (fresh or recompute)
-            if seq.prefilling and budget > 0:
-                budget -= self._prefill(plan, seqs, seq, budget)
+            long = 0 < cap < seq.target
+            room = min(budget, long_left) if long else budget
+            if seq.prefilling and room > 0:
+                n = self._prefill(plan, seqs, seq, room)
+                budget -= n
+                long_left -= n if long else 0
         if plan.num_decode and self._delay_prefill(budget):
             return plan, seqs
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
-            if self.waiting[0].pending:  # preempted with a token in flight: recomputed once it is known
-                break
-            n = self._admit(plan, seqs, self.waiting[0], budget)
+        for seq in list(self.waiting):
+            if seq.pending or len(self.running) >= self.cfg.max_num_seqs or budget <= 0:
+                break  # pending: preempted with a token in flight, recomputed once it is known
+            long = 0 < cap < seq.target
+            if long and long_left <= 0:
+                continue  # the long prompts' share is spent: shorter ones behind it still go
+            n = self._admit(plan, seqs, seq, min(budget, long_left) if long else budget)
             if not n:
                 break
             budget -= n
+            long_left -= n if long else 0
+        return plan, seqs
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            room = _room(seq, budget, cap, long_left)
+            if seq.pending or room <= 0:  # pending: preempted with a token in flight, recomputed once it is known
+                break
+            n = self._admit(plan, seqs, seq, room)
+            if not n:
+                break
+            budget -= n
+            long_left -= n if _is_long(seq, n, cap) else 0
         return plan, seqs
 
     def _delay_prefill(self, budget: int) -> bool:
@@ -318,7 +341,7 @@ class Scheduler:
             seq.counted, seq.num_cached_tokens = True, hit
             self.prefix_queries += seq.num_prompt_tokens
             self.prefix_hits += hit
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         self.running.append(seq)
         r = seq.request
         plan.new.append(SlotRequest(slot, r.params, seq.seed, seq.mask_eos, r.bad_word_seqs,
