@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="prefill steps of NEW tokens continuing a cached prefix of CACHED tokens")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-model-len", type=int, help="the engine's (block-table width); default: what the steps need")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4", "mxfp4-as-bf16"],
                     help="routed experts of the random small model (bench/engine.py --experts)")
@@ -244,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     after = [tuple(int(v) for v in a.split(":")) for a in args.after_prefix]
     longest = max([args.context + 1, args.prefill, 2 * args.kind_chunk] + [c + n for c, n in after])
     seqs = max(args.batch + [args.kind_batch + 4] if args.step_kinds else args.batch or [1])
-    cfg = EngineConfig(max_num_seqs=seqs, max_model_len=longest + 64, enforce_eager=args.enforce_eager,
+    cfg = EngineConfig(max_num_seqs=seqs, max_model_len=max(longest + 64, args.max_model_len or 0),
+                       enforce_eager=args.enforce_eager,
                        **({} if device.type == "cuda" else {"cpu_cache_gb": 1.0}))
     ex = InProcessExecutor(model, cfg)
     runner, bs = ex.runner, cfg.block_size

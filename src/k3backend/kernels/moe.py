@@ -663,8 +663,9 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - a few rows (GEMV_ROWS, GEMV_PER_MATRIX; bf16 weights): the GEMV kernels, one program per
       assignment and N block, BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens).
       MXFP4 weights take them too (expanded to fp32 in registers), over fewer rows (GEMV_ROWS_MXFP4).
-    - m ≤ 64: BM 32. m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger:
-      BM 128 × BN 128, 8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why
+    - m ≤ 64: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages): 5-16 % faster than BN 64 at
+      192-512 tokens of `small` (bench/kernels_moe.py sweep on the H200). m ≤ 192: BM 64, BN 128 (two
+      accumulators in up: a 64×256 wgmma tile). Larger: BM 128 × BN 128, 8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why
       BM grows only with m (K3 at 8 K tokens: m ≈ 146).
     Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 160 KB of 228.
     mxfp4: the same tiles (a weight tile is a quarter of the bytes), BK at least 64 (two exponent groups).
@@ -678,7 +679,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
 
         bm, up, down = 16, (bn(I), 128, 4, 4), (bn(D), 128, 4, 4)
     elif m <= 64:
-        bm, up, down = 32, (64, 128, 4, 4), (64, 128, 4, 4)
+        bm, up, down = 32, (128, 64, 4, 4), (128, 128, 4, 3)
     elif m <= 192:
         bm, up, down = 64, (128, 64, 4, 4), (128, 64, 4, 4)
     else:

@@ -62,7 +62,7 @@ PARAMETERS = {  # SERVING.md §4.4 with defaults
     "master_addr": "", "master_port": "29500", "dist_timeout_s": "300", "parallel_placement": "tp",
     "max_model_len": "131072",
     "max_num_seqs": "256", "max_num_batched_tokens": "8192", "gpu_memory_utilization": "0.90", "cpu_cache_gb": "4",
-    "enable_prefix_caching": "true", "enforce_eager": "false", "async_scheduling": "true", "decode_stall_ms": "0",
+    "enable_prefix_caching": "true", "enforce_eager": "false", "async_scheduling": "true", "decode_stall_ms": "40",
     "max_prefill_delay_ms": "0",
     "exclude_input_in_output": "true", "default_max_tokens": "16",
     "default_thinking": "false", "max_prompt_bytes": "8388608", "max_queued_requests": "0",
