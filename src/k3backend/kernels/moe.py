@@ -663,14 +663,20 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - a few rows (GEMV_ROWS, GEMV_PER_MATRIX; bf16 weights): the GEMV kernels, one program per
       assignment and N block, BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens).
       MXFP4 weights take them too (expanded to fp32 in registers), over fewer rows (GEMV_ROWS_MXFP4).
-    - m ≤ 64: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages): 5-16 % faster than BN 64 at
-      192-512 tokens of `small` (bench/kernels_moe.py sweep on the H200). m ≤ 192: BM 64, BN 128 (two
-      accumulators in up: a 64×256 wgmma tile). Larger: BM 128 × BN 128, 8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why
-      BM grows only with m (K3 at 8 K tokens: m ≈ 146).
+    - many experts (`wide`), m ≤ 40: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages); at 192 /
+      320 tokens of `small` 7 / 10 % faster than BN 64, and BM 64 wins from m = 48 (512 tokens: −25 %;
+      bench/kernels_moe.py's sweep on the H200). One matrix (glu_linear: E = 1, m = T) has too few
+      row blocks to fill the GPU with BN 128 (a decode step of 64 rows took 6.1 ms instead of 4.0), so
+      there m ≤ 64 keeps BM 32 × BN 64.
+    - m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger: BM 128 × BN 128,
+      8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why BM grows only with
+      m (K3 at 8 K tokens: m ≈ 146).
     Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 160 KB of 228.
     mxfp4: the same tiles (a weight tile is a quarter of the bytes), BK at least 64 (two exponent groups).
     """
     m = T * k / max(E, 1)
+    # the experts hit fill 2 waves of BN-128 tiles (bf16: MXFP4 was not measured with them)
+    wide = not mxfp4 and min(E, T * k) * triton.cdiv(I, 128) >= 264
     if m <= 16:
         blocks = min(E, T * k)  # ≈ the experts hit: one row block each
 
@@ -678,8 +684,10 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
             return next((b for b in (64, 32) if blocks * triton.cdiv(N, b) >= 264), 16)
 
         bm, up, down = 16, (bn(I), 128, 4, 4), (bn(D), 128, 4, 4)
-    elif m <= 64:
+    elif wide and m <= 40:
         bm, up, down = 32, (128, 64, 4, 4), (128, 128, 4, 3)
+    elif m <= 64 and not wide:
+        bm, up, down = 32, (64, 128, 4, 4), (64, 128, 4, 4)
     elif m <= 192:
         bm, up, down = 64, (128, 64, 4, 4), (128, 64, 4, 4)
     else:
