@@ -666,7 +666,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - many experts (`wide`), m ≤ 40: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages); at 192 /
       320 tokens of `small` 7 / 10 % faster than BN 64, and BM 64 wins from m = 48 (512 tokens: −25 %;
       bench/kernels_moe.py's sweep on the H200). One matrix (glu_linear: E = 1, m = T) has too few
-      row blocks to fill the GPU with BN 128 (a decode step of 64 rows took 6.1 ms instead of 4.0), so
+      row blocks to fill the GPU with BN 128 (steady decode at 64 rows: ITL p50 6.11 -> 6.34 ms), so
       there m ≤ 64 keeps BM 32 × BN 64.
     - m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger: BM 128 × BN 128,
       8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why BM grows only with
