@@ -26,6 +26,7 @@ engine core's one loop calls it.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -251,7 +252,7 @@ class Scheduler:
                 long_left -= n if long else 0
         if plan.num_decode and self._delay_prefill(budget):
             return plan, seqs
-        for seq in list(self.waiting):
+        for seq in list(itertools.islice(self.waiting, self.cfg.max_num_seqs)):  # a bounded look past long ones
             if seq.pending or len(self.running) >= self.cfg.max_num_seqs or budget <= 0:
                 break  # pending: preempted with a token in flight, recomputed once it is known
             long = 0 < cap < seq.target
@@ -262,17 +263,6 @@ class Scheduler:
                 break
             budget -= n
             long_left -= n if long else 0
-        return plan, seqs
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
-            room = _room(seq, budget, cap, long_left)
-            if seq.pending or room <= 0:  # pending: preempted with a token in flight, recomputed once it is known
-                break
-            n = self._admit(plan, seqs, seq, room)
-            if not n:
-                break
-            budget -= n
-            long_left -= n if _is_long(seq, n, cap) else 0
         return plan, seqs
 
     def _delay_prefill(self, budget: int) -> bool:

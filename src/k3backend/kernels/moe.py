@@ -672,7 +672,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why BM grows only with
       m (K3 at 8 K tokens: m ≈ 146).
     Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 160 KB of 228.
-    mxfp4: the same tiles (a weight tile is a quarter of the bytes), BK at least 64 (two exponent groups).
+    mxfp4: the same tiles but never `wide` (a weight tile is a quarter of the bytes), BK at least 64 (two
+    exponent groups).
     """
     m = T * k / max(E, 1)
     # the experts hit fill 2 waves of BN-128 tiles (bf16: MXFP4 was not measured with them)
