@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="prefill steps of NEW tokens continuing a cached prefix of CACHED tokens")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--max-model-len", type=int, help="the engine's (block-table width); default: what the steps need")
+    ap.add_argument("--max-model-len", type=int, help="the engine's max_model_len (its block-table width); default: what the steps need")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4", "mxfp4-as-bf16"],
                     help="routed experts of the random small model (bench/engine.py --experts)")

@@ -33,11 +33,9 @@ from k3backend.errors import InvalidArgument, K3Error
 
 log = logging.getLogger(__name__)
 
-# A step measured to take longer is not overlapped with the next one's scheduling. 25 ms overlaps the
-# steps that admit 2-4 prompts beside decoding requests: on the H200 at `small`, staggered arrivals
-# gave ITL p99 14.2 ms against 25.3 at 15 ms at the same throughput and TTFT. A closed loop where half
-# the requests carry 256 image rows ran 2.7 % slower on the tree with this change (6,861 against 7,055
-# tok/s, TTFT p50 228 against 207 ms), likely from it: not measured apart from the tile change.
+# A step measured to take longer is not overlapped with the next one's scheduling. 25 ms overlaps steps
+# that admit 2-4 prompts beside decodes: staggered ITL p99 14.2 ms against 25.3 at 15 ms (H200, `small`);
+# the image-row closed loop lost 2.7 % on the same tree, probably from this (not measured apart).
 HEAVY_STEP_MS = 25.0
 TRACE_ENV = "K3_STEP_TRACE"  # a file path: one JSON line per step (what it carried, arrivals, waits)
 

@@ -244,8 +244,7 @@ class Scheduler:
         cap = self.cfg.prefill_cap if plan.num_decode else 0
         long_left = cap
         for seq in self.running:  # prefills in progress (fresh or recompute)
-            long = 0 < cap < seq.target
-            room = min(budget, long_left) if long else budget
+            room, long = _room(seq, budget, cap, long_left)
             if seq.prefilling and room > 0:
                 n = self._prefill(plan, seqs, seq, room)
                 budget -= n
@@ -255,10 +254,10 @@ class Scheduler:
         for seq in list(itertools.islice(self.waiting, self.cfg.max_num_seqs)):  # a bounded look past long ones
             if seq.pending or len(self.running) >= self.cfg.max_num_seqs or budget <= 0:
                 break  # pending: preempted with a token in flight, recomputed once it is known
-            long = 0 < cap < seq.target
-            if long and long_left <= 0:
+            room, long = _room(seq, budget, cap, long_left)
+            if room <= 0:
                 continue  # the long prompts' share is spent: shorter ones behind it still go
-            n = self._admit(plan, seqs, seq, min(budget, long_left) if long else budget)
+            n = self._admit(plan, seqs, seq, room)
             if not n:
                 break
             budget -= n
@@ -440,6 +439,12 @@ class Scheduler:
             self.slots.release(seq.slot)
             self._freed.append(seq.slot)
             seq.slot = None
+
+
+def _room(seq: Sequence, budget: int, cap: int, long_left: int) -> tuple[int, bool]:
+    """Prefill tokens `seq` may take this step, and whether it is a long prompt (one that shares the cap)."""
+    long = 0 < cap < seq.target
+    return (min(budget, long_left) if long else budget), long
 
 
 def _image_keys(seq: Sequence) -> dict[int, bytes] | None:
