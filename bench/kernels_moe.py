@@ -168,7 +168,7 @@ def cases(args: argparse.Namespace) -> list[Case]:
         out += [_route_case(layer, T) for T in (1, 256, 16384)]
         out += [_experts_case(layer, T) for T in TOKENS]
     for D, I, label in ((2048, 1024, "small"), (7168, 6144, "k3")):  # hidden, shared width (K3: 2 × 3072)
-        out += [_glu_linear_case(D, I, T, label, device) for T in (16, 256, 8192)]
+        out += [_glu_linear_case(D, I, T, label, device) for T in (16, 64, 256, 8192)]
     return out
 
 
@@ -227,6 +227,47 @@ def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
                   flush=True)
 
 
+def glu_sweep(D: int, I: int, tokens: list[int], iters: int) -> None:
+    """Time the dense glu (glu_linear with the fp32 front: the shared experts) over BM x BN x BK x
+    stages; the chosen tiles first, the fastest marked."""
+    from dataclasses import replace
+    from itertools import product
+
+    from k3backend.kernels import moe
+    from kernels import time_fn
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1, the harness only
+    g = torch.Generator(device=dev).manual_seed(0)
+    w_gu = (torch.randn(2 * I, D, generator=g, device=dev) * D ** -0.5).bfloat16()
+    act = SITU
+    for T in tokens:
+        x = torch.randn(T, D, generator=g, device=dev).bfloat16()
+        want = moe_ref.glu_linear(x, w_gu, act, True)
+        ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
+        chosen = moe.experts_config(T, 1, 1, D, I)
+        cands = [chosen] + [replace(chosen, block_m=bm, up=(bn, bk, 8 if bm * bn >= 128 * 128 else 4, st), gemv=None)
+                            for bm, bn, bk, st in product((16, 32, 64, 128), (16, 32, 64, 128), (64, 128), (3, 4))]
+        rows = []
+        for cfg in cands:
+            h = torch.empty(T, I, dtype=x.dtype, device=dev)
+            run = lambda: moe._launch_up(x, w_gu, None, h, None, None, T, 1, act, cfg, dense=True,  # noqa: E731
+                                         round_gu=False)
+            try:
+                run()
+                err = ((h.float() - want.float()).abs() / ulp).max().item()
+                t = time_fn(run, True, iters)
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit: report, go on
+                print(f"glu T{T} {cfg.block_m} {cfg.up}: failed ({type(e).__name__}: {str(e)[:80]})")
+                continue
+            rows.append((t, cfg, err))
+        best = min(t for t, _, _ in rows)
+        byts = 2 * I * D * 2
+        for t, cfg, err in [rows[0]] + sorted(rows[1:], key=lambda r: r[0])[:12]:
+            print(f"{'*' if t == best else ' '} glu D{D} I{I} T{T:<5} {t * 1e6:7.1f} us {byts / t / 1e12:5.2f} TB/s "
+                  f"{err:4.2f} ulp  " + (f"gemv{cfg.gemv}" if cfg.gemv else f"BM{cfg.block_m} up{cfg.up}")
+                  + ("  (chosen)" if cfg is chosen else ""), flush=True)
+
+
 if __name__ == "__main__":
     import sys
     from pathlib import Path
@@ -236,5 +277,10 @@ if __name__ == "__main__":
     ap.add_argument("--shape", choices=("small", "k3"), default="small")
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--glu", action="store_true", help="the dense glu (shared experts) instead, at --tokens")
     a = ap.parse_args()
-    sweep(SMALL if a.shape == "small" else K3, a.tokens, a.iters)
+    shape = SMALL if a.shape == "small" else K3
+    if a.glu:  # the shared experts: hidden 2048 -> 2 x 1024 (small), 7168 -> 2 x 6144 (K3)
+        glu_sweep(*((2048, 1024) if a.shape == "small" else (7168, 6144)), a.tokens, a.iters)
+    else:
+        sweep(shape, a.tokens, a.iters)
