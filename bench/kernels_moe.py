@@ -277,10 +277,12 @@ if __name__ == "__main__":
     ap.add_argument("--shape", choices=("small", "k3"), default="small")
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--glu", action="store_true", help="the dense glu (shared experts) instead, at --tokens")
+    ap.add_argument("--glu", nargs="*", metavar="DxI", help="the dense glu instead, at --tokens: its D x I "
+                    "(default the shape's shared experts: 2048x1024 small, 7168x6144 K3; the dense MLP is 2048x8192)")
     a = ap.parse_args()
     shape = SMALL if a.shape == "small" else K3
-    if a.glu:  # the shared experts: hidden 2048 -> 2 x 1024 (small), 7168 -> 2 x 6144 (K3)
-        glu_sweep(*((2048, 1024) if a.shape == "small" else (7168, 6144)), a.tokens, a.iters)
+    if a.glu is not None:
+        for dims in a.glu or ["2048x1024" if a.shape == "small" else "7168x6144"]:
+            glu_sweep(*map(int, dims.split("x")), a.tokens, a.iters)
     else:
         sweep(shape, a.tokens, a.iters)

@@ -382,6 +382,23 @@ def check_glu_linear_equals_reference_with_and_without_the_fp32_front():
     assert not moe.glu_linear_supports(x, w_gu[:31], Activation("silu"))[0], "odd 2I declined"
 
 
+def test_one_matrix_fills_the_gpu_below_2048_rows():
+    """glu_linear (E = 1): one row block up to 64 rows and N split to >= 256 programs where the width
+    allows. The expert tiers gave the `small` shared experts 16-32 programs from 17 rows on: 2.5x
+    slower at 256-1,024 rows on the H200."""
+    import triton
+
+    from k3backend.kernels import moe
+
+    for T in (3, 16, 17, 64, 65, 256, 320, 1024, 2047):
+        for D, I in ((2048, 1024), (2048, 8192), (7168, 6144)):
+            cfg = moe.experts_config(T, 1, 1, D, I)
+            bn = cfg.up[0]
+            assert cfg.block_m == min(64, max(16, triton.next_power_of_2(T))), (T, I, cfg)
+            assert triton.cdiv(T, cfg.block_m) * triton.cdiv(I, bn) >= 256 or bn == 16, (T, I, cfg)
+    assert moe.experts_config(4096, 1, 1, 2048, 1024).block_m == 128, "large prefills keep the big tiles"
+
+
 def check_gemv_kernels_equal_reference_for_a_few_rows():
     """ExpertsConfig.gemv: routed experts (bf16 and MXFP4) and glu_linear for 1-4 rows, uneven and even
     K, both activations, fp16, slots of other ranks' experts skipped; more rows (per matrix, or in all)
