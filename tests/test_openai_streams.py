@@ -26,7 +26,7 @@ def test_grpc_channels_are_separate_connections():
         try:
             for _ in range(6):
                 plan = completion_plan({"prompt": "hi", "max_tokens": 2}, "k3")
-                assert [d.text async for d in pool.open(plan.jobs[0])] == ["ab ", "ab "]
+                assert [d.text async for _, d in pool.open(plan.jobs[0])] == ["ab ", "ab "]
         finally:
             await pool.close()
             ticker.cancel()

@@ -9,7 +9,8 @@ import pytest
 
 from k3backend.openai.errors import ApiError, from_triton
 from k3backend.openai.translate import chat_plan, completion_plan
-from k3backend.openai.triton import parse_delta, request_pb
+from k3backend.openai.responses import Answer
+from k3backend.openai.triton import Delta, parse_delta, request_pb
 
 
 @pytest.mark.parametrize("message,status", [
@@ -102,3 +103,50 @@ def test_request_and_response_wire_forms():
     resp.parameters["triton_final_response"].bool_param = True
     d = parse_delta(resp)
     assert (d.text, d.n_tokens, d.logprobs, d.final, d.times) == ("ok", 3, [], True, {"arrival_time_ns": 7})
+
+
+def _delta(text="", reasoning="", final=False, logprobs=None, reason=""):
+    return Delta(text=text, reasoning=reasoning, n_tokens=1, finish_reason=reason, logprobs=logprobs,
+                 num_input_tokens=4, num_cached_tokens=2, times={"arrival_time_ns": 5} if final else None, final=final)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("options", [{}, {"stream_options": {"include_usage": True}, "return_perf_metrics": True},
+                                     {"stream_options": {"continuous_usage_stats": True}, "logprobs": True}],
+                         ids=["plain", "usage-perf", "continuous-logprobs"])
+def test_stream_events_are_the_compact_json_of_their_chunk(kind, options):
+    """Events are written as strings around the escaped text; each must be exactly the compact
+    json.dumps of its chunk, keys in OpenAI's order."""
+    options = dict(options)
+    if options.get("logprobs") and kind == "completion":
+        options["logprobs"] = 1
+    body = {"stream": True, "max_tokens": 4, **options}
+    plan = (chat_plan({**body, "messages": [{"role": "user", "content": "hi"}]}, "k3") if kind == "chat"
+            else completion_plan({**body, "prompt": "hi"}, "k3"))
+    lp = [{"7": {"logprob": -0.5, "rank": 1, "decoded_token": "é\""}}]
+    deltas = [_delta("a\"\\\n\u2028é\x01", logprobs=lp), _delta("", reasoning="think\t", logprobs=lp),
+              _delta("x", reasoning="y", logprobs=lp), _delta("", final=True, reason="cancelled", logprobs=[])]
+    answer, reference = Answer(plan, "k3"), Answer(plan, "k3")
+    for i, d in enumerate(deltas):
+        got = answer.event(0, d)
+        logprobs = reference.add(0, d)
+        if kind == "chat":
+            delta = {"content": d.text} if d.text else {}
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": d.text}
+        choice |= {"logprobs": logprobs, "finish_reason": "abort" if d.final else None}
+        if d.final and plan.perf_metrics:
+            choice["perf_metrics"] = {"arrival_time_ns": 5}
+        chunk = {"id": answer.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                 "created": answer.created, "model": "k3", "choices": [choice]}
+        if plan.continuous_usage:
+            chunk["usage"] = {"prompt_tokens": 4, "completion_tokens": i + 1, "total_tokens": i + 5,
+                              "prompt_tokens_details": {"cached_tokens": 2}}
+        elif plan.include_usage:
+            chunk["usage"] = None
+        assert got == f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+    assert answer.finished
+    assert {**answer.body(), "id": None} == {**reference.body(), "id": None}

@@ -140,7 +140,7 @@ async def _generate(request: web.Request, plan: Plan) -> web.StreamResponse:
     pool = request.app[POOL]
     answer = Answer(plan, request.app[CONFIG].served_model_name)
     streams = [pool.open(job) for job in plan.jobs]
-    events = _merged(streams) if len(streams) > 1 else _single(streams[0])
+    events = _merged(streams) if len(streams) > 1 else streams[0]
     try:
         if not plan.stream:
             async for index, delta in events:
@@ -156,7 +156,8 @@ async def _generate(request: web.Request, plan: Plan) -> web.StreamResponse:
             logger.debug("client of %s disconnected mid-stream", answer.id)
         return response
     finally:
-        await events.aclose()
+        if events is not streams[0]:
+            await events.aclose()  # cancels its readers
         for s in streams:
             s.close()
 
@@ -165,22 +166,16 @@ async def _stream(response: web.StreamResponse, answer: Answer, first: tuple[int
                   events: AsyncIterator[tuple[int, Delta]]) -> None:
     """One write per delta as it arrives, except the last: it leaves with the usage chunk, [DONE] and
     the end of the chunked body in one write, so the client has the whole end of its answer at once."""
-    chunk = (answer.role_chunks() if answer.chat else b"") + answer.chunk(answer.add(*first))
+    chunk = (answer.role_chunks() if answer.chat else b"") + answer.event(*first)
     try:
         while not answer.finished:
             await response.write(chunk)
-            chunk = answer.chunk(answer.add(*await anext(events)))
+            chunk = answer.event(*await anext(events))
         if answer.plan.include_usage:
             chunk += answer.usage_chunk()
     except ApiError as e:  # after data was sent the status is 200; the error goes in the stream
         chunk = f"data: {e.json()}\n\n".encode()
     await response.write_eof(chunk + DONE)
-
-
-async def _single(stream: TritonStream) -> AsyncIterator[tuple[int, Delta]]:
-    index = stream.job.index
-    async for delta in stream:
-        yield index, delta
 
 
 async def _merged(streams: list[TritonStream]) -> AsyncIterator[tuple[int, Delta]]:
@@ -189,8 +184,8 @@ async def _merged(streams: list[TritonStream]) -> AsyncIterator[tuple[int, Delta
 
     async def pump(stream: TritonStream) -> None:
         try:
-            async for delta in stream:
-                await queue.put((stream.job.index, delta))
+            async for item in stream:
+                await queue.put(item)
         except ApiError as e:
             await queue.put(e)
         finally:

@@ -52,7 +52,7 @@ class Delta:
     logprobs: list | None  # k3's per-token JSON entries (docs/client-api.md "Log-probabilities")
     num_input_tokens: int
     num_cached_tokens: int
-    times: dict[str, int] | None  # the *_time_ns outputs (return_perf_metrics)
+    times: dict[str, int] | None  # the *_time_ns outputs (return_perf_metrics) of the final response
     final: bool
 
 
@@ -72,29 +72,32 @@ def request_pb(model: str, request_id: str, inputs: dict[str, tuple[object, str]
 
 
 def parse_delta(resp: service_pb2.ModelInferResponse) -> Delta:
-    """Read the one-element outputs straight from the raw contents."""
-    values: dict[str, object] = {}
-    for output, raw in zip(resp.outputs, resp.raw_output_contents):
-        dtype = output.datatype
-        if dtype == "BYTES":  # 4-byte length, then the bytes
-            values[output.name] = raw[4:4 + _INT32.unpack_from(raw)[0]].decode("utf-8", "replace")
-        elif dtype == "INT32":
-            values[output.name] = _INT32.unpack_from(raw)[0]
-        elif dtype == "INT64":
-            values[output.name] = _INT64.unpack_from(raw)[0]
-    lp = values.get("logprobs")
+    """Read the one-element outputs straight from the raw contents, by name: their types are fixed
+    by k3_ensemble's config (BYTES: a 4-byte length, then the bytes). Runs once per streamed
+    response; the perf times are read from the final one only, the one that uses them."""
+    raw = {output.name: data for output, data in zip(resp.outputs, resp.raw_output_contents)}
+    get = raw.get
+    text, reasoning, reason, lp = get("text_output"), get("reasoning_output"), get("finish_reason"), get("logprobs")
+    n_out, n_in, n_cached = get("num_output_tokens"), get("num_input_tokens"), get("num_cached_tokens")
+    final = resp.parameters["triton_final_response"].bool_param
     return Delta(
-        text=values.get("text_output", ""), reasoning=values.get("reasoning_output", ""),
-        n_tokens=values.get("num_output_tokens", 0), finish_reason=values.get("finish_reason", ""),
-        logprobs=json.loads(lp) if lp is not None else None,
-        num_input_tokens=values.get("num_input_tokens", 0), num_cached_tokens=values.get("num_cached_tokens", 0),
-        times={k: values[k] for k in _TIMES if k in values} or None,
-        final=resp.parameters["triton_final_response"].bool_param,
+        text=_text(text) if text else "", reasoning=_text(reasoning) if reasoning else "",
+        n_tokens=_INT32.unpack_from(n_out)[0] if n_out else 0, finish_reason=_text(reason) if reason else "",
+        logprobs=json.loads(_text(lp)) if lp else None,
+        num_input_tokens=_INT32.unpack_from(n_in)[0] if n_in else 0,
+        num_cached_tokens=_INT32.unpack_from(n_cached)[0] if n_cached else 0,
+        times=({k: _INT64.unpack_from(raw[k])[0] for k in _TIMES if k in raw} or None) if final else None,
+        final=final,
     )
 
 
+def _text(raw: bytes) -> str:
+    return raw[4:4 + _INT32.unpack_from(raw)[0]].decode("utf-8", "replace")
+
+
 class TritonStream:
-    """The responses of one Job; `close()` (idempotent) stops the request if it has not ended."""
+    """The responses of one Job, as (choice index, Delta); `close()` (idempotent) stops the request
+    if it has not ended."""
 
     def __init__(self, pool: TritonPool, job: Job) -> None:
         self.job = job
@@ -105,7 +108,7 @@ class TritonStream:
     def __aiter__(self) -> TritonStream:
         return self
 
-    async def __anext__(self) -> Delta:
+    async def __anext__(self) -> tuple[int, Delta]:
         if self._done:
             raise StopAsyncIteration
         try:
@@ -120,7 +123,7 @@ class TritonStream:
             raise from_triton(msg.error_message)
         delta = parse_delta(msg.infer_response)
         self._done = delta.final
-        return delta
+        return self.job.index, delta
 
     def close(self) -> None:
         if not self._done:
