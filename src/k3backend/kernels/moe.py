@@ -669,8 +669,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - one matrix (E = 1: glu_linear), below 2,048 rows: one row block up to 64 rows (a weight larger
       than L2 is streamed once), then the widest N tile that still gives ≥ 256 programs. The expert
       tiers gave it 16-32 programs from 17 rows on (`bench/kernels_moe.py --glu`, H200, `small`
-      shared experts: 15.2 → 9.7 µs at 64 rows, 38.8 → 15.4 at 320, 38.8 → 23.7 at 1,024; K3 width
-      75.7 → 55.1 at 64, 204 → 189 at 512).
+      shared experts: 15.2 → 9.7 µs at 64 rows, 38.8 → 15.4 at 320, 38.8 → 23.7 at 1,024; the dense
+      MLP [2·8192, 2048] at 64 rows 24.1 µs; K3 width 75.7 → 54.9 at 64, 204 → 189 at 512).
     - m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger: BM 128 × BN 128,
       8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why BM grows only with
       m (K3 at 8 K tokens: m ≈ 146).
@@ -684,7 +684,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     if E == 1 and T < 2048:
         bm = max(16, min(64, triton.next_power_of_2(T)))
         bn = next((b for b in (128, 64, 32) if triton.cdiv(T, bm) * triton.cdiv(I, b) >= 256), 16)
-        up = down = (bn, 128 if T <= 64 else 64, 4, 4)
+        up = down = (bn, 128, 4, 3) if T <= 64 else (bn, 64, 4, 4)
     elif m <= 16:
         blocks = min(E, T * k)  # ≈ the experts hit: one row block each
 
