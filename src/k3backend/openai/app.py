@@ -215,8 +215,9 @@ async def _serve(cfg: GatewayConfig) -> None:
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_port=cfg.reuse_port or None)
     await site.start()
-    logger.info("OpenAI API on http://%s:%d/v1 (model %r) -> Triton %s model %s%s", cfg.host, cfg.port,
-                cfg.served_model_name, cfg.triton_url, cfg.triton_model, ", API key required" if cfg.api_key else "")
+    logger.info("OpenAI API on http://%s:%d/v1 (model %r) -> Triton %s model %s%s; %s event loop", cfg.host, cfg.port,
+                cfg.served_model_name, cfg.triton_url, cfg.triton_model, ", API key required" if cfg.api_key else "",
+                type(asyncio.get_running_loop()).__module__.split(".")[0])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -229,5 +230,13 @@ async def _serve(cfg: GatewayConfig) -> None:
 
 
 def serve(cfg: GatewayConfig) -> int:
-    asyncio.run(_serve(cfg))
+    """Run the gateway on uvloop when it is installed (the `serve` extra has it): against
+    tests/fake_triton.py at concurrency 64 it took 1-3 ms off the gateway's TTFT p50 overhead, for
+    2-4 % less CPU (docs/openai.md "Overhead"); asyncio's own loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve(cfg))
+    else:
+        uvloop.run(_serve(cfg))
     return 0
