@@ -40,11 +40,12 @@ JSON = {"Content-Type": "application/json"}
 FILLER = "the quick brown fox jumps over the lazy dog and keeps running through the long green field "
 
 
-# sent, first response, last response (monotonic s), tokens, responses, and the serving path's two legs in ms,
-# wall clock: in = k3_lm's arrival_time_ns - sent, out = final response received - last_token_time_ns. The
-# final response is sent as soon as the last token is sampled; the first can wait for text (UTF-8 and markup
-# hold-back), which differs from prompt to prompt.
-Row = tuple[float, float, float, int, int, float, float]
+# sent, first response, last response (monotonic s), tokens, responses, and the serving path's legs in ms,
+# wall clock: in = k3_lm's arrival_time_ns - sent, out = final response received - last_token_time_ns,
+# first = first response received - first_token_time_ns. The final response is sent as soon as the last token
+# is sampled; the first can wait for text (UTF-8 and markup hold-back), which differs from prompt to prompt,
+# so `first` is exact against tests/fake_triton.py and noisier against k3_lm (alike on both paths).
+Row = tuple[float, float, float, int, int, float, float, float]
 
 
 @dataclass(frozen=True)
@@ -83,22 +84,25 @@ async def via_grpc(client, load: Load, text: str) -> Row:
         yield {"model_name": load.model, "inputs": inputs, "request_id": uuid.uuid4().hex}
 
     sent_ns, t0 = time.time_ns(), time.monotonic()
-    first, n, events = None, 0, 0
+    first = first_ns = None
+    n = events = 0
     async for result, error in client.stream_infer(once()):
         if error is not None:
             raise RuntimeError(error.message())
         t, last_ns = time.monotonic(), time.time_ns()
-        first = first or t
+        first, first_ns = first or t, first_ns or last_ns
         events += 1
         n += int(result.as_numpy("num_output_tokens").reshape(-1)[0])
         if result.get_response().parameters["triton_final_response"].bool_param:
-            times = {k: int(result.as_numpy(k).reshape(-1)[0]) for k in ("arrival_time_ns", "last_token_time_ns")}
+            times = {k: int(result.as_numpy(k).reshape(-1)[0])
+                     for k in ("arrival_time_ns", "first_token_time_ns", "last_token_time_ns")}
             break
-    return t0, first, t, n, events, *_legs_ms(sent_ns, last_ns, times)
+    return t0, first, t, n, events, *_legs_ms(sent_ns, first_ns, last_ns, times)
 
 
-def _legs_ms(sent_ns: int, last_ns: int, times: dict) -> tuple[float, float]:
-    return (times["arrival_time_ns"] - sent_ns) / 1e6, (last_ns - times["last_token_time_ns"]) / 1e6
+def _legs_ms(sent_ns: int, first_ns: int, last_ns: int, times: dict) -> tuple[float, float, float]:
+    return ((times["arrival_time_ns"] - sent_ns) / 1e6, (last_ns - times["last_token_time_ns"]) / 1e6,
+            (first_ns - times["first_token_time_ns"]) / 1e6)
 
 
 async def via_openai(session, load: Load, text: str) -> Row:
@@ -107,7 +111,7 @@ async def via_openai(session, load: Load, text: str) -> Row:
                        "stream_options": {"include_usage": True}, "return_perf_metrics": True}).encode()
     # Encoded before the clock starts, as via_grpc builds its tensors before it.
     sent_ns, t0 = time.time_ns(), time.monotonic()
-    first = last = last_ns = times = None
+    first = first_ns = last = last_ns = times = None
     n = events = 0
     async with session.post(load.url + "/v1/completions", data=body, headers=JSON) as resp:
         if resp.status != 200:
@@ -120,10 +124,10 @@ async def via_openai(session, load: Load, text: str) -> Row:
                 n = event["usage"]["completion_tokens"]
                 continue
             last, last_ns = time.monotonic(), time.time_ns()
-            first = first or last
+            first, first_ns = first or last, first_ns or last_ns
             events += 1
             times = event["choices"][0].get("perf_metrics") or times  # in the final chunk
-    return t0, first, last, n, events, *_legs_ms(sent_ns, last_ns, times)
+    return t0, first, last, n, events, *_legs_ms(sent_ns, first_ns, last_ns, times)
 
 
 async def run_load(load: Load) -> list[Row]:
@@ -190,7 +194,7 @@ def measure(pool, path: str, url: str, model: str, concurrency: int, requests: i
     ttft = [(r[1] - r[0]) * 1e3 for r in rows]
     decode = [(r[3] - 1) / (r[2] - r[1]) for r in rows if r[3] > 1 and r[2] > r[1]]
     wall = max(r[2] for r in rows) - min(r[0] for r in rows)
-    legs = [(r[5], r[6]) for r in rows]
+    legs = [(r[5], r[6], r[7]) for r in rows]
     bad = [r[3] for r in rows if r[3] != args.max_tokens]
     if bad:
         raise RuntimeError(f"{path}: {len(bad)} requests returned other than {args.max_tokens} tokens: {bad[:5]}")
@@ -204,8 +208,8 @@ def summary(results: list[dict]) -> dict:
     decode = [x for r in results for x in r["decode"]]
     total = {k: sum(r[k] for r in results) for k in ("requests", "tokens", "wall", "responses", "cpu")}
     return {**total, "p50": statistics.median(ttft), "p90": float(np.percentile(ttft, 90)),
-            "serving": statistics.median(a + b for a, b in legs), "in": statistics.median(a for a, _ in legs),
-            "out": statistics.median(b for _, b in legs),
+            "serving": statistics.median(a + b for a, b, _ in legs), "in": statistics.median(a for a, _, _ in legs),
+            "out": statistics.median(b for _, b, _ in legs), "first": statistics.median(f for _, _, f in legs),
             "decode": statistics.median(decode), "throughput": total["tokens"] / total["wall"]}
 
 
@@ -282,17 +286,21 @@ def main() -> int:
             fake.terminate()
             fake.wait()
     print(f"{'concurrency':>11}  {'path':<22} {'requests':>8} {'TTFT p50 ms':>11} {'TTFT p90 ms':>11} "
-          f"{'serving p50 ms':>14} {'in p50':>7} {'out p50':>7} {'decode tok/s/req':>16} {'output tok/s':>12}")
+          f"{'serving p50 ms':>14} {'in p50':>7} {'first p50':>9} {'out p50':>7} {'decode tok/s/req':>16} "
+          f"{'output tok/s':>12}")
     for c, direct, gw in table:
         for name, s in ((f"{args.triton_model} gRPC", direct), ("OpenAI gateway", gw)):
             print(f"{c:>11}  {name:<22} {s['requests']:>8} {s['p50']:>11.2f} {s['p90']:>11.2f} {s['serving']:>14.2f} "
-                  f"{s['in']:>7.2f} {s['out']:>7.2f} {s['decode']:>16.1f} {s['throughput']:>12.1f}")
+                  f"{s['in']:>7.2f} {s['first']:>9.2f} {s['out']:>7.2f} {s['decode']:>16.1f} {s['throughput']:>12.1f}")
         print(f"{'':>11}  {'gateway Δ':<22} {'':>8} {gw['p50'] - direct['p50']:>+11.2f} {gw['p90'] - direct['p90']:>+11.2f} "
-              f"{gw['serving'] - direct['serving']:>+14.2f} {gw['in'] - direct['in']:>+7.2f} {gw['out'] - direct['out']:>+7.2f} "
+              f"{gw['serving'] - direct['serving']:>+14.2f} {gw['in'] - direct['in']:>+7.2f} "
+              f"{gw['first'] - direct['first']:>+9.2f} {gw['out'] - direct['out']:>+7.2f} "
               f"{100 * (gw['decode'] / direct['decode'] - 1):>+15.1f}% {100 * (gw['throughput'] / direct['throughput'] - 1):>+11.1f}%")
     print("\nserving = the time each request spends outside k3_lm, from k3_lm's return_perf_metrics times: in = k3_lm "
           "arrival - sent,\nout = final response received - last token sampled; what a path adds to TTFT, without the "
-          "engine's queueing and prefill noise.")
+          "engine's queueing and prefill noise.\nfirst = first response received - first token sampled: in + first is "
+          "the TTFT outside the engine (against the fake, whose\nlockstep steps make TTFT itself jump by a whole step "
+          "when a request misses one).")
     if gateway_pid is not None:
         print(f"\ngateway CPU beyond its idle {1e3 * idle_rate:.1f} ms/s (what it needs at any speed of the model):")
         for c, _, gw in table:

@@ -52,12 +52,16 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
             arrival = time.time_ns()
             inputs = {t.name: raw for t, raw in zip(req.inputs, req.raw_input_contents)}
             n = 1 if "stop" in inputs else _I32.unpack(inputs["max_tokens"])[0] if "max_tokens" in inputs else 16
+            first = None
             for i in range(n):
                 await self._tick.wait()
-                yield self._response(req, inputs, arrival, final=i == n - 1, text=b"" if "stop" in inputs else b"ab ")
+                first = first or time.time_ns()
+                yield self._response(req, inputs, (arrival, first), final=i == n - 1,
+                                     text=b"" if "stop" in inputs else b"ab ")
 
     @staticmethod
-    def _response(req, inputs: dict, arrival: int, final: bool, text: bytes) -> service_pb2.ModelStreamInferResponse:
+    def _response(req, inputs: dict, times: tuple[int, int], final: bool,
+                  text: bytes) -> service_pb2.ModelStreamInferResponse:
         out = service_pb2.ModelStreamInferResponse()
         r = out.infer_response
         r.model_name, r.id = req.model_name, req.id
@@ -71,8 +75,8 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         if "return_num_input_tokens" in inputs:
             _output(r, "num_input_tokens", "INT32", _I32.pack(8))
         if "return_perf_metrics" in inputs:
-            now = time.time_ns()
-            for name, value in zip(_PERF, (arrival, arrival, arrival, now)):
+            arrival, first = times  # arrival, first token
+            for name, value in zip(_PERF, (arrival, arrival, first, time.time_ns())):
                 _output(r, name, "INT64", _I64.pack(value))
             _output(r, "num_cached_tokens", "INT32", _I32.pack(0))
         return out
