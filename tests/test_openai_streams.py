@@ -80,3 +80,36 @@ def test_64_streams_are_relayed_side_by_side():
     last_first_token = max(stamps[0] for stamps, _ in got)
     first_last_token = min(stamps[-3] for stamps, _ in got)
     assert last_first_token < first_last_token, (last_first_token, first_last_token)
+
+
+def test_choices_of_several_prompts_stream_whole_answers():
+    """n = 2 over two prompts: four Triton streams merged into one SSE stream, each choice whole."""
+
+    async def run() -> list[dict]:
+        server, port, _, ticker = await fake_triton.start(0.002)
+        runner = web.AppRunner(make_app(GatewayConfig(triton_url=f"127.0.0.1:{port}")))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        body = {"model": "k3", "prompt": ["a", "b"], "n": 2, "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True}}
+        try:
+            async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
+                assert r.status == 200, await r.text()
+                lines = [line[6:].strip() async for line in r.content if line.startswith(b"data: ")]
+        finally:
+            await runner.cleanup()
+            ticker.cancel()
+            await server.stop(None)
+        assert lines[-1] == b"[DONE]"
+        return [json.loads(e) for e in lines[:-1]]
+
+    chunks = asyncio.run(run())
+    texts, reasons = {}, {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"]:
+            reasons[choice["index"]] = choice["finish_reason"]
+    assert texts == {i: "ab " * 3 for i in range(4)} and reasons == {i: "length" for i in range(4)}
+    assert chunks[-1]["usage"]["completion_tokens"] == 12 and not chunks[-1]["choices"]
