@@ -198,7 +198,6 @@ def _candidates(cfg) -> list:
 def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
     """Time `experts_with` over tile candidates; print one line per candidate, the fastest marked."""
     from k3backend.kernels import moe
-    from kernels import time_fn
 
     layer = _Layer(shape, "cuda")
     for T in tokens:
@@ -206,18 +205,10 @@ def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
         x = torch.randn(T, shape.D, generator=layer.gen, device="cuda").bfloat16()
         hit = int(torch.unique(ids).numel())
         byts, flops = hit * 3 * shape.I * shape.D * 2, 2.0 * T * shape.k * 3 * shape.I * shape.D
-        rows = []
         want = moe_ref.experts(x, w, ids, layer.w13, layer.w2, SITU, 1.0)
-        ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
-        for cfg in _candidates(moe.experts_config(T, shape.k, shape.E, shape.D, shape.I)):
-            run = lambda: moe.experts_with(x, w, ids, layer.w13, layer.w2, SITU, 1.0, cfg)  # noqa: E731
-            try:
-                err = ((run().float() - want.float()).abs() / ulp).max().item()  # every element, in bf16 ulps
-                t = time_fn(run, True, iters)
-            except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit: report, go on
-                print(f"{shape.name} T{T} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
-                continue
-            rows.append((t, cfg, err))
+        rows = _timed(_candidates(moe.experts_config(T, shape.k, shape.E, shape.D, shape.I)),
+                      lambda cfg: lambda: moe.experts_with(x, w, ids, layer.w13, layer.w2, SITU, 1.0, cfg),
+                      want, iters, f"{shape.name} T{T}")
         best = min(t for t, _, _ in rows)
         for t, cfg, err in rows:
             mark = "*" if t == best else " "
@@ -227,6 +218,25 @@ def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
                   flush=True)
 
 
+def _timed(cands: list, run_of, want: torch.Tensor, iters: int, label: str) -> list[tuple[float, object, float]]:
+    """(seconds, config, largest error in bf16 ulps of each row's largest |want|) of each candidate;
+    run_of(config) gives the call. A tile that does not compile or fit is reported and skipped."""
+    from kernels import time_fn
+
+    ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
+    rows = []
+    for cfg in cands:
+        run = run_of(cfg)
+        try:
+            err = ((run().float() - want.float()).abs() / ulp).max().item()  # every element
+            t = time_fn(run, True, iters)
+        except Exception as e:  # noqa: BLE001
+            print(f"{label} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
+            continue
+        rows.append((t, cfg, err))
+    return rows
+
+
 def glu_sweep(D: int, I: int, tokens: list[int], iters: int) -> None:
     """Time the dense glu (glu_linear with the fp32 front: the shared experts) over BM x BN x BK x
     stages; the chosen tiles first, the fastest marked."""
@@ -234,7 +244,6 @@ def glu_sweep(D: int, I: int, tokens: list[int], iters: int) -> None:
     from itertools import product
 
     from k3backend.kernels import moe
-    from kernels import time_fn
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1, the harness only
     g = torch.Generator(device=dev).manual_seed(0)
@@ -243,23 +252,13 @@ def glu_sweep(D: int, I: int, tokens: list[int], iters: int) -> None:
     for T in tokens:
         x = torch.randn(T, D, generator=g, device=dev).bfloat16()
         want = moe_ref.glu_linear(x, w_gu, act, True)
-        ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
         chosen = moe.experts_config(T, 1, 1, D, I)
         cands = [chosen] + [replace(chosen, block_m=bm, up=(bn, bk, 8 if bm * bn >= 128 * 128 else 4, st), gemv=None)
                             for bm, bn, bk, st in product((16, 32, 64, 128), (16, 32, 64, 128), (64, 128), (3, 4))]
-        rows = []
-        for cfg in cands:
-            h = torch.empty(T, I, dtype=x.dtype, device=dev)
-            run = lambda: moe._launch_up(x, w_gu, None, h, None, None, T, 1, act, cfg, dense=True,  # noqa: E731
-                                         round_gu=False)
-            try:
-                run()
-                err = ((h.float() - want.float()).abs() / ulp).max().item()
-                t = time_fn(run, True, iters)
-            except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit: report, go on
-                print(f"glu T{T} {cfg.block_m} {cfg.up}: failed ({type(e).__name__}: {str(e)[:80]})")
-                continue
-            rows.append((t, cfg, err))
+        h = torch.empty(T, I, dtype=x.dtype, device=dev)
+        rows = _timed(cands, lambda cfg: lambda: (moe._launch_up(x, w_gu, None, h, None, None, T, 1, act, cfg,
+                                                                  dense=True, round_gu=False), h)[1],
+                      want, iters, f"glu T{T}")
         best = min(t for t, _, _ in rows)
         byts = 2 * I * D * 2
         for t, cfg, err in [rows[0]] + sorted(rows[1:], key=lambda r: r[0])[:12]:
