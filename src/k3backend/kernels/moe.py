@@ -666,7 +666,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - many experts (`wide`), m ≤ 40: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages); at 192 /
       320 tokens of `small` 7 / 10 % faster than BN 64, and BM 64 wins from m = 48 (512 tokens: −25 %;
       bench/kernels_moe.py's sweep on the H200).
-    - one matrix (E = 1: glu_linear), below 2,048 rows: one row block up to 64 rows (a weight larger
+    - one dense matrix (E = k = 1: glu_linear), below 2,048 rows: one row block up to 64 rows (a weight larger
       than L2 is streamed once), then the widest N tile that still gives ≥ 256 programs. The expert
       tiers gave it 16-32 programs from 17 rows on (`bench/kernels_moe.py --glu`, H200, `small`
       shared experts: 15.2 → 9.7 µs at 64 rows, 38.8 → 15.4 at 320, 38.8 → 23.7 at 1,024; the dense
@@ -681,7 +681,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     m = T * k / max(E, 1)
     # the experts hit fill 2 waves of BN-128 tiles (bf16: MXFP4 was not measured with them)
     wide = not mxfp4 and min(E, T * k) * triton.cdiv(I, 128) >= 264
-    if E == 1 and T < 2048:
+    if E == 1 and k == 1 and T < 2048:  # glu_linear
         bm = max(16, min(64, triton.next_power_of_2(T)))
         bn = next((b for b in (128, 64, 32) if triton.cdiv(T, bm) * triton.cdiv(I, b) >= 256), 16)
         up = down = (bn, 128, 4, 3) if T <= 64 else (bn, 64, 4, 4)
