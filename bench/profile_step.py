@@ -82,6 +82,13 @@ def step_kinds(args: argparse.Namespace) -> list[tuple[str, int, list[tuple[int,
             (f"decode {b} + 2 chunks of {c}, {c // 2} image rows", b, [(c, c // 2), (c, 0)])]
 
 
+def decode_token(row: int) -> int:
+    """The token of decode row `row`: a different one per row (below 256, so the tiny vocabulary has
+    it). One id for all routed every row to the same few experts, which made "decode 64" 3.9 ms
+    against the ~6 ms decode steps of the engine under load."""
+    return 1 + 37 * row % 255
+
+
 def kind_plan(runner, n_decode: int, chunks: list[tuple[int, int]], context: int, hidden: int) -> StepPlan:
     """A step of n_decode decode rows at `context` and fresh chunks, each sequence on its own slot and
     blocks; a chunk's image rows are the pads after its first 8 tokens."""
@@ -92,9 +99,7 @@ def kind_plan(runner, n_decode: int, chunks: list[tuple[int, int]], context: int
         table = tuple(range(next_block, next_block + nb))
         next_block += nb
         offsets = tuple(range(8, 8 + rows))
-        # decode rows: a different id per row, as in main(); one id for all routed every row to the same
-        # few experts, which made "decode 64" 3.9 ms against the ~6 ms decode steps of the engine's load
-        ids = (1 + 37 * i % 255,) if i < n_decode else tuple(1 + (t * 7) % 255 for t in range(n))
+        ids = (decode_token(i),) if i < n_decode else tuple(1 + (t * 7) % 255 for t in range(n))
         seqs.append(ScheduledSeq(i + 1, ids, start, i < n_decode, table, True, 0, offsets))
         embeds = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(i)) if rows else None
         new.append(SlotRequest(i + 1, SamplingParams(), 0, (), (), (), (), embeds))
@@ -258,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     nb = blocks_for(args.context + 1, bs)
     with torch.inference_mode():
         for b in args.batch:  # sequence i: slot i + 1, its own blocks
-            # a different id per row: one id for all would route every row to the same few experts
-            chunks = [SeqChunk([1 + 37 * i % 1000], args.context, i + 1, True,
+            chunks = [SeqChunk([decode_token(i)], args.context, i + 1, True,
                                list(range(1 + i * nb, 1 + (i + 1) * nb))) for i in range(b)]
             if runner.graphs is not None:
                 profiled(lambda: runner.graphs.run(chunks), args.rows, f"decode B{b} context {args.context} (graph)")
