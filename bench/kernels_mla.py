@@ -181,13 +181,64 @@ def prefix_forms(iters: int, smoke: bool) -> None:
         mla.PREFIX_TOKENS, mla.PREFIX_MIN_LEN = saved
 
 
+# (batch, context) of --decode-sweep: the engine's decode steps at short and mid contexts
+DECODE_SWEEP = [(64, 384), (64, 1024), (64, 4096), (256, 384), (1, 384), (1, 4096)]
+
+
+def decode_sweep(iters: int, smoke: bool, table_blocks: int = 512) -> None:
+    """mla_decode's tiles and split counts at the DECODE_SWEEP shapes, 16 heads, block tables
+    `table_blocks` wide as the engine has them (512: max_model_len 32K), so the split count is the one
+    the engine's graphs use: kernels/mla.py decode_config and num_splits first, then the split count
+    alone changed, then other tiles at the chosen split count and at half and twice it; the 8 fastest.
+    Each row: µs (graph replays), latent bytes read per µs, largest error relative to the output's max."""
+    from kernels import time_fn
+
+    from k3backend.kernels import mla, mla_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dims = {"dn": 16, "dr": 16, "dv": 16, "r": 64, "bs": 16} if smoke else \
+        {"dn": DN, "dr": DR, "dv": DV, "r": R, "bs": BS}
+    N, shapes = (4, [(3, 40)]) if smoke else (WIDTHS["small"], DECODE_SWEEP)
+    for B, ctx in shapes:
+        p = _problem(N, [ctx - 1] * B, [1] * B, dims, device, seed=B + ctx)
+        bt = p["block_tables"]
+        pad = max(0, (8 if smoke else table_blocks) - bt.shape[1])
+        p["block_tables"] = torch.cat([bt, bt.new_zeros(B, pad)], 1)
+        a = _decode_args(p)
+        want = mla_ref.mla_decode(*a).float()
+        base = mla.decode_config(N)
+        chosen = mla.num_splits(B * -(-N // base["BLOCK_M"]), p["block_tables"].shape[1] * dims["bs"], a[0].device)
+        variants = [("chosen", None, None)] + [(f"splits{s}", None, s) for s in (1, 2, 3, 4, 6, 8, 16) if s != chosen]
+        for bn, w, st in [(32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3), (32, 4, 3)]:
+            cfg = dict(base, BLOCK_N=bn, num_warps=w, num_stages=st)
+            variants += [(f"bn{bn} w{w} st{st} splits{s}", cfg, s) for s in sorted({chosen, chosen * 2,
+                                                                                      max(1, chosen // 2)})]
+        rows = []
+        for name, cfg, splits in variants:
+            run = lambda cfg=cfg, splits=splits: mla.decode(*a, config=cfg, splits=splits)  # noqa: E731
+            try:
+                err = (run().float() - want).abs().max().item() / want.abs().max().item()
+                rows.append((time_fn(run, True, iters), name, err))
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit: report, go on
+                print(f"B{B} ctx{ctx} {name}: failed ({type(e).__name__}: {str(e)[:100]})", flush=True)
+        best = min(r[0] for r in rows)
+        print(f"== B{B} ctx{ctx} N{N}, table {p['block_tables'].shape[1]} blocks, chosen {base} splits {chosen}")
+        nbytes = B * ctx * (dims["r"] + dims["dr"]) * 2  # the latent rows read
+        for t, name, err in [rows[0]] + sorted(rows[1:])[:8]:
+            print(f"{'*' if t == best else ' '} {name:<26} {t * 1e6:8.1f} us {nbytes / t / 1e12:5.2f} TB/s  "
+                  f"rel err {err:.1e}", flush=True)
+
+
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(description="mla_prefill's two forms after a cached prefix (the other MLA "
-                                             "cases run through bench/kernels.py --families mla)")
-    ap.add_argument("--prefix-forms", action="store_true", required=True)
+    ap = argparse.ArgumentParser(description="mla_prefill's two forms after a cached prefix, or mla_decode's "
+                                             "tiles and split counts (the other MLA cases run through "
+                                             "bench/kernels.py --families mla)")
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--prefix-forms", action="store_true")
+    mode.add_argument("--decode-sweep", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (TRITON_INTERPRET=1 on a CPU)")
     args = ap.parse_args()
-    prefix_forms(args.iters, args.smoke)
+    (decode_sweep if args.decode_sweep else prefix_forms)(args.iters, args.smoke)
