@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import interpret
-from tolerances import MOE_BF16_MISMATCH_FRACTION, MOE_BF16_ULPS, tol
+from tolerances import MOE_BF16_MISMATCH_FRACTION, MOE_BF16_ULPS, ROUTER_LOGITS_REL, tol
 
 CHECKS = interpret.Checks(__file__, env={"K3_KERNELS": "triton"})
 
@@ -132,6 +132,138 @@ def check_route_supports_declines_what_it_cannot_do():
     }
     for what, args in declined.items():
         ok, reason = moe.route_supports(*args, True, 1.0)
+        assert not ok and reason, what
+
+
+# ---------------------------------------------------------------- router (split-K GEMM + route)
+def router_case(T: int, E: int, D: int, seed: int, bias: bool = True):
+    """bf16 h, an fp32 gate weight whose values are not bf16 (all three parts of the kernel's split
+    carry bits), logits ~N(0, 3²) (scores spread over (0, 1)), correction bias N(0, 0.05²) or None."""
+    h = randn(T, D, seed=seed, dtype=BF16)
+    w = randn(E, D, seed=seed + 1, scale=3 * D ** -0.5)
+    assert (w != w.to(BF16).float()).float().mean() > 0.99, "gate weights must not be bf16 values"
+    return h, w, randn(E, seed=seed + 2, scale=0.05) if bias else None
+
+
+def selection_margin(logits: torch.Tensor, bias, top_k: int, n_group: int, topk_group: int) -> float:
+    """The smallest gap, over tokens, between the last selected and the first rejected biased score
+    (and group score): ids may only differ from the reference's where a gap is within rounding."""
+    c = torch.sigmoid(logits) + (0 if bias is None else bias.double())
+    T, E = c.shape
+    gaps = []
+    if n_group > 1:
+        score = c.view(T, n_group, -1).topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+        ranked = score.sort(-1, descending=True).values
+        if topk_group < n_group:
+            gaps.append(ranked[:, topk_group - 1] - ranked[:, topk_group])
+        keep = score.topk(topk_group, dim=-1).indices
+        mask = torch.zeros(T, n_group, dtype=torch.bool).scatter_(1, keep, True).repeat_interleave(E // n_group, 1)
+        c = c.masked_fill(~mask, float("-inf"))
+    ranked = c.sort(-1, descending=True).values
+    if top_k < ranked.shape[1] and ranked[:, top_k].isfinite().all():
+        gaps.append(ranked[:, top_k - 1] - ranked[:, top_k])
+    return min((g.min().item() for g in gaps), default=float("inf"))
+
+
+def check_router_equals_reference_on_fp32_gate_weights():
+    """Shapes with K tails (D 200, 300, 100), one and several K splits, T tiles with a ragged edge (300
+    rows), K3's 896 experts top-16, grouped top-k, no bias, no renormalisation."""
+    from k3backend.kernels import moe, moe_ref
+
+    cases = [  # T, E, D, top_k, n_group, topk_group, bias, renormalize, scaling, splits
+        (1, 16, 200, 3, 1, 1, True, True, 1.0, 2),
+        (5, 896, 300, 16, 1, 1, True, True, 1.0, 3),  # K3 width, top-16
+        (64, 64, 256, 6, 1, 1, False, True, 1.0, 2),  # even K: no masks
+        (300, 64, 300, 6, 1, 1, True, False, 2.5, 3),
+        (13, 64, 200, 6, 8, 4, True, True, 2.5, 2),  # 8 groups keep 4
+        (5, 16, 100, 3, 4, 2, True, True, 1.0, 1),  # 4 groups of 4 keep 2, one split
+    ]
+    for i, (T, E, D, k, n_group, topk_group, bias, renormalize, scaling, splits) in enumerate(cases):
+        what = f"T{T} E{E} D{D} top{k} groups {n_group}/{topk_group} bias={bias}"
+        h, w, b = router_case(T, E, D, seed=1000 + 10 * i, bias=bias)
+        exact = h.double() @ w.double().T  # the logits, to ~1e-16
+        assert selection_margin(exact, b, k, n_group, topk_group) > 1e-5, f"{what}: test data has a near tie"
+        cfg = moe.router_config(T, E, D)
+        assert cfg.splits == splits, f"{what}: {cfg}"
+        with poisoned_empty(), interpret.poisoned_empty():
+            partials = moe._router_logits(h, w, cfg)
+        assert partials.shape == (splits, T, E) and not partials.isnan().any(), f"{what}: partial sums not written"
+        err = (partials.double().sum(0) - exact).abs().max(-1).values / exact.abs().max(-1).values
+        assert err.max() <= ROUTER_LOGITS_REL, f"{what}: logits off by {err.max():.1e} of the row's largest"
+        args = (h, w, b, k, n_group, topk_group, renormalize, scaling)
+        ok, reason = moe.router_supports(*args)
+        assert ok, reason
+        with poisoned_empty(), interpret.poisoned_empty():
+            got = moe.router(*args)
+        assert_route_equal(got, moe_ref.router(*args), what)
+    h, w, b = router_case(0, 64, 200, seed=999)
+    assert [t.shape for t in moe.router(h, w, b, 6, 1, 1, True, 1.0)] == [(0, 6), (0, 6)]
+
+
+def test_router_splits_fill_the_gpu_at_decode_and_stay_few_at_prefill():
+    """router_config: `small` (hidden 2048, 64 experts) at 1-64 tokens splits K into 16 (about one wave
+    of programs streams the weight), at thousands of tokens into at most 2; every split is non-empty."""
+    from k3backend.kernels import moe
+
+    for T in (1, 5, 64, 320, 4096, 16384):
+        for E, D in ((64, 2048), (384, 7168), (896, 7168)):
+            cfg = moe.router_config(T, E, D)
+            programs = -(-E // cfg.block_e) * -(-T // cfg.block_t) * cfg.splits
+            assert cfg.split_k % cfg.block_k == 0 and (cfg.splits - 1) * cfg.split_k < D <= cfg.splits * cfg.split_k
+            assert cfg.splits == 1 or programs <= moe.ROUTER_PROGRAMS, (T, E, cfg)
+            if E == 64 and T <= 64:
+                assert cfg.splits == D // moe.ROUTER_MIN_SPLIT_K, (T, cfg)
+            if T >= 4096:
+                assert cfg.splits <= 2, (T, E, cfg)
+
+
+def test_router_kernels_compile_for_hopper_without_spills():
+    """The interpreter never runs the GPU path (bf16 MMAs on the weight's parts in registers): the GEMM and
+    the route kernel compile for sm_90a at `small` and K3 sizes with the wrappers' launch choices."""
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import moe
+
+    for T, E, D in ((1, 64, 2048), (4096, 64, 2048), (64, 896, 7168)):
+        cfg = moe.router_config(T, E, D)
+        args = dict(h_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", T=T, E=E, D=D, split_k=cfg.split_k, stride_ht=D,
+                    stride_we=D, stride_os=T * E, stride_ot=E)
+        constexprs = dict(GPU=True, EVEN_K=D % cfg.block_k == 0, BLOCK_E=cfg.block_e, BLOCK_T=cfg.block_t,
+                          BLOCK_K=cfg.block_k)
+        c = compile_sm90(moe._router_gemm_kernel, args, constexprs, num_warps=cfg.warps, num_stages=cfg.stages)
+        assert c.stack == 0 and c.mma, f"router GEMM T{T} E{E} D{D}: {c}"
+        k, block = (6, 64) if E == 64 else (16, 1024)
+        args = dict(logits_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", stride_ls=T * E, stride_lt=E,
+                    stride_wt=k, stride_it=k, E=E, per_group=E, scaling=1.0)
+        constexprs = dict(SPLITS=cfg.splits, TOP_K=k, N_GROUP=1, TOPK_GROUP=1, HAS_BIAS=True, RENORMALIZE=True,
+                          BLOCK_G=1, BLOCK_P=block, BLOCK_K=triton_next_pow2(k), GPU=True)
+        c = compile_sm90(moe._route_kernel, args, constexprs, num_warps=4 if block >= 512 else 1, num_stages=1)
+        assert c.stack == 0, f"route T{T} E{E} splits {cfg.splits}: {c}"
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def check_router_supports_declines_what_it_cannot_do():
+    from k3backend.kernels import moe
+
+    h, w, b = router_case(3, 16, 40, seed=1100)
+    assert moe.router_supports(h, w, b, 4, 4, 2, True, 1.0) == (True, "")
+    declined = {
+        "float32 h (an fp32 model)": (h.float(), w, b, 4, 1, 1),
+        "float64 h and weight": (h.double(), w.double(), b, 4, 1, 1),
+        "float16 h": (h.half(), w, b, 4, 1, 1),
+        "bf16 gate weight": (h, w.to(BF16), b, 4, 1, 1),
+        "transposed gate weight": (h, w.T.contiguous().T, b, 4, 1, 1),
+        "gate weight of another width": (h, w[:, :32], b, 4, 1, 1),
+        "h with a strided inner dimension": (torch.zeros(3, 80, dtype=BF16)[:, ::2], w, b, 4, 1, 1),
+        "n_group does not divide": (h, w, b, 4, 3, 1),
+        "bias of another dtype": (h, w, b.double(), 4, 1, 1),
+        "top_k beyond the kept groups": (h, w, b, 9, 4, 2),
+    }
+    for what, args in declined.items():
+        ok, reason = moe.router_supports(*args, True, 1.0)
         assert not ok and reason, what
 
 
@@ -464,7 +596,7 @@ def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
     from k3backend.model.moe import MoE
     from k3backend.presets import preset_config, random_tensor
 
-    ops = ("route", "experts", "experts_mxfp4", "glu_linear")
+    ops = ("router", "experts", "experts_mxfp4", "glu_linear")
     for op in ops:
         assert getattr(kernels, op).__wrapped__ is getattr(moe_ref, op), f"{op} must be registered in kernels.FAST_OPS"
     for quant in (None, "mxfp4"):

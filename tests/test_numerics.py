@@ -57,8 +57,8 @@ def test_conditioned_init_routes_every_token_to_the_same_experts(monkeypatch):
     """Selection never rides on a near tie: one fixed expert set per MoE layer, token-dependent weights."""
     model = tiny(torch.float32, True)
     seen = []
-    route = kernels.route
-    monkeypatch.setattr(kernels, "route", lambda *a, **k: seen.append(route(*a, **k)) or seen[-1])
+    router = kernels.router
+    monkeypatch.setattr(kernels, "router", lambda *a, **k: seen.append(router(*a, **k)) or seen[-1])
     full_forward(model, torch.randint(0, 256, (40,)))
     assert len(seen) == sum(1 for layer in model.language_model.model.layers if hasattr(layer.mlp, "gate"))
     for w, ids in seen:

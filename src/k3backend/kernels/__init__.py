@@ -38,6 +38,7 @@ from k3backend.kernels.moe_ref import (
     glu,
     glu_linear,
     route,
+    router,
     silu_and_mul,
     situ_and_mul,
 )
@@ -65,7 +66,7 @@ FAST_OPS: dict[str, str] = {
     "experts": "k3backend.kernels.moe",
     "experts_mxfp4": "k3backend.kernels.moe",
     "glu_linear": "k3backend.kernels.moe",
-    "route": "k3backend.kernels.moe",
+    "router": "k3backend.kernels.moe",
     "mla_decode": "k3backend.kernels.mla",
     "mla_prefill": "k3backend.kernels.mla",
     "rms_norm": "k3backend.kernels.norm",
@@ -136,6 +137,6 @@ __all__ = [
     "gated_rms_norm", "glu", "kda_chunked",
     "kda_decode", "kda_gate", "kda_prefill", "kda_prefill_inputs", "kda_recurrent", "l2_norm", "mla_absorbed",
     "mla_decode", "mla_mha", "mla_prefill",
-    "mla_write", "race_draw", "rms_norm", "route", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
+    "mla_write", "race_draw", "rms_norm", "route", "router", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
     "situ_and_mul", "glu_linear", "kda_decode_fused", "VarlenLayout", "varlen_layout",
 ]

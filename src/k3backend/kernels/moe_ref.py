@@ -87,6 +87,17 @@ def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int
     return w * scaling, ids
 
 
+def router(h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, n_group: int,
+           topk_group: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE router from its input (§7.3): `route` of the fp32 logits h·weightᵀ (fp64 for fp64 h).
+
+    h: [T, D] normed MLP input; weight: [E, D] (`gate.weight`, fp32 at run time). Returns (weights
+    [T, k] fp32, expert ids [T, k] int64), as `route`.
+    """
+    a = acc_dtype(h)
+    return route(F.linear(h.to(a), weight.to(a)), correction_bias, top_k, n_group, topk_group, renormalize, scaling)
+
+
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             act: Activation, scaling: float = 1.0) -> torch.Tensor:
     """Routed experts with SGLang's rounding points (§7.4).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3backend import kernels
@@ -152,10 +151,8 @@ class MoE(nn.Module):
         norm, together with the shared experts' partials, in one all-reduce (§9.3 item 4), over
         every host's ranks under placement host_ep (`Parallel.moe_share`).
         """
-        a = kernels.acc_dtype(h)
-        logits = F.linear(h.to(a), self.gate.weight.to(a))  # fp32 router logits [T, E] (no copy: fp32 at load)
-        w, ids = kernels.route(logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
-                               self.topk_group, self.renormalize, 1.0)
+        w, ids = kernels.router(h, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.n_group,
+                                self.topk_group, self.renormalize, 1.0)  # [T, k]: fp32 logits inside
         local_ids = ids - self.experts.e0 if self.experts.e0 else ids
         zl = self.routed_expert_down_proj(h) if self.latent else h  # [T, latent]
         out = self.experts(zl, w, local_ids, self.act, self.scaling)
