@@ -190,8 +190,6 @@ def pct(values: list[float], q: float) -> float:
 def count_experts(model) -> list[torch.Tensor]:
     """Tokens per expert of every MoE layer, counted by forward hooks that re-run the router on the
     layer's input (for --expert-stats only: one host sync per layer and step)."""
-    import torch.nn.functional as F
-
     from k3backend import kernels
     from k3backend.model.moe import MoE
 
@@ -202,9 +200,8 @@ def count_experts(model) -> list[torch.Tensor]:
             counts.append(c)
 
             def hook(m, inputs, output, c=c):
-                logits = F.linear(inputs[0].float(), m.gate.weight.float())
-                _, ids = kernels.route(logits, m.gate.e_score_correction_bias, m.top_k, m.n_group, m.topk_group,
-                                       m.renormalize, 1.0)
+                _, ids = kernels.router(inputs[0], m.gate.weight, m.gate.e_score_correction_bias, m.top_k, m.n_group,
+                                        m.topk_group, m.renormalize, 1.0)
                 c += torch.bincount(ids.flatten().cpu(), minlength=c.numel())
 
             module.register_forward_hook(hook)

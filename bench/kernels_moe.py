@@ -1,13 +1,15 @@
-"""MoE kernels at real sizes for bench/kernels.py: the fused router, the fused latent experts and the
-shared experts' fused gate-up, each beside its torch reference (kernels/moe_ref.py).
+"""MoE kernels at real sizes for bench/kernels.py: the router (GEMM + route), the route kernel, the fused
+latent experts and the shared experts' fused gate-up, each beside its torch reference (kernels/moe_ref.py).
 
-Sizes: the `small` preset (hidden 2048, latent D 1024, E 64 experts top-6, I 1024) and K3 full width
-(K3_LM §0.1, §7.8: E 896 experts top-16, latent D 3584, I 3072; bf16 expert weights, 59 GB for one
-layer, allocated once and shared by the K3 cases), at T ∈ {1, 16, 64, 256, 512, 8192, 16384} tokens.
-`--smoke`: tiny sizes (E 7, k 3, D 37, I 23), for TRITON_INTERPRET=1 on a CPU.
+Sizes: the `small` preset (hidden H 2048, latent D 1024, E 64 experts top-6, I 1024) and K3 full width
+(K3_LM §0.1, §7.8: H 7168, E 896 experts top-16, latent D 3584, I 3072; bf16 expert weights, 59 GB for one
+layer, allocated once and shared by the K3 cases), at T ∈ {1, 16, 64, 256, 512, 8192, 16384} tokens
+(the router at 1, 64, 320, 4096). `--smoke`: tiny sizes (E 7, k 3, D 37, I 23, H 300), for
+TRITON_INTERPRET=1 on a CPU.
 Tile sweep on a GPU: `python bench/kernels_moe.py --shape k3 --tokens 16 512 8192` times the tiles that
 kernels/moe.py `experts_config` picks against one-change-at-a-time alternatives (best row marked *; each
 row's largest error against the reference, in bf16 ulps of the row's largest output, must stay <= 2).
+`--router` does the same for the router GEMM's launch (`router_config`: K splits, BK, stages, token tile).
 
 Routing: independent N(0, 1) logits spread tokens almost uniformly over the experts (busiest expert
 1.1-1.3× the mean load at 8 K tokens), which flatters the prefill tail. The logits here add a fixed
@@ -17,13 +19,21 @@ the busiest expert gets ~2× (small) and ~4× (K3) the mean; a decode step of 16
 so keep it small. The correction bias is N(0, 0.01²). The shape column gives the experts actually hit.
 
 Figures:
+- router: the model's router op (kernels/moe.py `router`: split-K GEMM on bf16 h and the fp32 gate weight,
+  then the route kernel) at the hidden width; its `vs ref` is the three kernels MoE.forward ran before
+  (h.to(fp32), cuBLAS's fp32 GEMM, moe.route). bytes = h + the fp32 weight read + weights and ids
+  written; flops = 2·T·E·H (useful work, not the three bf16 MMAs per product). The gate weight is
+  random fp32 (not bf16 values), so the weight's three-part split is checked.
 - route: bytes = logits read + weights and ids written.
 - experts: bytes = the expert weights actually touched (distinct experts hit × 3·I·D·2 bytes) + x read
   + out written; the intermediate h and per-slot y round trips are not counted. flops = 2·T·k·3·I·D
   (useful work; the padding rows of each expert's last block are not counted).
 - shared_glu: the shared experts' gate-up GEMM with SiTU reading the fp32 accumulator (§7.6), against
   moe_ref.glu_linear (an fp32 GEMM on upcast weights, what model/moe.py ran before); bytes = w_gu + x + h.
-- check: route ids must equal the reference's exactly (same fp32 sigmoid), weights within fp32
+- check: router ids must equal the old path's wherever the k-th and (k+1)-th biased scores (of the fp64
+  logits) are more than 1e-5 apart (the check names the near ties it skipped), weights within fp32
+  rounding, logits (the sum of the splits) within ROUTER_LOGITS_REL of each row's largest against fp64,
+  two runs bit-equal; route ids must equal the reference's exactly (same fp32 sigmoid), weights within fp32
   rounding; experts within CHECK_ULPS bf16 ulps of each row's largest |output|, and the share of
   elements that are not bit-equal is reported (cuBLAS and the Triton GEMMs accumulate in different
   orders, so some roundings of gu, h, y_e flip; tests/tolerances.py MOE_BF16_* explains the bound).
@@ -35,13 +45,16 @@ import argparse
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels import Case
 
 from k3backend.kernels import moe_ref
 
 CHECK_ULPS = 2.0  # as tests/tolerances.py MOE_BF16_ULPS
+ROUTER_LOGITS_REL = 2e-6  # as tests/tolerances.py
 TOKENS = (1, 16, 64, 256, 512, 8192, 16384)
+ROUTER_TOKENS = (1, 64, 320, 4096)
 
 
 @dataclass(frozen=True)
@@ -51,11 +64,12 @@ class Shape:
     k: int
     D: int  # expert input width: the latent
     I: int  # expert width
+    H: int  # hidden size: the router's input width
 
 
-SMALL = Shape("small", 64, 6, 1024, 1024)
-K3 = Shape("k3", 896, 16, 3584, 3072)
-SMOKE = Shape("smoke", 7, 3, 37, 23)
+SMALL = Shape("small", 64, 6, 1024, 1024, 2048)
+K3 = Shape("k3", 896, 16, 3584, 3072, 7168)
+SMOKE = Shape("smoke", 7, 3, 37, 23, 300)
 SITU = moe_ref.Activation("situ", 4.0, 25.0)
 
 
@@ -100,6 +114,53 @@ def _route_case(layer: _Layer, T: int) -> Case:
 
     return Case(family="moe", name=f"route_{s.name}", shape=f"T{T} E{s.E} k{s.k}", run=lambda: moe.route(*args),
                 ref=lambda: moe_ref.route(*args), bytes=T * s.E * 4 + T * s.k * 12, check=check)
+
+
+def _router_inputs(s: Shape, T: int, device: str) -> tuple:
+    """The router op's arguments: bf16 h [T, H], a random fp32 gate weight [E, H] (logits ~N(0, 1)), bias."""
+    g = torch.Generator(device=device).manual_seed(T)
+    h = torch.randn(T, s.H, generator=g, device=device).bfloat16()
+    weight = torch.randn(s.E, s.H, generator=g, device=device) * s.H ** -0.5
+    bias = torch.randn(s.E, generator=g, device=device) * 0.01
+    return h, weight, bias, s.k, 1, 1, True, 1.0
+
+
+def _old_router(h, weight, bias, k, n_group, topk_group, renormalize, scaling):
+    """What MoE.forward ran before `router`: h.to(fp32), cuBLAS's fp32 GEMM, the route kernel."""
+    from k3backend.kernels import moe
+
+    return moe.route(F.linear(h.to(torch.float32), weight), bias, k, n_group, topk_group, renormalize, scaling)
+
+
+def _router_case(s: Shape, T: int, device: str) -> Case:
+    from k3backend.kernels import moe
+
+    args = _router_inputs(s, T, device)
+    h, weight, bias, k = args[:4]
+    ok, reason = moe.router_supports(*args)
+    assert ok, reason
+    cfg = moe.router_config(T, s.E, s.H)
+
+    def check() -> str:
+        (w, ids), (w_old, ids_old) = moe.router(*args), _old_router(*args)
+        again = moe.router(*args)
+        assert torch.equal(w, again[0]) and torch.equal(ids, again[1]), "router: two runs differ"
+        exact = h.double() @ weight.double().T
+        logits = moe._router_logits(h, weight, cfg).double().sum(0)
+        err = ((logits - exact).abs().amax(-1) / exact.abs().amax(-1)).max().item()
+        err_old = ((F.linear(h.float(), weight).double() - exact).abs().amax(-1) / exact.abs().amax(-1)).max().item()
+        assert err <= ROUTER_LOGITS_REL, f"router: logits off by {err:.1e} of the row's largest > {ROUTER_LOGITS_REL}"
+        ranked = (torch.sigmoid(exact) + bias.double()).sort(-1, descending=True).values
+        clear = ranked[:, k - 1] - ranked[:, k] > 1e-5  # tokens whose selection no rounding can flip
+        same = (ids == ids_old).all(-1)
+        assert bool(same[clear].all()), f"router: ids differ in {int((~same[clear]).sum())} of {T} tokens"
+        torch.testing.assert_close(w[clear], w_old[clear], rtol=2e-5, atol=2e-6)
+        return (f"ids equal ({int((~clear).sum())} near ties skipped), weights max Δ "
+                f"{(w - w_old)[clear].abs().max().item():.1e}, logits {err:.1e} (old {err_old:.1e})")
+
+    return Case(family="moe", name=f"router_{s.name}", shape=f"T{T} E{s.E} H{s.H} S{cfg.splits}",
+                run=lambda: moe.router(*args), ref=lambda: _old_router(*args),
+                bytes=T * s.H * 2 + s.E * s.H * 4 + T * s.k * 12, flops=2.0 * T * s.E * s.H, check=check)
 
 
 def _experts_case(layer: _Layer, T: int) -> Case:
@@ -160,10 +221,11 @@ def cases(args: argparse.Namespace) -> list[Case]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         layer = _Layer(SMOKE, device)
-        return ([_route_case(layer, 5)] + [_experts_case(layer, T) for T in (1, 5, 61)]
-                + [_glu_linear_case(37, 23, 9, "smoke", device)])
+        return ([_router_case(SMOKE, T, device) for T in (1, 70)] + [_route_case(layer, 5)]
+                + [_experts_case(layer, T) for T in (1, 5, 61)] + [_glu_linear_case(37, 23, 9, "smoke", device)])
     out = []
     for shape in (SMALL, K3):
+        out += [_router_case(shape, T, device) for T in ROUTER_TOKENS]
         layer = _Layer(shape, device)
         out += [_route_case(layer, T) for T in (1, 256, 16384)]
         out += [_experts_case(layer, T) for T in TOKENS]
@@ -267,6 +329,53 @@ def glu_sweep(D: int, I: int, tokens: list[int], iters: int) -> None:
                   + ("  (chosen)" if cfg is chosen else ""), flush=True)
 
 
+def router_sweep(shape: Shape, tokens: list[int], iters: int) -> None:
+    """Time `router_with` over launches (K splits x BK x stages x token tile), the chosen one first, each
+    one's logits error against fp64 checked; the fastest marked; then the old three-kernel path."""
+    from dataclasses import replace
+    from itertools import product
+
+    from kernels import time_fn
+
+    from k3backend.kernels import moe
+
+    for T in tokens:
+        args = _router_inputs(shape, T, "cuda")
+        h, weight = args[:2]
+        exact = h.double() @ weight.double().T
+        chosen = moe.router_config(T, shape.E, shape.H)
+        cands = [chosen]
+        for splits, bk, stages, bt in product((1, 2, 4, 8, 16, 32), (32, 64, 128), (3, 4), (16, 32, 64, 128)):
+            if bt < chosen.block_t // 2 or bt > max(chosen.block_t * 2, 16) or triton_cdiv(shape.H, bk) < splits:
+                continue
+            per = triton_cdiv(triton_cdiv(shape.H, bk), splits)
+            cfg = replace(chosen, block_t=bt, block_k=bk, stages=stages, splits=triton_cdiv(triton_cdiv(shape.H, bk), per),
+                          split_k=per * bk)
+            if cfg not in cands:
+                cands.append(cfg)
+        rows = []
+        for cfg in cands:
+            try:
+                err = ((moe._router_logits(h, weight, cfg).double().sum(0) - exact).abs().amax(-1)
+                       / exact.abs().amax(-1)).max().item()
+                t = time_fn(lambda cfg=cfg: moe.router_with(*args, cfg), True, iters)
+            except Exception as e:  # noqa: BLE001 - a launch that does not compile or fit: report, go on
+                print(f"router T{T} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
+                continue
+            rows.append((t, cfg, err))
+        best = min(t for t, _, _ in rows)
+        for t, cfg, err in [rows[0]] + sorted(rows[1:], key=lambda r: r[0])[:12]:
+            print(f"{'*' if t == best else ' '} router {shape.name} T{T:<5} {t * 1e6:7.1f} us  logits {err:.1e}  "
+                  f"S{cfg.splits} BT{cfg.block_t} BK{cfg.block_k} st{cfg.stages}" + ("  (chosen)" if cfg is chosen else ""),
+                  flush=True)
+        print(f"  router {shape.name} T{T:<5} {time_fn(lambda: _old_router(*args), True, iters) * 1e6:7.1f} us  "
+              "old path (h.to(fp32), cuBLAS fp32 GEMM, route kernel)", flush=True)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 if __name__ == "__main__":
     import sys
     from pathlib import Path
@@ -278,9 +387,12 @@ if __name__ == "__main__":
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--glu", nargs="*", metavar="DxI", help="the dense glu instead, at --tokens: its D x I "
                     "(default the shape's shared experts: 2048x1024 small, 7168x6144 K3; the dense MLP is 2048x8192)")
+    ap.add_argument("--router", action="store_true", help="the router GEMM's launches instead, at --tokens")
     a = ap.parse_args()
     shape = SMALL if a.shape == "small" else K3
-    if a.glu is not None:
+    if a.router:
+        router_sweep(shape, a.tokens, a.iters)
+    elif a.glu is not None:
         for dims in a.glu or ["2048x1024" if a.shape == "small" else "7168x6144"]:
             glu_sweep(*map(int, dims.split("x")), a.tokens, a.iters)
     else:
