@@ -104,9 +104,6 @@ def _kda_intra_kernel(q, k, g, beta, chunk_seq, chunk_start, cu_seqlens, Akk, Aq
         s_I = tl.sum(g_I, axis=0)
         ex_I = tl.exp(cs_I)  # ≤ 1
         lk, lq = k_I * ex_I, q_I * ex_I
-        c_I = tl.zeros([BKC], dtype=ACC)
-        for jc in range(0, i_s):
-            c_I += _gsum(g, t0, jc, L, i_h, stride_g, o_k, m_k, K, ACC)
 
         # blocks J < I, from J = I−1 down, with the reference point c_I between rows j and i:
         # e^{Γ_i−Γ_j} = e^{Γ_i−c_I}·e^{c_{J+1}−Γ_j}·e^{c_I−c_{J+1}}, every factor ≤ 1
@@ -121,6 +118,7 @@ def _kda_intra_kernel(q, k, g, beta, chunk_seq, chunk_start, cu_seqlens, Akk, Aq
                 kk0, kk1, kk2, kk3 = _acc_block(kk0, kk1, kk2, kk3, _dot(lk, rk, ACC, PREC, ACC, BITS), JB)
                 qk0, qk1, qk2, qk3 = _acc_block(qk0, qk1, qk2, qk3, _dot(lq, rk, ACC, PREC, ACC, BITS), JB)
                 between += s_J
+        c_I = between  # every block before I has been summed: c_I itself (no second pass over g)
 
         # block I itself: e^{Γ_i−c_I}·e^{c_I−Γ_j}, safe while Γ drops by < 80 over the block (always with
         # lb = −5); else exactly, column by column
