@@ -335,6 +335,7 @@ def router_sweep(shape: Shape, tokens: list[int], iters: int) -> None:
     from dataclasses import replace
     from itertools import product
 
+    import triton
     from kernels import time_fn
 
     from k3backend.kernels import moe
@@ -346,11 +347,11 @@ def router_sweep(shape: Shape, tokens: list[int], iters: int) -> None:
         chosen = moe.router_config(T, shape.E, shape.H)
         cands = [chosen]
         for splits, bk, stages, bt in product((1, 2, 4, 8, 16, 32), (32, 64, 128), (3, 4), (16, 32, 64, 128)):
-            if bt < chosen.block_t // 2 or bt > max(chosen.block_t * 2, 16) or triton_cdiv(shape.H, bk) < splits:
+            steps = triton.cdiv(shape.H, bk)
+            if bt < chosen.block_t // 2 or bt > chosen.block_t * 2 or steps < splits:
                 continue
-            per = triton_cdiv(triton_cdiv(shape.H, bk), splits)
-            cfg = replace(chosen, block_t=bt, block_k=bk, stages=stages, splits=triton_cdiv(triton_cdiv(shape.H, bk), per),
-                          split_k=per * bk)
+            per = triton.cdiv(steps, splits)  # K steps per split, none left empty
+            cfg = replace(chosen, block_t=bt, block_k=bk, stages=stages, splits=triton.cdiv(steps, per), split_k=per * bk)
             if cfg not in cands:
                 cands.append(cfg)
         rows = []
@@ -370,10 +371,6 @@ def router_sweep(shape: Shape, tokens: list[int], iters: int) -> None:
                   flush=True)
         print(f"  router {shape.name} T{T:<5} {time_fn(lambda: _old_router(*args), True, iters) * 1e6:7.1f} us  "
               "old path (h.to(fp32), cuBLAS fp32 GEMM, route kernel)", flush=True)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if __name__ == "__main__":

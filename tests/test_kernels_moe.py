@@ -220,6 +220,7 @@ def test_router_splits_fill_the_gpu_at_decode_and_stay_few_at_prefill():
 def test_router_kernels_compile_for_hopper_without_spills():
     """The interpreter never runs the GPU path (bf16 MMAs on the weight's parts in registers): the GEMM and
     the route kernel compile for sm_90a at `small` and K3 sizes with the wrappers' launch choices."""
+    import triton
     from sm90 import compile_sm90
 
     from k3backend.kernels import moe
@@ -236,13 +237,9 @@ def test_router_kernels_compile_for_hopper_without_spills():
         args = dict(logits_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", stride_ls=T * E, stride_lt=E,
                     stride_wt=k, stride_it=k, E=E, per_group=E, scaling=1.0)
         constexprs = dict(SPLITS=cfg.splits, TOP_K=k, N_GROUP=1, TOPK_GROUP=1, HAS_BIAS=True, RENORMALIZE=True,
-                          BLOCK_G=1, BLOCK_P=block, BLOCK_K=triton_next_pow2(k), GPU=True)
+                          BLOCK_G=1, BLOCK_P=block, BLOCK_K=triton.next_power_of_2(k), GPU=True)
         c = compile_sm90(moe._route_kernel, args, constexprs, num_warps=4 if block >= 512 else 1, num_stages=1)
         assert c.stack == 0, f"route T{T} E{E} splits {cfg.splits}: {c}"
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def check_router_supports_declines_what_it_cannot_do():
