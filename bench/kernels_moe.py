@@ -19,9 +19,9 @@ the busiest expert gets ~2× (small) and ~4× (K3) the mean; a decode step of 16
 so keep it small. The correction bias is N(0, 0.01²). The shape column gives the experts actually hit.
 
 Figures:
-- router: the model's router op (kernels/moe.py `router`: split-K GEMM on bf16 h and the fp32 gate weight,
+- router: the model's router op (kernels/routing.py `router`: split-K GEMM on bf16 h and the fp32 gate weight,
   then the route kernel) at the hidden width; its `vs ref` is the three kernels MoE.forward ran before
-  (h.to(fp32), cuBLAS's fp32 GEMM, moe.route). bytes = h + the fp32 weight read + weights and ids
+  (h.to(fp32), cuBLAS's fp32 GEMM, routing.route). bytes = h + the fp32 weight read + weights and ids
   written; flops = 2·T·E·H (useful work, not the three bf16 MMAs per product). The gate weight is
   random fp32 (not bf16 values), so the weight's three-part split is checked.
 - route: bytes = logits read + weights and ids written.
@@ -97,22 +97,22 @@ def _randn_bf16(shape: tuple[int, ...], scale: float, g: torch.Generator, device
 
 
 def _route_case(layer: _Layer, T: int) -> Case:
-    from k3backend.kernels import moe
+    from k3backend.kernels import routing
 
     s = layer.s
     logits = layer.logits(T)
     args = (logits, layer.bias, s.k, 1, 1, True, 1.0)
-    ok, reason = moe.route_supports(*args)
+    ok, reason = routing.route_supports(*args)
     assert ok, reason
 
     def check() -> str:
-        (w, ids), (w_ref, ids_ref) = moe.route(*args), moe_ref.route(*args)
+        (w, ids), (w_ref, ids_ref) = routing.route(*args), moe_ref.route(*args)
         same = (ids == ids_ref).all(-1)
         assert bool(same.all()), f"route: ids differ in {int((~same).sum())} of {T} tokens"
         torch.testing.assert_close(w, w_ref, rtol=2e-5, atol=2e-6)
         return f"ids equal, weights max Δ {(w - w_ref).abs().max().item():.1e}"
 
-    return Case(family="moe", name=f"route_{s.name}", shape=f"T{T} E{s.E} k{s.k}", run=lambda: moe.route(*args),
+    return Case(family="moe", name=f"route_{s.name}", shape=f"T{T} E{s.E} k{s.k}", run=lambda: routing.route(*args),
                 ref=lambda: moe_ref.route(*args), bytes=T * s.E * 4 + T * s.k * 12, check=check)
 
 
@@ -127,26 +127,26 @@ def _router_inputs(s: Shape, T: int, device: str) -> tuple:
 
 def _old_router(h, weight, bias, k, n_group, topk_group, renormalize, scaling):
     """What MoE.forward ran before `router`: h.to(fp32), cuBLAS's fp32 GEMM, the route kernel."""
-    from k3backend.kernels import moe
+    from k3backend.kernels import routing
 
-    return moe.route(F.linear(h.to(torch.float32), weight), bias, k, n_group, topk_group, renormalize, scaling)
+    return routing.route(F.linear(h.to(torch.float32), weight), bias, k, n_group, topk_group, renormalize, scaling)
 
 
 def _router_case(s: Shape, T: int, device: str) -> Case:
-    from k3backend.kernels import moe
+    from k3backend.kernels import routing
 
     args = _router_inputs(s, T, device)
     h, weight, bias, k = args[:4]
-    ok, reason = moe.router_supports(*args)
+    ok, reason = routing.router_supports(*args)
     assert ok, reason
-    cfg = moe.router_config(T, s.E, s.H)
+    cfg = routing.router_config(T, s.E, s.H)
 
     def check() -> str:
-        (w, ids), (w_old, ids_old) = moe.router(*args), _old_router(*args)
-        again = moe.router(*args)
+        (w, ids), (w_old, ids_old) = routing.router(*args), _old_router(*args)
+        again = routing.router(*args)
         assert torch.equal(w, again[0]) and torch.equal(ids, again[1]), "router: two runs differ"
         exact = h.double() @ weight.double().T
-        logits = moe._router_logits(h, weight, cfg).double().sum(0)
+        logits = routing._router_logits(h, weight, cfg).double().sum(0)
         err = ((logits - exact).abs().amax(-1) / exact.abs().amax(-1)).max().item()
         err_old = ((F.linear(h.float(), weight).double() - exact).abs().amax(-1) / exact.abs().amax(-1)).max().item()
         assert err <= ROUTER_LOGITS_REL, f"router: logits off by {err:.1e} of the row's largest > {ROUTER_LOGITS_REL}"
@@ -159,7 +159,7 @@ def _router_case(s: Shape, T: int, device: str) -> Case:
                 f"{(w - w_old)[clear].abs().max().item():.1e}, logits {err:.1e} (old {err_old:.1e})")
 
     return Case(family="moe", name=f"router_{s.name}", shape=f"T{T} E{s.E} H{s.H} S{cfg.splits}",
-                run=lambda: moe.router(*args), ref=lambda: _old_router(*args),
+                run=lambda: routing.router(*args), ref=lambda: _old_router(*args),
                 bytes=T * s.H * 2 + s.E * s.H * 4 + T * s.k * 12, flops=2.0 * T * s.E * s.H, check=check)
 
 
@@ -338,13 +338,13 @@ def router_sweep(shape: Shape, tokens: list[int], iters: int) -> None:
     import triton
     from kernels import time_fn
 
-    from k3backend.kernels import moe
+    from k3backend.kernels import routing
 
     for T in tokens:
         args = _router_inputs(shape, T, "cuda")
         h, weight = args[:2]
         exact = h.double() @ weight.double().T
-        chosen = moe.router_config(T, shape.E, shape.H)
+        chosen = routing.router_config(T, shape.E, shape.H)
         cands = [chosen]
         for splits, bk, stages, bt in product((1, 2, 4, 8, 16, 32), (32, 64, 128), (3, 4), (16, 32, 64, 128)):
             steps = triton.cdiv(shape.H, bk)
@@ -357,9 +357,9 @@ def router_sweep(shape: Shape, tokens: list[int], iters: int) -> None:
         rows = []
         for cfg in cands:
             try:
-                err = ((moe._router_logits(h, weight, cfg).double().sum(0) - exact).abs().amax(-1)
+                err = ((routing._router_logits(h, weight, cfg).double().sum(0) - exact).abs().amax(-1)
                        / exact.abs().amax(-1)).max().item()
-                t = time_fn(lambda cfg=cfg: moe.router_with(*args, cfg), True, iters)
+                t = time_fn(lambda cfg=cfg: routing.router_with(*args, cfg), True, iters)
             except Exception as e:  # noqa: BLE001 - a launch that does not compile or fit: report, go on
                 print(f"router T{T} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
                 continue

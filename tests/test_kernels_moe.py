@@ -70,13 +70,13 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor
 
 # ---------------------------------------------------------------- route
 def route_both(logits, bias, top_k, n_group, topk_group, renormalize=True, scaling=1.0):
-    from k3backend.kernels import moe, moe_ref
+    from k3backend.kernels import moe_ref, routing
 
     args = (logits, bias, top_k, n_group, topk_group, renormalize, scaling)
-    ok, reason = moe.route_supports(*args)
+    ok, reason = routing.route_supports(*args)
     assert ok, reason
     with poisoned_empty():
-        got = moe.route(*args)
+        got = routing.route(*args)
     return got, moe_ref.route(*args)
 
 
@@ -118,10 +118,10 @@ def check_route_ties_go_to_the_lowest_id():
 
 
 def check_route_supports_declines_what_it_cannot_do():
-    from k3backend.kernels import moe
+    from k3backend.kernels import routing
 
     lg = torch.zeros(3, 16)
-    assert moe.route_supports(lg, None, 4, 4, 2, True, 1.0) == (True, "")
+    assert routing.route_supports(lg, None, 4, 4, 2, True, 1.0) == (True, "")
     declined = {
         "float64 logits": (lg.double(), None, 4, 1, 1),
         "n_group does not divide": (lg, None, 4, 3, 1),
@@ -131,7 +131,7 @@ def check_route_supports_declines_what_it_cannot_do():
         "too many experts": (torch.zeros(1, 8192), None, 4, 1, 1),
     }
     for what, args in declined.items():
-        ok, reason = moe.route_supports(*args, True, 1.0)
+        ok, reason = routing.route_supports(*args, True, 1.0)
         assert not ok and reason, what
 
 
@@ -168,7 +168,7 @@ def selection_margin(logits: torch.Tensor, bias, top_k: int, n_group: int, topk_
 def check_router_equals_reference_on_fp32_gate_weights():
     """Shapes with K tails (D 200, 300, 100), one and several K splits, T tiles with a ragged edge (300
     rows), K3's 896 experts top-16, grouped top-k, no bias, no renormalisation."""
-    from k3backend.kernels import moe, moe_ref
+    from k3backend.kernels import moe_ref, routing
 
     cases = [  # T, E, D, top_k, n_group, topk_group, bias, renormalize, scaling, splits
         (1, 16, 200, 3, 1, 1, True, True, 1.0, 2),
@@ -183,36 +183,36 @@ def check_router_equals_reference_on_fp32_gate_weights():
         h, w, b = router_case(T, E, D, seed=1000 + 10 * i, bias=bias)
         exact = h.double() @ w.double().T  # the logits, to ~1e-16
         assert selection_margin(exact, b, k, n_group, topk_group) > 1e-5, f"{what}: test data has a near tie"
-        cfg = moe.router_config(T, E, D)
+        cfg = routing.router_config(T, E, D)
         assert cfg.splits == splits, f"{what}: {cfg}"
         with poisoned_empty(), interpret.poisoned_empty():
-            partials = moe._router_logits(h, w, cfg)
+            partials = routing._router_logits(h, w, cfg)
         assert partials.shape == (splits, T, E) and not partials.isnan().any(), f"{what}: partial sums not written"
         err = (partials.double().sum(0) - exact).abs().max(-1).values / exact.abs().max(-1).values
         assert err.max() <= ROUTER_LOGITS_REL, f"{what}: logits off by {err.max():.1e} of the row's largest"
         args = (h, w, b, k, n_group, topk_group, renormalize, scaling)
-        ok, reason = moe.router_supports(*args)
+        ok, reason = routing.router_supports(*args)
         assert ok, reason
         with poisoned_empty(), interpret.poisoned_empty():
-            got = moe.router(*args)
+            got = routing.router(*args)
         assert_route_equal(got, moe_ref.router(*args), what)
     h, w, b = router_case(0, 64, 200, seed=999)
-    assert [t.shape for t in moe.router(h, w, b, 6, 1, 1, True, 1.0)] == [(0, 6), (0, 6)]
+    assert [t.shape for t in routing.router(h, w, b, 6, 1, 1, True, 1.0)] == [(0, 6), (0, 6)]
 
 
 def test_router_splits_fill_the_gpu_at_decode_and_stay_few_at_prefill():
     """router_config: `small` (hidden 2048, 64 experts) at 1-64 tokens splits K into 16 (about one wave
     of programs streams the weight), at thousands of tokens into at most 2; every split is non-empty."""
-    from k3backend.kernels import moe
+    from k3backend.kernels import routing
 
     for T in (1, 5, 64, 320, 4096, 16384):
         for E, D in ((64, 2048), (384, 7168), (896, 7168)):
-            cfg = moe.router_config(T, E, D)
+            cfg = routing.router_config(T, E, D)
             programs = -(-E // cfg.block_e) * -(-T // cfg.block_t) * cfg.splits
             assert cfg.split_k % cfg.block_k == 0 and (cfg.splits - 1) * cfg.split_k < D <= cfg.splits * cfg.split_k
-            assert cfg.splits == 1 or programs <= moe.ROUTER_PROGRAMS, (T, E, cfg)
+            assert cfg.splits == 1 or programs <= routing.ROUTER_PROGRAMS, (T, E, cfg)
             if E == 64 and T <= 64:
-                assert cfg.splits == D // moe.ROUTER_MIN_SPLIT_K, (T, cfg)
+                assert cfg.splits == D // routing.ROUTER_MIN_SPLIT_K, (T, cfg)
             if T >= 4096:
                 assert cfg.splits <= 2, (T, E, cfg)
 
@@ -223,30 +223,30 @@ def test_router_kernels_compile_for_hopper_without_spills():
     import triton
     from sm90 import compile_sm90
 
-    from k3backend.kernels import moe
+    from k3backend.kernels import routing
 
     for T, E, D in ((1, 64, 2048), (4096, 64, 2048), (64, 896, 7168)):
-        cfg = moe.router_config(T, E, D)
+        cfg = routing.router_config(T, E, D)
         args = dict(h_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", T=T, E=E, D=D, split_k=cfg.split_k, stride_ht=D,
                     stride_we=D, stride_os=T * E, stride_ot=E)
         constexprs = dict(GPU=True, EVEN_K=D % cfg.block_k == 0, BLOCK_E=cfg.block_e, BLOCK_T=cfg.block_t,
                           BLOCK_K=cfg.block_k)
-        c = compile_sm90(moe._router_gemm_kernel, args, constexprs, num_warps=cfg.warps, num_stages=cfg.stages)
+        c = compile_sm90(routing._router_gemm_kernel, args, constexprs, num_warps=cfg.warps, num_stages=cfg.stages)
         assert c.stack == 0 and c.mma, f"router GEMM T{T} E{E} D{D}: {c}"
         k, block = (6, 64) if E == 64 else (16, 1024)
         args = dict(logits_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", stride_ls=T * E, stride_lt=E,
                     stride_wt=k, stride_it=k, E=E, per_group=E, scaling=1.0)
         constexprs = dict(SPLITS=cfg.splits, TOP_K=k, N_GROUP=1, TOPK_GROUP=1, HAS_BIAS=True, RENORMALIZE=True,
                           BLOCK_G=1, BLOCK_P=block, BLOCK_K=triton.next_power_of_2(k), GPU=True)
-        c = compile_sm90(moe._route_kernel, args, constexprs, num_warps=4 if block >= 512 else 1, num_stages=1)
+        c = compile_sm90(routing._route_kernel, args, constexprs, num_warps=4 if block >= 512 else 1, num_stages=1)
         assert c.stack == 0, f"route T{T} E{E} splits {cfg.splits}: {c}"
 
 
 def check_router_supports_declines_what_it_cannot_do():
-    from k3backend.kernels import moe
+    from k3backend.kernels import routing
 
     h, w, b = router_case(3, 16, 40, seed=1100)
-    assert moe.router_supports(h, w, b, 4, 4, 2, True, 1.0) == (True, "")
+    assert routing.router_supports(h, w, b, 4, 4, 2, True, 1.0) == (True, "")
     declined = {
         "float32 h (an fp32 model)": (h.float(), w, b, 4, 1, 1),
         "float64 h and weight": (h.double(), w.double(), b, 4, 1, 1),
@@ -260,7 +260,7 @@ def check_router_supports_declines_what_it_cannot_do():
         "top_k beyond the kept groups": (h, w, b, 9, 4, 2),
     }
     for what, args in declined.items():
-        ok, reason = moe.router_supports(*args, True, 1.0)
+        ok, reason = routing.router_supports(*args, True, 1.0)
         assert not ok and reason, what
 
 

@@ -66,7 +66,7 @@ FAST_OPS: dict[str, str] = {
     "experts": "k3backend.kernels.moe",
     "experts_mxfp4": "k3backend.kernels.moe",
     "glu_linear": "k3backend.kernels.moe",
-    "router": "k3backend.kernels.moe",
+    "router": "k3backend.kernels.routing",
     "mla_decode": "k3backend.kernels.mla",
     "mla_prefill": "k3backend.kernels.mla",
     "rms_norm": "k3backend.kernels.norm",

@@ -1,0 +1,259 @@
+"""Triton router ops (K3_LM.md §7.3): the MoE router `router` and its second kernel `route`.
+
+Same names, signatures and semantics as `moe_ref.py`; `kernels/__init__.py` imports this module
+lazily. router: two kernels. A split-K GEMM writes S partial fp32 sums of the logits h·wᵀ [S, T, E]
+from bf16 h and the fp32 gate weight (three exact bf16 parts of each weight tile,
+`_router_gemm_kernel`); the route kernel adds them in split order, then sigmoid, bias, grouped top-k
+(one program per token). Before, three kernels: h.to(fp32), cuBLAS's fp32 (SIMT) GEMM and the route
+kernel. No host syncs: the launch is a pure function of the shapes (graph capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from k3backend.kernels.moe import _GPU, _div, _mma, _sigmoid
+
+_MAX_EXPERTS = 4096  # route: one program holds a token's E scores in registers
+# router_config: K splits until the GEMM has about one wave of programs on the H200's 132 SMs, none
+# narrower than ROUTER_MIN_SPLIT_K (fewer partial sums for the route kernel to add).
+ROUTER_PROGRAMS = 132
+ROUTER_MIN_SPLIT_K = 128
+
+
+# ----------------------------------------------------------------------------- router
+@triton.jit(do_not_specialize=["T"])
+def _router_gemm_kernel(h_ptr, w_ptr, out_ptr, T, E, D, split_k, stride_ht, stride_we, stride_os, stride_ot,
+                        GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """out[s, t, e] = Σ h[t, d]·w[e, d] over split s's K range [s·split_k, (s+1)·split_k), in fp32.
+
+    A tile of logitsᵀ [BLOCK_E, BLOCK_T]: the experts fill the MMA's 64 rows and a decode step's few
+    tokens its N. Each fp32 weight tile is split in registers into three bf16 parts, hi + mid + lo = w
+    exactly (each part holds the next 8 bits of the 24-bit significand), and every product of two bf16
+    values is exact in fp32: three bf16 MMAs give the fp32 GEMM up to summation order, at tensor-core
+    speed, from the fp32 weight in memory (no bf16 copy of it, no fp32 copy of h).
+    """
+    pid_e, pid_t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, BLOCK_K)
+    k0 = s * split_k
+    w_ptrs = w_ptr + (e % E).to(tl.int64)[:, None] * stride_we + (k0 + kk)[None, :]  # % keeps edge tiles in bounds
+    h_ptrs = h_ptr + (t % T).to(tl.int64)[None, :] * stride_ht + (k0 + kk)[:, None]  # hᵀ [BLOCK_K, BLOCK_T]
+    acc = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
+    for k in range(k0, tl.minimum(D, k0 + split_k), BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            hb = tl.load(h_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(kk < D - k)[None, :], other=0.0)
+            hb = tl.load(h_ptrs, mask=(kk < D - k)[:, None], other=0.0)
+        hi = w.to(tl.bfloat16)
+        r = w - hi.to(tl.float32)  # exact: |r| < one bf16 ulp of w
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)  # exact: at most 8 significant bits remain
+        acc = _mma(hi, hb, acc, GPU)
+        acc = _mma(mid, hb, acc, GPU)
+        acc = _mma(lo, hb, acc, GPU)
+        w_ptrs += BLOCK_K
+        h_ptrs += BLOCK_K
+    out = out_ptr + s.to(tl.int64) * stride_os + t.to(tl.int64)[None, :] * stride_ot + e[:, None]
+    tl.store(out, acc, mask=(e < E)[:, None] & (t < T)[None, :])
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_ls, stride_lt, stride_wt, stride_it, E, per_group,
+                  scaling, SPLITS: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GPU: tl.constexpr):
+    """One token per program: its E scores as a [group, member] tile; top-k by repeated argmax. The
+    logits are the sum of SPLITS partial sums [SPLITS, T, E] (the router GEMM's K splits), added in
+    split order: the same bits on every run (no atomics)."""
+    t = tl.program_id(0).to(tl.int64)
+    gi = tl.arange(0, BLOCK_G)
+    pi = tl.arange(0, BLOCK_P)
+    ok = (gi[:, None] < N_GROUP) & (pi[None, :] < per_group)
+    e = gi[:, None] * per_group + pi[None, :]  # expert id [BLOCK_G, BLOCK_P]
+    row = logits_ptr + t * stride_lt + e
+    x = tl.load(row, mask=ok, other=0.0)
+    for _ in tl.static_range(SPLITS - 1):
+        row += stride_ls
+        x += tl.load(row, mask=ok, other=0.0)
+    s = _sigmoid(x, GPU)
+    c = s
+    if HAS_BIAS:
+        c = s + tl.load(bias_ptr + e, mask=ok, other=0.0)
+    c = tl.where(ok, c, float("-inf"))
+    if N_GROUP > 1:  # keep the TOPK_GROUP groups with the largest sum of their two best biased scores
+        m1 = tl.max(c, axis=1)
+        first = tl.min(tl.where(c == m1[:, None], pi[None, :], BLOCK_P), axis=1)
+        m2 = tl.max(tl.where(pi[None, :] == first[:, None], float("-inf"), c), axis=1)
+        score = tl.where(gi < N_GROUP, m1 + m2, float("-inf"))
+        keep = gi < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.min(tl.where(score == tl.max(score, axis=0), gi, BLOCK_G), axis=0)  # ties: lowest group
+            keep = keep | (gi == best)
+            score = tl.where(gi == best, float("-inf"), score)
+        c = tl.where(keep[:, None], c, float("-inf"))
+    kk = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    big = BLOCK_G * BLOCK_P
+    for j in tl.static_range(TOP_K):  # ids in descending biased score, ties to the lowest id
+        top = tl.max(tl.max(c, axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where(c == top, e, big), axis=1), axis=0)
+        hit = (e == pick) & ok  # padding members alias the next group's ids
+        w = tl.where(kk == j, tl.sum(tl.sum(tl.where(hit, s, 0.0), axis=1), axis=0), w)  # unbiased score
+        ids = tl.where(kk == j, pick.to(tl.int64), ids)
+        c = tl.where(hit, float("-inf"), c)
+    if RENORMALIZE:
+        w = _div(w, tl.sum(w, axis=0), GPU)
+    tl.store(w_ptr + t * stride_wt + kk, w * scaling, mask=kk < TOP_K)
+    tl.store(ids_ptr + t * stride_it + kk, ids, mask=kk < TOP_K)
+
+
+def _route_args_supported(E: int, device: torch.device, correction_bias: torch.Tensor | None, top_k: int,
+                          n_group: int, topk_group: int) -> tuple[bool, str]:
+    """What the route kernel needs of the routing arguments for E experts on `device`."""
+    if E > _MAX_EXPERTS:
+        return False, f"num_experts {E} > {_MAX_EXPERTS} (one program per token)"
+    if correction_bias is not None and (correction_bias.dtype != torch.float32 or correction_bias.shape != (E,)
+                                        or correction_bias.device != device or correction_bias.stride(0) != 1):
+        return False, (f"correction_bias: expected float32 [{E}] on {device}, got {correction_bias.dtype} "
+                       f"{list(correction_bias.shape)} on {correction_bias.device}")
+    if n_group < 1 or E % n_group:
+        return False, f"n_group {n_group} does not divide num_experts {E}"
+    if n_group > 1 and E // n_group < 2:
+        return False, f"grouped top-k needs >= 2 experts per group, got {E // n_group}"
+    if not 1 <= topk_group <= n_group:
+        return False, f"topk_group {topk_group} not in [1, n_group {n_group}]"
+    if not 1 <= top_k <= topk_group * (E // n_group):
+        return False, f"top_k {top_k} not in [1, {topk_group * (E // n_group)}] (topk_group · experts per group)"
+    return True, ""
+
+
+def route_supports(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, n_group: int,
+                   topk_group: int, renormalize: bool, scaling: float) -> tuple[bool, str]:
+    """(ok, reason): the kernel takes fp32 [T, E] logits, E ≤ 4096, and enough allowed experts for top_k."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        return False, f"logits: expected float32 [T, E], got {logits.dtype} {list(logits.shape)}"
+    if not (logits.is_cuda or not _GPU):
+        return False, "logits not on a GPU"
+    if logits.stride(1) != 1:
+        return False, f"logits: expected unit stride over experts, got strides {logits.stride()}"
+    return _route_args_supported(logits.shape[1], logits.device, correction_bias, top_k, n_group, topk_group)
+
+
+def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
+          renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with bias-for-selection and grouped top-k (§7.3, §13) on given fp32 logits [T, E];
+    see moe_ref.route. Returns (weights [T, k] fp32, ids [T, k] int64), ids in descending biased score.
+
+    The model calls `router`, which computes the logits too; this is its second kernel on its own (the
+    tests of the routing rules, and the bench's baseline of an fp32 GEMM followed by it).
+    """
+    return _route(logits[None], correction_bias, top_k, n_group, topk_group, renormalize, scaling)
+
+
+def _route(partials: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, n_group: int,
+           topk_group: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The route kernel on logits given as S partial sums [S, T, E] (unit stride over E)."""
+    S, T, E = partials.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=partials.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=partials.device)
+    if T == 0:
+        return w, ids
+    per = E // n_group
+    block_g, block_p = triton.next_power_of_2(n_group), triton.next_power_of_2(per)
+    _route_kernel[(T,)](
+        logits_ptr=partials, bias_ptr=partials if correction_bias is None else correction_bias, w_ptr=w, ids_ptr=ids,
+        stride_ls=partials.stride(0), stride_lt=partials.stride(1), stride_wt=w.stride(0), stride_it=ids.stride(0),
+        E=E, per_group=per, scaling=float(scaling), SPLITS=S, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
+        HAS_BIAS=correction_bias is not None, RENORMALIZE=bool(renormalize), BLOCK_G=block_g, BLOCK_P=block_p,
+        BLOCK_K=triton.next_power_of_2(top_k), GPU=_GPU, num_warps=4 if block_g * block_p >= 512 else 1,
+    )
+    return w, ids
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router GEMM's launch: logitsᵀ tiles [block_e, block_t], K steps of block_k, K cut into
+    `splits` ranges of split_k (a multiple of block_k) whose partial sums the route kernel adds."""
+
+    block_e: int
+    block_t: int
+    block_k: int
+    splits: int
+    split_k: int
+    warps: int = 4
+    stages: int = 3
+
+
+def router_config(T: int, E: int, D: int) -> RouterConfig:
+    """Tiles and K splits as a pure function of the shape (a captured graph replays what it captured).
+
+    A decode step's logits are one or a few tiles: split K until about one wave of ROUTER_PROGRAMS
+    programs streams the weight (each split at least ROUTER_MIN_SPLIT_K wide, so `small` at 1-64
+    tokens takes 16 splits of 128); thousands of tokens fill the GPU with tiles and take 1-2 splits.
+    """
+    block_t = min(64, max(16, triton.next_power_of_2(T)))
+    block_e = 64  # one wgmma M; E ≥ 64 in every real config
+    block_k = min(64, max(16, triton.next_power_of_2(D)))
+    tiles = triton.cdiv(E, block_e) * triton.cdiv(T, block_t)
+    steps = triton.cdiv(D, block_k)
+    want = max(1, min(triton.cdiv(D, ROUTER_MIN_SPLIT_K), ROUTER_PROGRAMS // max(tiles, 1)))
+    per = triton.cdiv(steps, want)  # K steps per split; no split is left empty
+    return RouterConfig(block_e, block_t, block_k, triton.cdiv(steps, per), per * block_k)
+
+
+def router_supports(h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
+                    n_group: int, topk_group: int, renormalize: bool, scaling: float) -> tuple[bool, str]:
+    """(ok, reason): bf16 h [T, D] (unit inner stride) and the fp32 gate weight [E, D] (contiguous) on one
+    GPU, and routing arguments the route kernel takes. fp32 / fp64 models run the reference."""
+    if not (h.is_cuda or not _GPU):
+        return False, "h not on a GPU"
+    if h.dim() != 2 or h.dtype != torch.bfloat16 or h.stride(1) != 1:
+        return False, f"h: expected bfloat16 [T, D] with unit inner stride, got {h.dtype} {list(h.shape)} " \
+                      f"strides {h.stride()}"
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] != h.shape[1] \
+            or not weight.is_contiguous() or weight.device != h.device:
+        return False, (f"gate weight: expected contiguous float32 [E, {h.shape[1]}] on {h.device}, got "
+                       f"{weight.dtype} {list(weight.shape)} on {weight.device}")
+    return _route_args_supported(weight.shape[0], h.device, correction_bias, top_k, n_group, topk_group)
+
+
+def router(h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, n_group: int,
+           topk_group: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE router in two kernels (§7.3): the fp32 logits h·weightᵀ by a split-K bf16 GEMM, then the
+    route kernel, which adds the splits; see moe_ref.router. Returns (weights [T, k] fp32, ids [T, k]
+    int64)."""
+    cfg = router_config(h.shape[0], weight.shape[0], h.shape[1])
+    return router_with(h, weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling, cfg)
+
+
+def router_with(h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
+                n_group: int, topk_group: int, renormalize: bool, scaling: float,
+                cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """`router` with an explicit launch (bench/kernels_moe.py --router compares configs with it)."""
+    partials = _router_logits(h, weight, cfg)
+    return _route(partials, correction_bias, top_k, n_group, topk_group, renormalize, scaling)
+
+
+def _router_logits(h: torch.Tensor, weight: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
+    """[S, T, E] fp32: cfg.splits partial sums of h·weightᵀ over K; their sum in split order is the logits."""
+    (T, D), E = h.shape, weight.shape[0]
+    partials = torch.empty(cfg.splits, T, E, dtype=torch.float32, device=h.device)
+    if T > 0:
+        grid = (triton.cdiv(E, cfg.block_e), triton.cdiv(T, cfg.block_t), cfg.splits)
+        _router_gemm_kernel[grid](
+            h_ptr=h, w_ptr=weight, out_ptr=partials, T=T, E=E, D=D, split_k=cfg.split_k, stride_ht=h.stride(0),
+            stride_we=weight.stride(0), stride_os=partials.stride(0), stride_ot=partials.stride(1), GPU=_GPU,
+            EVEN_K=D % cfg.block_k == 0, BLOCK_E=cfg.block_e, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )
+    return partials
