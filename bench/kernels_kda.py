@@ -337,18 +337,19 @@ def compile_sm90() -> None:
            **p("T s_q s_k s_f s_b", "i32")},
           dict(H=H, K=K, BK=K, ROWS=16, SCALE=K ** -0.5, USE_LOWER_BOUND=True, LOWER_BOUND=LB, ACC=tl.float32), 4)
     idx = {"chunk_seq": "*i32", "chunk_start": "*i64", "cu_seqlens": "*i32"}
+    bkc, bc, _ = kda_chunk.prefill_tiles(K, K, 1, H)
     build("kda_prefill intra", kda_chunk._kda_intra_kernel,
           {**p("q k g beta Akk gl", "*fp32"), **p("Aqk kb qg kg", "*bf16"), **idx,
-           **p("stride_q stride_k stride_g", "i32")}, dict(H=H, K=K, BKC=32, **bf), 4)
+           **p("stride_q stride_k stride_g", "i32")}, dict(H=H, K=K, BKC=bkc, **bf), 4)
     build("kda_prefill solve", kda_chunk._kda_solve_kernel,
           {**p("Akk beta", "*fp32"), **p("kb v w u", "*bf16"), **idx, "stride_v": "i32"},
-          dict(H=H, K=K, V=K, BC=32, **bf), 4)
+          dict(H=H, K=K, V=K, BC=bc, **bf), 4)
     state = {**p("w u qg kg Aqk", "*bf16"), **p("gl S_pool o", "*fp32"), **p("state_indices cu_seqlens", "*i32"),
              "has_initial_state": "*i1", "first_chunk": "*i64", "chunk_snapshot": "*i32"}
-    for stages in (1, 2):
+    for stages, bv in ((1, 32), (2, 32), (1, 64), (2, 64)):  # prefill_tiles's two V blocks
         for snap in (False, True):
-            build(f"kda_prefill state ({stages} stage{', snapshots' if snap else ''})", kda_chunk._kda_state_kernel,
-                  state, dict(H=H, K=K, V=K, BK=K, BV=32, SNAP=snap, **bf), 4, stages)
+            build(f"kda_prefill state (BV {bv}, {stages} stage{', snapshots' if snap else ''})",
+                  kda_chunk._kda_state_kernel, state, dict(H=H, K=K, V=K, BK=K, BV=bv, SNAP=snap, **bf), 4, stages)
 
 
 if __name__ == "__main__":

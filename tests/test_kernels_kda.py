@@ -146,17 +146,21 @@ def check_short_conv(dtype: str, seed: int) -> None:
     assert_slots(args[2], ref[2], before, slots, {"rtol": 0.0, "atol": 0.0}, "conv_pool")
 
 
-def check_kda_prefill(dtype: str, gate: str, seed: int) -> None:
+def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: int = 20, vdim: int = V) -> None:
     """Varlen chunks: one over a chunk boundary with a short last chunk (and a prefix snapshot at that
     boundary, into slot 3), a single token, a fresh one. v is a strided view (the model's is a slice of the conv output). dtype is v's (the model's); q, k,
     g, beta and the state are in its accumulation dtype. `steep`: a softplus-like gate whose Γ drops by
-    more than 80 within 16 rows, so the diagonal blocks take the elementwise path."""
+    more than 80 within 16 rows, so the diagonal blocks take the elementwise path. The default K = 20
+    gives the intra kernel two channel slices of 16, the second ragged; heads 22 at K = V = 64 take
+    `prefill_tiles`'s wide tiles (64 channels a slice, V blocks of 64 once B·H ≥ 64)."""
     from k3backend.kernels import kda_chunk, kda_ref, norm_ref, varlen
 
     dt = DTYPES[dtype]
     a = acc(dt)
     gen = torch.Generator().manual_seed(seed)
-    H, K = 2, 20  # K = 20: two channel slices of 16 in the intra kernel, the second ragged
+    H, K, V = heads, kdim, vdim
+    if kdim >= 64:
+        assert kda_chunk.prefill_tiles(K, V, 3, H) == (64, 64, 64 if 3 * H >= 64 else 32)
     lens = [65, 1, 14]  # the first ends in a one-row chunk
     T = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -278,6 +282,8 @@ CASES: Cases = {
     **{f"short_conv-{d}": ("check_short_conv", {"dtype": d, "seed": 30 + i}) for i, d in enumerate(DTYPES)},
     **{f"prefill-{d}-{gate}": ("check_kda_prefill", {"dtype": d, "gate": gate, "seed": 40 + i})
        for i, (d, gate) in enumerate((("fp64", "lb5"), ("fp64", "steep"), ("bf16", "lb5")))},
+    "prefill-bf16-tiles": ("check_kda_prefill", {"dtype": "bf16", "gate": "lb5", "seed": 43, "heads": 22, "kdim": 64,
+                                                 "vdim": 64}),
     **{f"inputs-{d}-{gate}": ("check_kda_prefill_inputs", {"dtype": d, "lower_bound": lb, "seed": 50 + i})
        for i, (d, (gate, lb)) in enumerate((d, g) for d in DTYPES for g in (("lb5", -5.0), ("softplus", None))
                                            if d != "fp32" or g[1] is not None)},

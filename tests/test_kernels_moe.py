@@ -166,17 +166,17 @@ def selection_margin(logits: torch.Tensor, bias, top_k: int, n_group: int, topk_
 
 
 def check_router_equals_reference_on_fp32_gate_weights():
-    """Shapes with K tails (D 200, 300, 100), one and several K splits, T tiles with a ragged edge (300
+    """Shapes with K tails (D 200, 300, 60), one and several K splits, T tiles with a ragged edge (300
     rows), K3's 896 experts top-16, grouped top-k, no bias, no renormalisation."""
     from k3backend.kernels import moe_ref, routing
 
     cases = [  # T, E, D, top_k, n_group, topk_group, bias, renormalize, scaling, splits
-        (1, 16, 200, 3, 1, 1, True, True, 1.0, 2),
-        (5, 896, 300, 16, 1, 1, True, True, 1.0, 3),  # K3 width, top-16
-        (64, 64, 256, 6, 1, 1, False, True, 1.0, 2),  # even K: no masks
-        (300, 64, 300, 6, 1, 1, True, False, 2.5, 3),
-        (13, 64, 200, 6, 8, 4, True, True, 2.5, 2),  # 8 groups keep 4
-        (5, 16, 100, 3, 4, 2, True, True, 1.0, 1),  # 4 groups of 4 keep 2, one split
+        (1, 16, 200, 3, 1, 1, True, True, 1.0, 4),
+        (5, 896, 300, 16, 1, 1, True, True, 1.0, 5),  # K3 width, top-16
+        (64, 64, 256, 6, 1, 1, False, True, 1.0, 4),  # even K: no masks
+        (300, 64, 300, 6, 1, 1, True, False, 2.5, 5),
+        (13, 64, 200, 6, 8, 4, True, True, 2.5, 4),  # 8 groups keep 4
+        (5, 16, 60, 3, 4, 2, True, True, 1.0, 1),  # 4 groups of 4 keep 2, one split
     ]
     for i, (T, E, D, k, n_group, topk_group, bias, renormalize, scaling, splits) in enumerate(cases):
         what = f"T{T} E{E} D{D} top{k} groups {n_group}/{topk_group} bias={bias}"
@@ -201,8 +201,8 @@ def check_router_equals_reference_on_fp32_gate_weights():
 
 
 def test_router_splits_fill_the_gpu_at_decode_and_stay_few_at_prefill():
-    """router_config: `small` (hidden 2048, 64 experts) at 1-64 tokens splits K into 16 (about one wave
-    of programs streams the weight), at thousands of tokens into at most 2; every split is non-empty."""
+    """router_config: `small` (hidden 2048, 64 experts) at 1-64 tokens splits K into 32 (about two waves
+    of programs stream the weight), at thousands of tokens into at most 8; every split is non-empty."""
     from k3backend.kernels import routing
 
     for T in (1, 5, 64, 320, 4096, 16384):
@@ -214,7 +214,7 @@ def test_router_splits_fill_the_gpu_at_decode_and_stay_few_at_prefill():
             if E == 64 and T <= 64:
                 assert cfg.splits == D // routing.ROUTER_MIN_SPLIT_K, (T, cfg)
             if T >= 4096:
-                assert cfg.splits <= 2, (T, E, cfg)
+                assert cfg.splits <= 8, (T, E, cfg)
 
 
 def test_router_kernels_compile_for_hopper_without_spills():

@@ -389,6 +389,18 @@ def kda_prefill_inputs(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, b: tor
     return q_out, k_out, g, beta
 
 
+def prefill_tiles(K: int, V: int, B: int, H: int) -> tuple[int, int, int]:
+    """(BKC, BC, BV) of the intra, solve and state kernels, a pure function of the shape. On the H200
+    (`small`, H 16, K = V = 128, µs, old tiles 32 / 32 / 32 → these): intra BKC 64 at 4,096 tokens
+    360 → 267, at 4 × 256 73 → 63, at one 256-token chunk 19.9 → 20.5; solve BC 64 104 → 80, 15.3 →
+    12.3; state BV 64 once B·H ≥ 64 (half the programs, each a wider MMA): 4 × 256 25 → 22, 16 × 32
+    35 → 29, H 96 at 8,192 tokens 1,269 → 675, while one sequence of 16 heads keeps BV 32 (209 against
+    236 µs at 4,096 tokens)."""
+    BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
+    small = max(BK, BV) <= 32
+    return (16 if BK <= 32 else 64), (16 if small else 64), min(64 if B * H >= 64 else 32, BV)
+
+
 def _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout=None) -> str:
     if q.dim() != 3 or v.dim() != 3 or S_pool.dim() != 4:
         return (f"expected q [T, H, K], v [T, H, V], S_pool [N, H, K, V]; got q {list(q.shape)}, "
@@ -453,14 +465,14 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     u = torch.empty(T, H, V, dtype=mid, device=dev)
     gl = torch.empty(NC, H, K, dtype=acc, device=dev)
     flags = dict(ACC=ACC, DOT=DOT, PREC=PREC, BITS=_INTERPRET)
+    bkc, bc, BVS = prefill_tiles(K, V, B, H)
     _kda_intra_kernel[(NC, H, BT // 16)](
         q=q, k=k, g=g, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, Akk=Akk,
         Aqk=Aqk, kb=kb, qg=qg, kg=kg, gl=gl, stride_q=q.stride(0), stride_k=k.stride(0), stride_g=g.stride(0),
-        H=H, K=K, BKC=16 if BK <= 32 else 32, num_warps=4, **flags)
+        H=H, K=K, BKC=bkc, num_warps=4, **flags)
     _kda_solve_kernel[(NC, H)](
         Akk=Akk, kb=kb, v=v, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, w=w,
-        u=u, stride_v=v.stride(0), H=H, K=K, V=V, BC=16 if max(BK, BV) <= 32 else 32, num_warps=4, **flags)
-    BVS = min(32, BV)
+        u=u, stride_v=v.stride(0), H=H, K=K, V=V, BC=bc, num_warps=4, **flags)
     programs = triton.cdiv(V, BVS) * B * H
     # two stages of the chunk loads (122 KB smem, one program per SM) while the programs fit on the SMs;
     # past that, one stage and three programs per SM hide the latency instead

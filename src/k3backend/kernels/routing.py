@@ -19,10 +19,10 @@ import triton.language as tl
 from k3backend.kernels.moe import _GPU, _div, _mma, _sigmoid
 
 _MAX_EXPERTS = 4096  # route: one program holds a token's E scores in registers
-# router_config: K splits until the GEMM has about one wave of programs on the H200's 132 SMs, none
+# router_config: K splits until the GEMM has about two waves of programs on the H200's 132 SMs, none
 # narrower than ROUTER_MIN_SPLIT_K (fewer partial sums for the route kernel to add).
-ROUTER_PROGRAMS = 132
-ROUTER_MIN_SPLIT_K = 128
+ROUTER_PROGRAMS = 264
+ROUTER_MIN_SPLIT_K = 64
 
 
 # ----------------------------------------------------------------------------- router
@@ -197,11 +197,14 @@ class RouterConfig:
 def router_config(T: int, E: int, D: int) -> RouterConfig:
     """Tiles and K splits as a pure function of the shape (a captured graph replays what it captured).
 
-    A decode step's logits are one or a few tiles: split K until about one wave of ROUTER_PROGRAMS
-    programs streams the weight (each split at least ROUTER_MIN_SPLIT_K wide, so `small` at 1-64
-    tokens takes 16 splits of 128); thousands of tokens fill the GPU with tiles and take 1-2 splits.
+    A decode step's logits are one or a few tiles: split K until about ROUTER_PROGRAMS programs
+    stream the weight (each split at least ROUTER_MIN_SPLIT_K wide, so `small` at 1-64 tokens takes 32
+    splits of 64); thousands of tokens take token tiles of 128 and a few splits. bench/kernels_moe.py
+    --router on the H200 at `small` (µs, this rule against the best of its sweep): T1 6.7 / 6.7, T64
+    7.4 / 7.4, T320 ~9.2 / 8.7, T4096 17.6 / 17.6; the old three kernels 11.0, 16.3, 19.3, 69.3.
     """
-    block_t = min(64, max(16, triton.next_power_of_2(T)))
+    block_t = 32 if T <= 64 else 64 if T < 1024 else 128
+    block_t = min(block_t, max(16, triton.next_power_of_2(T)))
     block_e = 64  # one wgmma M; E ≥ 64 in every real config
     block_k = min(64, max(16, triton.next_power_of_2(D)))
     tiles = triton.cdiv(E, block_e) * triton.cdiv(T, block_t)
