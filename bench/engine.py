@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from k3backend.engine.batch import SeqChunk, blocks_for
 from k3backend.engine.config import EngineConfig
 from k3backend.engine.core import EngineCore, prefill_cap
 from k3backend.engine.request import FinishReason, Request
@@ -420,14 +421,63 @@ def summary(results: list[tuple[argparse.Namespace, dict]]) -> str:
     return "\n".join(lines)
 
 
-def graph_times(executor) -> str:
-    """Device time of one replay of each captured decode graph (the step without the host's part),
-    measured after the run, when no request holds a slot the replay could touch."""
-    graphs = getattr(getattr(executor, "runner", None), "graphs", None)
+DECODE_CONTEXT = 256  # tokens before each row of the decode steps that graph_times replays
+
+
+def decode_token(row: int) -> int:
+    """The token of decode row `row`: a different one per row (below 256, so the tiny vocabulary has
+    it). One id for all routed every row to the same few experts, which made "decode 64" 3.9 ms
+    against the ~6 ms decode steps of the engine under load."""
+    return 1 + 37 * row % 255
+
+
+def decode_rows(b: int, context: int, block_size: int, num_slots: int, num_blocks: int) -> list[SeqChunk]:
+    """b decode rows at `context` tokens: row i on slot i + 1 and blocks of its own, token decode_token(i),
+    carrying state. Slots and blocks wrap around where the pools hold fewer (rows then share them)."""
+    nb = blocks_for(context + 1, block_size)
+    return [SeqChunk([decode_token(i)], context, 1 + i % (num_slots - 1), True,
+                     [1 + (i * nb + j) % (num_blocks - 1) for j in range(nb)]) for i in range(b)]
+
+
+@torch.inference_mode()  # the graphs' buffers were made in inference mode
+def set_decode_context(graphs, pools, b: int, context: int = DECODE_CONTEXT) -> list[SeqChunk]:
+    """Make the decode graphs' buffers the step of decode_rows(b, context) (padded to b's captured size
+    as the engine pads) and zero what its rows read in the pools: the KDA state and conv history of
+    their slots and the latent rows of their blocks, and the null slot and block that the padding rows
+    read (a decode row reads its slot's state: the padding rows' values, and with them which experts
+    the step runs, came from whatever wrote the null slot last, and moved the real rows' last bits).
+    A replay then computes the same values, MoE routing included, whatever ran before. Overwrites
+    those slots and blocks: for after the run. Returns the rows."""
+    from k3backend.engine.cuda_graphs import fill_decode_rows
+    from k3backend.model.cache import KDACache
+
+    rows = decode_rows(b, context, pools.block_size, pools.num_slots, pools.num_blocks)
+    fill_decode_rows(graphs, rows, graphs._size_for(b))
+    device = graphs.input_ids.device
+    slots = torch.tensor(sorted({0} | {r.slot for r in rows}), device=device)
+    blocks = torch.tensor(sorted({0} | {n for r in rows for n in r.block_table}), device=device)
+    for cache in pools.layers:
+        if isinstance(cache, KDACache):
+            cache.state[slots] = 0
+            cache.conv[slots] = 0
+        else:
+            cache.latent[blocks] = 0
+    return rows
+
+
+def graph_times(executor, context: int = DECODE_CONTEXT) -> str:
+    """Device time of one replay of each captured decode graph (the step without the host's part), on
+    a defined step (`set_decode_context`), measured after the run: its figures do not depend on the
+    workloads that ran before."""
+    runner = getattr(executor, "runner", None)
+    graphs = getattr(runner, "graphs", None)
     if graphs is None or not graphs.graphs:
         return "decode graphs: none"
-    times = []
+    context = min(context, graphs.block_tables.shape[1] * graphs.block_size - 1)  # max_model_len allows it
+    times, shared = [], False
     for b, g in sorted(graphs.graphs.items()):
+        rows = set_decode_context(graphs, runner.pools, b, context)
+        shared |= len({r.slot for r in rows}) < b
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         g.replay()
         start.record()
@@ -436,7 +486,8 @@ def graph_times(executor) -> str:
         end.record()
         torch.cuda.synchronize()
         times.append(f"B{b} {start.elapsed_time(end) / 10:.3f}")
-    return "decode graph replay, device ms per step: " + ", ".join(times)
+    return (f"decode graph replay at context {context} (row i: slot i + 1, token 1 + 37i mod 255; KDA state and "
+            f"MLA rows zeroed{', rows share slots' if shared else ''}), device ms per step: " + ", ".join(times))
 
 
 def roofline(model, args: argparse.Namespace, r: dict) -> str:

@@ -9,6 +9,19 @@ slots of a pool with spare slots; prefill T = 8192 tokens as 2 sequences (one ca
 program a head, as before the split), each checked, beside fla: the figures that set the rule.
 `--smoke`: tiny sizes, for TRITON_INTERPRET=1 on a CPU.
 
+By hand, `python bench/kernels_kda.py`:
+- `--sm90`: every KDA kernel compiled for sm_90a with its registers, spills and shared memory (no GPU).
+- `--tiles`: each of the chunked prefill's three kernels (intra, solve, state) timed alone over launch
+  variants (its tile BKC / BC / BV, num_warps, num_stages; one change at a time from the rule's, and a
+  few tile x warps pairs), in µs per CUDA-graph replay, at TILE_SHAPES (one prompt of 256, 4,096 and
+  8,192 tokens, 4 x 256, 4 x 1,024, 16 x 32 at 16 heads; 8,192 tokens at 96 heads; `--seqs BxL`,
+  `--heads H` choose others). A table per shape and kernel: the rule's launch (`prefill_tiles`) first,
+  marked "(chosen)", then the others fastest first, the fastest marked *. Every variant runs once on
+  the default launch's inputs with its outputs poisoned (NaN), and everything it writes is compared
+  with the default launch's: the same entries written, each tensor within TILES_REL of its largest
+  |value|, else the row says FAILED (and the run exits 1). `--smoke --tiles`: sequences of 70 and 40
+  tokens, one head, K = V = 32, the tiles alone, under TRITON_INTERPRET=1.
+
 fla baselines, converted to fla's conventions and never changing ours:
 - decode fused: fla's decode pipeline, five launches: `causal_conv1d_update` for q, k and v (fla's
   per-projection conv caches [B, D, W]), `fused_recurrent_kda_fwd` (the pool-indexed in-place entry of
@@ -22,7 +35,8 @@ fla baselines, converted to fla's conventions and never changing ours:
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,6 +52,23 @@ REL_BF16 = 8e-3  # tests/tolerances.py KERNEL_REL_BF16: a few bf16 last bits fli
 REL_PREFILL = 2e-2  # chunked prefill: bf16 tensor-core products over 8192 tokens vs the fp32 reference
 # (v_blocks, num_warps) of kda_decode_fused timed side by side: one program a head, then 2, 4, 8 V-blocks
 DECODE_FUSED_VARIANTS = ((1, 8), (2, 4), (2, 8), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4))
+# --tiles: (sequences, tokens each, heads) of the prefill, and the launch keywords each kernel is timed
+# at besides the rule's (merged over the rule's: one change at a time, then tile x warps pairs)
+TILE_SHAPES = ((1, 256, 16), (1, 4096, 16), (1, 8192, 16), (4, 256, 16), (4, 1024, 16), (16, 32, 16), (1, 8192, 96))
+TILE_VARIANTS = {
+    "intra": [*(dict(BKC=t) for t in (16, 32, 64)), *(dict(num_warps=w) for w in (2, 8)),
+              *(dict(num_stages=s) for s in (1, 2)), dict(BKC=32, num_warps=8), dict(BKC=64, num_warps=8),
+              dict(BKC=16, num_warps=2)],
+    "solve": [*(dict(BC=t) for t in (16, 32, 64)), *(dict(num_warps=w) for w in (2, 8)),
+              *(dict(num_stages=s) for s in (1, 2)), dict(BC=32, num_warps=8), dict(BC=64, num_warps=8),
+              dict(BC=16, num_warps=2)],
+    "state": [*(dict(BV=t) for t in (8, 16, 32, 64)), *(dict(num_warps=w) for w in (2, 8)),
+              *(dict(num_stages=s) for s in (1, 2, 3)), dict(BV=16, num_warps=2), dict(BV=8, num_warps=2),
+              dict(BV=64, num_warps=8), dict(BV=32, num_warps=8)],
+}
+SMOKE_TILE_VARIANTS = {"intra": [dict(BKC=32)], "solve": [dict(BC=32)], "state": [dict(BV=16)]}  # the interpreter
+# ignores warps and stages
+TILES_REL = 1e-2  # a variant against the rule's launch: summation order and a few flipped bf16 roundings
 
 
 def _tried(what: str, fn: Callable[[], object] | None) -> Callable[[], object] | None:
@@ -233,16 +264,21 @@ def _short_conv_case(T: int, H: int, device: str) -> Case:
                 bytes=2 * T * C * 2, check=check, graph=False)
 
 
-def _prefill_case(T: int, H: int, device: str) -> Case:
+def _prefill_args(T: int, H: int, K: int, V: int, device: str) -> list[torch.Tensor]:
     """q, k, g, beta as the model has them (fp32), v a bf16 view into the conv output rows."""
+    q, k, _, g, beta = _prepared(T, H, K, V, device, seed=T + H)
+    rows = torch.randn(T, H * (2 * K + V), generator=torch.Generator(device=device).manual_seed(1), device=device)
+    v = rows.bfloat16()[:, 2 * H * K:].view(T, H, V)
+    return [q, k, v, g, beta]
+
+
+def _prefill_case(T: int, H: int, device: str) -> Case:
     from k3backend.kernels import kda_chunk as kda
 
-    q, k, _, g, beta = _prepared(T, H, KV, KV, device, seed=T + H)
-    rows = torch.randn(T, 3 * H * KV, generator=torch.Generator(device=device).manual_seed(1), device=device)
-    v = rows.bfloat16()[:, 2 * H * KV:].view(T, H, KV)
+    args = _prefill_args(T, H, KV, KV, device)
+    q, k, v, g, beta = args
     cu, slots, has = _varlen(T, device)
     pool = torch.randn(5, H, KV, KV, generator=torch.Generator(device=device).manual_seed(2), device=device) * 0.1
-    args = [q, k, v, g, beta]
     mine, ref = pool.clone(), pool.clone()
 
     def check() -> str:
@@ -283,6 +319,109 @@ def cases(args: argparse.Namespace) -> list[Case]:
     out += [_short_conv_case(8192, H, device) for H in (16, 96) if keep("short_conv")]
     out += [_prefill_case(8192, H, device) for H in (16, 96) if keep("prefill")]
     return out
+
+
+def _tile_err(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
+    """The largest |got − want| of each pair relative to its want's largest |value|, the worst pair:
+    inf where the two are not NaN (unwritten: both ran on poisoned outputs) in the same entries."""
+    worst = 0.0
+    for a, b in zip(got, want, strict=True):
+        a, b = a.double(), b.double()
+        nan = b.isnan()
+        if not torch.equal(a.isnan(), nan):
+            return float("inf")
+        if bool(nan.all()):
+            continue
+        a, b = a[~nan], b[~nan]
+        worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
+    return worst
+
+
+def _tile_verdict(err: float) -> str:
+    return "ok" if err <= TILES_REL else f"FAILED (> {TILES_REL:.0e})"  # NaN fails too
+
+
+def _tile_label(knobs: dict) -> str:
+    """The tile, warps and stages of a launch ("s-": triton's default stages)."""
+    tile = next(f"{k}{v}" for k, v in knobs.items() if k in ("BKC", "BC", "BV"))
+    return f"{tile} w{knobs['num_warps']} s{knobs.get('num_stages', '-')}"
+
+
+def tiles_sweep(shapes: Sequence[tuple[Sequence[int], int]], iters: int, smoke: bool) -> int:
+    """Time each chunked-prefill kernel alone over its launch variants at each (sequence lengths, heads)
+    of `shapes`, each variant checked against the rule's launch (see the module docstring); the number
+    of variants that failed their check."""
+    from kernels import time_fn
+
+    from k3backend.kernels import kda_chunk
+    from k3backend.kernels.varlen import varlen_layout
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dim = 32 if smoke else KV
+    variants = SMOKE_TILE_VARIANTS if smoke else TILE_VARIANTS
+    failures = 0
+    for lens, H in shapes:
+        B, T = len(lens), sum(lens)
+        q, k, v, g, beta = _prefill_args(T, H, dim, dim, device)
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+        slots = torch.arange(1, B + 1, dtype=torch.int32, device=device)
+        has = torch.ones(B, dtype=torch.bool, device=device)
+        pool = torch.randn(B + 2, H, dim, dim, generator=torch.Generator(device=device).manual_seed(3),
+                           device=device) * 0.1
+        args = (q, k, v, g, beta)
+        ok, why = kda_chunk.kda_prefill_supports(*args, pool, cu, slots, has)
+        assert ok, why
+        lay = varlen_layout(cu, T)
+
+        def launches(knobs: dict | None = None) -> list:
+            """Fresh buffers and a fresh copy of the pool; every output poisoned but the pool."""
+            S = pool.clone()
+            out = kda_chunk._prefill_launches(*args, S, cu, slots, has, lay, knobs)[1]
+            for launch in out:
+                for t in launch.writes:
+                    if t is not S:
+                        t.fill_(float("nan"))
+            return out
+
+        rule = launches()
+        want = []
+        for launch in rule:
+            launch.run()
+            want.append([t.clone() for t in launch.writes])
+        assert not want[2][0].isnan().any(), "the rule's launch left NaN in o"
+        seqs = f"{B}x{lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens))
+        print(f"== {seqs} H{H} K{dim} V{dim}: the rule's launches "
+              + ", ".join(f"{r.name} {_tile_label(r.knobs)}" for r in rule), flush=True)
+        for i, chosen in enumerate(rule):
+            tried, rows = [], []
+            for change in [{}] + variants[chosen.name]:
+                knobs = {**chosen.knobs, **change}
+                if knobs in tried:
+                    continue
+                tried.append(knobs)
+                try:
+                    mine = launches({chosen.name: knobs})
+                    for launch, outs in zip(mine[:i], want):  # its inputs: the rule's outputs of the kernels before
+                        for t, w in zip(launch.writes, outs, strict=True):
+                            t.copy_(w)
+                    mine[i].run()
+                    err = _tile_err(mine[i].writes, want[i])
+                    t = time_fn(mine[i].run, True, iters)
+                except Exception as e:  # noqa: BLE001 - a launch that does not compile or fit: report, go on
+                    print(f"  {chosen.name:<5} {_tile_label(knobs):<16} failed: {type(e).__name__}: {str(e)[:100]}",
+                          flush=True)
+                    failures += not change  # the rule's own launch must run
+                    continue
+                rows.append((t, knobs, err))
+            if not rows:
+                continue
+            best = min(r[0] for r in rows)
+            for t, knobs, err in rows[:1] + sorted(rows[1:], key=lambda r: r[0]):
+                verdict = _tile_verdict(err)
+                failures += verdict != "ok"
+                print(f"{'*' if t == best else ' '} {chosen.name:<5} {_tile_label(knobs):<16} {t * 1e6:9.1f} us  "
+                      f"err {err:.1e} {verdict}" + ("  (chosen)" if knobs == chosen.knobs else ""), flush=True)
+    return failures
 
 
 def compile_sm90() -> None:
@@ -355,6 +494,32 @@ def compile_sm90() -> None:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] != ["--sm90"]:
-        sys.exit("usage: python bench/kernels_kda.py --sm90   (timings: python bench/kernels.py --families kda)")
-    compile_sm90()
+    ap = argparse.ArgumentParser(description="KDA kernels by hand: --sm90 or --tiles (the timed cases run through "
+                                             "bench/kernels.py --families kda)")
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--sm90", action="store_true", help="compile every KDA kernel for sm_90a (no GPU needed)")
+    mode.add_argument("--tiles", action="store_true", help="the chunked prefill's kernels over launch variants")
+    ap.add_argument("--seqs", nargs="*", metavar="BxL", help="--tiles: B sequences of L tokens (default TILE_SHAPES)")
+    ap.add_argument("--heads", type=int, nargs="*", help="--tiles: heads (with --seqs, or the default sequences)")
+    ap.add_argument("--iters", type=int, default=50, help="--tiles: graph replays timed per variant")
+    ap.add_argument("--smoke", action="store_true", help="--tiles: tiny sizes (TRITON_INTERPRET=1 on a CPU)")
+    a = ap.parse_args()
+    if a.sm90:
+        compile_sm90()
+        sys.exit()
+    if not a.smoke and not torch.cuda.is_available():
+        ap.error("--tiles: no GPU here; --smoke runs tiny sizes under TRITON_INTERPRET=1")
+    import triton
+
+    print("$ python bench/kernels_kda.py " + " ".join(sys.argv[1:]))
+    print(f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, torch {torch.__version__}, "
+          f"triton {triton.__version__}", flush=True)
+    if a.smoke:
+        shapes = [([70, 40], 1)]
+    elif a.seqs or a.heads:
+        seqs = ([tuple(map(int, s.split("x"))) for s in a.seqs] if a.seqs
+                else [(b, n) for b, n, h in TILE_SHAPES if h == 16])
+        shapes = [([n] * b, h) for b, n in seqs for h in a.heads or [16]]
+    else:
+        shapes = [([n] * b, h) for b, n, h in TILE_SHAPES]
+    sys.exit(1 if tiles_sweep(shapes, a.iters, a.smoke) else 0)

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from engine import build_model
+from engine import build_model, decode_rows, decode_token
 from k3backend.engine.batch import SeqChunk, blocks_for, build_forward_batch
 from k3backend.engine.config import EngineConfig
 from k3backend.engine.plan import ScheduledSeq, SlotRequest, StepPlan
@@ -80,13 +80,6 @@ def step_kinds(args: argparse.Namespace) -> list[tuple[str, int, list[tuple[int,
             (f"decode {b} + 1 chunk of {c}", b, [(c, 0)]), (f"decode {b} + 2 chunks of {c}", b, [(c, 0)] * 2),
             (f"1 chunk of {2 * c}, {args.kind_image_rows} image rows", 0, [(2 * c, args.kind_image_rows)]),
             (f"decode {b} + 2 chunks of {c}, {c // 2} image rows", b, [(c, c // 2), (c, 0)])]
-
-
-def decode_token(row: int) -> int:
-    """The token of decode row `row`: a different one per row (below 256, so the tiny vocabulary has
-    it). One id for all routed every row to the same few experts, which made "decode 64" 3.9 ms
-    against the ~6 ms decode steps of the engine under load."""
-    return 1 + 37 * row % 255
 
 
 def kind_plan(runner, n_decode: int, chunks: list[tuple[int, int]], context: int, hidden: int) -> StepPlan:
@@ -260,11 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.step_kinds:
         kinds_table(runner, args, device, model.cfg.text.hidden_size)
         return 0
-    nb = blocks_for(args.context + 1, bs)
     with torch.inference_mode():
         for b in args.batch:  # sequence i: slot i + 1, its own blocks
-            chunks = [SeqChunk([decode_token(i)], args.context, i + 1, True,
-                               list(range(1 + i * nb, 1 + (i + 1) * nb))) for i in range(b)]
+            chunks = decode_rows(b, args.context, bs, runner.pools.num_slots, runner.pools.num_blocks)
             if runner.graphs is not None:
                 profiled(lambda: runner.graphs.run(chunks), args.rows, f"decode B{b} context {args.context} (graph)")
             else:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from k3backend.engine.outputs import StepOutputs
 from k3backend.engine.request import FinishReason
@@ -54,3 +55,47 @@ def test_a_successor_is_sent_after_the_turnaround_of_the_request_it_follows():
     bench.run(core, jobs, 3, first_id=1)
     free = sorted(end for end, n in core.steps for _ in range(n))
     assert all(0 <= a - f < 0.02 for a, f in zip(sorted(core.added[3:]), free))
+
+
+def test_the_decode_graphs_are_timed_on_a_defined_step_whatever_ran_before():
+    """graph_times replays each decode graph on set_decode_context's step. Graphs are captured on a GPU
+    only; here the same static buffers run eagerly: b rows at the context on slots 1..b with tokens of
+    their own, padded to the captured size with the null slot, give the same logits whatever the pools
+    held before (NaN included), where the buffers alone, without the pools reset, do not."""
+    import argparse
+
+    from k3backend.engine.config import EngineConfig
+    from k3backend.engine.cuda_graphs import fill_decode_rows
+    from k3backend.engine.runner import InProcessExecutor
+
+    model = bench.build_model(argparse.Namespace(checkpoint=None, random_weights="tiny", seed=0, experts="bf16",
+                                                 layers=None), torch.device("cpu"), torch.float32)
+    cfg = EngineConfig(max_num_seqs=6, max_model_len=256, cpu_cache_gb=0.05)
+    runner = InProcessExecutor(model, cfg).runner
+    graphs, pools = runner.make_decode_graphs(cfg, capture=False), runner.pools
+    b, context, bs = 3, 70, pools.block_size  # two blocks a row; padded to the graph of 4
+
+    def replay(before: float, reset: bool = True) -> torch.Tensor:
+        for cache in pools.layers:
+            for t in vars(cache).values():
+                t.fill_(before)
+        if reset:
+            rows = bench.set_decode_context(graphs, pools, b, context)
+        else:
+            fill_decode_rows(graphs, rows := bench.decode_rows(b, context, bs, pools.num_slots, pools.num_blocks), 4)
+        assert [r.token_ids[0] for r in rows] == [bench.decode_token(i) for i in range(b)]
+        with torch.inference_mode():
+            return graphs.run_eagerly(4)[:b].clone()
+
+    first = replay(0.5)
+    assert graphs.input_ids[:4].tolist() == [bench.decode_token(i) for i in range(b)] + [0]
+    assert len(set(graphs.input_ids[:b].tolist())) == b
+    assert graphs.state_indices[:4].tolist() == [1, 2, 3, 0]
+    assert graphs.has_initial_state[:4].tolist() == [True, True, True, False]
+    assert graphs.context_lens[:4].tolist() == [context + 1] * b + [1]
+    tables = graphs.block_tables[:b, :2]
+    assert len(set(tables.flatten().tolist())) == 2 * b and 0 not in tables
+    assert graphs.slot_mapping[:b].tolist() == (tables[:, 1] * bs + context - bs).tolist()
+    assert torch.isfinite(first).all()
+    assert torch.equal(replay(float("nan")), first) and torch.equal(replay(-1.0), first)
+    assert not torch.equal(replay(0.5, reset=False), replay(-1.0, reset=False))  # what the reset takes away

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import math
 
 import pytest
@@ -407,3 +408,61 @@ def test_every_kda_kernel_compiles_for_hopper():
     assert run.returncode == 0, run.stderr[-2000:]
     listed = [line for line in run.stdout.splitlines() if " warps " in line]
     assert len(listed) >= 10 and all("registers" in line for line in listed), run.stdout
+
+
+def _bench_kda(monkeypatch):
+    """bench/kernels_kda.py as a module (it imports its neighbour bench/kernels.py)."""
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("bench_kernels_kda", bench / "kernels_kda.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiles_sweep_runs_under_the_interpreter_and_checks_every_variant():
+    """bench/kernels_kda.py --tiles --smoke: a table for each of the prefill's three kernels, the rule's
+    launch first and bit-equal to itself, every other variant run, compared and within its bound."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "kernels_kda.py"
+    run = subprocess.run([sys.executable, str(bench), "--tiles", "--smoke"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert any(line.startswith("== 70+40 H1 K32 V32: the rule's launches intra") for line in lines), run.stdout
+    for kernel in ("intra", "solve", "state"):
+        rows = [line for line in lines if line[2:].startswith(kernel + " ")]
+        assert len(rows) >= 2 and " us  err " in rows[0], run.stdout
+        assert rows[0].endswith("err 0.0e+00 ok  (chosen)"), rows[0]
+        assert all(" ok" in row and "(chosen)" not in row for row in rows[1:]), rows
+        assert sum(row.startswith("*") for row in rows) >= 1, rows
+
+
+def test_tiles_check_fails_a_variant_whose_outputs_differ(monkeypatch):
+    """The sweep's comparison: equal outputs and rounding pass; a changed value, an entry written that
+    the rule's launch left unwritten (NaN in both ran on poisoned outputs) or the reverse, and NaN fail."""
+    kda_bench = _bench_kda(monkeypatch)
+    err, verdict, bound = kda_bench._tile_err, kda_bench._tile_verdict, kda_bench.TILES_REL
+    gen = torch.Generator().manual_seed(0)
+    want = [torch.randn(40, 3, 16, generator=gen).bfloat16(), torch.randn(40, 3, 16, generator=gen)]
+    want[0][35:] = math.nan  # rows the kernel does not write
+    same = [t.clone() for t in want]
+    assert err(same, want) == 0.0 and verdict(0.0) == "ok"
+    rounded = [want[0], want[1] * (1 + 1e-5)]
+    assert 0 < err(rounded, want) <= bound and verdict(err(rounded, want)) == "ok"
+    changed = [want[0].clone(), want[1]]
+    changed[0][7, 1, 3] += 0.05 * want[0][:35].float().abs().max()
+    assert bound < err(changed, want) < 1 and verdict(err(changed, want)).startswith("FAILED")
+    extra = [want[0].clone(), want[1]]
+    extra[0][36] = 0
+    missing = [want[0], want[1].clone()]
+    missing[1][0, 0, 0] = math.nan
+    for got in (extra, missing):
+        assert err(got, want) == math.inf and verdict(err(got, want)).startswith("FAILED")
+    assert verdict(math.nan).startswith("FAILED")

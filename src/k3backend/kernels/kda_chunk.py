@@ -6,6 +6,9 @@ here (wrapper validates, kernel trusts; no host sync; int64 pool offsets; slot 0
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -444,12 +447,36 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     snapshots are stored as the walk passes them."""
     _raise_if(_prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout),
               "kda_prefill")
+    o, launches = _prefill_launches(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout)
+    for launch in launches:
+        launch.run()
+    return o
+
+
+class _Launch(NamedTuple):
+    """One of kda_prefill's kernels over its buffers: `run()` launches it with the keywords `knobs`
+    (tile, num_warps, num_stages) and writes `writes`."""
+
+    name: str  # "intra", "solve", "state"
+    run: Callable[[], object]
+    knobs: dict[str, Any]
+    writes: tuple[torch.Tensor, ...]
+
+
+def _prefill_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      S_pool: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+                      has_initial_state: torch.Tensor, layout: VarlenLayout | None = None,
+                      knobs: dict[str, dict[str, Any]] | None = None) -> tuple[torch.Tensor, list[_Launch]]:
+    """kda_prefill's output and its three launches in order over fresh intermediates, not yet run (none
+    when there is nothing to do); the arguments as kda_prefill's, unchecked. `knobs`: by kernel name,
+    launch keywords that replace the rule's (`prefill_tiles`, 4 warps, the state's stages): what
+    bench/kernels_kda.py --tiles times, each kernel alone."""
     T, H, K = q.shape
     V, B = v.shape[-1], state_indices.shape[0]
     dev, acc = q.device, S_pool.dtype
     o = torch.empty(T, H, V, dtype=acc, device=dev)
     if T == 0 or B == 0:
-        return o
+        return o, []
     low = v.dtype in (torch.bfloat16, torch.float16)
     mid = torch.bfloat16 if low else acc  # dtype of the intermediates and of the state's dot operands
     ACC, DOT = _acc(S_pool), tl.bfloat16 if low else _acc(S_pool)
@@ -466,20 +493,25 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     gl = torch.empty(NC, H, K, dtype=acc, device=dev)
     flags = dict(ACC=ACC, DOT=DOT, PREC=PREC, BITS=_INTERPRET)
     bkc, bc, BVS = prefill_tiles(K, V, B, H)
-    _kda_intra_kernel[(NC, H, BT // 16)](
-        q=q, k=k, g=g, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, Akk=Akk,
-        Aqk=Aqk, kb=kb, qg=qg, kg=kg, gl=gl, stride_q=q.stride(0), stride_k=k.stride(0), stride_g=g.stride(0),
-        H=H, K=K, BKC=bkc, num_warps=4, **flags)
-    _kda_solve_kernel[(NC, H)](
-        Akk=Akk, kb=kb, v=v, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, w=w,
-        u=u, stride_v=v.stride(0), H=H, K=K, V=V, BC=bc, num_warps=4, **flags)
+    kn = {"intra": dict(BKC=bkc, num_warps=4), "solve": dict(BC=bc, num_warps=4), "state": dict(BV=BVS, num_warps=4)}
+    for name, over in (knobs or {}).items():
+        kn[name] = {**kn[name], **over}
+    BVS = kn["state"]["BV"]
     programs = triton.cdiv(V, BVS) * B * H
     # two stages of the chunk loads (122 KB smem, one program per SM) while the programs fit on the SMs;
     # past that, one stage and three programs per SM hide the latency instead
-    _kda_state_kernel[(triton.cdiv(V, BVS), B * H)](
+    kn["state"].setdefault("num_stages", 2 if programs <= _num_sms(dev) else 1)
+    intra = lambda: _kda_intra_kernel[(NC, H, BT // 16)](  # noqa: E731
+        q=q, k=k, g=g, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, Akk=Akk,
+        Aqk=Aqk, kb=kb, qg=qg, kg=kg, gl=gl, stride_q=q.stride(0), stride_k=k.stride(0), stride_g=g.stride(0),
+        H=H, K=K, **kn["intra"], **flags)
+    solve = lambda: _kda_solve_kernel[(NC, H)](  # noqa: E731
+        Akk=Akk, kb=kb, v=v, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, w=w,
+        u=u, stride_v=v.stride(0), H=H, K=K, V=V, **kn["solve"], **flags)
+    state = lambda: _kda_state_kernel[(triton.cdiv(V, BVS), B * H)](  # noqa: E731
         w=w, u=u, qg=qg, kg=kg, Aqk=Aqk, gl=gl, S_pool=S_pool, state_indices=state_indices,
         has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, first_chunk=first_chunk,
         chunk_snapshot=lay.chunk_snapshot if lay.chunk_snapshot is not None else first_chunk, o=o,
-        H=H, K=K, V=V, BK=BK, BV=BVS, SNAP=lay.chunk_snapshot is not None, num_warps=4,
-        num_stages=2 if programs <= _num_sms(dev) else 1, **flags)
-    return o
+        H=H, K=K, V=V, BK=BK, SNAP=lay.chunk_snapshot is not None, **kn["state"], **flags)
+    return o, [_Launch("intra", intra, kn["intra"], (Akk, Aqk, kb, qg, kg, gl)),
+               _Launch("solve", solve, kn["solve"], (w, u)), _Launch("state", state, kn["state"], (o, S_pool))]
