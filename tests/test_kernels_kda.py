@@ -153,7 +153,7 @@ def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: in
     g, beta and the state are in its accumulation dtype. `steep`: a softplus-like gate whose Γ drops by
     more than 80 within 16 rows, so the diagonal blocks take the elementwise path. The default K = 20
     gives the intra kernel two channel slices of 16, the second ragged; heads 22 at K = V = 64 take
-    `prefill_tiles`'s wide tiles (64 channels a slice, V blocks of 64 once B·H ≥ 64)."""
+    `prefill_rule`'s wide tiles (64 channels a slice, V blocks of 64 once B·H ≥ 64)."""
     from k3backend.kernels import kda_chunk, kda_ref, norm_ref, varlen
 
     dt = DTYPES[dtype]
@@ -161,7 +161,8 @@ def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: in
     gen = torch.Generator().manual_seed(seed)
     H, K, V = heads, kdim, vdim
     if kdim >= 64:
-        assert kda_chunk.prefill_tiles(K, V, 3, H) == (64, 64, 64 if 3 * H >= 64 else 32)
+        rule = kda_chunk.prefill_rule(K, V, 3, H, 4, 132)
+        assert (rule["intra"]["BKC"], rule["solve"]["BC"], rule["state"]["BV"]) == (64, 64, 64 if 3 * H >= 64 else 32)
     lens = [65, 1, 14]  # the first ends in a one-row chunk
     T = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -362,6 +363,20 @@ def test_kda_decode_fused_rule_splits_v_in_blocks_of_64():
 
     assert [kda.decode_fused_plan(v) for v in (10, 64, 128, 256)] == [1, 1, RULE_V_BLOCKS, 4]
     assert kda.decode_fused_warps(128, 128, RULE_V_BLOCKS) == 4 and kda.decode_fused_warps(128, 128, 1) == 8
+
+
+@pytest.mark.parametrize("lens, heads, want", [
+    # (intra warps, solve warps, state BV, state stages) as measured best on the H200 (prefill_rule's docstring)
+    ([256], 16, (4, 4, 32, 3)), ([4096], 16, (2, 2, 32, 3)), ([256] * 4, 16, (4, 4, 64, 3)),
+    ([1024] * 4, 16, (2, 2, 64, 3)), ([32] * 16, 16, (4, 4, 64, 1)), ([8192], 96, (2, 2, 64, 1))])
+def test_kda_prefill_rule_takes_the_measured_launches(lens, heads, want):
+    from k3backend.kernels import kda_chunk, varlen
+
+    NC = varlen.num_chunks(sum(lens), len(lens))
+    rule = kda_chunk.prefill_rule(128, 128, len(lens), heads, NC, 132)
+    assert (rule["intra"]["num_warps"], rule["solve"]["num_warps"], rule["state"]["BV"],
+            rule["state"]["num_stages"]) == want
+    assert (rule["intra"]["BKC"], rule["solve"]["BC"]) == (64, 64)
 
 
 @pytest.mark.parametrize("v_blocks, reason", [(3, "v_blocks = 3: expected a power of two from 1 to 16"),

@@ -392,16 +392,26 @@ def kda_prefill_inputs(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, b: tor
     return q_out, k_out, g, beta
 
 
-def prefill_tiles(K: int, V: int, B: int, H: int) -> tuple[int, int, int]:
-    """(BKC, BC, BV) of the intra, solve and state kernels, a pure function of the shape. On the H200
-    (`small`, H 16, K = V = 128, µs, old tiles 32 / 32 / 32 → these): intra BKC 64 at 4,096 tokens
-    360 → 267, at 4 × 256 73 → 63, at one 256-token chunk 19.9 → 20.5; solve BC 64 104 → 80, 15.3 →
-    12.3; state BV 64 once B·H ≥ 64 (half the programs, each a wider MMA): 4 × 256 25 → 22, 16 × 32
-    35 → 29, H 96 at 8,192 tokens 1,269 → 675, while one sequence of 16 heads keeps BV 32 (209 against
-    236 µs at 4,096 tokens)."""
+def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str, dict[str, int]]:
+    """Launch keywords of the intra, solve and state kernels, a pure function of the shape (NC: the
+    chunk table's length). Measured on the H200 (`bench/kernels_kda.py --tiles`, `small`, H 16, K = V =
+    128, µs):
+    - intra BKC 64 (4,096 tokens 360 → 267 against 32) and solve BC 64 (104 → 80);
+    - both on 2 warps from 1,024 chunk·heads (≥ 8 programs an SM), 4 below: 4,096 tokens intra 268 →
+      188, solve 82 → 64, H 96 at 8,192 tokens 3,127 → 2,202 and 949 → 725; at one 256-token prompt
+      2 warps lose (21.5 → 23.9, 13.3 → 16.3), at 4 × 256 they tie for intra and lose for solve;
+    - state V blocks of 64 once B·H ≥ 64 (half the programs, each a wider MMA; H 96 at 8,192 tokens
+      1,269 → 675), else 32 (one sequence of 16 heads: 209 against 236 at 4,096 tokens); 3 stages of
+      the chunk loads while the programs fit on the SMs (4,096 tokens 203 → 164, 4 × 1,024 70 → 64),
+      past that one stage and several programs an SM hide the latency instead (16 × 32: 18 against 24
+      with 3 stages)."""
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     small = max(BK, BV) <= 32
-    return (16 if BK <= 32 else 64), (16 if small else 64), min(64 if B * H >= 64 else 32, BV)
+    warps = 2 if NC * H >= 1024 else 4
+    bv = min(64 if B * H >= 64 else 32, BV)
+    return {"intra": dict(BKC=16 if BK <= 32 else 64, num_warps=warps),
+            "solve": dict(BC=16 if small else 64, num_warps=warps),
+            "state": dict(BV=bv, num_warps=4, num_stages=3 if triton.cdiv(V, bv) * B * H <= sms else 1)}
 
 
 def _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout=None) -> str:
@@ -469,7 +479,7 @@ def _prefill_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       knobs: dict[str, dict[str, Any]] | None = None) -> tuple[torch.Tensor, list[_Launch]]:
     """kda_prefill's output and its three launches in order over fresh intermediates, not yet run (none
     when there is nothing to do); the arguments as kda_prefill's, unchecked. `knobs`: by kernel name,
-    launch keywords that replace the rule's (`prefill_tiles`, 4 warps, the state's stages): what
+    launch keywords that replace the rule's (`prefill_rule`): what
     bench/kernels_kda.py --tiles times, each kernel alone."""
     T, H, K = q.shape
     V, B = v.shape[-1], state_indices.shape[0]
@@ -492,15 +502,10 @@ def _prefill_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     u = torch.empty(T, H, V, dtype=mid, device=dev)
     gl = torch.empty(NC, H, K, dtype=acc, device=dev)
     flags = dict(ACC=ACC, DOT=DOT, PREC=PREC, BITS=_INTERPRET)
-    bkc, bc, BVS = prefill_tiles(K, V, B, H)
-    kn = {"intra": dict(BKC=bkc, num_warps=4), "solve": dict(BC=bc, num_warps=4), "state": dict(BV=BVS, num_warps=4)}
+    kn = prefill_rule(K, V, B, H, NC, _num_sms(dev))
     for name, over in (knobs or {}).items():
         kn[name] = {**kn[name], **over}
     BVS = kn["state"]["BV"]
-    programs = triton.cdiv(V, BVS) * B * H
-    # two stages of the chunk loads (122 KB smem, one program per SM) while the programs fit on the SMs;
-    # past that, one stage and three programs per SM hide the latency instead
-    kn["state"].setdefault("num_stages", 2 if programs <= _num_sms(dev) else 1)
     intra = lambda: _kda_intra_kernel[(NC, H, BT // 16)](  # noqa: E731
         q=q, k=k, g=g, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, Akk=Akk,
         Aqk=Aqk, kb=kb, qg=qg, kg=kg, gl=gl, stride_q=q.stride(0), stride_k=k.stride(0), stride_g=g.stride(0),
