@@ -515,6 +515,8 @@ def test_prefill_cap_is_the_largest_measured_step_within_the_stall():
     assert prefill_cap(times, 6.0) == 256
     assert prefill_cap(times, 0.5) == 32  # none fits: the smallest, so prompts still advance
     assert prefill_cap(times, 0.0) == 0 and prefill_cap({}, 30.0) == 0  # off; unmeasured (CPU)
+    assert prefill_cap(times, 30.0, decode_ms=1.5) == 256  # the decode rows' time counts too
+    assert prefill_cap(times, 30.0, decode_ms=1.0) == 2048
 
 
 def test_the_stall_cap_from_measured_steps_bounds_prefill_beside_decodes_and_changes_no_output(model64, tok):

@@ -51,6 +51,7 @@ class Executor(Protocol):
     info: ModelInfo
     capacity: CacheCapacity
     prefill_ms: dict[int, float]  # prefill tokens -> device ms of such a step, measured; {} when not (CPU)
+    decode_ms: float  # device ms of the largest captured decode step, measured; 0 when not (CPU)
 
     def launch(self, plan: StepPlan) -> Launched: ...  # the step queued; `finish` waits for its ids
     def finish(self, launched: Launched) -> Sampled: ...
@@ -99,6 +100,7 @@ class ModelRunner:
         self.mixed: dict[int, PrefillGraphs] = {}
         self._eager_logged: set[str] = set()
         self.prefill_ms: dict[int, float] = {}  # prefill tokens -> device ms of that graph's replay (GPU)
+        self.decode_ms = 0.0  # the slowest decode graph's replay (GPU): what decode rows add to a step
         self._last: tuple[torch.Tensor, dict[int, int]] = (torch.zeros(0, dtype=torch.long), {})  # ids, slot -> row
 
     @torch.inference_mode()
@@ -128,6 +130,8 @@ class ModelRunner:
                      (torch.cuda.memory_reserved(self.device) - before) / 2**20)
         decode = self.make_decode_graphs(cfg, capture=True, pool=pool)
         self.graphs = decode if decode.graphs else None
+        if self.graphs is not None:
+            self.decode_ms = max(self.graphs.replay_ms(self.device).values())
         if self.prefill_graphs is not None:  # every rank replays the same graphs: they meet in the collectives
             self.prefill_ms = self.prefill_graphs.replay_ms(self.device)
             log.info("prefill graphs, device ms by prefill tokens: %s",
@@ -435,7 +439,7 @@ class InProcessExecutor:
                                     self.capacity.block_size)
         self.runner = ModelRunner(model, pools)
         self.runner.capture_graphs(cfg)
-        self.prefill_ms = self.runner.prefill_ms
+        self.prefill_ms, self.decode_ms = self.runner.prefill_ms, self.runner.decode_ms
         # A GPU runs a launched step while the host schedules the next; a CPU computes it as it is
         # launched, so overlapping would only deliver each token one step later (tests set it anyway).
         self.overlap = self.runner.device.type == "cuda"

@@ -123,6 +123,7 @@ class RankInfo:
     capacity: CacheCapacity
     info: Any  # runner.ModelInfo (rank 0's is the engine's)
     prefill_ms: dict[int, float]  # the runner's measured prefill step times (rank 0's are the engine's)
+    decode_ms: float  # and its slowest decode step's
 
 
 # ---- the worker process ---------------------------------------------------------------------------
@@ -210,7 +211,8 @@ def _build(spec: WorkerSpec, conn: Connection):
     info = ModelInfo(text.vocab_size, text.hidden_size, model.cfg.media_placeholder_token_id)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     conn.send(("ready", RankInfo(spec.rank, os.getpid(), f"{device} ({name}, physical {spec.gpu})"
-                                 if spec.gpu is not None else "cpu", weight_bytes, cap, info, runner.prefill_ms)))
+                                 if spec.gpu is not None else "cpu", weight_bytes, cap, info, runner.prefill_ms,
+                                 runner.decode_ms)))
     return runner
 
 
@@ -363,7 +365,8 @@ class MultiProcessExecutor:
             self.close(timeout=2.0)
             raise
         self.info = self.ranks[0].info
-        self.capacity, self.prefill_ms = self.ranks[0].capacity, self.ranks[0].prefill_ms
+        self.capacity, self.prefill_ms, self.decode_ms = (self.ranks[0].capacity, self.ranks[0].prefill_ms,
+                                                          self.ranks[0].decode_ms)
         from k3backend.engine.runner import log_capacity  # here: this module must not import torch (see _main)
 
         log_capacity(self.capacity, cfg)
