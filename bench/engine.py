@@ -33,6 +33,7 @@ import torch
 from k3backend.engine.batch import SeqChunk, blocks_for
 from k3backend.engine.config import EngineConfig
 from k3backend.engine.core import EngineCore, prefill_cap
+from k3backend.engine.cuda_graphs import spread_token
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.sampling_params import SamplingParams
 
@@ -327,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(w, "delay_ms"):  # the scheduler is idle between workloads
             core.sched.cfg = dataclasses.replace(core.sched.cfg, prefill_delay_s=w.delay_ms / 1e3)
         if hasattr(w, "stall_ms"):
-            core.sched.cfg = dataclasses.replace(core.sched.cfg, prefill_cap=prefill_cap(executor.prefill_ms,
-                                                                                       w.stall_ms))
+            core.sched.cfg = dataclasses.replace(core.sched.cfg, prefill_cap=prefill_cap(
+                executor.prefill_ms, w.stall_ms, executor.decode_ms))
             print(f"decode_stall_ms {w.stall_ms:g}: steps that decode take at most "
                   f"{core.sched.cfg.prefill_cap or cfg.max_num_batched_tokens} tokens of longer prompts", flush=True)
         jobs = workload(w, info.vocab_size, info.media_pad_id)
@@ -424,11 +425,7 @@ def summary(results: list[tuple[argparse.Namespace, dict]]) -> str:
 DECODE_CONTEXT = 256  # tokens before each row of the decode steps that graph_times replays
 
 
-def decode_token(row: int) -> int:
-    """The token of decode row `row`: a different one per row (below 256, so the tiny vocabulary has
-    it). One id for all routed every row to the same few experts, which made "decode 64" 3.9 ms
-    against the ~6 ms decode steps of the engine under load."""
-    return 1 + 37 * row % 255
+decode_token = spread_token  # the token of decode row `row`: a different one per row
 
 
 def decode_rows(b: int, context: int, block_size: int, num_slots: int, num_blocks: int) -> list[SeqChunk]:

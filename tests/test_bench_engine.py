@@ -87,6 +87,9 @@ def test_the_decode_graphs_are_timed_on_a_defined_step_whatever_ran_before():
         with torch.inference_mode():
             return graphs.run_eagerly(4)[:b].clone()
 
+    graphs._prepare(4)  # what the runner's decode_ms times: tokens of their own on the null slot
+    assert graphs.input_ids[:4].tolist() == [bench.decode_token(i) for i in range(4)]
+    assert len(set(graphs.input_ids[:4].tolist())) == 4 and graphs.state_indices[:4].tolist() == [0] * 4
     first = replay(0.5)
     assert graphs.input_ids[:4].tolist() == [bench.decode_token(i) for i in range(b)] + [0]
     assert len(set(graphs.input_ids[:b].tolist())) == b
