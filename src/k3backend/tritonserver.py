@@ -312,13 +312,18 @@ class TritonServer:
         )
 
     def _wait_ready(self) -> None:
-        paths = [f"/v2/models/{m}/ready" for m in self.models] or ["/v2/health/ready"]
+        """Until the models (or the server) are ready and the metrics endpoint answers: Triton starts
+        its metrics service after HTTP, ~40 ms later on a CPU, so a scrape right after readiness could
+        be refused."""
+        urls = [self.http_url + p for p in ([f"/v2/models/{m}/ready" for m in self.models] or ["/v2/health/ready"])]
+        if "--allow-metrics=false" not in self.extra_args:
+            urls.append(self.metrics_url)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             code = self.process.poll()
             if code is not None:
                 raise TritonServerError(f"tritonserver exited with code {code} during startup")
-            if all(self._http_status(p) == 200 for p in paths):
+            if all(self._http_status(u) == 200 for u in urls):
                 return
             if time.monotonic() > deadline:
                 raise TritonServerError(
@@ -327,9 +332,9 @@ class TritonServer:
                 )
             time.sleep(0.25)
 
-    def _http_status(self, path: str) -> int | None:
+    def _http_status(self, url: str) -> int | None:
         try:
-            with _DIRECT.open(self.http_url + path, timeout=2) as r:
+            with _DIRECT.open(url, timeout=2) as r:
                 return r.status
         except urllib.error.HTTPError as e:
             return e.code
