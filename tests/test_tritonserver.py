@@ -252,3 +252,14 @@ def test_serve_binds_loopback_unless_told_otherwise(tmp_path: Path) -> None:
     assert urls[0] == "HTTP    http://localhost:8000"
     cmd, _, _ = serve_command([*root, "--address", "0.0.0.0", "--http-address=10.1.2.3"])
     assert "--grpc-address=0.0.0.0" in cmd and cmd[-1] == "--http-address=10.1.2.3"
+
+
+@pytest.mark.parametrize("args, allowed", [
+    ((), True), (("--log-verbose=1",), True), (("--allow-metrics=false",), False),
+    (("--allow-metrics", "0"), False), (("--allow-metrics=False", "--allow-metrics=true"), True)])
+def test_readiness_waits_for_metrics_only_when_the_server_serves_them(args, allowed):
+    """_wait_ready polls /metrics unless the arguments turn metrics off, in either spelling: polling
+    an endpoint that never starts would run into the startup timeout."""
+    from k3backend.tritonserver import _metrics_allowed
+
+    assert _metrics_allowed(args) is allowed

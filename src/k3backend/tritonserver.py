@@ -189,6 +189,18 @@ def server_command(
     ]
 
 
+def _metrics_allowed(args: Sequence[str]) -> bool:
+    """Whether tritonserver serves metrics with these arguments (the last `--allow-metrics` wins, as
+    `--allow-metrics=false` or `--allow-metrics false`)."""
+    allowed = True
+    for i, a in enumerate(args):
+        if a == "--allow-metrics" and i + 1 < len(args):
+            a = f"{a}={args[i + 1]}"
+        if a.startswith("--allow-metrics="):
+            allowed = a.split("=", 1)[1].strip().lower() not in ("false", "0", "no", "off")
+    return allowed
+
+
 def free_port() -> int:
     """A TCP port free on this host right now (the OS picks it; a race with others is possible)."""
     return _free_ports(1)[0]
@@ -316,7 +328,7 @@ class TritonServer:
         its metrics service after HTTP, ~40 ms later on a CPU, so a scrape right after readiness could
         be refused."""
         urls = [self.http_url + p for p in ([f"/v2/models/{m}/ready" for m in self.models] or ["/v2/health/ready"])]
-        if "--allow-metrics=false" not in self.extra_args:
+        if _metrics_allowed(self.extra_args):
             urls.append(self.metrics_url)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
