@@ -249,10 +249,6 @@ def _candidates(cfg) -> list:
     out += [replace(cfg, down=t) for t in tiles if t != cfg.down]
     out += [replace(cfg, block_m=bm) for bm in (16, 32, 64, 128) if bm != cfg.block_m]
     out += [replace(cfg, group_m=g) for g in (1, 4, 16) if g != cfg.group_m]
-    # the swapped GEMMs (weights on the MMA's M side, ExpertsConfig.swap): BN is then wgmma's M, so >= 64
-    out += [replace(c, swap=not cfg.swap) for c in [cfg] + [replace(cfg, block_m=bm) for bm in (16, 32, 64)
-                                                             if bm != cfg.block_m]]
-    out += [replace(cfg, swap=not cfg.swap, up=t, down=t) for t in tiles if t[0] >= 64]
     gemv = [(16, 256, 4, 3), (8, 512, 4, 3), (32, 128, 4, 3), (8, 256, 2, 3), (16, 128, 4, 3)]
     if cfg.gemv is not None:  # a few rows: the GEMV tiles, and the MMA tiles above (gemv None) for comparison
         out = [cfg] + [replace(cfg, gemv=t) for t in gemv if t != cfg.gemv] + [replace(c, gemv=None) for c in out]
@@ -280,8 +276,7 @@ def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
             mark = "*" if t == best else " "
             print(f"{mark} {shape.name} T{T:<6} {t * 1e3:9.3f} ms {byts / t / 1e12:5.2f} TB/s {err:4.2f} ulp "
                   f"{flops / t / 1e12:6.1f} TFLOP/s  "
-                  + (f"gemv{cfg.gemv}" if cfg.gemv else f"BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}"
-                     + (" swap" if cfg.swap else "")),
+                  + (f"gemv{cfg.gemv}" if cfg.gemv else f"BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}"),
                   flush=True)
 
 

@@ -160,9 +160,6 @@ def candidates(cfg) -> list:
     out += [r(cfg, up=(ubn, ubk, w, us), down=(dbn, dbk, w, ds)) for w in (4, 8) if w != uw]
     if cfg.block_m >= 64:
         out += [r(cfg, block_m=bm) for bm in (64, 128) if bm != cfg.block_m] + [r(cfg, group_m=16)]
-    # the swapped GEMMs (ExpertsConfig.swap), both expansions, BN (wgmma's M there) 64 and 128
-    out += [r(cfg, swap=not cfg.swap, decode=d, up=(bn, ubk, uw, us), down=(bn, dbk, dw, ds))
-            for d in (0, 1) for bn in (64, 128)]
     return out
 
 
@@ -188,7 +185,7 @@ def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
         for t, cfg in timed:
             print(f"{'*' if t == best else ' '} {s.name} T{T:<6} {t * 1e3:9.3f} ms {nbytes / t / 1e12:5.2f} TB/s "
                   f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m} "
-                  f"decode{cfg.decode}" + (" swap" if cfg.swap else ""), flush=True)
+                  f"decode{cfg.decode}", flush=True)
 
 
 def cases(args: argparse.Namespace) -> list[Case]:

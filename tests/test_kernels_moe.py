@@ -309,33 +309,6 @@ def check_experts_equal_reference_in_each_block_tier():
         assert_bf16_close(got, want, scale, f"T={T} BM={block_m}")
 
 
-def check_experts_swapped_equal_reference():
-    """ExpertsConfig.swap (wᵀ·xᵀ, the weights on the MMA's M side): bf16 at BM 16 and 32, with uneven and
-    even K; MXFP4 through both expansions."""
-    import dataclasses
-
-    from k3backend.kernels import moe, moe_ref
-    from k3backend.kernels.moe_ref import Activation
-
-    E, k, act = 7, 3, Activation(**SITU)
-    for T, D, I in [(5, 37, 23), (61, 64, 96)]:
-        x, weights, ids, w13, w2 = experts_case(T, E, k, D, I, seed=300 + T)
-        cfg = dataclasses.replace(moe.experts_config(T, k, E, D, I), swap=True, gemv=None)
-        with poisoned_empty():
-            got = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, cfg)
-        want = moe_ref.experts(x, weights, ids, w13, w2, act, 1.0)
-        assert_bf16_close(got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), f"swap T={T}")
-    for T, D, I, decode in [(5, 96, 64, 0), (61, 64, 96, 1)]:
-        x, weights, ids, w13, s13, w2, s2 = mxfp4_case(T, E, k, D, I, seed=310 + T)
-        cfg = moe.experts_config(T, k, E, D, I, mxfp4=True)
-        cfg = dataclasses.replace(cfg, swap=True, gemv=None, decode=decode)
-        with poisoned_empty():
-            got = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, cfg, (s13, s2))
-        want = moe_ref.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, act, 1.0)
-        assert_bf16_close(got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3),
-                          f"swap mxfp4 T={T} decode {decode}")
-
-
 def check_experts_activations_and_dtypes_equal_reference():
     from k3backend.kernels.moe_ref import Activation
 

@@ -278,13 +278,12 @@ def _mx_rows(wt, s, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-           DECODE: tl.constexpr, SWAP: tl.constexpr, BLOCK_K: tl.constexpr):
+           DECODE: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + a · (one K step of a weight tile): w_ptrs [BK, BN] in a's dtype, or MXFP4 (w_ptrs [BK/2, BN]
     codes, s_ptrs [BN, BK/32] exponents) expanded to bf16 in registers: by tl.dot_scaled (DECODE 0,
     Triton's own e2m1 upcast on Hopper; fast_math: no NaN select, the loader refuses the NaN
     exponent 255; its bf16 scale flushes exponent byte 0, 2^-127, to zero, which leaves out weights
-    below 2^-124) or by `_mx_expand` (DECODE 1). k_left: K elements left from this step on.
-    SWAP: acc is [BN, BM] += wᵀ·aᵀ, the weights on the MMA's M side (ExpertsConfig.swap)."""
+    below 2^-124) or by `_mx_expand` (DECODE 1). k_left: K elements left from this step on."""
     if MX:
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -292,12 +291,8 @@ def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constex
         else:
             w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[:, None], other=0)
             s = tl.load(s_ptrs, mask=(tl.arange(0, BLOCK_K // 32) < k_left // 32)[None, :], other=127)
-        if DECODE == 0 and SWAP:
-            return tl.dot_scaled(tl.trans(w), s, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
-        elif DECODE == 0:
+        if DECODE == 0:
             return tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc, fast_math=True)
-        elif SWAP:
-            return _mma(_mx_rows(tl.trans(w), s, BLOCK_K).to(tl.bfloat16), tl.trans(a), acc, GPU)
         else:
             return _mma(a, _mx_expand(w, s, BLOCK_K), acc, GPU)
     else:
@@ -305,10 +300,7 @@ def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constex
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[:, None], other=0.0)
-        if SWAP:
-            return _mma(tl.trans(w), tl.trans(a), acc, GPU)
-        else:
-            return _mma(a, w, acc, GPU)
+        return _mma(a, w, acc, GPU)
 
 
 @triton.jit
@@ -329,8 +321,8 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, tab
                stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm, inv_beta, beta, inv_lam, lam,
                TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
                ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-               DECODE: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+               DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_M: tl.constexpr):
     """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
 
     DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
@@ -357,19 +349,16 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, tab
     u_ptrs, us_ptrs = g_ptrs + I * stride_wn, gs_ptrs + I * stride_sn  # % I keeps the edge block in bounds
     step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
     step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
-    if SWAP:
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros_like(acc_g)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
         k_left = D - k0 * BLOCK_K
         if EVEN_K:
             xa = tl.load(x_ptrs)
         else:
             xa = tl.load(x_ptrs, mask=(offs_k < k_left)[None, :], other=0.0)
-        acc_g = _w_dot(xa, acc_g, g_ptrs, gs_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SWAP, BLOCK_K)
-        acc_u = _w_dot(xa, acc_u, u_ptrs, us_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SWAP, BLOCK_K)
+        acc_g = _w_dot(xa, acc_g, g_ptrs, gs_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
+        acc_u = _w_dot(xa, acc_u, u_ptrs, us_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
         x_ptrs += BLOCK_K
         g_ptrs += step_w
         u_ptrs += step_w
@@ -377,8 +366,6 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, tab
         us_ptrs += step_s
     h = _up_epilogue(acc_g, acc_u, table_ptr, inv_beta, beta, inv_lam, lam, h_ptr.dtype.element_ty, ACT, HAS_LAMBDA,
                      ROUND_GU, TABLE, GPU)
-    if SWAP:
-        h = tl.trans(h)
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h, mask=(a_idx < n)[:, None] & (offs_n < I)[None, :])
 
@@ -387,8 +374,8 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, tab
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, n, D, I, num_blocks,
                  stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_yn, stride_pt, stride_pk,
                  TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-                 DECODE: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                 DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[row]·w2ᵀ)) for the rows of one expert block (MX: w2 codes
     [E, D, I/2], s2 exponents [E, D, I/32])."""
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(D, BLOCK_N), GROUP_M)
@@ -405,22 +392,17 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, sorted_ptr, block_ex
                              (offs_n % D).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)  # w2ᵀ
     step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
     step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         k_left = I - k0 * BLOCK_K
         if EVEN_K:
             ha = tl.load(h_ptrs, mask=real[:, None], other=0.0)
         else:
             ha = tl.load(h_ptrs, mask=real[:, None] & (offs_k < k_left)[None, :], other=0.0)
-        acc = _w_dot(ha, acc, w_ptrs, s_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SWAP, BLOCK_K)
+        acc = _w_dot(ha, acc, w_ptrs, s_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
         h_ptrs += BLOCK_K
         w_ptrs += step_w
         s_ptrs += step_s
-    if SWAP:
-        acc = tl.trans(acc)
     a_safe = tl.where(real, a_idx, 0)
     wt = tl.load(weights_ptr + (a_safe // TOP_K) * stride_pt + (a_safe % TOP_K) * stride_pk, mask=real, other=0.0)
     y = _round(acc * wt[:, None], y_ptr.dtype.element_ty, GPU)
@@ -564,9 +546,7 @@ class ExpertsConfig:
     """Tiles of the two grouped GEMMs; both share block_m (the align step's padding). decode: how
     MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_expand` + tl.dot); bf16 weights ignore it.
     table: the up GEMM's activation by lookup where its inputs are bf16-rounded (`_glu_table`).
-    gemv: `_up_gemv_kernel` / `_down_gemv_kernel` with these tiles instead (a few rows).
-    swap: the GEMMs as wᵀ·xᵀ, weight rows on the MMA's M side: below BM 64 a tl.dot is mma.sync on
-    Hopper, while BN ≥ 64 weight rows × BM tokens is a wgmma."""
+    gemv: `_up_gemv_kernel` / `_down_gemv_kernel` with these tiles instead (a few rows)."""
 
     block_m: int
     up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
@@ -575,7 +555,6 @@ class ExpertsConfig:
     decode: int = 0
     table: bool = True
     gemv: tuple[int, int, int, int] | None = None  # BLOCK_N, BLOCK_K, num_warps, num_stages
-    swap: bool = False
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -695,8 +674,7 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
         inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
         HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
         EVEN_K=D % bk == 0,
-        MX=s is not None, DECODE=cfg.decode, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg.group_m,
+        MX=s is not None, DECODE=cfg.decode, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
         num_warps=warps, num_stages=stages,
     )
 
@@ -823,7 +801,6 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=0 if s2 is None else s2.stride(0),
         stride_sn=0 if s2 is None else s2.stride(1), stride_yn=y.stride(0), stride_pt=weights.stride(0),
         stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
-        SWAP=cfg.swap,
         BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
     )
     return _sum(y, ids, out, E, scaling)
