@@ -511,6 +511,18 @@ def check_glu_linear_equals_reference_with_and_without_the_fp32_front():
     assert not moe.glu_linear_supports(x, w_gu[:31], Activation("silu"))[0], "odd 2I declined"
 
 
+def test_mxfp4_row_blocks_of_up_to_32_take_three_stages():
+    """The MXFP4 MMA tiles at decode and mixed-step sizes pipeline 3 K steps (the H200 sweep: 3-8 %
+    faster than 4 at 16-320 tokens of `small`); bf16 keeps its 4, prefill tiles their own."""
+    from k3backend.kernels import moe
+
+    for T in (16, 64, 320):
+        mx, bf = moe.experts_config(T, 6, 64, 1024, 1024, mxfp4=True), moe.experts_config(T, 6, 64, 1024, 1024)
+        assert mx.block_m <= 32 and mx.up[3] == mx.down[3] == 3, (T, mx)
+        assert bf.up[3] == 4, (T, bf)
+    assert moe.experts_config(8192, 6, 64, 1024, 1024, mxfp4=True).up[3] == 4
+
+
 def test_one_matrix_fills_the_gpu_below_2048_rows():
     """glu_linear (E = 1): one row block up to 64 rows and N split to >= 256 programs where the width
     allows. The expert tiers gave the `small` shared experts 16-32 programs from 17 rows on: 2.5x
