@@ -475,7 +475,7 @@ def compile_sm90() -> None:
           {**p("q k f b", "*bf16"), **p("dt_bias A_log q_out k_out g_out beta_out", "*fp32"),
            **p("T s_q s_k s_f s_b", "i32")},
           dict(H=H, K=K, BK=K, ROWS=16, SCALE=K ** -0.5, USE_LOWER_BOUND=True, LOWER_BOUND=LB, ACC=tl.float32), 4)
-    idx = {"chunk_seq": "*i32", "chunk_start": "*i64", "cu_seqlens": "*i32"}
+    idx = {"chunk_seq": "*i32", "chunk_start": "*i64", "cu_seqlens": "*i32", "state_indices": "*i32"}
     rule = kda_chunk.prefill_rule(K, K, 1, H, 1, 132)
     for warps in (2, 4):  # the rule's two: 2 from 1,024 chunk·heads
         build("kda_prefill intra", kda_chunk._kda_intra_kernel,

@@ -149,7 +149,8 @@ def check_short_conv(dtype: str, seed: int) -> None:
 
 def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: int = 20, vdim: int = V) -> None:
     """Varlen chunks: one over a chunk boundary with a short last chunk (and a prefix snapshot at that
-    boundary, into slot 3), a single token, a fresh one. v is a strided view (the model's is a slice of the conv output). dtype is v's (the model's); q, k,
+    boundary, into slot 3), a single token, a fresh one, and padding (a sequence on the null slot 0,
+    as a captured graph's unused places: zero output, slot 0 untouched). v is a strided view (the model's is a slice of the conv output). dtype is v's (the model's); q, k,
     g, beta and the state are in its accumulation dtype. `steep`: a softplus-like gate whose Γ drops by
     more than 80 within 16 rows, so the diagonal blocks take the elementwise path. The default K = 20
     gives the intra kernel two channel slices of 16, the second ragged; heads 22 at K = V = 64 take
@@ -161,12 +162,12 @@ def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: in
     gen = torch.Generator().manual_seed(seed)
     H, K, V = heads, kdim, vdim
     if kdim >= 64:
-        rule = kda_chunk.prefill_rule(K, V, 3, H, 4, 132)
-        assert (rule["intra"]["BKC"], rule["solve"]["BC"], rule["state"]["BV"]) == (64, 64, 64 if 3 * H >= 64 else 32)
-    lens = [65, 1, 14]  # the first ends in a one-row chunk
+        rule = kda_chunk.prefill_rule(K, V, 4, H, 4, 132)
+        assert (rule["intra"]["BKC"], rule["solve"]["BC"], rule["state"]["BV"]) == (64, 64, 64 if 4 * H >= 64 else 32)
+    lens = [65, 1, 14, 20]  # the first ends in a one-row chunk; the last is padding
     T = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    slots, has = [7, 2, 5], torch.tensor([True, True, False])
+    slots, has = [7, 2, 5, 0], torch.tensor([True, True, False, False])
     q = (norm_ref.l2_norm(rand(gen, T, H, K)) * K ** -0.5).to(a)
     k = norm_ref.l2_norm(rand(gen, T, H, K)).to(a)
     rows = rand(gen, T, 2 * H * V + 3).to(dt)
@@ -176,7 +177,7 @@ def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: in
     args = [q, k, v, g.to(a), beta, pool(gen, (N, H, K, V), a, fresh=[]), cu, torch.tensor(slots, dtype=torch.int32),
             has]
     # a prefix snapshot inside the first sequence, after its first KDA chunk, into slot 3
-    table, ends, snap_slots = varlen.snapshot_tables(lens, [[(64, 3)], [], []], varlen.num_chunks(T, len(lens)))
+    table, ends, snap_slots = varlen.snapshot_tables(lens, [[(64, 3)], [], [], []], varlen.num_chunks(T, len(lens)))
     layout = varlen.varlen_layout(cu, T, snapshots=(torch.tensor(table, dtype=torch.int32), torch.tensor(ends),
                                                     torch.tensor(snap_slots)))
     ref = clone_all(args)
@@ -185,7 +186,9 @@ def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: in
         o = kda_chunk.kda_prefill(*args, layout=layout)
     torch.testing.assert_close(o, kda_ref.kda_prefill(*ref, layout=layout), **KERNEL_PREFILL[dt],
                                msg=lambda m: f"o: {m}")
-    assert_slots(args[5], ref[5], before, slots + [3], KERNEL_PREFILL[dt], "S_pool")
+    assert torch.equal(o[T - lens[-1]:], torch.zeros_like(o[T - lens[-1]:])), "padding: o not zero"
+    assert_slots(args[5], ref[5], before, slots[:-1] + [3], KERNEL_PREFILL[dt], "S_pool")
+    assert torch.equal(args[5][0], before[0]) and torch.equal(ref[5][0], before[0]), "padding wrote slot 0"
 
 
 def check_kda_prefill_inputs(dtype: str, lower_bound: float | None, seed: int) -> None:

@@ -73,9 +73,9 @@ def _acc_block(acc0, acc1, acc2, acc3, x, J: tl.constexpr):
 
 
 @triton.jit
-def _kda_intra_kernel(q, k, g, beta, chunk_seq, chunk_start, cu_seqlens, Akk, Aqk, kb, qg, kg, gl, stride_q,
-                      stride_k, stride_g, H: tl.constexpr, K: tl.constexpr, BKC: tl.constexpr, ACC: tl.constexpr,
-                      DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
+def _kda_intra_kernel(q, k, g, beta, chunk_seq, chunk_start, cu_seqlens, state_indices, Akk, Aqk, kb, qg, kg, gl,
+                      stride_q, stride_k, stride_g, H: tl.constexpr, K: tl.constexpr, BKC: tl.constexpr,
+                      ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
     """Program (chunk c, head h, block I of 16 rows): row block I of A_kk and A_qk (column blocks J ≤ I),
     and its rows of kb = β e^Γ k, qg = q e^Γ, kg = k e^{Γ_last−Γ}; block 0 also writes gl = e^{Γ_last}.
     Γ is relative to the chunk start and c_J is Γ at the end of block J−1 (c_0 = 0). Channels go in
@@ -83,6 +83,8 @@ def _kda_intra_kernel(q, k, g, beta, chunk_seq, chunk_start, cu_seqlens, Akk, Aq
     i_c, i_h, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     seq = tl.load(chunk_seq + i_c)
     if seq < 0:
+        return
+    if tl.load(state_indices + seq) == 0:  # padding: the state kernel writes its zeros
         return
     t0 = tl.load(chunk_start + i_c)
     L = tl.minimum(tl.load(cu_seqlens + seq + 1).to(tl.int64) - t0, 64)
@@ -245,14 +247,16 @@ def _store_wu(kb, v, beta, w, u, t0, L, i_h, x0, x1, x2, x3, stride_v, I: tl.con
 
 
 @triton.jit
-def _kda_solve_kernel(Akk, kb, v, beta, chunk_seq, chunk_start, cu_seqlens, w, u, stride_v, H: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
+def _kda_solve_kernel(Akk, kb, v, beta, chunk_seq, chunk_start, cu_seqlens, state_indices, w, u, stride_v,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
                       DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
     """Program (chunk, head): T = (I − A_kk)^{-1} from its 16×16 blocks (block forward substitution),
     then w and u. T·diag(β) is folded into the operands (kb already carries β)."""
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     seq = tl.load(chunk_seq + i_c)
     if seq < 0:
+        return
+    if tl.load(state_indices + seq) == 0:  # padding
         return
     t0 = tl.load(chunk_start + i_c)
     L = tl.minimum(tl.load(cu_seqlens + seq + 1).to(tl.int64) - t0, 64)
@@ -297,6 +301,12 @@ def _kda_state_kernel(w, u, qg, kg, Aqk, gl, S_pool, state_indices, has_initial_
     S = tl.zeros([BK, BV], dtype=ACC)
     if tl.load(has_initial_state + i_b) != 0:
         S = tl.load(p_S, mask=m_S, other=0).to(ACC)
+    if slot == 0:  # padding (a graph's dummy places and padding sequence): zeros, nothing else
+        for ic in range(0, tl.cdiv(eos - bos, 64)):
+            p_v = (bos + ic * 64 + o64)[:, None] * (H * V) + i_h * V + o_v[None, :]
+            tl.store(o + p_v, tl.zeros([64, BV], dtype=o.dtype.element_ty), mask=(bos + ic * 64 + o64 < eos)[:, None]
+                     & m_v[None, :])
+        return
     causal = o64[:, None] >= o64[None, :]
     for ic in range(0, tl.cdiv(eos - bos, 64)):
         t0 = bos + ic * 64
@@ -454,7 +464,9 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     """`kda_ref.kda_prefill`: chunks of 64 (§5.8), three launches, no host sync. q, k, g and v may have
     a token stride (v is a view of the conv output); their [H, D] rows must be contiguous. `layout`:
     the step's chunk table (`varlen.varlen_layout` of cu_seqlens), built here when None; its prefix
-    snapshots are stored as the walk passes them."""
+    snapshots are stored as the walk passes them. A sequence on the null slot 0 is padding (a
+    graph's dummy chunk places and padding sequence): its rows of o are zero and nothing else of it
+    is computed."""
     _raise_if(_prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout),
               "kda_prefill")
     o, launches = _prefill_launches(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout)
@@ -507,12 +519,13 @@ def _prefill_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         kn[name] = {**kn[name], **over}
     BVS = kn["state"]["BV"]
     intra = lambda: _kda_intra_kernel[(NC, H, BT // 16)](  # noqa: E731
-        q=q, k=k, g=g, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, Akk=Akk,
-        Aqk=Aqk, kb=kb, qg=qg, kg=kg, gl=gl, stride_q=q.stride(0), stride_k=k.stride(0), stride_g=g.stride(0),
+        q=q, k=k, g=g, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens,
+        state_indices=state_indices, Akk=Akk, Aqk=Aqk, kb=kb, qg=qg, kg=kg, gl=gl, stride_q=q.stride(0),
+        stride_k=k.stride(0), stride_g=g.stride(0),
         H=H, K=K, **kn["intra"], **flags)
     solve = lambda: _kda_solve_kernel[(NC, H)](  # noqa: E731
-        Akk=Akk, kb=kb, v=v, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens, w=w,
-        u=u, stride_v=v.stride(0), H=H, K=K, V=V, **kn["solve"], **flags)
+        Akk=Akk, kb=kb, v=v, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens,
+        state_indices=state_indices, w=w, u=u, stride_v=v.stride(0), H=H, K=K, V=V, **kn["solve"], **flags)
     state = lambda: _kda_state_kernel[(triton.cdiv(V, BVS), B * H)](  # noqa: E731
         w=w, u=u, qg=qg, kg=kg, Aqk=Aqk, gl=gl, S_pool=S_pool, state_indices=state_indices,
         has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, first_chunk=first_chunk,

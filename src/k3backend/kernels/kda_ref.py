@@ -161,15 +161,20 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     q, k: [T, H, K] (l2-normalised, q scaled); v: [T, H, V]; g: [T, H, K] log-decay; beta: [T, H];
     S_pool: [N, H, K, V]. Returns o [T, H, V] in the state's dtype. `layout`: as in `short_conv`, except
     that its prefix snapshots (`chunk_snapshot`) are taken: the state after those KDA chunks into their slots.
+    A sequence on the null slot 0 is padding (a captured graph's unused places): zero rows of o, no state.
     """
     o = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=S_pool.dtype, device=q.device)
     bounds, slots, init = cu_seqlens.tolist(), state_indices.tolist(), has_initial_state.tolist()
     snaps = layout.chunk_snapshot.tolist() if layout is not None and layout.chunk_snapshot is not None else []
     first = 0
     for b, (slot, has) in enumerate(zip(slots, init)):
-        S = S_pool[slot] if has else torch.zeros_like(S_pool[slot])
         a, end = bounds[b], bounds[b + 1]
         n = -(-(end - a) // KDA_CHUNK)
+        if slot == 0:
+            o[a:end] = 0
+            first += n
+            continue
+        S = S_pool[slot] if has else torch.zeros_like(S_pool[slot])
         # a prefix snapshot after KDA chunk j (table entry first + j): the walk split there changes no chunk
         cuts = [(a + KDA_CHUNK * (j + 1), snaps[first + j]) for j in range(n) if snaps and snaps[first + j]]
         for stop, dst in cuts + [(end, slot)]:
