@@ -7,6 +7,7 @@ captured graph, or eager with --enforce-eager) and one prefill, on random `small
     python bench/profile_step.py --step-kinds                    # decode, chunks, decode + chunks, image rows
     python bench/profile_step.py --step-kinds --layers 48        # how host time grows with depth
     python bench/profile_step.py --step-kinds --kind-kernels --rows 15   # and each kind's top kernels
+                                                     # (a mixed kind's also minus the plain decode step's)
     python bench/profile_step.py --step-kinds --random-weights tiny --device cpu
 
 Prints, per step, the number of kernels, their summed device time and the top kernels by device
@@ -37,14 +38,30 @@ from k3backend.engine.runner import InProcessExecutor
 from k3backend.engine.sampling_params import SamplingParams
 
 
-def table(prof, rows: int) -> str:
-    """Kernels only (device events), grouped by name."""
+def kernel_stats(prof) -> dict[str, list[float]]:
+    """Kernel name -> [calls, µs of device time] over the profiled events."""
     stats: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             s = stats.setdefault(e.name, [0, 0.0])
             s[0] += 1
             s[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return stats
+
+
+def diff_table(base: dict[str, list[float]], stats: dict[str, list[float]], rows: int) -> str:
+    """What a step kind adds to the base kind, kernel by kernel: the largest differences first."""
+    d = {n: (stats.get(n, [0, 0.0])[0] - base.get(n, [0, 0.0])[0], stats.get(n, [0, 0.0])[1] - base.get(n, [0, 0.0])[1])
+         for n in set(base) | set(stats)}
+    lines = [f"{sum(t for _, t in d.values()) / 1e3:+.3f} ms of device time"]
+    for name, (n, t) in sorted(d.items(), key=lambda kv: -abs(kv[1][1]))[:rows]:
+        lines.append(f"  {t / 1e3:+8.3f} ms {int(n):+5d}x  {name[:90]}")
+    return "\n".join(lines)
+
+
+def table(prof, rows: int) -> str:
+    """Kernels only (device events), grouped by name."""
+    stats = kernel_stats(prof)
     total = sum(v[1] for v in stats.values())
     lines = [f"{sum(int(v[0]) for v in stats.values())} kernels, {total / 1e3:.3f} ms of device time"]
     for name, (n, t) in sorted(stats.items(), key=lambda kv: -kv[1][1])[:rows]:
@@ -52,7 +69,9 @@ def table(prof, rows: int) -> str:
     return "\n".join(lines)
 
 
-def profiled(fn, rows: int, label: str) -> None:
+def profiled(fn, rows: int, label: str, base: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Print the top kernels of one call of fn (and, given a base kind's stats, the difference to it);
+    returns its kernel stats."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()  # warm (compilation, autotuning)
@@ -61,10 +80,13 @@ def profiled(fn, rows: int, label: str) -> None:
         fn()
         torch.cuda.synchronize()
     try:
-        text = table(prof, rows)
+        text, stats = table(prof, rows), kernel_stats(prof)
     except Exception as e:  # noqa: BLE001 - another torch's event API: its own table then
-        text = f"({e})\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
+        text, stats = f"({e})\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows), {}
     print(f"\n== {label}\n{text}", flush=True)
+    if base is not None and stats:
+        print(f"-- {label}, minus the plain decode step: {diff_table(base, stats, rows)}", flush=True)
+    return stats
 
 
 def sync(device: torch.device) -> None:
@@ -103,6 +125,7 @@ def kinds_table(runner, args: argparse.Namespace, device: torch.device, hidden: 
     """Host / wall / device time of each step kind through runner.logits (see the module docstring)."""
     print(f"\n{'step kind':<40} {'host ms':>8} {'wall ms':>8} {'kernels':>8} {'device ms':>9} {'searchsorted':>12} "
           f"graph-vs-padded/vs-eager")
+    decode_stats = None  # the plain decode kind's kernels, which --kind-kernels subtracts from the mixed kinds
     for label, nd, chunks in step_kinds(args):
         plan = kind_plan(runner, nd, chunks, args.context, hidden)
         step = lambda: runner.logits(plan)  # noqa: E731
@@ -132,7 +155,8 @@ def kinds_table(runner, args: argparse.Namespace, device: torch.device, hidden: 
         print(f"{label:<40} {med(host):>8.2f} {med(wall):>8.2f} {kernels:>8} {busy:>9} {searches[0]:>12} "
               f"{graph_check(runner, plan)}", flush=True)
         if args.kind_kernels and device.type == "cuda":
-            profiled(step, args.rows, label)
+            stats = profiled(step, args.rows, label, decode_stats if nd and chunks else None)
+            decode_stats = stats if nd and not chunks else decode_stats
 
 
 def graph_check(runner, plan: StepPlan) -> str:
@@ -230,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kind-chunk", type=int, default=256, help="--step-kinds: tokens of a prefill chunk")
     ap.add_argument("--kind-image-rows", type=int, default=256, help="--step-kinds: image rows of the image step")
     ap.add_argument("--iters", type=int, default=5, help="--step-kinds: timed runs of each kind (the median)")
-    ap.add_argument("--kind-kernels", action="store_true", help="--step-kinds: each kind's top kernels too")
+    ap.add_argument("--kind-kernels", action="store_true", help="--step-kinds: each kind's top kernels too, and "
+                    "what a kind with decode rows and chunks adds to the plain decode kind, kernel by kernel")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     ns = argparse.Namespace(checkpoint=None, random_weights=args.random_weights, seed=0, experts=args.experts,
