@@ -146,6 +146,7 @@ def test_several_prefill_chunks_share_one_padded_graph_step_and_change_no_output
     runner._graphed = lambda decodes, chunks: steps.append(len(chunks)) or graphed(decodes, chunks)
     outs = run(core, reqs)
     assert_each_alone(model64, reqs, outs)
+    assert runner.prefill_graphs.batch(32).prefill_layout.padding_last, "the graph's padding sequence is marked"
     assert any(len(n) >= 3 for n, _, _, _ in calls), calls  # several chunks in one replay
     assert any(len(n) > 1 and rows for n, _, rows, _ in calls), calls  # image rows among other chunks
     assert any(len(n) < runner.prefill_graphs.seqs(size) for n, _, _, size in calls), calls  # dummy places

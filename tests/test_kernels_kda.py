@@ -382,6 +382,27 @@ def test_kda_prefill_rule_takes_the_measured_launches(lens, heads, want):
     assert (rule["intra"]["BKC"], rule["solve"]["BC"]) == (64, 64)
 
 
+def test_kda_prefill_rule_leaves_a_graphs_padding_sequence_out():
+    """A captured graph's layout marks its padding sequence (padding_last), which does no work (it is on
+    the null slot); kda_prefill's launch rule counts the other sequences: a mixed graph of 4 chunk places
+    takes the 4-sequence state launch (3 stages), not the 5-sequence one (1 stage)."""
+    from k3backend.kernels import kda_chunk, varlen
+
+    lens, H, K = [256, 1, 1, 1, 16], 16, 128
+    T, B = sum(lens), len(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = k = g = torch.zeros(T, H, K)
+    args = (q, k, torch.zeros(T, H, K, dtype=torch.bfloat16), g, torch.zeros(T, H), torch.zeros(2, H, K, K), cu,
+            torch.tensor([1, 0, 0, 0, 0], dtype=torch.int32), torch.zeros(B, dtype=torch.bool))
+    nc = varlen.num_chunks(T, B)
+    knobs = {}
+    for padded in (True, False):
+        _, launches = kda_chunk._prefill_launches(*args, layout=varlen.varlen_layout(cu, T, padding_last=padded))
+        knobs[padded] = launches[2].knobs
+        assert knobs[padded] == kda_chunk.prefill_rule(K, K, B - padded, H, nc, 132)["state"]
+    assert knobs[True]["num_stages"] == 3 and knobs[False]["num_stages"] == 1, knobs
+
+
 @pytest.mark.parametrize("v_blocks, reason", [(3, "v_blocks = 3: expected a power of two from 1 to 16"),
                                                (32, "v_blocks = 32: expected a power of two from 1 to 16"),
                                                (0, "v_blocks = 0")])

@@ -326,7 +326,7 @@ class PrefillGraphs(_Graphs):
             num_decode=D, state_indices=self.state_indices[:D + s], has_initial_state=self.has_initial_state[:D + s],
             slot_mapping=self.slot_mapping[:D + t], block_tables=tables, context_lens=lens,
             logits_indices=self.logits_index[:D + s - 1], prefill_cu_seqlens=cu,
-            prefill_layout=varlen_layout(cu, t, lens[D:], tables[D:], self.block_size, snapshots),
+            prefill_layout=varlen_layout(cu, t, lens[D:], tables[D:], self.block_size, snapshots, padding_last=True),
             mm_positions=self.mm_positions[:size], mm_embeds=self.mm_embeds[:size])
 
     def _prepare(self, size: int) -> None:

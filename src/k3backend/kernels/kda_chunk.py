@@ -403,9 +403,9 @@ def kda_prefill_inputs(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, b: tor
 
 
 def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str, dict[str, int]]:
-    """Launch keywords of the intra, solve and state kernels, a pure function of the shape (NC: the
-    chunk table's length). Measured on the H200 (`bench/kernels_kda.py --tiles`, `small`, H 16, K = V =
-    128, µs):
+    """Launch keywords of the intra, solve and state kernels, a pure function of the shape (B: the
+    sequences that do work, a graph's padding sequence left out; NC: the chunk table's length).
+    Measured on the H200 (`bench/kernels_kda.py --tiles`, `small`, H 16, K = V = 128, µs):
     - intra BKC 64 (4,096 tokens 360 → 267 against 32) and solve BC 64 (104 → 80);
     - both on 2 warps from 1,024 chunk·heads (≥ 8 programs an SM), 4 below: 4,096 tokens intra 268 →
       188, solve 82 → 64, H 96 at 8,192 tokens 3,127 → 2,202 and 949 → 725; at one 256-token prompt
@@ -414,7 +414,10 @@ def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str,
       1,269 → 675), else 32 (one sequence of 16 heads: 209 against 236 at 4,096 tokens); 3 stages of
       the chunk loads while the programs fit on the SMs (4,096 tokens 203 → 164, 4 × 1,024 70 → 64),
       past that one stage and several programs an SM hide the latency instead (16 × 32: 18 against 24
-      with 3 stages)."""
+      with 3 stages). A mixed graph (4 chunk places and the padding sequence) counts B = 4: V blocks of 64
+      in 3 stages, against 1 stage when the padding counted (state µs, 1 × 256 real chunk 13.9 against
+      15.4, 2 × 128 9.3 / 9.8, 4 × 64 7.5 / 7.0, 1 × 1,024 42.1 / 52.8, 2 × 512 23.7 / 31.4, 4 × 256
+      15.1 / 16.5)."""
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     small = max(BK, BV) <= 32
     warps = 2 if NC * H >= 1024 else 4
@@ -514,7 +517,7 @@ def _prefill_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     u = torch.empty(T, H, V, dtype=mid, device=dev)
     gl = torch.empty(NC, H, K, dtype=acc, device=dev)
     flags = dict(ACC=ACC, DOT=DOT, PREC=PREC, BITS=_INTERPRET)
-    kn = prefill_rule(K, V, B, H, NC, _num_sms(dev))
+    kn = prefill_rule(K, V, B - lay.padding_last, H, NC, _num_sms(dev))  # the padding does no work
     for name, over in (knobs or {}).items():
         kn[name] = {**kn[name], **over}
     BVS = kn["state"]["BV"]

@@ -33,7 +33,8 @@ class VarlenLayout:
     chunk (at a whole number of KDA chunks from its start, `snapshot_tables`): chunk_snapshot [NC]
     int32, the KDA slot that gets the state after that chunk (0: none); snapshot_ends [M] int64, the
     flat end of each snapshot's prefix, and snapshot_slots [M] int64 its slot (0: an unused entry),
-    for the conv history.
+    for the conv history. padding_last: the last sequence is a captured graph's padding sequence (on
+    the null slot: no KDA work), which launch rules then leave out of the sequence count.
     """
 
     cu_seqlens: torch.Tensor
@@ -50,6 +51,7 @@ class VarlenLayout:
     chunk_snapshot: torch.Tensor | None = None
     snapshot_ends: torch.Tensor | None = None
     snapshot_slots: torch.Tensor | None = None
+    padding_last: bool = False
     _tiles: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, repr=False, compare=False)
 
@@ -87,11 +89,12 @@ class VarlenLayout:
 
 def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int, context_lens: torch.Tensor | None = None,
                   block_tables: torch.Tensor | None = None, block_size: int = 0,
-                  snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> VarlenLayout:
+                  snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  padding_last: bool = False) -> VarlenLayout:
     """The layout of `num_tokens` tokens in sequences `cu_seqlens` [B+1]; context_lens [B] (tokens in
     the cache after this step; None: no cached prefix) and block_tables [B, W] with block_size give the
     positions and latent rows; snapshots: (chunk_snapshot, snapshot_ends, snapshot_slots) as
-    `snapshot_tables` builds them. Device ops only, sizes from shapes alone."""
+    `snapshot_tables` builds them; padding_last as in VarlenLayout. Device ops only, sizes from shapes alone."""
     B, T = cu_seqlens.shape[0] - 1, num_tokens
     dev = cu_seqlens.device
     cu = cu_seqlens.long()
@@ -114,7 +117,7 @@ def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int, context_lens: torch
     start = cu[chunk_seq] + KDA_CHUNK * (ids - first[chunk_seq]) if B else ids
     chunk_seq = torch.where(valid, chunk_seq, -1).to(torch.int32)
     return VarlenLayout(cu_seqlens, T, lens, seq_ids, positions, prefix, rows, chunk_seq, start, first, NC,
-                        *(snapshots or ()))
+                        *(snapshots or (None, None, None)), padding_last=padding_last)
 
 
 def num_chunks(num_tokens: int, num_seqs: int) -> int:
