@@ -155,6 +155,29 @@ def test_several_prefill_chunks_share_one_padded_graph_step_and_change_no_output
     assert core.stats().steps == len(steps)  # every step replayed
 
 
+def test_prefill_graphs_are_timed_on_a_chunk_that_does_the_work(model64):
+    """The buffers that capture and `replay_ms` run (`_prepare`) hold a fresh chunk of the graph's size
+    on slot 1, not only padding on the null slot, which kda_prefill skips: timed on padding, a graph
+    would read too fast and raise the decode_stall_ms cap past what a real prompt's step takes."""
+    from k3backend.model.cache import KDACache
+
+    core = new_core(model64, max_num_seqs=4, max_num_batched_tokens=64, **PAGED)
+    runner = core.executor.runner
+    for max_seqs in (64, 1):  # the multi-chunk graphs and the one-chunk ones
+        graphs = runner.make_prefill_graphs(core.cfg, (16, 32, 64), capture=False, max_seqs=max_seqs)
+        states = [c.state for c in runner.pools.layers if isinstance(c, KDACache)]
+        for size in (16, 64):
+            for st in states:
+                st.zero_()
+            graphs._prepare(size)
+            assert graphs.batch(size).prefill_layout.lens[0].item() == size
+            with torch.inference_mode():
+                graphs.run_eagerly(size)
+            assert all(st[1].abs().amax() > 0 for st in states), f"size {size}: slot 1 got no KDA state"
+            assert all(st[0].abs().amax() == 0 for st in states), f"size {size}: the null slot was written"
+    assert_idle(core)
+
+
 def test_steps_of_one_chunk_take_the_one_chunk_prefill_graphs(model64, tok):
     """With the one-chunk graphs beside the multi-chunk ones (as `capture_graphs` makes them; here
     their buffers run eagerly on the CPU), a step of one prefill chunk replays a one-chunk graph (no

@@ -330,7 +330,12 @@ class PrefillGraphs(_Graphs):
             mm_positions=self.mm_positions[:size], mm_embeds=self.mm_embeds[:size])
 
     def _prepare(self, size: int) -> None:
-        self._fill([], size, [], None)  # every place a dummy, every decode row padding
+        """One fresh chunk of `size` tokens on slot 1 (free at start-up, when graphs are captured and
+        timed), its latent rows in the null block; the other places dummies, the decode rows padding.
+        The chunk does a real prompt's KDA work, which padding on the null slot skips, so `replay_ms`
+        (the runner's prefill_ms, and with it the decode_stall_ms cap) times a step of that size."""
+        chunk = SeqChunk([spread_token(i) for i in range(size)], 0, 1, False, [0] * -(-size // self.block_size))
+        self._fill([chunk], size, [], None)
 
     def run(self, chunks: Sequence[SeqChunk], mm_positions: Sequence[int] = (), mm_embeds: torch.Tensor | None = None,
             decodes: Sequence[SeqChunk] = (), fix_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
