@@ -298,15 +298,15 @@ def _kda_state_kernel(w, u, qg, kg, Aqk, gl, S_pool, state_indices, has_initial_
     m_k, m_v = o_k < K, o_v < V
     p_S = S_pool + slot * (H * K * V) + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
     m_S = m_k[:, None] & m_v[None, :]
-    S = tl.zeros([BK, BV], dtype=ACC)
-    if tl.load(has_initial_state + i_b) != 0:
-        S = tl.load(p_S, mask=m_S, other=0).to(ACC)
     if slot == 0:  # padding (a graph's dummy places and padding sequence): zeros, nothing else
         for ic in range(0, tl.cdiv(eos - bos, 64)):
             p_v = (bos + ic * 64 + o64)[:, None] * (H * V) + i_h * V + o_v[None, :]
             tl.store(o + p_v, tl.zeros([64, BV], dtype=o.dtype.element_ty), mask=(bos + ic * 64 + o64 < eos)[:, None]
                      & m_v[None, :])
         return
+    S = tl.zeros([BK, BV], dtype=ACC)
+    if tl.load(has_initial_state + i_b) != 0:
+        S = tl.load(p_S, mask=m_S, other=0).to(ACC)
     causal = o64[:, None] >= o64[None, :]
     for ic in range(0, tl.cdiv(eos - bos, 64)):
         t0 = bos + ic * 64
@@ -328,8 +328,7 @@ def _kda_state_kernel(w, u, qg, kg, Aqk, gl, S_pool, state_indices, has_initial_
             if dst != 0:
                 p_D = S_pool + dst * (H * K * V) + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
                 tl.store(p_D, S.to(S_pool.dtype.element_ty), mask=m_S)
-    if slot != 0:
-        tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S)
+    tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S)
 
 
 @triton.jit(do_not_specialize=["T"])
