@@ -57,6 +57,41 @@ def test_a_successor_is_sent_after_the_turnaround_of_the_request_it_follows():
     assert all(0 <= a - f < 0.02 for a, f in zip(sorted(core.added[3:]), free))
 
 
+class DecodeCore(OneStepCore):
+    """Every request gets one token a step until its output length; steps take 2 ms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left: dict[int, int] = {}
+
+    def add(self, rid: int, request) -> None:
+        super().add(rid, request)
+        self.left[rid] = request.params.max_tokens
+
+    def step(self) -> StepOutputs:
+        time.sleep(0.002)
+        self._new = []
+        ids = list(self.left)
+        for rid in ids:
+            self.left[rid] -= 1
+        ended = [rid for rid in ids if not self.left[rid]]
+        for rid in ended:
+            del self.left[rid]
+        return StepOutputs(np.array(ids, dtype=np.int64), np.zeros(len(ids), dtype=np.int64),
+                           np.array([FinishReason.LENGTH if rid in ended else 0 for rid in ids], dtype=np.int8))
+
+
+def test_full_concurrency_throughput_leaves_out_the_drain():
+    """Two clients, outputs of 4, 4 and 40 tokens: the third request decodes alone for 36 steps at
+    the end (half the rate), which the whole run's tok/s counts and "full tok/s" leaves out."""
+    jobs = [([1, 2], 4, 0), ([1, 2], 4, 0), ([1, 2], 40, 0)]
+    r = bench.run(DecodeCore(), jobs, 2, first_id=1)
+    whole = r["tokens"] / r["wall"]
+    assert r["tokens"] == 48 and r["full_tok_s"] > 1.5 * whole, (r["full_tok_s"], whole)
+    r = bench.run(DecodeCore(), jobs[:2], 2, first_id=1)  # no successors: the whole run is full
+    assert r["full_tok_s"] == r["tokens"] / r["wall"]
+
+
 def test_the_decode_graphs_are_timed_on_a_defined_step_whatever_ran_before():
     """graph_times replays each decode graph on set_decode_context's step. Graphs are captured on a GPU
     only; here the same static buffers run eagerly: b rows at the context on slots 1..b with tokens of

@@ -12,12 +12,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from k3backend.checkpoint import load_model
 from k3backend.engine.config import EngineConfig
-from k3backend.engine.core import EngineCore, prefill_cap
+from k3backend.engine.core import EngineCore, describe_cap, prefill_cap
 from k3backend.engine.request import FinishReason, Request
 from k3backend.engine.runner import InProcessExecutor, prefill_graph_sizes
 from k3backend.engine.sampling_params import SamplingParams
@@ -175,6 +176,52 @@ def test_prefill_graphs_are_timed_on_a_chunk_that_does_the_work(model64):
                 graphs.run_eagerly(size)
             assert all(st[1].abs().amax() > 0 for st in states), f"size {size}: slot 1 got no KDA state"
             assert all(st[0].abs().amax() == 0 for st in states), f"size {size}: the null slot was written"
+        # after a prefix (`time_prefill`'s later starts): the chunk reads slot 1's state and attends
+        # to the prefix's latent rows (the null block's), so its logits change
+        graphs._prepare(32)
+        with torch.inference_mode():
+            fresh = graphs.run_eagerly(32)[0].clone()
+        graphs._prepare(32, prefix=200)
+        lay = graphs.batch(32).prefill_layout
+        assert lay.lens[0].item() == 32 and graphs.context_lens[graphs.decode].item() == 232
+        assert graphs.has_initial_state[graphs.decode].item() and graphs.state_indices[graphs.decode].item() == 1
+        with torch.inference_mode():
+            after = graphs.run_eagerly(32)[0]
+        assert not torch.equal(fresh, after)
+    assert_idle(core)
+
+
+def test_prefill_steps_are_timed_at_later_chunk_starts_up_to_the_first_size_past_the_stall(model64):
+    """`time_prefill` times every size from token 0, and at each later start of `timed_starts` the sizes
+    up to the first whose step with the decode rows exceeds decode_stall_ms, each at that start or the
+    latest its size allows (max_model_len - size). Here a made-up cost of 1 ms + 0.01 ms per token +
+    4e-6 ms per token and prefix token stands in for the graphs' replays."""
+    from k3backend.engine.runner import timed_starts
+
+    assert timed_starts(131072, 32) == [2048, 4096, 8192, 16384, 32768, 65536, 131040]
+    assert timed_starts(5000, 32) == [2048, 4096, 4968] and timed_starts(1024, 32) == [992]
+    core = new_core(model64, max_num_seqs=4, max_num_batched_tokens=64, **PAGED)
+    runner, calls = core.executor.runner, []
+
+    class Graphs:
+        sizes = (32, 64, 128, 256, 512)
+
+        def replay_ms(self, device, reps=3, sizes=None, prefix=0):
+            calls.append((prefix, tuple(sizes or self.sizes)))
+            return {n: 1 + 0.01 * n + 4e-6 * n * prefix for n in (sizes or self.sizes)}
+
+    runner.prefill_graphs, runner.decode_ms = Graphs(), 1.0
+    cfg = replace(core.cfg, max_model_len=5000, decode_stall_ms=5.0)
+    times = runner.time_prefill(cfg)
+    assert list(times) == [0, 2048, 4096, 4968] and len(times[0]) == 5
+    assert calls[1:] == [(2048, (32,)), (2048, (64,)), (2048, (128,)), (2048, (256,)),  # 256: 5.66 ms + 1 > 5
+                         (4096, (32,)), (4096, (64,)), (4096, (128,)),  # 128: 4.38 ms
+                         (4968, (32,)), (4936, (64,)), (4872, (128,))]  # a chunk of n starts by 5000 - n
+    assert prefill_cap(times, cfg.decode_stall_ms, runner.decode_ms) == ((0, 256), (2048, 128), (4096, 64),
+                                                                          (4968, 64))
+    calls.clear()
+    assert list(runner.time_prefill(replace(cfg, decode_stall_ms=0.0))) == [0]  # no cap: start 0 only
+    assert calls == [(0, Graphs.sizes)]
     assert_idle(core)
 
 
@@ -534,13 +581,19 @@ def test_min_tokens_counts_a_token_still_in_flight(model64, tok):
 
 
 def test_prefill_cap_is_the_largest_measured_step_within_the_stall():
-    times = {32: 1.5, 256: 6.0, 2048: 29.0, 4096: 55.0}
-    assert prefill_cap(times, 30.0) == 2048
-    assert prefill_cap(times, 6.0) == 256
-    assert prefill_cap(times, 0.5) == 32  # none fits: the smallest, so prompts still advance
-    assert prefill_cap(times, 0.0) == 0 and prefill_cap({}, 30.0) == 0  # off; unmeasured (CPU)
-    assert prefill_cap(times, 30.0, decode_ms=1.5) == 256  # the decode rows' time counts too
-    assert prefill_cap(times, 30.0, decode_ms=1.0) == 2048
+    times = {0: {32: 1.5, 256: 6.0, 2048: 29.0, 4096: 55.0}}
+    assert prefill_cap(times, 30.0) == ((0, 2048),)
+    assert prefill_cap(times, 6.0) == ((0, 256),)
+    assert prefill_cap(times, 0.5) == ((0, 32),)  # none fits: the smallest, so prompts still advance
+    assert prefill_cap(times, 0.0) == () and prefill_cap({}, 30.0) == ()  # off; unmeasured (CPU)
+    assert prefill_cap(times, 30.0, decode_ms=1.5) == ((0, 256),)  # the decode rows' time counts too
+    assert prefill_cap(times, 30.0, decode_ms=1.0) == ((0, 2048),)
+    # later chunk starts, timed up to the first size past the stall: each start's own largest fit,
+    # never more than an earlier start's (a start timed faster than an earlier one is noise)
+    times |= {2048: {32: 2.0, 256: 8.0, 2048: 33.0}, 8192: {32: 4.0, 256: 31.0}, 16384: {32: 1.0, 256: 7.0},
+              30000: {32: 35.0}}
+    assert prefill_cap(times, 30.0) == ((0, 2048), (2048, 256), (8192, 32), (16384, 32), (30000, 32))
+    assert describe_cap(prefill_cap(times, 30.0)) == "2048 (256 from token 2048, 32 from token 8192)"
 
 
 def test_the_stall_cap_from_measured_steps_bounds_prefill_beside_decodes_and_changes_no_output(model64, tok):
@@ -550,9 +603,9 @@ def test_the_stall_cap_from_measured_steps_bounds_prefill_beside_decodes_and_cha
     cfg = EngineConfig(max_model_len=1024, cpu_cache_gb=0.25, max_num_seqs=4, max_num_batched_tokens=64,
                        decode_stall_ms=5.0, **PAGED)
     executor = InProcessExecutor(model64, cfg)
-    executor.prefill_ms = {8: 1.0, 16: 4.0, 64: 50.0}
+    executor.prefill_ms = {0: {8: 1.0, 16: 4.0, 64: 50.0}}
     core = EngineCore(executor, cfg)
-    assert core.sched.cfg.prefill_cap == 16
+    assert core.sched.cfg.prefill_cap == ((0, 16),)
     reqs = [Request(f"s{i}", tok.encode(f"short {i}", allow_special=True), SamplingParams(max_tokens=12, temperature=0.0))
             for i in range(2)]
     reqs += [Request(f"l{i}", tok.encode("a long prompt " * 5 + str(i), allow_special=True),
@@ -567,27 +620,50 @@ def test_the_stall_cap_from_measured_steps_bounds_prefill_beside_decodes_and_cha
                                                  for n in [sum(len(s.token_ids) for s in p.seqs)])
 
 
-def test_an_overlapped_engine_waits_for_a_long_step_so_its_news_comes_at_once(model64, tok):
-    """Async scheduling reports a step's tokens with the next call; a step measured to be long (here:
-    more than 8 prefill tokens, given times) is waited for in its own call instead, so a request
-    arriving meanwhile joins the very next step. Short steps still overlap, and every request equals
-    its run alone."""
+def test_an_overlapped_engine_waits_for_a_long_step_in_a_call_of_its_own(model64, tok):
+    """Async scheduling reports a step's tokens with the next call. A step measured to be long (here:
+    more than 8 prefill tokens, given times; 30 ms still fits decode_stall_ms) is waited for by the next call, which schedules nothing:
+    a request that arrives while it runs joins the very next step. The step before a long one reports
+    in the call that launches the long one, so a decoding request's token does not wait for both.
+    Short steps still overlap, and every request equals its run alone."""
     def core_with(times, **paged):
         cfg = EngineConfig(max_model_len=1024, cpu_cache_gb=0.25, **paged)
         executor = InProcessExecutor(model64, cfg)
         executor.prefill_ms = times
         core = EngineCore(executor, cfg)
         core.overlap = True
-        return core
+        launched = []
+        launch = executor.launch
+        executor.launch = lambda plan: launched.append(plan) or launch(plan)
+        return core, launched
 
-    r = Request("long", tok.encode("a prompt of some thirty tokens or so, long enough", allow_special=True),
-                SamplingParams(max_tokens=5, temperature=0.0))
-    for times, first_call in (({8: 1.0, 64: 50.0}, 1), ({}, 2)):
-        core = core_with(times)  # 64-token blocks: the prompt is one chunk
-        core.add(1, r)
-        calls = [core.step() for _ in range(2)]
-        assert [int((out.tokens >= 0).sum()) for out in calls].index(1) + 1 == first_call, times
-    core = core_with({8: 1.0, 64: 50.0}, **PAGED)  # chunks of 8 (light) and of more (heavy)
+    def news(out) -> dict[int, int]:
+        return {rid: int(n) for rid, n in zip(*np.unique(out.ids[out.tokens >= 0], return_counts=True))}
+
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    long = Request("long", tok.encode("a prompt of some thirty tokens or so, long enough", allow_special=True), params)
+    late = Request("late", tok.encode("one that arrives while the long one runs", allow_special=True), params)
+    core, launched = core_with({0: {8: 1.0, 64: 30.0}})  # 64-token blocks: a prompt is one chunk
+    core.add(1, long)
+    assert news(core.step()) == {} and len(launched) == 1  # launched, not waited for
+    core.add(2, late)  # arrives while it runs
+    assert news(core.step()) == {1: 1} and len(launched) == 1  # its news alone: nothing scheduled
+    core.step()
+    assert launched[1].num_decode == 1 and len(launched[1].seqs) == 2  # long's first decode; late joins at once
+    core, launched = core_with({})  # unmeasured: every step overlaps, news one call later
+    core.add(1, long)
+    assert news(core.step()) == {} and news(core.step()) == {1: 1} and len(launched) == 2
+
+    short = Request("short", tok.encode("hi", allow_special=True), SamplingParams(max_tokens=8, temperature=0.0))
+    assert len(short.prompt_ids) <= 8
+    core, launched = core_with({0: {8: 1.0, 64: 30.0}})
+    core.add(1, short)
+    assert news(core.step()) == {}  # its prefill, light
+    assert news(core.step()) == {1: 1}  # its first decode launched, the prefill's news
+    core.add(2, long)
+    assert news(core.step()) == {1: 1} and len(launched) == 3  # the long step launched: the decode's news now
+    assert news(core.step()) == {1: 1, 2: 1} and len(launched) == 3  # the long step's, alone
+    core, _ = core_with({0: {8: 1.0, 64: 30.0}}, **PAGED)  # chunks of 8 (light) and of more (heavy)
     fed = _count_pending_rows(core)
     outs = run(core, _overlap_requests(tok, model64))
     assert_each_alone(model64, _overlap_requests(tok, model64), outs)

@@ -20,7 +20,7 @@ import torch
 from k3backend.engine.plan import PENDING, CacheCapacity, StepPlan
 from k3backend.engine.request import Request
 from k3backend.engine.sampling_params import SamplingParams
-from k3backend.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from k3backend.engine.scheduler import Scheduler, SchedulerConfig, Sequence, cap_at
 from k3backend.kernels.varlen import KDA_CHUNK
 
 PAD = 21  # the media pad id the fake requests use
@@ -140,7 +140,8 @@ class Driver:
 
     def __init__(self, *, num_blocks: int, num_slots: int, block_size: int = 4, max_num_seqs: int = 4,
                  budget: int = 64, prefix_caching: bool = True, snapshot_interval: int = 8,
-                 overlap: bool = False, prefill_cap: int = 0, prefill_delay: float = 0.0) -> None:
+                 overlap: bool = False, prefill_cap: tuple[tuple[int, int], ...] = (),
+                 prefill_delay: float = 0.0) -> None:
         cfg = SchedulerConfig(max_num_seqs, budget, prefix_caching, snapshot_interval, prefill_cap, prefill_delay)
         self.sched = Scheduler(cfg, CacheCapacity(num_blocks, num_slots, block_size))
         self.cache = CacheModel(block_size)
@@ -179,9 +180,11 @@ class Driver:
         self.pending_rows += sum(sch.token_ids == (PENDING,) for sch in plan.seqs)
         tokens = [len(sch.token_ids) for sch in plan.seqs]
         assert sum(tokens) <= s.cfg.max_num_batched_tokens, f"{tokens}: over the step budget"
-        cap = s.cfg.prefill_cap if plan.num_decode else 0
-        long = sum(n for n, q in zip(tokens[plan.num_decode:], seqs[plan.num_decode:]) if 0 < cap < q.target)
-        assert long <= cap or not cap, f"{tokens}: {plan.num_decode} decode rows and long prompts beyond the cap {cap}"
+        cap = s.cfg.prefill_cap if plan.num_decode else ()
+        longs = [(sch.start, n) for sch, n, q in zip(plan.seqs[plan.num_decode:], tokens[plan.num_decode:],
+                                                     seqs[plan.num_decode:]) if cap and cap[0][1] < q.target]
+        assert not cap or (sum(n for _, n in longs) <= cap[0][1] and all(n <= cap_at(cap, a) for a, n in longs)), \
+            f"{tokens}: {plan.num_decode} decode rows and long prompts' chunks {longs} beyond the cap {cap}"
         tokens = iter(self.cache.execute(plan, seqs))
         s.update(plan, seqs)
         drawn = []
@@ -350,7 +353,7 @@ def test_a_step_that_decodes_takes_at_most_the_prefill_cap_and_one_that_does_not
     """decode_stall_ms's cap: while `old` decodes, a 40-token prompt advances by at most 6 prefill
     tokens a step (no prefix cache here, so no snapshot point cuts a chunk); once nothing
     decodes, a new prompt takes the whole budget of 64 in one step. Outputs equal their runs alone."""
-    d = Driver(num_blocks=64, num_slots=6, budget=64, prefix_caching=False, prefill_cap=6)
+    d = Driver(num_blocks=64, num_slots=6, budget=64, prefix_caching=False, prefill_cap=((0, 6),))
     old, new = make_seq("old", [5, 6, 7], max_tokens=12), make_seq("new", list(range(30, 70)), max_tokens=3)
     d.add(old)
     d.step()
@@ -370,11 +373,30 @@ def test_a_step_that_decodes_takes_at_most_the_prefill_cap_and_one_that_does_not
     assert d.done["old"] == alone(old) and d.done["new"] == alone(new)
 
 
+def test_beside_decodes_a_long_prompts_chunks_shrink_where_the_cap_says_later_starts_cost_more():
+    """A cap of 8 tokens for chunks from up to token 16 and 4 from up to token 32 (and past it): while
+    `old` decodes, a 40-token prompt advances 8, 8, 8 and then 4 at a time, since a chunk from token
+    24 is budgeted at the 32 entry. The output equals its run alone."""
+    d = Driver(num_blocks=64, num_slots=6, budget=64, prefix_caching=False, prefill_cap=((0, 8), (16, 8), (32, 4)))
+    old, new = make_seq("old", [5, 6, 7], max_tokens=20), make_seq("new", list(range(30, 70)), max_tokens=3)
+    d.add(old)
+    d.step()
+    d.add(new)
+    chunks = []
+    while new.prefilling or not new.output_ids:
+        plan, _ = d.step()
+        assert plan.num_decode == 1
+        chunks += [(c.start, len(c.token_ids)) for c in plan.seqs[plan.num_decode:]]
+    assert chunks == [(0, 8), (8, 8), (16, 8), (24, 4), (28, 4), (32, 4), (36, 4)]
+    d.run()
+    assert d.done["old"] == alone(old) and d.done["new"] == alone(new)
+
+
 def test_beside_decodes_long_prompts_share_the_cap_and_short_ones_are_taken_whole():
     """Prompts longer than the cap (6) share 6 tokens a step while `old` decodes; three 5-token prompts
     that arrive with them are admitted whole in the same step, 15 prefill tokens beyond the cap, so a
     burst of short prompts is not spread over extra steps. Outputs equal their runs alone."""
-    d = Driver(num_blocks=96, num_slots=8, max_num_seqs=6, budget=64, prefix_caching=False, prefill_cap=6)
+    d = Driver(num_blocks=96, num_slots=8, max_num_seqs=6, budget=64, prefix_caching=False, prefill_cap=((0, 6),))
     old = make_seq("old", [5, 6, 7], max_tokens=16)
     d.add(old)
     d.step()
@@ -459,7 +481,8 @@ def run_random(seed: int, long: bool = False, overlap: bool = False) -> Driver:
                block_size=bs, max_num_seqs=rng.randrange(1, 5),
                budget=rng.randrange(40, 300) if long else rng.randrange(3, 20), prefix_caching=seed % 3 != 0,
                snapshot_interval=rng.choice([64, 128] if long else [4, 8]), overlap=overlap,
-               prefill_cap=random.Random(-seed).choice([0, 1, 5, 33, 64]),  # own draws: the workload stays
+               prefill_cap=random.Random(-seed).choice([(), ((0, 1),), ((0, 5),), ((0, 33), (8, 9), (40, 2)),
+                                                        ((0, 64),)]),  # own draws: the workload stays
                prefill_delay=random.Random(seed + 7919).choice([0.0, 0.0, 2.0, 5.0]))
     step, cancelled = 0, set()
     while work or d.sched.all() or d.in_flight:

@@ -48,19 +48,21 @@ class EngineCore:
         self.info = executor.info
         cap = prefill_cap(executor.prefill_ms, cfg.decode_stall_ms, executor.decode_ms)
         if cap:
-            log.info("steps that decode take at most %d tokens of longer prompts (decode_stall_ms %g, with up to "
-                     "%.1f ms of decode rows)", cap, cfg.decode_stall_ms, executor.decode_ms)
+            log.info("steps that decode take at most %s tokens of longer prompts (decode_stall_ms %g, with up to "
+                     "%.1f ms of decode rows)", describe_cap(cap), cfg.decode_stall_ms, executor.decode_ms)
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching,
                                                cfg.snapshot_interval, cap, cfg.max_prefill_delay_ms / 1e3),
                                executor.capacity)
         self._seqs: dict[int, Sequence] = {}
         self._ended: list[tuple[int, FinishReason, tuple[str, str] | None]] = []  # reported with the next step
         self._in_flight: tuple[Any, list[Sequence]] | None = None  # a launched step and its sampling rows' seqs
+        self._heavy_in_flight = False  # the step in flight is heavy: the next call only waits for it
         self._history: set[int] = set()  # ids whose sampling reads their token history (no overlap then)
         self.overlap = cfg.async_scheduling and executor.overlap
         # Prefill tokens up to which a step is short enough to overlap (measured: HEAVY_STEP_MS); a longer
-        # step is waited for at once, so requests that arrive while it runs join the very next step.
-        self._light_prefill = max((n for n, ms in executor.prefill_ms.items() if ms < HEAVY_STEP_MS), default=0) \
+        # step is waited for before the next one is scheduled, so requests that arrive while it runs
+        # join the very next step.
+        self._light_prefill = max((n for n, ms in executor.prefill_ms[0].items() if ms < HEAVY_STEP_MS), default=0) \
             if executor.prefill_ms else None
         self.steps = 0
         self._trace = _Trace(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None
@@ -109,7 +111,9 @@ class EngineCore:
         With `overlap`, the step is scheduled and launched while the previous one still runs on the
         device (its drawn ids are this step's decode inputs there), and the news is the previous
         step's: a request that the previous token ended may run one more row, which is dropped. A step
-        with more prefill than runs in HEAVY_STEP_MS is waited for at once: its news comes with it.
+        with more prefill than runs in HEAVY_STEP_MS is waited for by the next call, which returns its
+        news alone: requests that arrive while it runs join the step after it, and the step before it
+        reports when it ends, not when the heavy one does (that doubled decoding requests' gaps).
         """
         rows = _Rows()
         for rid, reason, error in self._ended:
@@ -118,6 +122,9 @@ class EngineCore:
         for seq in self.sched.pop_cancelled():
             self._drop(seq)
             rows.end(seq.rid, FinishReason.CANCELLED)
+        if self._in_flight is not None and self._heavy_in_flight:
+            self._resolve(rows)
+            return rows.outputs(self.stats())
         if self._in_flight is not None and (not self.overlap or self._history):
             self._resolve(rows)  # this step's rows need the previous tokens on the host
         plan, seqs = self.sched.schedule()
@@ -136,7 +143,8 @@ class EngineCore:
         if self._in_flight is not None:
             self._resolve(rows)  # the previous step, which ran while this one was scheduled
         self._in_flight = (launched, sampling) if launched is not None else None
-        if self._in_flight is not None and (not self.overlap or not self._seqs or self._heavy(plan)):
+        self._heavy_in_flight = self._heavy(plan)
+        if self._in_flight is not None and (not self.overlap or not self._seqs):
             self._resolve(rows)  # waited for; or every request ended, so nothing of it is news
         self.steps += not plan.empty
         return rows.outputs(self.stats())
@@ -288,12 +296,24 @@ def run_requests(core: EngineCore, requests: list[Request], first_id: int = 1) -
     return done
 
 
-def prefill_cap(prefill_ms: dict[int, float], stall_ms: float, decode_ms: float = 0.0) -> int:
-    """Prefill tokens a step that decodes may take: the largest measured size whose step, with the
-    largest decode batch's decode_ms beside it, runs within stall_ms (at least the smallest: prompts
-    must advance); 0 (no cap) when unmeasured or stall_ms is 0. Counting the decode rows matters: on
-    the H200 a 3,072-token prefill step (38 ms) beside 16 decode rows made 42 ms inter-token gaps
-    under a 40 ms stall."""
+def prefill_cap(prefill_ms: dict[int, dict[int, float]], stall_ms: float,
+                decode_ms: float = 0.0) -> tuple[tuple[int, int], ...]:
+    """(chunk start, tokens), starts ascending: the prefill tokens a step that decodes may take of
+    a chunk that starts at most there. Each is the largest size measured there whose step, with the
+    largest decode batch's decode_ms beside it, runs within stall_ms (at least the smallest size:
+    prompts must advance), and never more than at an earlier start. () when unmeasured or stall_ms is
+    0 (no cap). Counting the decode rows matters: on the H200 a 3,072-token prefill step (38 ms)
+    beside 16 decode rows made 42 ms inter-token gaps under a 40 ms stall."""
     if not prefill_ms or not stall_ms:
-        return 0
-    return max([n for n, ms in prefill_ms.items() if ms + decode_ms <= stall_ms], default=min(prefill_ms))
+        return ()
+    smallest, caps = min(prefill_ms[0]), []
+    for start, row in sorted(prefill_ms.items()):
+        n = max([n for n, ms in row.items() if ms + decode_ms <= stall_ms], default=smallest)
+        caps.append((start, min([n] + [c for _, c in caps[-1:]])))
+    return tuple(caps)
+
+
+def describe_cap(cap: tuple[tuple[int, int], ...]) -> str:
+    """'2048 (1536 from token 8192, 512 from token 32768)': where the cap changes."""
+    changes = [f"{n} from token {start}" for (start, n), (_, before) in zip(cap[1:], cap) if n != before]
+    return f"{cap[0][1]}" + (f" ({', '.join(changes)})" if changes else "")

@@ -107,8 +107,9 @@ class _Graphs:
     def _size_for(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-    def _prepare(self, size: int) -> None:
-        """Make the buffers a valid step of `size` for its warm-up and capture runs."""
+    def _prepare(self, size: int, prefix: int = 0) -> None:
+        """Make the buffers a valid step of `size` for its warm-up and capture runs (and its timing
+        with a chunk after `prefix` cached tokens, where the graphs have chunks)."""
 
     def _replay(self, size: int) -> torch.Tensor:
         if size in self.graphs:
@@ -151,12 +152,14 @@ class _Graphs:
                  time.monotonic() - t0, (torch.cuda.memory_reserved(device) - before) / 2**20)
 
 
-    def replay_ms(self, device: torch.device, reps: int = 3) -> dict[int, float]:
-        """Device milliseconds of one replay of each captured size (the median of `reps`), with the
-        buffers made a valid step of that size first."""
+    def replay_ms(self, device: torch.device, reps: int = 3, sizes: Sequence[int] | None = None,
+                  prefix: int = 0) -> dict[int, float]:
+        """Device milliseconds of one replay of each captured size (or of `sizes`; the median of
+        `reps`), with the buffers made a valid step of that size first (its chunk after `prefix`
+        cached tokens)."""
         times = {}
-        for size in self.graphs:
-            self._prepare(size)
+        for size in self.graphs if sizes is None else sizes:
+            self._prepare(size, prefix)
             events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
             self.graphs[size].replay()  # warm
             events[0].record()
@@ -227,7 +230,7 @@ class DecodeGraphs(_Graphs):
     def _fill(self, chunks: Sequence[SeqChunk], size: int) -> None:
         fill_decode_rows(self, chunks, size)
 
-    def _prepare(self, size: int) -> None:
+    def _prepare(self, size: int, prefix: int = 0) -> None:
         """Rows on the null slot and block with tokens of their own, so the replays that time the graphs
         (`replay_ms`, the runner's decode_ms) route like a real batch."""
         copy_in(self.input_ids[:size], [spread_token(i) for i in range(size)])
@@ -329,12 +332,14 @@ class PrefillGraphs(_Graphs):
             prefill_layout=varlen_layout(cu, t, lens[D:], tables[D:], self.block_size, snapshots, padding_last=True),
             mm_positions=self.mm_positions[:size], mm_embeds=self.mm_embeds[:size])
 
-    def _prepare(self, size: int) -> None:
-        """One fresh chunk of `size` tokens on slot 1 (free at start-up, when graphs are captured and
-        timed), its latent rows in the null block; the other places dummies, the decode rows padding.
-        The chunk does a real prompt's KDA work, which padding on the null slot skips, so `replay_ms`
-        (the runner's prefill_ms, and with it the decode_stall_ms cap) times a step of that size."""
-        chunk = SeqChunk([spread_token(i) for i in range(size)], 0, 1, False, [0] * -(-size // self.block_size))
+    def _prepare(self, size: int, prefix: int = 0) -> None:
+        """One chunk of `size` tokens after `prefix` cached ones on slot 1 (free at start-up, when graphs
+        are captured and timed), its latent rows and its prefix's in the null block; the other places
+        dummies, the decode rows padding. The chunk does a real prompt's KDA work, which padding on the
+        null slot skips, and attends to its whole prefix, so `replay_ms` (the runner's prefill_ms, and
+        with it the decode_stall_ms cap) times a step of that size and prefix."""
+        chunk = SeqChunk([spread_token(i) for i in range(size)], prefix, 1, prefix > 0,
+                         [0] * -(-(prefix + size) // self.block_size))
         self._fill([chunk], size, [], None)
 
     def run(self, chunks: Sequence[SeqChunk], mm_positions: Sequence[int] = (), mm_embeds: torch.Tensor | None = None,

@@ -36,6 +36,20 @@ from k3backend.model.k3 import K3Model
 log = logging.getLogger(__name__)
 
 
+def timed_starts(max_model_len: int, smallest: int) -> list[int]:
+    """Chunk starts at which prefill steps are timed besides 0: powers of two from 2,048 and the latest
+    start a chunk can have. A step's cost grows with its chunk's start, so a chunk is budgeted at the
+    next timed start at or above its own."""
+    last, starts = max_model_len - smallest, []
+    while 2048 << len(starts) < last:
+        starts.append(2048 << len(starts))
+    return starts + [last] if last > 0 else []
+
+
+def _ms(row: dict[int, float]) -> str:
+    return ", ".join(f"{n}: {ms:.2f}" for n, ms in sorted(row.items()))
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the engine checks requests against."""
@@ -50,7 +64,9 @@ class Executor(Protocol):
 
     info: ModelInfo
     capacity: CacheCapacity
-    prefill_ms: dict[int, float]  # prefill tokens -> device ms of such a step, measured; {} when not (CPU)
+    # chunk start -> prefill tokens -> device ms of such a step, measured (start 0: every size; later
+    # starts: the sizes up to the first beyond decode_stall_ms); {} when not (CPU)
+    prefill_ms: dict[int, dict[int, float]]
     decode_ms: float  # device ms of the largest captured decode step, measured; 0 when not (CPU)
 
     def launch(self, plan: StepPlan) -> Launched: ...  # the step queued; `finish` waits for its ids
@@ -99,7 +115,7 @@ class ModelRunner:
         # decode rows and chunks in one replay, by the captured decode batch size (ascending)
         self.mixed: dict[int, PrefillGraphs] = {}
         self._eager_logged: set[str] = set()
-        self.prefill_ms: dict[int, float] = {}  # prefill tokens -> device ms of that graph's replay (GPU)
+        self.prefill_ms: dict[int, dict[int, float]] = {}  # chunk start -> tokens -> device ms (`time_prefill`)
         self.decode_ms = 0.0  # the slowest decode graph's replay (GPU): what decode rows add to a step
         self._last: tuple[torch.Tensor, dict[int, int]] = (torch.zeros(0, dtype=torch.long), {})  # ids, slot -> row
 
@@ -133,12 +149,34 @@ class ModelRunner:
         if self.graphs is not None:
             self.decode_ms = max(self.graphs.replay_ms(self.device).values())
         if self.prefill_graphs is not None:  # every rank replays the same graphs: they meet in the collectives
-            self.prefill_ms = self.prefill_graphs.replay_ms(self.device)
-            log.info("prefill graphs, device ms by prefill tokens: %s",
-                     ", ".join(f"{n}: {ms:.2f}" for n, ms in sorted(self.prefill_ms.items())))
+            self.prefill_ms = self.time_prefill(cfg)
+            log.info("prefill graphs, device ms by prefill tokens: %s", _ms(self.prefill_ms[0]))
+            for start, row in self.prefill_ms.items():
+                if start:
+                    log.info("  with the chunk from token %d: %s", start, _ms(row))
         if self.prefill_single is not None:
-            log.info("prefill graphs of one chunk, device ms by prefill tokens: %s", ", ".join(
-                f"{n}: {ms:.2f}" for n, ms in sorted(self.prefill_single.replay_ms(self.device).items())))
+            log.info("prefill graphs of one chunk, device ms by prefill tokens: %s",
+                     _ms(self.prefill_single.replay_ms(self.device)))
+
+    def time_prefill(self, cfg: EngineConfig) -> dict[int, dict[int, float]]:
+        """Device ms of the prefill graphs by chunk start and size. A chunk attends to its cached prefix,
+        so the same size costs more later in a long prompt: on the H200 (`small`) a 3,072-token step
+        timed at 32 ms from token 0 made 44 ms inter-token gaps beside 8,192-token prompts. Each start
+        in `timed_starts` is timed up to the first size that does not fit decode_stall_ms beside the
+        decode rows (the sizes the cap can pick there), each at that start or the latest it can have."""
+        graphs = self.prefill_graphs
+        times = {0: graphs.replay_ms(self.device)}
+        if not cfg.decode_stall_ms:
+            return times
+        for start in timed_starts(cfg.max_model_len, graphs.sizes[0]):
+            row = times[start] = {}
+            for n in graphs.sizes:  # a chunk of n tokens starts at max_model_len - n at the latest
+                if n > cfg.max_model_len:
+                    break
+                row |= graphs.replay_ms(self.device, sizes=[n], prefix=min(start, cfg.max_model_len - n))
+                if row[n] + self.decode_ms > cfg.decode_stall_ms:
+                    break
+        return times
 
     def _forward(self, batch) -> torch.Tensor:
         return self.model(batch, self.pools)

@@ -3,7 +3,8 @@
 Spec: SERVING.md §5.5 (termination), §6 (cancellation); the engine contract's step rules:
 continuous batching with every decoding sequence first and prefill chunks after them, all in one
 forward, under `max_num_batched_tokens` (decode tokens count) and `max_num_seqs`; in a step
-that decodes, the prompts longer than `prefill_cap` take at most that many tokens. A sequence is
+that decodes, the prompts longer than `prefill_cap` take at most its tokens for where their chunk
+starts. A sequence is
 admitted only when a KDA slot and MLA blocks for its first chunk are free; when a decoding
 sequence needs a block and none is free, or when no running sequence can take a step at all
 (every one a prefill short of blocks), the newest running sequence is preempted: it gives up
@@ -136,11 +137,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     prefix_caching: bool
     snapshot_interval: int  # tokens between KDA prefix snapshots; a multiple of the block size
-    # Prefill tokens that the prompts longer than this take in a step that also decodes (0: the step
-    # budget alone), so a long prompt's chunks stall the decoding requests for a bounded time; shorter
-    # prompts are admitted whole, so a burst of them is not spread over extra steps (EngineCore sets it
-    # from measured step times).
-    prefill_cap: int = 0
+    # (chunk start, tokens), starts ascending: the prefill tokens that the prompts longer than the first
+    # entry's take in a step that also decodes, where their chunk starts at most there (a chunk attends
+    # to its prefix, so later ones cost more); () the step budget alone. A long prompt's chunks stall the
+    # decoding requests for a bounded time; shorter prompts are admitted whole, so a burst of them is
+    # not spread over extra steps (EngineCore sets it from measured step times: `prefill_cap`).
+    prefill_cap: tuple[tuple[int, int], ...] = ()
     # While requests decode, new prompts wait up to this long (s) so that several share one prefill step
     # (its fixed cost is paid once); 0: admitted at once. Like a dynamic batcher's max queue delay.
     prefill_delay_s: float = 0.0
@@ -241,8 +243,8 @@ class Scheduler:
         plan.num_decode = len(seqs)
         # With decode rows, the prompts longer than the cap share `cap` prefill tokens a step, so each of
         # their many chunks stalls the decoding requests for a bounded time; a short prompt is taken whole.
-        cap = self.cfg.prefill_cap if plan.num_decode else 0
-        long_left = cap
+        cap = self.cfg.prefill_cap if plan.num_decode else ()
+        long_left = cap[0][1] if cap else 0
         for seq in self.running:  # prefills in progress (fresh or recompute)
             room, long = _room(seq, budget, cap, long_left)
             if seq.prefilling and room > 0:
@@ -441,10 +443,16 @@ class Scheduler:
             seq.slot = None
 
 
-def _room(seq: Sequence, budget: int, cap: int, long_left: int) -> tuple[int, bool]:
+def _room(seq: Sequence, budget: int, cap: tuple[tuple[int, int], ...], long_left: int) -> tuple[int, bool]:
     """Prefill tokens `seq` may take this step, and whether it is a long prompt (one that shares the cap)."""
-    long = 0 < cap < seq.target
-    return (min(budget, long_left) if long else budget), long
+    long = bool(cap) and cap[0][1] < seq.target
+    return (min(budget, long_left, cap_at(cap, seq.num_computed)) if long else budget), long
+
+
+def cap_at(cap: tuple[tuple[int, int], ...], start: int) -> int:
+    """The cap's tokens for a chunk from `start`: those of the first entry at or after it (the last
+    entry's past them all)."""
+    return next((n for s, n in cap if s >= start), cap[-1][1])
 
 
 def _image_keys(seq: Sequence) -> dict[int, bytes] | None:

@@ -122,7 +122,7 @@ class RankInfo:
     weight_bytes: int
     capacity: CacheCapacity
     info: Any  # runner.ModelInfo (rank 0's is the engine's)
-    prefill_ms: dict[int, float]  # the runner's measured prefill step times (rank 0's are the engine's)
+    prefill_ms: dict[int, dict[int, float]]  # the runner's measured prefill step times (rank 0's are the engine's)
     decode_ms: float  # and its slowest decode step's
 
 
