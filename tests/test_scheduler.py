@@ -183,7 +183,7 @@ class Driver:
         cap = s.cfg.prefill_cap if plan.num_decode else ()
         longs = [(sch.start, n) for sch, n, q in zip(plan.seqs[plan.num_decode:], tokens[plan.num_decode:],
                                                      seqs[plan.num_decode:]) if cap and cap[0][1] < q.target]
-        assert not cap or (sum(n for _, n in longs) <= cap[0][1] and all(n <= cap_at(cap, a) for a, n in longs)), \
+        assert not longs or sum(n for _, n in longs) <= cap_at(cap, max(a for a, _ in longs)), \
             f"{tokens}: {plan.num_decode} decode rows and long prompts' chunks {longs} beyond the cap {cap}"
         tokens = iter(self.cache.execute(plan, seqs))
         s.update(plan, seqs)
@@ -390,6 +390,28 @@ def test_beside_decodes_a_long_prompts_chunks_shrink_where_the_cap_says_later_st
     assert chunks == [(0, 8), (8, 8), (16, 8), (24, 4), (28, 4), (32, 4), (36, 4)]
     d.run()
     assert d.done["old"] == alone(old) and d.done["new"] == alone(new)
+
+
+def test_long_prompts_in_one_step_share_the_cap_of_the_latest_chunk_start():
+    """Two long prompts beside a decoding one, cap 8 up to token 16 and 6 up to 24 (and past it): `a`
+    goes first; when its last 2 tokens start at 24, the step's long chunks share the 6 of that start,
+    so `b` (from token 0, where 8 would do) takes 4. Outputs equal their runs alone."""
+    d = Driver(num_blocks=96, num_slots=8, budget=64, prefix_caching=False, prefill_cap=((0, 8), (16, 8), (24, 6)))
+    old = make_seq("old", [5, 6, 7], max_tokens=30)
+    a, b = make_seq("a", list(range(30, 56)), max_tokens=2), make_seq("b", list(range(60, 80)), max_tokens=2)
+    d.add(old)
+    d.step()
+    d.add(a, b)
+    steps = []
+    while b.prefilling or not b.output_ids:
+        plan, seqs = d.step()
+        assert plan.num_decode
+        steps.append([(q.request.request_id, c.start, len(c.token_ids))
+                      for c, q in zip(plan.seqs[plan.num_decode:], seqs[plan.num_decode:])])
+    assert steps == [[("a", 0, 8)], [("a", 8, 8)], [("a", 16, 8)], [("a", 24, 2), ("b", 0, 4)],
+                     [("b", 4, 8)], [("b", 12, 8)]], steps
+    d.run()
+    assert all(d.done[q.request.request_id] == alone(q) for q in (old, a, b))
 
 
 def test_beside_decodes_long_prompts_share_the_cap_and_short_ones_are_taken_whole():

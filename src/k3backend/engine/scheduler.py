@@ -241,29 +241,28 @@ class Scheduler:
                 self._add(plan, seqs, seq, seq.num_computed, seq.num_computed + 1, sample=True)
                 budget -= 1
         plan.num_decode = len(seqs)
-        # With decode rows, the prompts longer than the cap share `cap` prefill tokens a step, so each of
-        # their many chunks stalls the decoding requests for a bounded time; a short prompt is taken whole.
-        cap = self.cfg.prefill_cap if plan.num_decode else ()
-        long_left = cap[0][1] if cap else 0
+        # With decode rows, the prompts longer than the cap share the cap's prefill tokens a step, so each
+        # of their many chunks stalls the decoding requests for a bounded time; a short prompt is taken whole.
+        share = _LongShare(self.cfg.prefill_cap if plan.num_decode else ())
         for seq in self.running:  # prefills in progress (fresh or recompute)
-            room, long = _room(seq, budget, cap, long_left)
+            room, long = share.room(seq, budget)
             if seq.prefilling and room > 0:
                 n = self._prefill(plan, seqs, seq, room)
                 budget -= n
-                long_left -= n if long else 0
+                share.took(seq, n, long)
         if plan.num_decode and self._delay_prefill(budget):
             return plan, seqs
         for seq in list(itertools.islice(self.waiting, self.cfg.max_num_seqs)):  # a bounded look past long ones
             if seq.pending or len(self.running) >= self.cfg.max_num_seqs or budget <= 0:
                 break  # pending: preempted with a token in flight, recomputed once it is known
-            room, long = _room(seq, budget, cap, long_left)
+            room, long = share.room(seq, budget)
             if room <= 0:
                 continue  # the long prompts' share is spent: shorter ones behind it still go
             n = self._admit(plan, seqs, seq, room)
             if not n:
                 break
             budget -= n
-            long_left -= n if long else 0
+            share.took(seq, n, long)
         return plan, seqs
 
     def _delay_prefill(self, budget: int) -> bool:
@@ -443,10 +442,25 @@ class Scheduler:
             seq.slot = None
 
 
-def _room(seq: Sequence, budget: int, cap: tuple[tuple[int, int], ...], long_left: int) -> tuple[int, bool]:
-    """Prefill tokens `seq` may take this step, and whether it is a long prompt (one that shares the cap)."""
-    long = bool(cap) and cap[0][1] < seq.target
-    return (min(budget, long_left, cap_at(cap, seq.num_computed)) if long else budget), long
+@dataclass
+class _LongShare:
+    """The cap's tokens that the long prompts of a step share, budgeted as if every chunk started where
+    the latest one does: a chunk's cost grows with its start, and the cap only falls with it."""
+
+    cap: tuple[tuple[int, int], ...]
+    latest: int = 0  # the latest start of the step's long chunks so far
+    used: int = 0
+
+    def room(self, seq: Sequence, budget: int) -> tuple[int, bool]:
+        """Prefill tokens `seq` may take, and whether it is a long prompt (one that shares the cap)."""
+        if not self.cap or seq.target <= self.cap[0][1]:
+            return budget, False
+        return min(budget, cap_at(self.cap, max(self.latest, seq.num_computed)) - self.used), True
+
+    def took(self, seq: Sequence, n: int, long: bool) -> None:
+        """`seq` was given a chunk of n tokens from seq.num_computed (its prefix hit counted)."""
+        if long and n:
+            self.latest, self.used = max(self.latest, seq.num_computed), self.used + n
 
 
 def cap_at(cap: tuple[tuple[int, int], ...], start: int) -> int:
