@@ -27,10 +27,12 @@ def chain_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
     image_keys: position -> bytes identifying the image row at that position (pad positions only).
     """
     keys, prev = [], b""
+    data = memoryview(np.asarray(token_ids[:num_blocks * block_size], dtype=np.int64).tobytes())  # one conversion
+    width = 8 * block_size
     for b in range(num_blocks):
         lo, hi = b * block_size, (b + 1) * block_size
         h = hashlib.blake2b(prev, digest_size=16)
-        h.update(np.asarray(token_ids[lo:hi], dtype=np.int64).tobytes())
+        h.update(data[b * width:(b + 1) * width])
         if image_keys:
             for pos in range(lo, hi):
                 if pos in image_keys:
