@@ -349,12 +349,9 @@ def test_a_chunk_the_budget_cuts_ends_on_the_kda_grid_so_the_next_takes_its_snap
     assert d.done["a"] == alone(a)
 
 
-def test_a_step_that_decodes_takes_at_most_the_prefill_cap_and_one_that_does_not_the_whole_budget():
-    """decode_stall_ms's cap: while `old` decodes, a 40-token prompt advances by at most 6 prefill
-    tokens a step (no prefix cache here, so no snapshot point cuts a chunk); once nothing
-    decodes, a new prompt takes the whole budget of 64 in one step. Outputs equal their runs alone."""
-    d = Driver(num_blocks=64, num_slots=6, budget=64, prefix_caching=False, prefill_cap=((0, 6),))
-    old, new = make_seq("old", [5, 6, 7], max_tokens=12), make_seq("new", list(range(30, 70)), max_tokens=3)
+def chunks_beside_decodes(d: Driver, old: Sequence, new: Sequence) -> list[tuple[int, int]]:
+    """(start, tokens) of `new`'s prefill chunks, added after `old`'s first step, until its first token;
+    every step decodes `old` while it runs."""
     d.add(old)
     d.step()
     d.add(new)
@@ -362,8 +359,17 @@ def test_a_step_that_decodes_takes_at_most_the_prefill_cap_and_one_that_does_not
     while new.prefilling or not new.output_ids:
         plan, _ = d.step()
         assert plan.num_decode == (not old.finished)
-        chunks += [len(c.token_ids) for c in plan.seqs[plan.num_decode:]]
-    assert chunks == [6] * 6 + [4]
+        chunks += [(c.start, len(c.token_ids)) for c in plan.seqs[plan.num_decode:]]
+    return chunks
+
+
+def test_a_step_that_decodes_takes_at_most_the_prefill_cap_and_one_that_does_not_the_whole_budget():
+    """decode_stall_ms's cap: while `old` decodes, a 40-token prompt advances by at most 6 prefill
+    tokens a step (no prefix cache here, so no snapshot point cuts a chunk); once nothing
+    decodes, a new prompt takes the whole budget of 64 in one step. Outputs equal their runs alone."""
+    d = Driver(num_blocks=64, num_slots=6, budget=64, prefix_caching=False, prefill_cap=((0, 6),))
+    old, new = make_seq("old", [5, 6, 7], max_tokens=12), make_seq("new", list(range(30, 70)), max_tokens=3)
+    assert [n for _, n in chunks_beside_decodes(d, old, new)] == [6] * 6 + [4]
     d.run()
     alone_ = make_seq("alone", list(range(31, 71)), max_tokens=2)
     d.add(alone_)
@@ -379,15 +385,7 @@ def test_beside_decodes_a_long_prompts_chunks_shrink_where_the_cap_says_later_st
     24 is budgeted at the 32 entry. The output equals its run alone."""
     d = Driver(num_blocks=64, num_slots=6, budget=64, prefix_caching=False, prefill_cap=((0, 8), (16, 8), (32, 4)))
     old, new = make_seq("old", [5, 6, 7], max_tokens=20), make_seq("new", list(range(30, 70)), max_tokens=3)
-    d.add(old)
-    d.step()
-    d.add(new)
-    chunks = []
-    while new.prefilling or not new.output_ids:
-        plan, _ = d.step()
-        assert plan.num_decode == 1
-        chunks += [(c.start, len(c.token_ids)) for c in plan.seqs[plan.num_decode:]]
-    assert chunks == [(0, 8), (8, 8), (16, 8), (24, 4), (28, 4), (32, 4), (36, 4)]
+    assert chunks_beside_decodes(d, old, new) == [(0, 8), (8, 8), (16, 8), (24, 4), (28, 4), (32, 4), (36, 4)]
     d.run()
     assert d.done["old"] == alone(old) and d.done["new"] == alone(new)
 
