@@ -695,3 +695,32 @@ def test_step_trace_accounts_for_every_prompt_token_and_decode_row(model64, tok,
     out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "step_trace.py"), str(path)],
                          capture_output=True, text=True, check=True).stdout
     assert f"steps with prompt tokens         {with_prompt} (" in out, out
+
+
+def _agreed_rank(rank: int, path: str, out) -> None:
+    import torch.distributed as dist
+
+    from k3backend.engine.runner import agreed
+
+    dist.init_process_group("gloo", store=dist.FileStore(path, 2), world_size=2, rank=rank)
+    out.put((rank, agreed({32: 1.0 + rank, 64: 5.0 - rank}, torch.device("cpu"))))
+    dist.destroy_process_group()
+
+
+def test_ranks_time_prefill_steps_with_the_slowest_ranks_times(tmp_path):
+    """`time_prefill` stops at the first size past the stall; ranks replay the same graphs, so they
+    must stop together: `agreed` gives every rank of a real gloo group the slowest rank's times."""
+    import multiprocessing as mp
+
+    from k3backend.engine.runner import agreed
+
+    assert agreed({32: 1.0}, torch.device("cpu")) == {32: 1.0}  # no process group: as measured
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_agreed_rank, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got == {0: {32: 2.0, 64: 5.0}, 1: {32: 2.0, 64: 5.0}}

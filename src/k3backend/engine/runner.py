@@ -46,6 +46,18 @@ def timed_starts(max_model_len: int, smallest: int) -> list[int]:
     return starts + [last] if last > 0 else []
 
 
+def agreed(ms: dict[int, float], device: torch.device) -> dict[int, float]:
+    """The slowest rank's times, where ranks run together: a choice made from them (which graphs to
+    replay next) must be the same on every rank, since their graphs meet in the collectives."""
+    import torch.distributed as dist
+
+    if not ms or not (dist.is_available() and dist.is_initialized()):
+        return ms
+    t = torch.tensor(list(ms.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(ms, t.tolist()))
+
+
 def _ms(row: dict[int, float]) -> str:
     return ", ".join(f"{n}: {ms:.2f}" for n, ms in sorted(row.items()))
 
@@ -163,9 +175,10 @@ class ModelRunner:
         so the same size costs more later in a long prompt: on the H200 (`small`) a 3,072-token step
         timed at 32 ms from token 0 made 44 ms inter-token gaps beside 8,192-token prompts. Each start
         in `timed_starts` is timed up to the first size that does not fit decode_stall_ms beside the
-        decode rows (the sizes the cap can pick there), each at that start or the latest it can have."""
+        decode rows (the sizes the cap can pick there), each at that start or the latest it can have.
+        Every rank stops at the same size: the times are the slowest rank's (`agreed`)."""
         graphs = self.prefill_graphs
-        times = {0: graphs.replay_ms(self.device)}
+        times = {0: agreed(graphs.replay_ms(self.device), self.device)}
         if not cfg.decode_stall_ms:
             return times
         for start in timed_starts(cfg.max_model_len, graphs.sizes[0]):
@@ -173,7 +186,8 @@ class ModelRunner:
             for n in graphs.sizes:  # a chunk of n tokens starts at max_model_len - n at the latest
                 if n > cfg.max_model_len:
                     break
-                row |= graphs.replay_ms(self.device, sizes=[n], prefix=min(start, cfg.max_model_len - n))
+                row |= agreed(graphs.replay_ms(self.device, sizes=[n], prefix=min(start, cfg.max_model_len - n)),
+                              self.device)
                 if row[n] + self.decode_ms > cfg.decode_stall_ms:
                     break
         return times
