@@ -4,9 +4,8 @@ Spec: SERVING.md §5.5 (termination), §6 (cancellation); the engine contract's 
 continuous batching with every decoding sequence first and prefill chunks after them, all in one
 forward, under `max_num_batched_tokens` (decode tokens count) and `max_num_seqs`; in a step
 that decodes, the prompts longer than `prefill_cap` take at most its tokens for where their chunk
-starts. A sequence is
-admitted only when a KDA slot and MLA blocks for its first chunk are free; when a decoding
-sequence needs a block and none is free, or when no running sequence can take a step at all
+starts. A sequence is admitted only when a KDA slot and MLA blocks for its first chunk are free;
+when a decoding sequence needs a block and none is free, or when no running sequence can take a step at all
 (every one a prefill short of blocks), the newest running sequence is preempted: it gives up
 its blocks and slot and is recomputed later from prompt + output so far, which changes none of
 its output ([STR-7]).
