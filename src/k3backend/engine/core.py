@@ -309,7 +309,7 @@ def prefill_cap(prefill_ms: dict[int, dict[int, float]], stall_ms: float,
     smallest, caps = min(prefill_ms[0]), []
     for start, row in sorted(prefill_ms.items()):
         n = max([n for n, ms in row.items() if ms + decode_ms <= stall_ms], default=smallest)
-        caps.append((start, min([n] + [c for _, c in caps[-1:]])))
+        caps.append((start, min(n, caps[-1][1]) if caps else n))
     return tuple(caps)
 
 
