@@ -456,11 +456,10 @@ def set_decode_context(graphs, pools, b: int, context: int = DECODE_CONTEXT) -> 
     the step runs, came from whatever wrote the null slot last, and moved the real rows' last bits).
     A replay then computes the same values, MoE routing included, whatever ran before. Overwrites
     those slots and blocks: for after the run. Returns the rows."""
-    from k3backend.engine.cuda_graphs import fill_decode_rows
     from k3backend.model.cache import KDACache
 
     rows = decode_rows(b, context, pools.block_size, pools.num_slots, pools.num_blocks)
-    fill_decode_rows(graphs, rows, graphs._size_for(b))
+    graphs._fill(rows, graphs._size_for(b))
     device = graphs.input_ids.device
     slots = torch.tensor(sorted({0} | {r.slot for r in rows}), device=device)
     blocks = torch.tensor(sorted({0} | {n for r in rows for n in r.block_table}), device=device)

@@ -100,7 +100,6 @@ def test_the_decode_graphs_are_timed_on_a_defined_step_whatever_ran_before():
     import argparse
 
     from k3backend.engine.config import EngineConfig
-    from k3backend.engine.cuda_graphs import fill_decode_rows
     from k3backend.engine.runner import InProcessExecutor
 
     model = bench.build_model(argparse.Namespace(checkpoint=None, random_weights="tiny", seed=0, experts="bf16",
@@ -117,7 +116,7 @@ def test_the_decode_graphs_are_timed_on_a_defined_step_whatever_ran_before():
         if reset:
             rows = bench.set_decode_context(graphs, pools, b, context)
         else:
-            fill_decode_rows(graphs, rows := bench.decode_rows(b, context, bs, pools.num_slots, pools.num_blocks), 4)
+            graphs._fill(rows := bench.decode_rows(b, context, bs, pools.num_slots, pools.num_blocks), 4)
         assert [r.token_ids[0] for r in rows] == [bench.decode_token(i) for i in range(b)]
         with torch.inference_mode():
             return graphs.run_eagerly(4)[:b].clone()

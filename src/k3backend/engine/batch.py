@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from k3backend.kernels.varlen import num_chunks, snapshot_tables, varlen_layout
@@ -45,6 +46,21 @@ def copy_in(dst: torch.Tensor, values) -> None:
     """dst[...] = host values, without waiting for the device (see to_device)."""
     t = torch.as_tensor(values, dtype=dst.dtype)
     dst.copy_(t.pin_memory() if dst.is_cuda else t, non_blocking=True)
+
+
+def copy_in_all(parts: Sequence[tuple[torch.Tensor, object]]) -> None:
+    """copy_in of every (dst, integer or bool values) pair through one pinned buffer and one
+    host-to-device copy, then copies on the device: a prefill step's eight pinned copies took 1.3 ms
+    of host time on the H200, while a lone prompt's GPU waited. The caching host allocator keeps the
+    pinned buffer until its copy has run, so the next step cannot overwrite it."""
+    flat = [np.asarray(values).reshape(-1) for _, values in parts]
+    ends = np.cumsum([a.size for a in flat]).tolist()
+    device = parts[0][0].device
+    host = torch.empty(ends[-1], dtype=torch.int64, pin_memory=device.type == "cuda")
+    np.concatenate(flat, out=host.numpy())
+    staged = host.to(device, non_blocking=True)
+    for (dst, _), a, b in zip(parts, [0] + ends, ends):
+        dst.copy_(staged[a:b].view(dst.shape))
 
 
 def build_forward_batch(chunks: Sequence[SeqChunk], num_decode: int, block_size: int, device: torch.device,

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from k3backend.engine.batch import SeqChunk, copy_in, to_device
+from k3backend.engine.batch import SeqChunk, copy_in, copy_in_all, to_device
 from k3backend.kernels.varlen import KDA_CHUNK, num_chunks, snapshot_tables, varlen_layout
 from k3backend.model.cache import ForwardBatch
 
@@ -228,7 +228,7 @@ class DecodeGraphs(_Graphs):
         return self._replay(size)[:b]
 
     def _fill(self, chunks: Sequence[SeqChunk], size: int) -> None:
-        fill_decode_rows(self, chunks, size)
+        copy_in_all(decode_parts(self, chunks, size))
 
     def _prepare(self, size: int, prefix: int = 0) -> None:
         """Rows on the null slot and block with tokens of their own, so the replays that time the graphs
@@ -236,10 +236,10 @@ class DecodeGraphs(_Graphs):
         copy_in(self.input_ids[:size], [spread_token(i) for i in range(size)])
 
 
-def fill_decode_rows(g: DecodeGraphs | PrefillGraphs, chunks: Sequence[SeqChunk], size: int) -> None:
-    """Decode rows 0..b-1 of g's buffers from one-token chunks, rows b..size-1 the null slot and block.
-    Block-table columns past the longest table keep stale entries: no kernel reads past a row's
-    context length."""
+def decode_parts(g: DecodeGraphs | PrefillGraphs, chunks: Sequence[SeqChunk], size: int) -> list[tuple]:
+    """(buffer, values) pairs for decode rows 0..b-1 of g's buffers from one-token chunks, rows b..size-1
+    the null slot and block. Block-table columns past the longest table keep stale entries: no kernel
+    reads past a row's context length."""
     b, bs = len(chunks), g.block_size
     pad = size - b
     ids = [c.token_ids[0] for c in chunks] + [0] * pad
@@ -251,10 +251,8 @@ def fill_decode_rows(g: DecodeGraphs | PrefillGraphs, chunks: Sequence[SeqChunk]
     tables = np.zeros((size, width), dtype=np.int32)
     for i, c in enumerate(chunks):
         tables[i, :len(c.block_table)] = c.block_table
-    for dst, values in ((g.input_ids, ids), (g.state_indices, slots), (g.has_initial_state, init),
-                        (g.slot_mapping, mapping), (g.context_lens, lens)):
-        copy_in(dst[:size], values)
-    copy_in(g.block_tables[:size, :width], tables)
+    return [(g.input_ids[:size], ids), (g.state_indices[:size], slots), (g.has_initial_state[:size], init),
+            (g.slot_mapping[:size], mapping), (g.context_lens[:size], lens), (g.block_tables[:size, :width], tables)]
 
 
 class PrefillGraphs(_Graphs):
@@ -365,8 +363,6 @@ class PrefillGraphs(_Graphs):
         block-table rows of dummies (where they read: the first column) and of the padding sequence are
         zeroed: in another step they held a chunk's table."""
         D, bs, k, places, t = self.decode, self.block_size, len(chunks), self.seqs(size), self.padded_tokens(size)
-        if D:
-            fill_decode_rows(self, decodes, D)
         lens = np.array([len(c.token_ids) for c in chunks] + [1] * (places - k), dtype=np.int64)
         lens = np.append(lens, t - int(lens.sum()))  # the padding sequence
         cu = np.zeros(places + 2, dtype=np.int64)
@@ -388,33 +384,32 @@ class PrefillGraphs(_Graphs):
                                 [c.has_initial_state for c in chunks] + [0] * (places + 1 - k),
                                 D + cu[1:places + 1] - 1])
         s = places + 1
-        copy_in(self.cu_seqlens[:s + 1], small[:s + 1])
-        copy_in(self.context_lens[D:D + s], small[s + 1:2 * s + 1])
-        copy_in(self.state_indices[D:D + s], small[2 * s + 1:3 * s + 1])
-        copy_in(self.has_initial_state[D:D + s], small[3 * s + 1:4 * s + 1])
-        copy_in(self.logits_index[D:D + places], small[4 * s + 1:])
-        copy_in(self.input_ids[D:D + t], ids)
-        copy_in(self.slot_mapping[D:D + t], rows)
-        copy_in(self.block_tables[D:D + places, :width], tables)
+        parts = decode_parts(self, decodes, D) if D else []
+        parts += [(self.cu_seqlens[:s + 1], small[:s + 1]), (self.context_lens[D:D + s], small[s + 1:2 * s + 1]),
+                  (self.state_indices[D:D + s], small[2 * s + 1:3 * s + 1]),
+                  (self.has_initial_state[D:D + s], small[3 * s + 1:4 * s + 1]),
+                  (self.logits_index[D:D + places], small[4 * s + 1:]), (self.input_ids[D:D + t], ids),
+                  (self.slot_mapping[D:D + t], rows), (self.block_tables[D:D + places, :width], tables)]
         self.block_tables[D + places].zero_()  # the padding row: a chunk place's table in a larger graph
         self.mm_positions[:size].copy_(self._no_images[size])  # unused: the padding sequence's last row
-        self._fill_snapshots(chunks, lens, size, t)
+        parts += self._snapshot_parts(chunks, lens, size, t)
         if len(mm_positions):
-            copy_in(self.mm_positions[:len(mm_positions)], np.asarray(mm_positions, dtype=np.int64) + D)
+            parts.append((self.mm_positions[:len(mm_positions)], np.asarray(mm_positions, dtype=np.int64) + D))
             self.mm_embeds[:len(mm_positions)].copy_(mm_embeds, non_blocking=True)
+        copy_in_all(parts)
 
-    def _fill_snapshots(self, chunks: Sequence[SeqChunk], lens: np.ndarray, size: int, t: int) -> None:
-        """The snapshot tables of the step (zeros: none); every entry another size's graph reads is
-        zeroed again after a step that wrote some."""
+    def _snapshot_parts(self, chunks: Sequence[SeqChunk], lens: np.ndarray, size: int, t: int) -> list[tuple]:
+        """(buffer, values) pairs of the step's snapshot tables (zeros: none); every entry another size's
+        graph reads is zeroed again after a step that wrote some."""
         snaps = [c.snapshots for c in chunks]
         if not any(snaps) and not self._snapshots_written:
-            return
+            return []
         for buf in (self.chunk_snapshot, self.snapshot_ends, self.snapshot_slots):
             buf.zero_()
         self._snapshots_written = any(snaps)
         if self._snapshots_written:
             table, ends, slots = snapshot_tables(lens.tolist(), snaps + [()] * (len(lens) - len(chunks)),
                                                  num_chunks(t, len(lens)), size // KDA_CHUNK)
-            copy_in(self.chunk_snapshot[:len(table)], table)
-            copy_in(self.snapshot_ends[:len(ends)], ends)
-            copy_in(self.snapshot_slots[:len(slots)], slots)
+            return [(self.chunk_snapshot[:len(table)], table), (self.snapshot_ends[:len(ends)], ends),
+                    (self.snapshot_slots[:len(slots)], slots)]
+        return []
