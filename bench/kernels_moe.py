@@ -257,8 +257,23 @@ def _candidates(cfg) -> list:
     return out
 
 
-def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
-    """Time `experts_with` over tile candidates; print one line per candidate, the fastest marked."""
+# tiles tried with TMA descriptors (--tma): up holds two B tiles a stage, so its list stays within shared memory
+TMA_UP = [(128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 5), (64, 128, 4, 3), (128, 32, 4, 6)]
+TMA_DOWN = [(128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 5)]
+
+
+def _tma_candidates(cfg) -> list:
+    """The chosen tiles without and with TMA descriptors (ExpertsConfig.tma), then TMA with one change at a time."""
+    from dataclasses import replace
+
+    t = replace(cfg, tma=True, gemv=None)
+    return ([cfg, t] + [replace(t, up=u) for u in TMA_UP if u != t.up] + [replace(t, down=d) for d in TMA_DOWN if d != t.down]
+            + [replace(t, block_m=bm) for bm in (64, 128) if bm != t.block_m] + [replace(t, group_m=g) for g in (4, 16)])
+
+
+def sweep(shape: Shape, tokens: list[int], iters: int, tma: bool = False) -> None:
+    """Time `experts_with` over tile candidates (`_candidates`, or with tma `_tma_candidates`); print one
+    line per candidate, the fastest marked."""
     from k3backend.kernels import moe
 
     layer = _Layer(shape, "cuda")
@@ -268,7 +283,8 @@ def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
         hit = int(torch.unique(ids).numel())
         byts, flops = hit * 3 * shape.I * shape.D * 2, 2.0 * T * shape.k * 3 * shape.I * shape.D
         want = moe_ref.experts(x, w, ids, layer.w13, layer.w2, SITU, 1.0)
-        rows = _timed(_candidates(moe.experts_config(T, shape.k, shape.E, shape.D, shape.I)),
+        chosen = moe.experts_config(T, shape.k, shape.E, shape.D, shape.I)
+        rows = _timed(_tma_candidates(chosen) if tma else _candidates(chosen),
                       lambda cfg: lambda: moe.experts_with(x, w, ids, layer.w13, layer.w2, SITU, 1.0, cfg),
                       want, iters, f"{shape.name} T{T}")
         best = min(t for t, _, _ in rows)
@@ -276,8 +292,8 @@ def sweep(shape: Shape, tokens: list[int], iters: int) -> None:
             mark = "*" if t == best else " "
             print(f"{mark} {shape.name} T{T:<6} {t * 1e3:9.3f} ms {byts / t / 1e12:5.2f} TB/s {err:4.2f} ulp "
                   f"{flops / t / 1e12:6.1f} TFLOP/s  "
-                  + (f"gemv{cfg.gemv}" if cfg.gemv else f"BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}"),
-                  flush=True)
+                  + (f"gemv{cfg.gemv}" if cfg.gemv else f"BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}")
+                  + (" tma" if cfg.tma else ""), flush=True)
 
 
 def _timed(cands: list, run_of, want: torch.Tensor, iters: int, label: str) -> list[tuple[float, object, float]]:
@@ -299,7 +315,7 @@ def _timed(cands: list, run_of, want: torch.Tensor, iters: int, label: str) -> l
     return rows
 
 
-def glu_sweep(D: int, I: int, tokens: list[int], iters: int) -> None:
+def glu_sweep(D: int, I: int, tokens: list[int], iters: int, tma: bool = False) -> None:
     """Time the dense glu (glu_linear with the fp32 front: the shared experts) over BM x BN x BK x
     stages; the chosen tiles first, the fastest marked."""
     from dataclasses import replace
@@ -315,8 +331,12 @@ def glu_sweep(D: int, I: int, tokens: list[int], iters: int) -> None:
         x = torch.randn(T, D, generator=g, device=dev).bfloat16()
         want = moe_ref.glu_linear(x, w_gu, act, True)
         chosen = moe.experts_config(T, 1, 1, D, I)
-        cands = [chosen] + [replace(chosen, block_m=bm, up=(bn, bk, 8 if bm * bn >= 128 * 128 else 4, st), gemv=None)
-                            for bm, bn, bk, st in product((16, 32, 64, 128), (16, 32, 64, 128), (64, 128), (3, 4))]
+        if tma:
+            cands = [chosen] + [replace(chosen, block_m=bm, up=u, gemv=None, tma=True)
+                                for bm, u in product((64, 128), [chosen.up] + TMA_UP)]
+        else:
+            cands = [chosen] + [replace(chosen, block_m=bm, up=(bn, bk, 8 if bm * bn >= 128 * 128 else 4, st), gemv=None)
+                                for bm, bn, bk, st in product((16, 32, 64, 128), (16, 32, 64, 128), (64, 128), (3, 4))]
         h = torch.empty(T, I, dtype=x.dtype, device=dev)
         rows = _timed(cands, lambda cfg: lambda: (moe._launch_up(x, w_gu, None, h, None, None, T, 1, act, cfg,
                                                                   dense=True, round_gu=False), h)[1],
@@ -326,7 +346,7 @@ def glu_sweep(D: int, I: int, tokens: list[int], iters: int) -> None:
         for t, cfg, err in [rows[0]] + sorted(rows[1:], key=lambda r: r[0])[:12]:
             print(f"{'*' if t == best else ' '} glu D{D} I{I} T{T:<5} {t * 1e6:7.1f} us {byts / t / 1e12:5.2f} TB/s "
                   f"{err:4.2f} ulp  " + (f"gemv{cfg.gemv}" if cfg.gemv else f"BM{cfg.block_m} up{cfg.up}")
-                  + ("  (chosen)" if cfg is chosen else ""), flush=True)
+                  + (" tma" if cfg.tma else "") + ("  (chosen)" if cfg is chosen else ""), flush=True)
 
 
 def router_sweep(shape: Shape, tokens: list[int], iters: int) -> None:
@@ -385,12 +405,13 @@ if __name__ == "__main__":
     ap.add_argument("--glu", nargs="*", metavar="DxI", help="the dense glu instead, at --tokens: its D x I "
                     "(default the shape's shared experts: 2048x1024 small, 7168x6144 K3; the dense MLP is 2048x8192)")
     ap.add_argument("--router", action="store_true", help="the router GEMM's launches instead, at --tokens")
+    ap.add_argument("--tma", action="store_true", help="experts and glu: the chosen tiles against TMA-descriptor variants")
     a = ap.parse_args()
     shape = SMALL if a.shape == "small" else K3
     if a.router:
         router_sweep(shape, a.tokens, a.iters)
     elif a.glu is not None:
         for dims in a.glu or ["2048x1024" if a.shape == "small" else "7168x6144"]:
-            glu_sweep(*map(int, dims.split("x")), a.tokens, a.iters)
+            glu_sweep(*map(int, dims.split("x")), a.tokens, a.iters, a.tma)
     else:
-        sweep(shape, a.tokens, a.iters)
+        sweep(shape, a.tokens, a.iters, a.tma)

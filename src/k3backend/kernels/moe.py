@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3backend.kernels.moe_ref import Activation
 
@@ -317,30 +318,33 @@ def _w_ptrs(w_ptr, s_ptr, rows, stride_wn, stride_sn, MX: tl.constexpr, BLOCK_K:
 
 
 @triton.jit(do_not_specialize=["n", "num_blocks"])
-def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, table_ptr, n, D, I, num_blocks,
+def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_ptr, table_ptr, n, D, I, num_blocks,
                stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm, inv_beta, beta, inv_lam, lam,
                TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
                ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-               DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUP_M: tl.constexpr):
+               DECODE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
 
     DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
     activation reads the fp32 accumulator (the fused MoE front, §7.6). TABLE (with ROUND_GU, bf16): the
     activation by lookup in `table_ptr` (`_act_table`). MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13
-    their exponents [E, 2I, D/32].
+    their exponents [E, 2I, D/32]. TMA: weight tiles [BN, BK] come through w_desc, w13 viewed [E·2I, D]
+    (BN divides I, so a tile never crosses into the next matrix).
     """
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if DENSE:
         a_idx = rows
         w_ptr, s_ptr = w13_ptr, s13_ptr
+        w_row = pid_n * BLOCK_N  # of w_desc
     else:
         e = tl.load(block_expert_ptr + pid_m)
         if e < 0:
             return
         a_idx = tl.load(sorted_ptr + rows)
         w_ptr, s_ptr = w13_ptr + e.to(tl.int64) * stride_we, s13_ptr + e.to(tl.int64) * stride_se
+        w_row = e * 2 * I + pid_n * BLOCK_N
     tok = tl.where(a_idx < n, a_idx // TOP_K, 0).to(tl.int64)  # padding rows read token 0, never stored
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -357,8 +361,12 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, tab
             xa = tl.load(x_ptrs)
         else:
             xa = tl.load(x_ptrs, mask=(offs_k < k_left)[None, :], other=0.0)
-        acc_g = _w_dot(xa, acc_g, g_ptrs, gs_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
-        acc_u = _w_dot(xa, acc_u, u_ptrs, us_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
+        if TMA:  # past D the copy engine fills zeros
+            acc_g = _mma(xa, w_desc.load([w_row, k0 * BLOCK_K]).T, acc_g, GPU)
+            acc_u = _mma(xa, w_desc.load([w_row + I, k0 * BLOCK_K]).T, acc_u, GPU)
+        else:
+            acc_g = _w_dot(xa, acc_g, g_ptrs, gs_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
+            acc_u = _w_dot(xa, acc_u, u_ptrs, us_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
         x_ptrs += BLOCK_K
         g_ptrs += step_w
         u_ptrs += step_w
@@ -371,13 +379,15 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, sorted_ptr, block_expert_ptr, tab
 
 
 @triton.jit(do_not_specialize=["n", "num_blocks"])
-def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, n, D, I, num_blocks,
-                 stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_yn, stride_pt, stride_pk,
+def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, n, D, I,
+                 num_blocks, stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_yn, stride_pt, stride_pk,
                  TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-                 DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr):
+                 DECODE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[row]·w2ᵀ)) for the rows of one expert block (MX: w2 codes
-    [E, D, I/2], s2 exponents [E, D, I/32])."""
+    [E, D, I/2], s2 exponents [E, D, I/32]). TMA: h tiles [BM, BK] through h_desc and weight tiles
+    [BN, BK] through w_desc, w2 viewed [E·D, I] (BN divides D). A padding row's h was never written:
+    its product row is garbage, and never stored."""
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(D, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
@@ -395,11 +405,15 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, sorted_ptr, block_ex
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         k_left = I - k0 * BLOCK_K
-        if EVEN_K:
-            ha = tl.load(h_ptrs, mask=real[:, None], other=0.0)
+        if TMA:
+            ha = h_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K])
+            acc = _mma(ha, w_desc.load([e * D + pid_n * BLOCK_N, k0 * BLOCK_K]).T, acc, GPU)
         else:
-            ha = tl.load(h_ptrs, mask=real[:, None] & (offs_k < k_left)[None, :], other=0.0)
-        acc = _w_dot(ha, acc, w_ptrs, s_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
+            if EVEN_K:
+                ha = tl.load(h_ptrs, mask=real[:, None], other=0.0)
+            else:
+                ha = tl.load(h_ptrs, mask=real[:, None] & (offs_k < k_left)[None, :], other=0.0)
+            acc = _w_dot(ha, acc, w_ptrs, s_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
         h_ptrs += BLOCK_K
         w_ptrs += step_w
         s_ptrs += step_s
@@ -555,6 +569,7 @@ class ExpertsConfig:
     decode: int = 0
     table: bool = True
     gemv: tuple[int, int, int, int] | None = None  # BLOCK_N, BLOCK_K, num_warps, num_stages
+    tma: bool = False  # bf16 weight (and down's h) tiles through TMA descriptors where the shapes allow (`_desc`)
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -666,8 +681,9 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
         return
     nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
     bn, bk, warps, stages = cfg.up
+    w_desc = _desc(w, bn, bk) if cfg.tma and s is None and I % bn == 0 else None
     _up_kernel[(nb * triton.cdiv(I, bn),)](
-        x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, h_ptr=h, sorted_ptr=x if dense else sorted_ids,
+        x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, w_desc=w if w_desc is None else w_desc, h_ptr=h, sorted_ptr=x if dense else sorted_ids,
         block_expert_ptr=x if dense else block_expert, table_ptr=h if table is None else table, n=n, D=D, I=I,
         num_blocks=nb, stride_xt=x.stride(0),
         stride_we=0 if dense else w.stride(0), stride_wn=w.stride(-2), stride_se=0 if s is None else s.stride(0),
@@ -675,10 +691,19 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
         inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
         inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
         HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
-        EVEN_K=D % bk == 0,
-        MX=s is not None, DECODE=cfg.decode, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        num_warps=warps, num_stages=stages,
+        EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, TMA=w_desc is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
     )
+
+
+def _desc(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor | None:
+    """A TMA descriptor over contiguous t viewed [-1, t.shape[-1]] with tiles [rows, cols], or None where
+    TMA cannot read it (before Hopper, rows not 16-byte aligned)."""
+    K = t.shape[-1]
+    if (not t.is_contiguous() or (K * t.element_size()) % 16 or t.data_ptr() % 16
+            or (t.is_cuda and torch.cuda.get_device_capability(t.device) < (9, 0))):
+        return None
+    return TensorDescriptor(t, [t.numel() // K, K], [K, 1], [rows, cols])
 
 
 def _act_supported(act: Activation) -> tuple[bool, str]:
@@ -797,13 +822,17 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
     _launch_up(x, w13, s13, h, sorted_ids, block_expert, T * k, k, act, cfg, dense=False, round_gu=True)
     bn, bk, warps, stages = cfg.down
+    tma = cfg.tma and s2 is None and D % bn == 0
+    h_desc, w_desc = (_desc(h, cfg.block_m, bk), _desc(w2, bn, bk)) if tma else (None, None)
+    tma = h_desc is not None and w_desc is not None
     _down_kernel[(nb * triton.cdiv(D, bn),)](
-        h_ptr=h, w2_ptr=w2, s2_ptr=w2 if s2 is None else s2, y_ptr=y, weights_ptr=weights, sorted_ptr=sorted_ids,
+        h_ptr=h, w2_ptr=w2, s2_ptr=w2 if s2 is None else s2, h_desc=h_desc if tma else h,
+        w_desc=w_desc if tma else w2, y_ptr=y, weights_ptr=weights, sorted_ptr=sorted_ids,
         block_expert_ptr=block_expert, n=T * k, D=D, I=I, num_blocks=nb, stride_hm=h.stride(0),
         stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=0 if s2 is None else s2.stride(0),
         stride_sn=0 if s2 is None else s2.stride(1), stride_yn=y.stride(0), stride_pt=weights.stride(0),
         stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
-        BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
+        TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
     )
     return _sum(y, ids, out, E, scaling)
 
