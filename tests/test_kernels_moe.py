@@ -309,6 +309,75 @@ def check_experts_equal_reference_in_each_block_tier():
         assert_bf16_close(got, want, scale, f"T={T} BM={block_m}")
 
 
+def check_tma_tiles_equal_pointer_tiles_and_the_reference():
+    """ExpertsConfig.tma (the BM 64 and 128 tiers): weight tiles, and down's h tiles, through TMA
+    descriptors give the pointer loads' bits (same K steps; the padding rows' unwritten h stays out of
+    the output) and the reference's values, for routed experts with a partial last N tile of rows
+    (BN 16 of D 48 and I 32 divide; D 40 leaves the last K tile to the copy engine's zero fill) and for
+    glu_linear; rows not 16-byte aligned (D 37) fall back to pointer loads."""
+    import dataclasses
+
+    from k3backend.kernels import moe, moe_ref
+    from k3backend.kernels.moe_ref import Activation
+
+    E, k, act = 7, 3, Activation(**SITU)
+    for T, D, I in [(157, 48, 32), (467, 40, 32), (157, 37, 32)]:
+        x, weights, ids, w13, w2 = experts_case(T, E, k, D, I, seed=900 + T + D)
+        cfg = moe.experts_config(T, k, E, D, I)
+        assert cfg.tma and cfg.block_m >= 64, cfg
+        cfg = dataclasses.replace(cfg, up=(16,) + cfg.up[1:], down=(16,) + cfg.down[1:])
+        with poisoned_empty():
+            got = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, cfg)
+        plain = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, dataclasses.replace(cfg, tma=False))
+        assert torch.equal(got, plain), f"T={T} D={D}: TMA and pointer tiles differ"
+        want = moe_ref.experts(x, weights, ids, w13, w2, act, 1.0)
+        assert_bf16_close(got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), f"T={T} D={D}")
+    x, w_gu = randn(2100, 64, seed=950, dtype=BF16), randn(64, 64, seed=951, scale=0.125, dtype=BF16)
+    cfg = moe.experts_config(2100, 1, 1, 64, 32)
+    assert cfg.tma, cfg
+    with poisoned_empty():
+        got = moe.glu_linear(x, w_gu, act)
+    h = torch.empty(2100, 32, dtype=BF16)
+    moe._launch_up(x, w_gu, None, h, None, None, 2100, 1, act, dataclasses.replace(cfg, tma=False), dense=True,
+                   round_gu=True)
+    assert torch.equal(got, h), "glu_linear: TMA and pointer tiles differ"
+
+
+def test_tma_only_where_rows_share_an_expert_block_of_64_or_more_and_weights_are_bf16():
+    from k3backend.kernels import moe
+
+    for T, tma in ((16, False), (320, False), (1024, True), (8192, True)):
+        assert moe.experts_config(T, 6, 64, 1024, 1024).tma is tma, T
+        assert not moe.experts_config(T, 6, 64, 1024, 1024, mxfp4=True).tma, T
+
+
+def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
+    """The prefill tiles with TMA descriptors compile for sm_90a at `small` sizes: wgmma, no spills,
+    shared memory within the 227 KB a program may use."""
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import moe
+
+    D = I = 1024
+    cfg = moe.experts_config(4096, 6, 64, D, I)
+    (ubn, ubk, uw, us), (dbn, dbk, dw, ds), bm = cfg.up, cfg.down, cfg.block_m
+    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m)
+    up = compile_sm90(moe._up_kernel, dict(
+        x_ptr="*bf16", w13_ptr="*bf16", s13_ptr="*bf16", w_desc=f"tensordesc<bf16[{ubn}, {ubk}]>", h_ptr="*bf16",
+        sorted_ptr="*i32", block_expert_ptr="*i32", table_ptr="*bf16", n=24576, D=D, I=I, num_blocks=300,
+        stride_xt=D, stride_we=2 * I * D, stride_wn=D, stride_se=0, stride_sn=0, stride_hm=I, inv_beta=0.25, beta=4.0,
+        inv_lam=0.04, lam=25.0), dict(common, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True,
+                                      BLOCK_N=ubn, BLOCK_K=ubk), num_warps=uw, num_stages=us)
+    down = compile_sm90(moe._down_kernel, dict(
+        h_ptr="*bf16", w2_ptr="*bf16", s2_ptr="*bf16", h_desc=f"tensordesc<bf16[{bm}, {dbk}]>",
+        w_desc=f"tensordesc<bf16[{dbn}, {dbk}]>", y_ptr="*bf16", weights_ptr="*fp32", sorted_ptr="*i32",
+        block_expert_ptr="*i32", n=24576, D=D, I=I, num_blocks=300, stride_hm=I, stride_we=D * I, stride_wn=I,
+        stride_se=0, stride_sn=0, stride_yn=D, stride_pt=6, stride_pk=1), dict(common, BLOCK_N=dbn, BLOCK_K=dbk),
+        num_warps=dw, num_stages=ds)
+    for what, c in (("up", up), ("down", down)):
+        assert c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what}: {c}"
+
+
 def check_experts_activations_and_dtypes_equal_reference():
     from k3backend.kernels.moe_ref import Activation
 

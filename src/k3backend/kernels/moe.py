@@ -593,7 +593,11 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger: BM 128 × BN 128,
       8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why BM grows only with
       m (K3 at 8 K tokens: m ≈ 146).
-    Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 160 KB of 228.
+    Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 192 KB of 228.
+    - BM ≥ 64 (bf16): weight tiles (and down's h tiles) through TMA descriptors (`tma`): on the H200 at
+      `small` (bench/kernels_moe.py --tma, 2026-12-03) 4,096 / 8,192 / 16,384 tokens took 0.425 / 0.761 /
+      1.415 ms against 0.448 / 0.807 / 1.510 with pointer loads (363 / 406 / 437 TFLOP/s), and the same at
+      512-1,024 tokens; a 4,096-token prefill graph 0.5 ms less.
     mxfp4: the same tiles but never `wide` (a weight tile is a quarter of the bytes), BK at least 64 (two
     exponent groups), 3 stages up to BM 32.
     """
@@ -631,7 +635,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
             stages = 3  # 86 vs 89 us at 16 tokens, 91 vs 95 at 64, 130 vs 142 at 320)
         return min(bn, max(16, triton.next_power_of_2(N))), max(64, bk) if mxfp4 else bk, warps, stages
 
-    return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=MX_DECODE if mxfp4 else 0, gemv=gemv)
+    return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=MX_DECODE if mxfp4 else 0, gemv=gemv,
+                         tma=bm >= 64 and not mxfp4)
 
 
 _TABLES: dict[tuple[Activation, torch.device], torch.Tensor] = {}
