@@ -267,7 +267,8 @@ def _tma_candidates(cfg) -> list:
     from dataclasses import replace
 
     t = replace(cfg, tma=True, gemv=None)
-    return ([cfg, t] + [replace(t, up=u) for u in TMA_UP if u != t.up] + [replace(t, down=d) for d in TMA_DOWN if d != t.down]
+    return ([cfg, t] + [replace(t, up=u) for u in TMA_UP if u != t.up]
+            + [replace(t, down=d) for d in TMA_DOWN if d != t.down]
             + [replace(t, block_m=bm) for bm in (64, 128) if bm != t.block_m] + [replace(t, group_m=g) for g in (4, 16)])
 
 
@@ -335,7 +336,8 @@ def glu_sweep(D: int, I: int, tokens: list[int], iters: int, tma: bool = False) 
             cands = [chosen] + [replace(chosen, block_m=bm, up=u, gemv=None, tma=True)
                                 for bm, u in product((64, 128), [chosen.up] + TMA_UP)]
         else:
-            cands = [chosen] + [replace(chosen, block_m=bm, up=(bn, bk, 8 if bm * bn >= 128 * 128 else 4, st), gemv=None)
+            cands = [chosen] + [replace(chosen, block_m=bm, up=(bn, bk, 8 if bm * bn >= 128 * 128 else 4, st),
+                                        gemv=None)
                                 for bm, bn, bk, st in product((16, 32, 64, 128), (16, 32, 64, 128), (64, 128), (3, 4))]
         h = torch.empty(T, I, dtype=x.dtype, device=dev)
         rows = _timed(cands, lambda cfg: lambda: (moe._launch_up(x, w_gu, None, h, None, None, T, 1, act, cfg,
@@ -405,7 +407,8 @@ if __name__ == "__main__":
     ap.add_argument("--glu", nargs="*", metavar="DxI", help="the dense glu instead, at --tokens: its D x I "
                     "(default the shape's shared experts: 2048x1024 small, 7168x6144 K3; the dense MLP is 2048x8192)")
     ap.add_argument("--router", action="store_true", help="the router GEMM's launches instead, at --tokens")
-    ap.add_argument("--tma", action="store_true", help="experts and glu: the chosen tiles against TMA-descriptor variants")
+    ap.add_argument("--tma", action="store_true",
+                    help="experts and glu: the chosen tiles against TMA-descriptor variants")
     a = ap.parse_args()
     shape = SMALL if a.shape == "small" else K3
     if a.router:

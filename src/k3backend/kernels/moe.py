@@ -593,11 +593,11 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger: BM 128 × BN 128,
       8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why BM grows only with
       m (K3 at 8 K tokens: m ≈ 146).
-    Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 192 KB of 228.
     - BM ≥ 64 (bf16): weight tiles (and down's h tiles) through TMA descriptors (`tma`): on the H200 at
       `small` (bench/kernels_moe.py --tma, 2026-12-03) 4,096 / 8,192 / 16,384 tokens took 0.425 / 0.761 /
       1.415 ms against 0.448 / 0.807 / 1.510 with pointer loads (363 / 406 / 437 TFLOP/s), and the same at
       512-1,024 tokens; a 4,096-token prefill graph 0.5 ms less.
+    Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 192 KB of 228.
     mxfp4: the same tiles but never `wide` (a weight tile is a quarter of the bytes), BK at least 64 (two
     exponent groups), 3 stages up to BM 32.
     """
@@ -688,9 +688,9 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
     bn, bk, warps, stages = cfg.up
     w_desc = _desc(w, bn, bk) if cfg.tma and s is None and I % bn == 0 else None
     _up_kernel[(nb * triton.cdiv(I, bn),)](
-        x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, w_desc=w if w_desc is None else w_desc, h_ptr=h, sorted_ptr=x if dense else sorted_ids,
-        block_expert_ptr=x if dense else block_expert, table_ptr=h if table is None else table, n=n, D=D, I=I,
-        num_blocks=nb, stride_xt=x.stride(0),
+        x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, w_desc=w if w_desc is None else w_desc, h_ptr=h,
+        sorted_ptr=x if dense else sorted_ids, block_expert_ptr=x if dense else block_expert,
+        table_ptr=h if table is None else table, n=n, D=D, I=I, num_blocks=nb, stride_xt=x.stride(0),
         stride_we=0 if dense else w.stride(0), stride_wn=w.stride(-2), stride_se=0 if s is None else s.stride(0),
         stride_sn=0 if s is None else s.stride(-2), stride_hm=h.stride(0),
         inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
