@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import sys
 import time
 from collections.abc import Iterator
 
@@ -177,4 +176,4 @@ def main(argv: list[str] | None = None) -> list[tuple[argparse.Namespace, dict]]
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()

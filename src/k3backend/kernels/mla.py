@@ -407,7 +407,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _has_tma(device: torch.device) -> bool:
+def has_tma(device: torch.device) -> bool:
+    """Hopper or later (or the interpreter): TMA descriptors can be read (also kernels/moe.py)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
 
 
@@ -444,7 +445,7 @@ def _descriptors(pool: torch.Tensor, r: int, dr: int, block_n: int) -> tuple | N
     (tiles of BLOCK_N rows), or None where the layout does not allow them."""
     bs, width, size = pool.shape[1], pool.shape[2], pool.element_size()
     if (bs % block_n or (width * size) % 16 or (r * size) % 16 or pool.data_ptr() % 16 or not pool.is_contiguous()
-            or not _has_tma(pool.device)):
+            or not has_tma(pool.device)):
         return None
     flat = pool.view(-1, width)
     return (TensorDescriptor(flat, [flat.shape[0], r], [width, 1], [block_n, _block(r)]),

@@ -38,6 +38,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from k3backend.kernels.mla import has_tma
 from k3backend.kernels.moe_ref import Activation
 
 # GPU: compiled for a GPU rather than run by the interpreter (TRITON_INTERPRET=1, read by triton at
@@ -705,8 +706,7 @@ def _desc(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor | None:
     """A TMA descriptor over contiguous t viewed [-1, t.shape[-1]] with tiles [rows, cols], or None where
     TMA cannot read it (before Hopper, rows not 16-byte aligned)."""
     K = t.shape[-1]
-    if (not t.is_contiguous() or (K * t.element_size()) % 16 or t.data_ptr() % 16
-            or (t.is_cuda and torch.cuda.get_device_capability(t.device) < (9, 0))):
+    if not t.is_contiguous() or (K * t.element_size()) % 16 or t.data_ptr() % 16 or not has_tma(t.device):
         return None
     return TensorDescriptor(t, [t.numel() // K, K], [K, 1], [rows, cols])
 
