@@ -20,10 +20,7 @@ REPO=$ROOT/model_repository
 if [ "${CKPT:-small}" = small ]; then
   [ -e /tmp/k3small/config.json ] || timeout 900 python3 -m k3backend make-checkpoint --preset small --out /tmp/k3small \
     || { echo "make-checkpoint failed"; exit 1; }
-  REPO=/tmp/k3repo; rm -rf $REPO; cp -r "$ROOT/model_repository" $REPO
-  # k3_lm only: k3_vision keeps the built-in checkpoint and passes the bench's text-only requests through.
-  sed -i 's|key: "model_path" value: { string_value: "" }|key: "model_path" value: { string_value: "/tmp/k3small" }|' \
-    $REPO/k3_lm/config.pbtxt
+  k3_gpu_small_repo /tmp/k3small  # REPO=/tmp/k3repo: k3_lm and k3_vision on it, bf16, as bench/gpu_serve_small.sh
 fi
 k3_gpu_serve "$REPO" 900 || exit 1
 grep -E "k3_lm: (stub|worker)|cache:" "$OUT/server.log" | head -10

@@ -247,6 +247,19 @@ def test_perf_metrics_arrival_defaults_to_the_parse_time():
     assert scalar(final, "first_token_time_ns", np.int64) == 0
 
 
+def test_perf_metrics_keep_the_first_token_time_across_streamed_responses():
+    """Each engine event carries its own delta's times; the final response must still say when the
+    request's first token was sampled (it said the last delta's, seen as a negative first-response leg
+    in bench/openai_overhead.py on the H200)."""
+    builder = ResponseBuilder(parsed(stream=True, return_perf_metrics=True))
+    builder.on_event(event("a", [97], first_scheduled_time_ns=12, first_token_time_ns=13, last_token_time_ns=13))
+    builder.on_event(event("b", [98], first_token_time_ns=20, last_token_time_ns=20))
+    final = builder.on_event(event("c", [99], finished=True, reason=FinishReason.LENGTH, first_token_time_ns=30,
+                                   last_token_time_ns=30))
+    times = [scalar(final, n, np.int64) for n in ("first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")]
+    assert times == [12, 13, 30]
+
+
 # ---- log-probabilities ([LP-2], [LP-3]) ----------------------------------------------------------
 
 

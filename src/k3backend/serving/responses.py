@@ -101,6 +101,9 @@ class RequestOutput:
     last_token_time_ns: int = 0
 
 
+_FIRST_TIMES = ("first_scheduled_time_ns", "first_token_time_ns")
+
+
 class ResponseBuilder:
     """Per-request state between engine events and responses.
 
@@ -167,8 +170,10 @@ class ResponseBuilder:
             pending.logprobs += ev.logprobs
         self._num_input = ev.num_input_tokens or self._num_input
         self._num_cached = ev.num_cached_tokens or self._num_cached
-        for name in self._times:
-            self._times[name] = getattr(ev, name) or self._times[name]
+        for name, kept in self._times.items():  # the first_* times keep the request's first, not a delta's
+            value = getattr(ev, name)
+            if value and not (kept and name in _FIRST_TIMES):
+                self._times[name] = value
 
     def _build(self, finish_reason: str) -> dict[str, np.ndarray]:
         """The outputs of one response; only what the request asked for ([OUT-1])."""
