@@ -10,7 +10,9 @@
 # checkpoint is written to /tmp/k3small first if missing (a few minutes, about 12 GB of disk; do it in
 # a call of its own where calls are limited to 10 minutes); CKPT=tiny serves the built-in one instead.
 # GATEWAYS: the gateway argument sets to compare, ';'-separated (default ";--grpc-channels 4;--workers 4");
-# FAKE=0 leaves out the run against the fake server; REPEATS: ABBA pairs per concurrency (default 1).
+# FAKE=0 leaves out the run against the fake server; REPEATS: ABBA pairs per concurrency (default 1);
+# MODELS: the Triton models both paths call, ' '-separated (default k3_ensemble; k3_lm compares the gateway
+# with k3_lm over gRPC, both without the ensemble's k3_vision hop).
 set -uo pipefail
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
@@ -27,11 +29,13 @@ grep -E "k3_lm: (stub|worker)|cache:" "$OUT/server.log" | head -10
 # One process (the default), one process with 4 gRPC connections, 4 processes; then the gateway alone
 # against tests/fake_triton.py (one token per 10 ms for every request, no model): its own cost here.
 IFS=';' read -ra SETS <<< "${GATEWAYS:-;--grpc-channels 4;--workers 4}"  # gateway argument sets, ';'-separated
+for MODEL in ${MODELS:-k3_ensemble}; do  # k3_lm: both paths skip the ensemble (the gateway's own cost)
 for ARGS in "${SETS[@]}"; do
-  echo "== gateway ${ARGS:-defaults}" | tee -a "$OUT/openai.txt"
+  echo "== $MODEL, gateway ${ARGS:-defaults}" | tee -a "$OUT/openai.txt"
   timeout "${T:-400}" python3 bench/openai_overhead.py --grpc-url 127.0.0.1:8001 --concurrency ${CONC:-1 64} \
-    --max-tokens 128 --prompt-chars 512 --client-procs 8 --repeats "${REPEATS:-1}" --gateway-args "$ARGS" 2>&1 \
-    | grep -v INFO | tee -a "$OUT/openai.txt"
+    --max-tokens 128 --prompt-chars 512 --client-procs 8 --repeats "${REPEATS:-1}" --triton-model "$MODEL" \
+    --gateway-args "$ARGS" 2>&1 | grep -v INFO | tee -a "$OUT/openai.txt"
+done
 done
 [ "${FAKE:-1}" = 0 ] || { echo "== gateway against tests/fake_triton.py" | tee -a "$OUT/openai.txt"
 timeout "${T:-400}" python3 bench/openai_overhead.py --fake-step-ms 10 --concurrency 1 64 --max-tokens 128 \

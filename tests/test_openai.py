@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -144,6 +145,31 @@ def test_image_chat_equals_the_ensembles_image_request(server, client):
     assert r.choices[0].message.content == joined(ref, "text_output")
     assert r.usage.prompt_tokens == int(ref.responses[0]["num_input_tokens"].reshape(-1)[0])
     assert r.usage.prompt_tokens > 20  # the image's pad positions are counted
+
+
+def _vision_requests(server) -> int:
+    """Requests k3_vision has executed (Triton's model statistics): the ensemble's first step."""
+    with urllib.request.urlopen(f"{server.http_url}/v2/models/k3_vision/stats", timeout=10) as r:
+        return json.load(r)["model_stats"][0]["inference_stats"]["success"]["count"]
+
+
+def test_text_goes_straight_to_k3_lm_and_images_through_the_ensemble(server, client, tmp_path):
+    text = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Route"}]}]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_uri(32, 32, seed=5)}},
+                                          {"type": "text", "text": "Route"}]}]
+    before = _vision_requests(server)
+    client.chat.completions.create(model="k3", messages=text, max_tokens=2, temperature=0)
+    client.completions.create(model="k3", prompt="Route", max_tokens=2, temperature=0)
+    assert _vision_requests(server) == before  # --text-model k3_lm (the default)
+    client.chat.completions.create(model="k3", messages=image, max_tokens=2, temperature=0)
+    wait_until(lambda: _vision_requests(server) == before + 1, 10, "k3_vision to count the image request", 0.05)
+    gw = Gateway(server.grpc_url, tmp_path / "gateway.log", "--text-model", "")  # everything through the ensemble
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        c.chat.completions.create(model="k3", messages=text, max_tokens=2, temperature=0)
+        wait_until(lambda: _vision_requests(server) == before + 2, 10, "k3_vision to count the text request", 0.05)
+    finally:
+        assert gw.stop() == 0
 
 
 def test_sampling_fields_and_stop_reach_k3(server, client):

@@ -48,6 +48,18 @@ def test_chat_messages_become_k3_messages():
     assert job.inputs["text_input"] == ("", "BYTES")
 
 
+@pytest.mark.parametrize("content, text_only", [
+    ("hi", True), (None, True), ([{"type": "text", "text": "hi"}], True), ([], True),
+    ([{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}], False),
+    ([{"type": "image", "image": "x"}], False), (["hi"], False), (7, False),
+])
+def test_only_text_messages_may_skip_the_ensemble(content, text_only):
+    body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": content}]}
+    assert chat_plan(body, "k3").jobs[0].text_only is text_only
+    assert chat_plan({"messages": ["not a message"]}, "k3").jobs[0].text_only is False
+    assert all(j.text_only for j in completion_plan({"prompt": ["a", "b"]}, "k3").jobs)
+
+
 def test_n_and_prompts_fan_out_with_a_seed_per_choice():
     plan = completion_plan({"prompt": ["a", "b"], "n": 2, "seed": 2**64 - 1, "stop": "x"}, "k3")
     assert [(j.index, j.prompt_index) for j in plan.jobs] == [(0, 0), (1, 0), (2, 1), (3, 1)]

@@ -97,7 +97,8 @@ def _openai(args: argparse.Namespace) -> int:
 
     return serve(GatewayConfig(
         triton_url=args.triton_url, host=args.host, port=args.port, served_model_name=args.served_model_name,
-        api_key=api_key(args), triton_model=args.triton_model, max_request_bytes=args.max_request_bytes,
+        api_key=api_key(args), triton_model=args.triton_model, text_model=args.text_model or None,
+        max_request_bytes=args.max_request_bytes,
         grpc_channels=args.grpc_channels, reuse_port=args.reuse_port))
 
 

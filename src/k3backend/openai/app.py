@@ -36,6 +36,7 @@ class GatewayConfig:
     served_model_name: str = "k3"
     api_key: str | None = None
     triton_model: str = "k3_ensemble"
+    text_model: str | None = "k3_lm"  # requests without images skip the ensemble (None: everything to triton_model)
     max_request_bytes: int = 64 * 2**20
     grpc_channels: int = 1
     reuse_port: bool = False  # one of several processes on this port (--workers)
@@ -52,7 +53,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
                     web.post("/v1/chat/completions", chat), web.post("/v1/completions", completions)])
 
     async def pool_context(app: web.Application) -> AsyncIterator[None]:
-        app[POOL] = TritonPool(cfg.triton_url, cfg.triton_model, cfg.grpc_channels)
+        app[POOL] = TritonPool(cfg.triton_url, cfg.triton_model, cfg.grpc_channels, cfg.text_model)
         yield
         await app[POOL].close()
 
@@ -99,8 +100,9 @@ async def health(request: web.Request) -> web.Response:
     """200 once Triton and its model are ready, else 503 (for load balancers and `scripts/serve`)."""
     if await request.app[POOL].ready():
         return web.Response(status=200)
-    raise ApiError(503, f"Triton at {request.app[CONFIG].triton_url} or its model "
-                        f"{request.app[CONFIG].triton_model} is not ready", "service_unavailable")
+    cfg = request.app[CONFIG]
+    models = " and ".join(dict.fromkeys(m for m in (cfg.triton_model, cfg.text_model) if m))
+    raise ApiError(503, f"Triton at {cfg.triton_url} or its model {models} is not ready", "service_unavailable")
 
 
 async def models(request: web.Request) -> web.Response:
@@ -215,8 +217,9 @@ async def _serve(cfg: GatewayConfig) -> None:
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_port=cfg.reuse_port or None)
     await site.start()
-    logger.info("OpenAI API on http://%s:%d/v1 (model %r) -> Triton %s model %s%s; %s event loop", cfg.host, cfg.port,
-                cfg.served_model_name, cfg.triton_url, cfg.triton_model, ", API key required" if cfg.api_key else "",
+    logger.info("OpenAI API on http://%s:%d/v1 (model %r) -> Triton %s model %s%s%s; %s event loop", cfg.host,
+                cfg.port, cfg.served_model_name, cfg.triton_url, cfg.triton_model,
+                f" ({cfg.text_model} for text)" if cfg.text_model else "", ", API key required" if cfg.api_key else "",
                 type(asyncio.get_running_loop()).__module__.split(".")[0])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -20,6 +20,9 @@ def add_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, "
                                      "else no key)")
     p.add_argument("--triton-model", default="k3_ensemble", help="the Triton model to call (default %(default)s)")
+    p.add_argument("--text-model", default="k3_lm",
+                   help="the Triton model for requests without images, '' for --triton-model (default %(default)s: "
+                        "the ensemble's first step, k3_vision, has nothing to do for them but adds a hop)")
     p.add_argument("--max-request-bytes", type=int, default=64 * 2**20,
                    help="larger request bodies get 413 (default %(default)s, room for base64 images)")
     p.add_argument("--grpc-channels", type=int, default=1, help="gRPC channels to Triton per process "
@@ -34,6 +37,7 @@ def gateway_argv(args: argparse.Namespace, triton_url: str, prefix: str = "") ->
     get = lambda name: getattr(args, (prefix + name).replace("-", "_"))  # noqa: E731
     return ["--triton-url", triton_url, "--host", get("host"), "--port", str(get("port")),
             "--served-model-name", args.served_model_name, "--triton-model", args.triton_model,
+            "--text-model", args.text_model,
             "--max-request-bytes", str(args.max_request_bytes), "--grpc-channels", str(args.grpc_channels),
             "--workers", str(args.workers)]
 

@@ -59,6 +59,7 @@ class Job:
     inputs: dict[str, tuple[Any, str]]  # k3 input name -> (value or list of values, Triton dtype)
     index: int
     prompt_index: int
+    text_only: bool  # no image parts: k3_vision has nothing to do (the gateway's --text-model)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def chat_plan(body: dict, served_name: str) -> Plan:
     top = _get(body, "top_logprobs", int)
     if top is not None and not logprobs and top > 0:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    return _plan("chat", body, [inputs], max_tokens, logprobs, top or 0)
+    return _plan("chat", body, [inputs], max_tokens, logprobs, top or 0, all(map(_text_only, messages)))
 
 
 def completion_plan(body: dict, served_name: str) -> Plan:
@@ -115,11 +116,11 @@ def completion_plan(body: dict, served_name: str) -> Plan:
         raise bad_request("echo with logprobs needs prompt log-probabilities, which are not supported", "echo")
     base: dict[str, tuple[Any, str]] = {"exclude_input_in_output": (False, "BOOL")} if echo else {}
     per_prompt = [{"text_input": (p, "BYTES"), **base} for p in prompts]
-    return _plan("completion", body, per_prompt, _get(body, "max_tokens", int), top is not None, top or 0)
+    return _plan("completion", body, per_prompt, _get(body, "max_tokens", int), top is not None, top or 0, True)
 
 
 def _plan(kind: str, body: dict, per_prompt: list[dict], max_tokens: int | None, logprobs: bool,
-          top_logprobs: int) -> Plan:
+          top_logprobs: int, text_only: bool) -> Plan:
     stream = bool(_get(body, "stream", bool))
     options = _get(body, "stream_options", dict) or {}
     unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
@@ -150,7 +151,7 @@ def _plan(kind: str, body: dict, per_prompt: list[dict], max_tokens: int | None,
             inputs = {**prompt_inputs, **common}
             if seed is not None:  # choice j draws with seed + j, so n > 1 gives n different samples
                 inputs["seed"] = ((seed + j) % 2**64, "UINT64")
-            jobs.append(Job(f"oai-{uuid.uuid4().hex}", inputs, p * n + j, p))
+            jobs.append(Job(f"oai-{uuid.uuid4().hex}", inputs, p * n + j, p, text_only))
     return Plan(kind, jobs, stream, include_usage, continuous_usage, logprobs, top_logprobs, perf_metrics)
 
 
@@ -198,6 +199,16 @@ def _message(message: Any) -> Any:
     if isinstance(out.get("content"), list):
         out["content"] = [_part(p) for p in out["content"]]
     return out
+
+
+def _text_only(message: Any) -> bool:
+    """A message whose content is a string (or absent) or a list of text parts; anything else,
+    images and malformed messages alike, goes through the ensemble (k3_vision reads or refuses it)."""
+    if not isinstance(message, dict):
+        return False
+    content = message.get("content")
+    return content is None or isinstance(content, str) or (
+        isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content))
 
 
 def _part(part: Any) -> Any:

@@ -103,7 +103,8 @@ class TritonStream:
         self.job = job
         self._pool = pool
         self._done = False
-        self._call = pool.call(request_pb(pool.model, job.request_id, job.inputs))
+        self.model = pool.model_for(job)
+        self._call = pool.call(request_pb(self.model, job.request_id, job.inputs))
 
     def __aiter__(self) -> TritonStream:
         return self
@@ -128,14 +129,15 @@ class TritonStream:
     def close(self) -> None:
         if not self._done:
             self._done = True
-            self._pool.stop_later(self.job.request_id, self._call)
+            self._pool.stop_later(self.model, self.job.request_id, self._call)
 
 
 class TritonPool:
-    """A few gRPC channels to one tritonserver, used round-robin; owns the background stop tasks."""
+    """A few gRPC channels to one tritonserver, used round-robin; owns the background stop tasks.
+    Requests go to `model` (the ensemble), those without images to `text_model` when it is set."""
 
-    def __init__(self, url: str, model: str, channels: int = 1) -> None:
-        self.url, self.model = url, model
+    def __init__(self, url: str, model: str, channels: int = 1, text_model: str | None = None) -> None:
+        self.url, self.model, self.text_model = url, model, text_model
         # A local subchannel pool per channel: gRPC otherwise shares one TCP connection between
         # channels with the same target and options, and N channels would still be one connection.
         options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
@@ -159,14 +161,18 @@ class TritonPool:
     def open(self, job: Job) -> TritonStream:
         return TritonStream(self, job)
 
-    def stop_later(self, request_id: str, call: grpc.aio.UnaryStreamCall) -> None:
-        task = asyncio.get_running_loop().create_task(self._stop(request_id, call))
+    def model_for(self, job: Job) -> str:
+        return self.text_model if job.text_only and self.text_model else self.model
+
+    def stop_later(self, model: str, request_id: str, call: grpc.aio.UnaryStreamCall) -> None:
+        task = asyncio.get_running_loop().create_task(self._stop(model, request_id, call))
         self._stops.add(task)
         task.add_done_callback(self._stops.discard)
 
-    async def _stop(self, request_id: str, target: grpc.aio.UnaryStreamCall) -> None:
-        """Send the stop request for `request_id`, then read the target's call to its end."""
-        stop = request_pb(self.model, request_id, {"text_input": ("", "BYTES"), "stop": (True, "BOOL")})
+    async def _stop(self, model: str, request_id: str, target: grpc.aio.UnaryStreamCall) -> None:
+        """Send the stop request for `request_id` to the model it went to, then read the target's call
+        to its end."""
+        stop = request_pb(model, request_id, {"text_input": ("", "BYTES"), "stop": (True, "BOOL")})
         call = self.call(stop)
         try:
             msg = await asyncio.wait_for(call.read(), STOP_TIMEOUT_S)  # the stop request's one response
@@ -183,11 +189,12 @@ class TritonPool:
         """Server and model ready (GET /health); failing to ask counts as not ready."""
         try:
             server = await self._stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=READY_TIMEOUT_S)
-            model = await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=READY_TIMEOUT_S)
+            models = [await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=name), timeout=READY_TIMEOUT_S)
+                      for name in dict.fromkeys(m for m in (self.model, self.text_model) if m)]
         except grpc.RpcError as e:
             logger.debug("readiness check failed: %s", e.code())
             return False
-        return server.ready and model.ready
+        return server.ready and all(m.ready for m in models)
 
     async def close(self) -> None:
         """Let pending stop requests finish (they free engine work), then close the channels."""
