@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The OpenAI gateway's overhead on a GPU machine: bench/openai_overhead.py (TTFT p50 and decode
 # speed through the gateway vs k3_ensemble over gRPC, concurrency 1 and 64) against tritonserver
-# serving the `small` checkpoint (random weights, bf16): one gateway process, one with 4 gRPC
-# connections (--grpc-channels 4), 4 processes (--workers 4), and the gateway against a fake server.
+# serving the `small` checkpoint (random weights, bf16): one gateway process and 4 processes (--workers 4),
+# against k3_ensemble and (MODELS) k3_lm, then the gateway against a fake server.
 #
 # Carried inputs as for bench/gpu_serving.sh (.dev/tritonserver.tar.xz and .dev/whl/, built by
 # bench/make_gpu_bundle.sh; setup shared in bench/gpu_common.sh); the GPU image has aiohttp and
 # grpcio. Writes under $OUT (or /tmp/k3out): server.log, openai.txt (the tables). The `small`
 # checkpoint is written to /tmp/k3small first if missing (a few minutes, about 12 GB of disk; do it in
 # a call of its own where calls are limited to 10 minutes); CKPT=tiny serves the built-in one instead.
-# GATEWAYS: the gateway argument sets to compare, ';'-separated (default ";--grpc-channels 4;--workers 4");
+# GATEWAYS: the gateway argument sets to compare, ';'-separated (default "--workers 1;--workers 4";
+# an empty set is the default, one process per 4 CPUs);
 # FAKE=0 leaves out the run against the fake server; REPEATS: ABBA pairs per concurrency (default 1);
 # MODELS: the Triton models both paths call, ' '-separated (default k3_ensemble; k3_lm compares the gateway
 # with k3_lm over gRPC, both without the ensemble's k3_vision hop).
@@ -26,9 +27,9 @@ if [ "${CKPT:-small}" = small ]; then
 fi
 k3_gpu_serve "$REPO" 900 || exit 1
 grep -E "k3_lm: (stub|worker)|cache:" "$OUT/server.log" | head -10
-# One process (the default), one process with 4 gRPC connections, 4 processes; then the gateway alone
-# against tests/fake_triton.py (one token per 10 ms for every request, no model): its own cost here.
-IFS=';' read -ra SETS <<< "${GATEWAYS:-;--grpc-channels 4;--workers 4}"  # gateway argument sets, ';'-separated
+# Each gateway argument set against each model; then the gateway alone against tests/fake_triton.py (one
+# token per 10 ms for every request, no model): its own cost here.
+IFS=';' read -ra SETS <<< "${GATEWAYS:---workers 1;--workers 4}"  # gateway argument sets, ';'-separated
 for MODEL in ${MODELS:-k3_ensemble}; do  # k3_lm: both paths skip the ensemble (the gateway's own cost)
 for ARGS in "${SETS[@]}"; do
   echo "== $MODEL, gateway ${ARGS:-defaults}" | tee -a "$OUT/openai.txt"

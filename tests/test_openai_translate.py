@@ -8,6 +8,7 @@ import struct
 import pytest
 
 from k3backend.openai.errors import ApiError, from_triton
+from k3backend.openai.options import workers
 from k3backend.openai.translate import chat_plan, completion_plan
 from k3backend.openai.responses import Answer
 from k3backend.openai.triton import Delta, parse_delta, request_pb
@@ -162,3 +163,12 @@ def test_stream_events_are_the_compact_json_of_their_chunk(kind, options):
         assert got == f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
     assert answer.finished
     assert {**answer.body(), "id": None} == {**reference.body(), "id": None}
+
+
+@pytest.mark.parametrize("cpus, requested, expected", [(2, 0, 1), (8, 0, 2), (16, 0, 4), (128, 0, 4), (None, 0, 1),
+                                                         (2, 3, 3)])
+def test_workers_default_to_one_per_four_cpus_at_most_four(monkeypatch, cpus, requested, expected):
+    monkeypatch.setattr("os.cpu_count", lambda: cpus)
+    assert workers(requested) == expected
+    with pytest.raises(SystemExit, match="--workers"):
+        workers(-1)

@@ -84,8 +84,9 @@ def _hf_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _openai(args: argparse.Namespace) -> int:
-    from k3backend.openai.options import API_KEY_ENV, api_key, gateway_argv
+    from k3backend.openai.options import API_KEY_ENV, api_key, gateway_argv, workers
 
+    args.workers = workers(args.workers)
     if args.workers > 1:  # N copies of this command on one port, started and stopped together
         from k3backend.supervise import Child, run_together
 
