@@ -12,38 +12,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import os
 import random
 import time
-from pathlib import Path
 
 import aiohttp
-import pytest
 
-from gatewayutil import Gateway
 from k3client import metric, metrics, png_data_uri
+from test_openai import KEY, LIMIT, gateway, server  # noqa: F401 - the same server and gateway fixtures
 
-REPO = Path(__file__).resolve().parents[1] / "model_repository"
-MODELS = ["k3_vision", "k3_lm", "k3_ensemble"]
 CASES = 160
 SEED = 20261204
-LIMIT = 256 * 1024  # the gateway's --max-request-bytes here
 VALID = [{"model": "k3", "prompt": f"Valid stream {i}: the river", "max_tokens": 6, "temperature": 0,
           "ignore_eos": True, "stream": True} for i in range(4)]
-
-
-@pytest.fixture(scope="module")
-def server(triton_server, tmp_path_factory):
-    os.environ.setdefault("K3_DEFAULT_CHECKPOINT", str(tmp_path_factory.mktemp("ckpt") / "tiny-seed0"))
-    return triton_server(REPO, MODELS)
-
-
-@pytest.fixture(scope="module")
-def gateway(server, tmp_path_factory):
-    gw = Gateway(server.grpc_url, tmp_path_factory.mktemp("gw") / "gateway.log", "--max-request-bytes", str(LIMIT),
-                 "--workers", "1")
-    yield gw
-    assert gw.stop() == 0, gw.log_path.read_text()
+HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
 
 
 # ---- bodies -------------------------------------------------------------------------------------
@@ -136,7 +117,7 @@ def body(g: random.Random) -> tuple[str, bytes]:
 
 
 async def send(session: aiohttp.ClientSession, url: str, path: str, raw: bytes) -> tuple[int, bytes]:
-    async with session.post(url + path, data=raw, headers={"Content-Type": "application/json"}) as r:
+    async with session.post(url + path, data=raw, headers=HEADERS) as r:
         return r.status, await r.read()
 
 
