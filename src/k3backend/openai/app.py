@@ -100,9 +100,9 @@ async def health(request: web.Request) -> web.Response:
     """200 once Triton and its model are ready, else 503 (for load balancers and `scripts/serve`)."""
     if await request.app[POOL].ready():
         return web.Response(status=200)
-    cfg = request.app[CONFIG]
-    models = " and ".join(dict.fromkeys(m for m in (cfg.triton_model, cfg.text_model) if m))
-    raise ApiError(503, f"Triton at {cfg.triton_url} or its model {models} is not ready", "service_unavailable")
+    pool = request.app[POOL]
+    raise ApiError(503, f"Triton at {pool.url} or its model {' and '.join(pool.models)} is not ready",
+                   "service_unavailable")
 
 
 async def models(request: web.Request) -> web.Response:

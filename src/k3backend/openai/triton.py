@@ -138,6 +138,7 @@ class TritonPool:
 
     def __init__(self, url: str, model: str, channels: int = 1, text_model: str | None = None) -> None:
         self.url, self.model, self.text_model = url, model, text_model
+        self.models = tuple(dict.fromkeys(m for m in (model, text_model) if m))  # what readiness needs
         # A local subchannel pool per channel: gRPC otherwise shares one TCP connection between
         # channels with the same target and options, and N channels would still be one connection.
         options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
@@ -190,7 +191,7 @@ class TritonPool:
         try:
             server = await self._stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=READY_TIMEOUT_S)
             models = [await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=name), timeout=READY_TIMEOUT_S)
-                      for name in dict.fromkeys(m for m in (self.model, self.text_model) if m)]
+                      for name in self.models]
         except grpc.RpcError as e:
             logger.debug("readiness check failed: %s", e.code())
             return False
