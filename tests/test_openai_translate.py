@@ -57,6 +57,9 @@ def test_chat_messages_become_k3_messages():
 def test_only_text_messages_may_skip_the_ensemble(content, text_only):
     body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": content}]}
     assert chat_plan(body, "k3").jobs[0].text_only is text_only
+
+
+def test_malformed_messages_go_through_the_ensemble_and_completions_do_not():
     assert chat_plan({"messages": ["not a message"]}, "k3").jobs[0].text_only is False
     assert all(j.text_only for j in completion_plan({"prompt": ["a", "b"]}, "k3").jobs)
 
