@@ -2,7 +2,7 @@
 the bf16 experts kernel on the same weights dequantized (issue 18's targets), on one GPU.
 
     python bench/kernels_mxfp4.py                 # memory, check, time: one table per shape
-    python bench/kernels_mxfp4.py --sweep         # then tiles and the two expansions, one change at a time
+    python bench/kernels_mxfp4.py --sweep         # then tiles and the expansions, one change at a time
     TRITON_INTERPRET=1 python bench/kernels_mxfp4.py --smoke --sweep   # tiny sizes on a CPU: the harness
 
 Shapes: `small` (E 64 top-6, latent D 1024, I 1024) and K3 (E 896 top-16, D 3584, I 3072: 15.7 GB packed,
@@ -10,8 +10,8 @@ Shapes: `small` (E 64 top-6, latent D 1024, I 1024) and K3 (E 896 top-16, D 3584
 bench/kernels_moe.py (a per-expert popularity skew). Weights: random codes and exponents by
 make-checkpoint's rule; the bf16 copy is their exact dequantization.
 
-Columns: ms of experts_mxfp4, with each in-register expansion (d0 tl.dot_scaled, d1 the hand one;
-the first row is kernels/moe.py MX_DECODE, the one the engine runs); TB/s in packed bytes (codes + exponents of the experts hit, plus x and
+Columns: ms of experts_mxfp4, with each in-register expansion (d0 tl.dot_scaled, d1 through fp32, d2 the
+PTX byte tables; the first row is what experts_config picks, the one the engine runs); TB/s in packed bytes (codes + exponents of the experts hit, plus x and
 the output; the 1-64 token target is >= 70 % of 4.27 TB/s, the measured copy ceiling); TFLOP/s of the
 useful 2·T·k·3·I·D (the 8-16 K target is >= 450); x bf16 = the bf16 kernel's time / this one's (the
 1-64 token target is >= 2.5); check: every element within 2 bf16 ulps of the row's largest |output|
@@ -108,10 +108,15 @@ def check(layer: MxLayer, args: tuple, cfg=None) -> str:
     return f"max {worst:.2f} ulp <= {CHECK_ULPS}; {(got != bf16).float().mean().item():.2%} differ from the bf16 kernel"
 
 
+def _math(cfg):
+    """What runs: the GEMV kernels read decode 0 as 1 (they have no tl.dot_scaled)."""
+    return dataclasses.replace(cfg, decode=max(cfg.decode, 1)) if cfg.gemv else cfg
+
+
 def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list[str]:
-    """Check and time experts_mxfp4 with each expansion (moe.MX_DECODE's first), the MMA tiles where it
-    takes the GEMV kernels and the GEMV kernels where only the bf16 experts do, and the bf16 kernel at
-    each T; returns the table rows."""
+    """Check and time experts_mxfp4 as experts_config picks it, then the MMA tiles with each expansion and
+    the GEMV kernels (d1, d2) where it or the bf16 experts take them, and the bf16 kernel at each T;
+    returns the table rows."""
     from k3backend.kernels import moe
 
     s, rows = layer.s, []
@@ -121,12 +126,12 @@ def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list
         nbytes, flops = _bytes_flops(s, T, hit)
         chosen = moe.experts_config(T, s.k, s.E, s.D, s.I, mxfp4=True)
         t_bf = time_fn(lambda: moe.experts(*layer.bf16_args(x, w, ids)), True, iters)
-        gemv = moe.experts_config(T, s.k, s.E, s.D, s.I).gemv  # the bf16 rule's GEMV tiles, where it takes them
-        other = (dataclasses.replace(chosen, gemv=None) if chosen.gemv
-                 else dataclasses.replace(chosen, gemv=gemv) if gemv else None)
-        flipped = dataclasses.replace(chosen, gemv=None, decode=1 - chosen.decode)
-        for cfg in (chosen, flipped) + ((other,) if other else ()):
-            shape = f"T{T} hit{hit}/{s.E} " + (f"gemv{cfg.gemv[:2]}" if cfg.gemv else f"BM{cfg.block_m} d{cfg.decode}")
+        gemv = chosen.gemv or moe.experts_config(T, s.k, s.E, s.D, s.I).gemv  # where either rule takes them
+        variants = [dataclasses.replace(chosen, gemv=None, decode=d) for d in (0, 1, 2)]
+        variants += [dataclasses.replace(chosen, gemv=gemv, decode=d) for d in (1, 2)] if gemv else []
+        for cfg in [chosen] + [v for v in variants if _math(v) != _math(chosen)]:
+            shape = f"T{T} hit{hit}/{s.E} " + (f"gemv{cfg.gemv[:2]}" if cfg.gemv else f"BM{cfg.block_m}") + \
+                f" d{cfg.decode}"
             try:
                 status = check(layer, (x, w, ids), cfg) if do_check else ""
             except AssertionError as e:
@@ -153,7 +158,7 @@ def candidates(cfg) -> list:
     """The chosen tiles and expansion, then one change at a time."""
     r = dataclasses.replace
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
-    out = [cfg, r(cfg, decode=1 - cfg.decode)]
+    out = [cfg] + [r(cfg, decode=d) for d in (0, 1, 2) if d != cfg.decode]
     out += [r(cfg, up=(ubn, bk, uw, us), down=(dbn, bk, dw, ds)) for bk in (64, 128, 256) if bk != ubk]
     out += [r(cfg, up=(ubn, ubk, uw, st), down=(dbn, dbk, dw, st)) for st in (2, 3, 5) if st != us]
     out += [r(cfg, up=(bn, ubk, uw, us), down=(bn, dbk, dw, ds)) for bn in (32, 64, 128) if bn != ubn]

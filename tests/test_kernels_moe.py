@@ -378,6 +378,42 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
         assert c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what}: {c}"
 
 
+def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills():
+    """DECODE 2's inline PTX is accepted by ptxas for sm_90a in the MMA tiles (16 tokens of `small`) and the
+    GEMV kernels (1 token), with no spills: the interpreter cannot run it, so this and
+    test_e2m1_ptx_decodes_every_code_and_exponent are what CI checks of it."""
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import moe
+
+    D = I = 1024
+    cfg = moe.experts_config(16, 6, 64, D, I, mxfp4=True)
+    (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
+    mx = dict(GPU=True, EVEN_K=True, MX=True, DECODE=2, TOP_K=6)
+    act = dict(inv_beta=0.25, beta=4.0, inv_lam=0.04, lam=25.0)
+    up = compile_sm90(moe._up_kernel, dict(
+        x_ptr="*bf16", w13_ptr="*u8", s13_ptr="*u8", w_desc="*u8", h_ptr="*bf16", sorted_ptr="*i32",
+        block_expert_ptr="*i32", table_ptr="*fp32", n=96, D=D, I=I, num_blocks=100, stride_xt=D, stride_we=I * D,
+        stride_wn=D // 2, stride_se=I * D // 16, stride_sn=D // 32, stride_hm=I, **act),
+        dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, TMA=False, BLOCK_M=cfg.block_m,
+             BLOCK_N=ubn, BLOCK_K=ubk, GROUP_M=cfg.group_m), num_warps=uw, num_stages=us)
+    down = compile_sm90(moe._down_kernel, dict(
+        h_ptr="*bf16", w2_ptr="*u8", s2_ptr="*u8", h_desc="*bf16", w_desc="*u8", y_ptr="*bf16",
+        weights_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32", n=96, D=D, I=I, num_blocks=100,
+        stride_hm=I, stride_we=D * I // 2, stride_wn=I // 2, stride_se=D * I // 32, stride_sn=I // 32, stride_yn=D,
+        stride_pt=6, stride_pk=1), dict(mx, TMA=False, BLOCK_M=cfg.block_m, BLOCK_N=dbn, BLOCK_K=dbk,
+                                         GROUP_M=cfg.group_m), num_warps=dw, num_stages=ds)
+    bn, bk, warps, stages = moe.experts_config(1, 6, 64, D, I, mxfp4=True).gemv
+    gemv = compile_sm90(moe._up_gemv_kernel, dict(
+        x_ptr="*bf16", w13_ptr="*u8", s13_ptr="*u8", h_ptr="*bf16", ids_ptr="*i32", table_ptr="*fp32", n=6, D=D,
+        I=I, E=64, stride_xt=D, stride_we=I * D, stride_wn=D // 2, stride_se=I * D // 16, stride_sn=D // 32,
+        stride_it=6, stride_ik=1, stride_hm=I, **act),
+        dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, BLOCK_N=bn, BLOCK_K=bk),
+        num_warps=warps, num_stages=stages)
+    for what, c in (("up", up), ("down", down), ("up gemv", gemv)):
+        assert c.stack == 0 and c.smem <= 227 * 1024, f"{what}: {c}"
+
+
 def check_experts_activations_and_dtypes_equal_reference():
     from k3backend.kernels.moe_ref import Activation
 
@@ -536,6 +572,90 @@ def check_experts_mxfp4_hand_expansion_equals_reference():
     for T, D, I, act in [(5, 96, 64, Activation(**SITU)), (61, 64, 96, Activation("silu"))]:
         got, want, scale = experts_mxfp4_both(*mxfp4_case(T, 7, 3, D, I, seed=900 + T), act, decode=1)
         assert_bf16_close(got, want, scale, f"mxfp4 hand expansion T={T}")
+
+
+def check_experts_mxfp4_ptx_expansion_equals_reference():
+    """DECODE 2 (`_E2M1_PTX` on a GPU): under the interpreter it runs `_mx_rows`' math, so this checks
+    the plumbing (MMA tiles and GEMV kernels); test_e2m1_ptx_decodes_every_code_and_exponent the asm."""
+    from k3backend.kernels.moe_ref import Activation
+
+    for T, D, I in [(1, 96, 64), (5, 96, 64), (61, 64, 96)]:
+        got, want, scale = experts_mxfp4_both(*mxfp4_case(T, 7, 3, D, I, seed=920 + T), Activation(**SITU), decode=2)
+        assert_bf16_close(got, want, scale, f"mxfp4 PTX expansion T={T}")
+
+
+def run_ptx(text: str, regs: dict) -> dict:
+    """Run straight-line PTX over numpy uint32 arrays: the instructions `_E2M1_PTX` uses, as the PTX ISA
+    defines them (prmt.b32's default mode, lop3's truth table, fma.rn.bf16x2 rounded to nearest even)."""
+    import numpy as np
+
+    def prmt(a, b, c):
+        out = np.zeros_like(a)
+        for i in range(4):
+            sel = (c >> (4 * i)) & 0xF
+            idx = sel & 7
+            byte = np.where(idx < 4, a >> (8 * (idx & 3)), b >> (8 * (idx & 3))) & 0xFF
+            byte = np.where(sel & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+            out |= byte.astype(np.uint32) << (8 * i)
+        return out
+
+    def lop3(a, b, c, lut):
+        out = np.zeros_like(a)
+        for i in range(8):
+            if int(lut[0]) >> i & 1:
+                out |= (a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c)
+        return out
+
+    def fma_bf16x2(a, b, c):
+        def half(x, h):
+            return torch.from_numpy(((x >> (16 * h)) << 16).astype(np.int64).astype(np.int32)).view(torch.float32)
+        out = np.zeros_like(a)
+        for h in range(2):
+            r = (half(a, h).double() * half(b, h).double() + half(c, h).double()).to(torch.bfloat16)
+            out |= r.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32) << (16 * h)
+        return out
+
+    ops = {"mov.b32": lambda a: a, "and.b32": lambda a, b: a & b, "shr.u32": lambda a, b: a >> b,
+           "shl.b32": lambda a, b: a << b, "prmt.b32": prmt, "lop3.b32": lop3, "fma.rn.bf16x2": fma_bf16x2}
+    n = len(next(iter(regs.values())))
+    for stmt in text.strip().removeprefix("{").removesuffix("}").split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        dst, *src = [a.strip() for a in rest.split(",")]
+        assert op in ops, f"run_ptx: {op} is not modelled"
+        vals = [regs[a] if a in regs else np.full(n, int(a, 0), dtype=np.uint32) for a in src]
+        regs[dst] = np.asarray(ops[op](*vals), dtype=np.uint32)
+    return regs
+
+
+def test_e2m1_ptx_decodes_every_code_and_exponent():
+    """`_E2M1_PTX`, run instruction by instruction in a model, gives each of the 8 values of 4 code bytes the
+    bf16 of E2M1 times 2^(s-127) bit for bit: every code byte in every byte position with every exponent
+    1..254 (the loader refuses 255), neighbours random; exponent 0 gives a zero of the code's sign."""
+    import numpy as np
+
+    from k3backend.kernels import moe
+    from k3backend.kernels.moe_ref import E2M1, e8m0_scale
+
+    rng = np.random.default_rng(0)
+    code, exp, pos = (a.ravel() for a in np.meshgrid(np.arange(256), np.arange(255), np.arange(4), indexing="ij"))
+    codes = rng.integers(0, 256, (code.size, 4))
+    exps = rng.integers(0, 255, (code.size, 4))
+    codes[np.arange(code.size), pos], exps[np.arange(code.size), pos] = code, exp
+    word = lambda b: (b.astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))).sum(1).astype(np.uint32)  # noqa: E731
+    regs = run_ptx(moe._E2M1_PTX.value, {"$4": word(codes), "$5": word(exps)})
+    for byte in range(4):
+        for nib, out in ((0, "$0" if byte < 2 else "$1"), (1, "$2" if byte < 2 else "$3")):
+            got = (regs[out] >> (16 * (byte % 2))) & 0xFFFF
+            c, e = torch.from_numpy((codes[:, byte] >> (4 * nib)) & 0xF), torch.from_numpy(exps[:, byte])
+            mag = torch.tensor(E2M1, dtype=torch.float64)[c & 7]
+            want = torch.where(c & 8 != 0, -mag, mag) * torch.where(e == 0, 0.0, e8m0_scale(e, torch.float64))
+            want = want.to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)
+            bad = np.flatnonzero(got != want)
+            assert bad.size == 0, (f"byte {byte} nibble {nib}: {bad.size} wrong, e.g. code {c[bad[0]].item():#x} "
+                                   f"exponent {e[bad[0]].item()}: {got[bad[0]]:#06x} != {want[bad[0]]:#06x}")
 
 
 def check_experts_mxfp4_supports_declines_what_it_cannot_do():

@@ -24,8 +24,9 @@ experts_mxfp4 (w4a16, §7.7): the same four steps and tiles on MXFP4 weights, co
 each K step loads the packed tile (a quarter of the bf16 bytes, plus 1/32 for the exponents) and
 expands it to bf16 in registers before the same bf16 tensor-core MMA with fp32 accumulation: the
 products equal those of the dequantized weights (every dequantized value is exact in bf16), only the
-accumulation order can differ. Two expansions (`ExpertsConfig.decode`): tl.dot_scaled's own e2m1
-upcast (0), or `_mx_expand` (1), which bench/kernels_mxfp4.py --sweep times against each other.
+accumulation order can differ. Three expansions (`ExpertsConfig.decode`): tl.dot_scaled's own e2m1
+upcast (0), `_mx_rows` through fp32 (1), or byte-table lookups in inline PTX (2, `_E2M1_PTX`), which
+bench/kernels_mxfp4.py times against each other.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ from k3backend.kernels.moe_ref import Activation
 # math) and `_round` rounds to nearest even by hand.
 _GPU = not triton.knobs.runtime.interpret
 
-# How experts_mxfp4 expands MXFP4 tiles (ExpertsConfig.decode): 0 tl.dot_scaled, 1 `_mx_expand`; the
-# faster on the GPU per bench/kernels_mxfp4.py --sweep (both are checked there and under the interpreter).
+# How experts_mxfp4 expands MXFP4 tiles (ExpertsConfig.decode): 0 tl.dot_scaled, 1 `_mx_rows` through
+# fp32, 2 `_E2M1_PTX`; the fastest on the GPU per bench/kernels_mxfp4.py (all checked there, 0 and 1 under
+# the interpreter too, where 2 runs 1's math: the interpreter has no inline asm).
 MX_DECODE = 0
 # Shapes that take the GEMV kernels instead of the MMA tiles (ExpertsConfig.gemv): at most GEMV_ROWS
 # assignments (T·k) and GEMV_PER_MATRIX rows per weight matrix (T·k/E), since each row streams its
@@ -259,17 +261,76 @@ def _align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch
 
 
 # ----------------------------------------------------------------------------- experts: GEMMs
+# E2M1 -> bf16 by byte tables (decode 2: 27 instructions per 8 values, against about 7 a value in `_mx_rows`;
+# Marlin-style w4a16 kernels convert the same way). The bf16 of a magnitude code m (0, .5, 1, 1.5, 2, 3, 4, 6)
+# has high byte HI[m] and low byte LO[m], so one prmt.b32 with four 3-bit codes as selectors looks up four
+# bytes of a table held in two registers. Pairs of those bytes make bf16x2, a lop3 puts each code's sign
+# (bit 3 of its nibble) in bit 15, and one fma by the E8M0 scale (its exponent byte s as bf16 bits s << 7:
+# 2^(s-127), 0 for s = 0 as in tl.dot_scaled) finishes.
+# Per 4 code bytes ($4) and their 4 exponent bytes ($5): $0, $1 the low nibbles' bf16x2 (bytes 0-1, 2-3),
+# $2, $3 the high nibbles'. tests/test_kernels_moe.py runs this text through a model of the instructions.
+_E2M1_HI = (0x3F3F3F00, 0x40404040)  # HI[0..7]: 00 3F 3F 3F 40 40 40 40
+_E2M1_LO = (0xC0800000, 0xC0804000)  # LO[0..7]: 00 00 80 C0 00 40 80 C0
+_E2M1_PTX = tl.constexpr(f"""{{
+.reg .b32 ha, hb, la, lb, m, n, h0, l0, h1, l1, t, g, e, z, nz;
+mov.b32 ha, {_E2M1_HI[0]:#x}; mov.b32 hb, {_E2M1_HI[1]:#x};
+mov.b32 la, {_E2M1_LO[0]:#x}; mov.b32 lb, {_E2M1_LO[1]:#x}; mov.b32 z, 0; mov.b32 nz, 0x80008000;
+and.b32 m, $4, 0x77777777;
+shr.u32 n, m, 16;
+prmt.b32 h0, ha, hb, m;
+prmt.b32 l0, la, lb, m;
+prmt.b32 h1, ha, hb, n;
+prmt.b32 l1, la, lb, n;
+prmt.b32 $0, l0, h0, 0x6240;
+prmt.b32 $2, l0, h0, 0x7351;
+prmt.b32 $1, l1, h1, 0x6240;
+prmt.b32 $3, l1, h1, 0x7351;
+shl.b32 t, $4, 4;
+prmt.b32 g, t, $4, 0x1000;
+lop3.b32 $0, $0, g, 0x80008000, 0xF8;
+prmt.b32 g, t, $4, 0x5040;
+lop3.b32 $2, $2, g, 0x80008000, 0xF8;
+prmt.b32 g, t, $4, 0x3020;
+lop3.b32 $1, $1, g, 0x80008000, 0xF8;
+prmt.b32 g, t, $4, 0x7060;
+lop3.b32 $3, $3, g, 0x80008000, 0xF8;
+prmt.b32 e, $5, z, 0x4140;
+shl.b32 e, e, 7;
+fma.rn.bf16x2 $0, $0, e, nz;
+fma.rn.bf16x2 $2, $2, e, nz;
+prmt.b32 e, $5, z, 0x4342;
+shl.b32 e, e, 7;
+fma.rn.bf16x2 $1, $1, e, nz;
+fma.rn.bf16x2 $3, $3, e, nz;
+}}""")
+
+
 @triton.jit
-def _mx_expand(w, s, BLOCK_K: tl.constexpr):
-    """MXFP4 tile -> bf16 [BK, BN] by hand (DECODE 1): w [BK/2, BN] codes (low nibble = even k),
-    s [BN, BK/32] E8M0 exponents. E2M1 codes become fp16 bit patterns (value · 2^-14; the 0.5 code
-    is an fp16 subnormal, which conversions keep), then fp32 · 2^14 · 2^(s-127): exact."""
-    return tl.trans(_mx_rows(tl.trans(w), s, BLOCK_K).to(tl.bfloat16))
+def _mx_expand(w, s, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, GPU: tl.constexpr):
+    """MXFP4 tile -> bf16 [BK, BN] by hand (DECODE 1 or 2): w [BK/2, BN] codes (low nibble = even k),
+    s [BN, BK/32] E8M0 exponents."""
+    return tl.trans(_mx_bf16(tl.trans(w), s, BLOCK_K, DECODE, GPU))
+
+
+@triton.jit
+def _mx_bf16(wt, s, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, GPU: tl.constexpr):
+    """MXFP4 rows -> bf16 [BN, BK] (wt [BN, BK/2] codes, s [BN, BK/32] exponents): DECODE 2 by
+    `_E2M1_PTX` on a GPU, else `_mx_rows`."""
+    BN: tl.constexpr = wt.shape[0]
+    if DECODE == 2 and GPU:
+        sb = tl.broadcast_to(s[:, :, None], (BN, BLOCK_K // 32, 16)).reshape(BN, BLOCK_K // 2)
+        lo, hi = tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r,r", [wt, sb], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+        return tl.join(lo, hi).reshape(BN, BLOCK_K)
+    else:
+        return _mx_rows(wt, s, BLOCK_K).to(tl.bfloat16)
 
 
 @triton.jit
 def _mx_rows(wt, s, BLOCK_K: tl.constexpr):
-    """MXFP4 rows -> fp32 [BN, BK]: wt [BN, BK/2] codes, s [BN, BK/32] exponents (see `_mx_expand`)."""
+    """MXFP4 rows -> fp32 [BN, BK]: wt [BN, BK/2] codes, s [BN, BK/32] exponents. E2M1 codes become fp16
+    bit patterns (value · 2^-14; the 0.5 code is an fp16 subnormal, which conversions keep), then
+    fp32 · 2^14 · 2^(s-127): exact."""
     BN: tl.constexpr = wt.shape[0]
     c = tl.join(wt & 0xF, wt >> 4).reshape(BN, BLOCK_K).to(tl.uint16)  # [BN, BK], k interleaved
     bits = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.uint16)  # (the shifts may have promoted c to int32)
@@ -285,7 +346,7 @@ def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constex
     codes, s_ptrs [BN, BK/32] exponents) expanded to bf16 in registers: by tl.dot_scaled (DECODE 0,
     Triton's own e2m1 upcast on Hopper; fast_math: no NaN select, the loader refuses the NaN
     exponent 255; its bf16 scale flushes exponent byte 0, 2^-127, to zero, which leaves out weights
-    below 2^-124) or by `_mx_expand` (DECODE 1). k_left: K elements left from this step on."""
+    below 2^-124) or by `_mx_expand` (DECODE 1, 2). k_left: K elements left from this step on."""
     if MX:
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -296,7 +357,7 @@ def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constex
         if DECODE == 0:
             return tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc, fast_math=True)
         else:
-            return _mma(a, _mx_expand(w, s, BLOCK_K), acc, GPU)
+            return _mma(a, _mx_expand(w, s, BLOCK_K, DECODE, GPU), acc, GPU)
     else:
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -435,16 +496,21 @@ def _vec(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv(acc, w_ptrs, s_ptrs, v, k_left, EVEN_K: tl.constexpr, MX: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv(acc, w_ptrs, s_ptrs, v, k_left, EVEN_K: tl.constexpr, MX: tl.constexpr, DECODE: tl.constexpr,
+          GPU: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BN, BK] + w [BN, BK] · v [BK] elementwise in fp32 (bf16 products, and those of MXFP4 values
-    expanded by `_mx_rows`, are exact in fp32). MX: w_ptrs [BN, BK/2] codes, s_ptrs [BN, BK/32]."""
+    expanded by `_mx_rows` or `_mx_bf16`, are exact in fp32). MX: w_ptrs [BN, BK/2] codes, s_ptrs [BN, BK/32];
+    DECODE 2 expands through `_mx_bf16`, else `_mx_rows`."""
     if MX:
         if EVEN_K:
-            w = _mx_rows(tl.load(w_ptrs), tl.load(s_ptrs), BLOCK_K)
+            c, s = tl.load(w_ptrs), tl.load(s_ptrs)
         else:
-            w = _mx_rows(tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[None, :], other=0),
-                         tl.load(s_ptrs, mask=(tl.arange(0, BLOCK_K // 32) < k_left // 32)[None, :], other=127),
-                         BLOCK_K)
+            c = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[None, :], other=0)
+            s = tl.load(s_ptrs, mask=(tl.arange(0, BLOCK_K // 32) < k_left // 32)[None, :], other=127)
+        if DECODE == 2:
+            w = _mx_bf16(c, s, BLOCK_K, DECODE, GPU).to(tl.float32)
+        else:
+            w = _mx_rows(c, s, BLOCK_K)
     elif EVEN_K:
         w = tl.load(w_ptrs).to(tl.float32)
     else:
@@ -470,7 +536,7 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
                     stride_se, stride_sn, stride_it, stride_ik, stride_hm, inv_beta, beta, inv_lam, lam,
                     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
                     ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr,
-                    MX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    MX: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_up_kernel` for a handful of rows (ExpertsConfig.gemv): one program per (assignment, N block),
     h[a] in assignment order; the weights stream through vector loads and fp32 FMAs instead of MMA
     tiles padded to 16 rows, and no align step runs. Assignments to other ranks' experts do nothing.
@@ -496,8 +562,8 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
         k_left = D - k0 * BLOCK_K
         xv = _vec(x_ptrs, k_left, EVEN_K, BLOCK_K)
-        acc_g = _gemv(acc_g, g_ptrs, gs_ptrs, xv, k_left, EVEN_K, MX, BLOCK_K)
-        acc_u = _gemv(acc_u, u_ptrs, us_ptrs, xv, k_left, EVEN_K, MX, BLOCK_K)
+        acc_g = _gemv(acc_g, g_ptrs, gs_ptrs, xv, k_left, EVEN_K, MX, DECODE, GPU, BLOCK_K)
+        acc_u = _gemv(acc_u, u_ptrs, us_ptrs, xv, k_left, EVEN_K, MX, DECODE, GPU, BLOCK_K)
         x_ptrs += BLOCK_K
         g_ptrs += step_w
         u_ptrs += step_w
@@ -514,7 +580,7 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
 def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, I, E, stride_hm, stride_we,
                       stride_wn, stride_se, stride_sn, stride_yn, stride_it, stride_ik, stride_pt, stride_pk,
                       TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[a]·w2ᵀ)) for one assignment (ExpertsConfig.gemv; MX: w2 codes
     [E, D, I/2], s2 exponents [E, D, I/32])."""
     a = tl.program_id(0)
@@ -531,7 +597,8 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, 
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         k_left = I - k0 * BLOCK_K
-        acc = _gemv(acc, w_ptrs, s_ptrs, _vec(h_ptrs, k_left, EVEN_K, BLOCK_K), k_left, EVEN_K, MX, BLOCK_K)
+        acc = _gemv(acc, w_ptrs, s_ptrs, _vec(h_ptrs, k_left, EVEN_K, BLOCK_K), k_left, EVEN_K, MX, DECODE, GPU,
+                    BLOCK_K)
         h_ptrs += BLOCK_K
         w_ptrs += step_w
         s_ptrs += step_s
@@ -559,7 +626,8 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it,
 @dataclass(frozen=True)
 class ExpertsConfig:
     """Tiles of the two grouped GEMMs; both share block_m (the align step's padding). decode: how
-    MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_expand` + tl.dot); bf16 weights ignore it.
+    MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_rows`, 2: `_E2M1_PTX`; the GEMV kernels take 1's
+    math for 0); bf16 weights ignore it.
     table: the up GEMM's activation by lookup where its inputs are bf16-rounded (`_glu_table`).
     gemv: `_up_gemv_kernel` / `_down_gemv_kernel` with these tiles instead (a few rows)."""
 
@@ -682,7 +750,8 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
             inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
             inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
             HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
-            EVEN_K=D % bk == 0, MX=s is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+            EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+            num_stages=stages,
         )
         return
     nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
@@ -817,8 +886,8 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
             D=D, I=I, E=E, stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1),
             stride_se=0 if s2 is None else s2.stride(0), stride_sn=0 if s2 is None else s2.stride(1),
             stride_yn=y.stride(0), stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_pt=weights.stride(0),
-            stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, BLOCK_N=bn,
-            BLOCK_K=bk, num_warps=warps, num_stages=stages,
+            stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None,
+            DECODE=cfg.decode, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
         )
         return _sum(y, ids, out, E, scaling)
     sorted_ids, block_expert = _align(ids, E, cfg.block_m)
