@@ -11,8 +11,7 @@ bench/kernels_moe.py (a per-expert popularity skew). Weights: random codes and e
 make-checkpoint's rule; the bf16 copy is their exact dequantization.
 
 Columns: ms of experts_mxfp4, with each in-register expansion (d0 tl.dot_scaled, d1 through fp32, d2 the
-PTX byte tables; swap: the weights as the MMA's left operand; the first row is what experts_config picks,
-the one the engine runs); TB/s in packed bytes (codes + exponents of the experts hit, plus x and
+PTX byte tables; the first row is what experts_config picks, the one the engine runs); TB/s in packed bytes (codes + exponents of the experts hit, plus x and
 the output; the 1-64 token target is >= 70 % of 4.27 TB/s, the measured copy ceiling); TFLOP/s of the
 useful 2·T·k·3·I·D (the 8-16 K target is >= 450); x bf16 = the bf16 kernel's time / this one's (the
 1-64 token target is >= 2.5); check: every element within 2 bf16 ulps of the row's largest |output|
@@ -128,12 +127,11 @@ def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list
         chosen = moe.experts_config(T, s.k, s.E, s.D, s.I, mxfp4=True)
         t_bf = time_fn(lambda: moe.experts(*layer.bf16_args(x, w, ids)), True, iters)
         gemv = chosen.gemv or moe.experts_config(T, s.k, s.E, s.D, s.I).gemv  # where either rule takes them
-        variants = [dataclasses.replace(chosen, gemv=None, decode=d, swap=False) for d in (0, 1, 2)]
-        variants += [dataclasses.replace(chosen, gemv=None, decode=2, swap=True)]
+        variants = [dataclasses.replace(chosen, gemv=None, decode=d) for d in (0, 1, 2)]
         variants += [dataclasses.replace(chosen, gemv=gemv, decode=d) for d in (1, 2)] if gemv else []
         for cfg in [chosen] + [v for v in variants if _math(v) != _math(chosen)]:
             shape = f"T{T} hit{hit}/{s.E} " + (f"gemv{cfg.gemv[:2]}" if cfg.gemv else f"BM{cfg.block_m}") + \
-                f" d{cfg.decode}" + (" swap" if cfg.swap and not cfg.gemv else "")
+                f" d{cfg.decode}"
             try:
                 status = check(layer, (x, w, ids), cfg) if do_check else ""
             except AssertionError as e:
@@ -157,11 +155,10 @@ HEADER = (f"{'case':<20} {'shape (d: expansion)':<26} {'ms':>9} {'TB/s':>6} {'%H
 
 
 def candidates(cfg) -> list:
-    """The chosen tiles and expansion, then one change at a time (with the weights swapped when they are)."""
+    """The chosen tiles and expansion, then one change at a time."""
     r = dataclasses.replace
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
-    out = [cfg] + [r(cfg, decode=d, swap=False) for d in (0, 1, 2) if d != cfg.decode or cfg.swap]
-    out += [] if cfg.swap else [r(cfg, decode=2, swap=True)]
+    out = [cfg] + [r(cfg, decode=d) for d in (0, 1, 2) if d != cfg.decode]
     out += [r(cfg, up=(ubn, bk, uw, us), down=(dbn, bk, dw, ds)) for bk in (64, 128, 256) if bk != ubk]
     out += [r(cfg, up=(ubn, ubk, uw, st), down=(dbn, dbk, dw, st)) for st in (2, 3, 5) if st != us]
     out += [r(cfg, up=(bn, ubk, uw, us), down=(bn, dbk, dw, ds)) for bn in (32, 64, 128) if bn != ubn]
@@ -172,8 +169,7 @@ def candidates(cfg) -> list:
 
 
 def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
-    """Time experts_with over the candidates of the MMA tiles at each T, unswapped and swapped; the fastest
-    marked *, one line per candidate."""
+    """Time experts_with over the candidates at each T; the fastest marked *, one line per candidate."""
     from k3backend.kernels import moe
 
     s = layer.s
@@ -182,9 +178,7 @@ def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
         nbytes, flops = _bytes_flops(s, T, int(torch.unique(ids).numel()))
         scales = (layer.mx["w13_scale"], layer.mx["w2_scale"])
         timed = []
-        base = dataclasses.replace(moe.experts_config(T, s.k, s.E, s.D, s.I, mxfp4=True), gemv=None)
-        configs = candidates(base) + candidates(dataclasses.replace(base, decode=2, swap=True))
-        for cfg in dict.fromkeys(configs):  # in order, once each
+        for cfg in candidates(moe.experts_config(T, s.k, s.E, s.D, s.I, mxfp4=True)):
             try:
                 t = time_fn(lambda: moe.experts_with(x, w, ids, layer.mx["w13"], layer.mx["w2"], SITU, 1.0, cfg,
                                                      scales), True, iters)
@@ -196,7 +190,7 @@ def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
         for t, cfg in timed:
             print(f"{'*' if t == best else ' '} {s.name} T{T:<6} {t * 1e3:9.3f} ms {nbytes / t / 1e12:5.2f} TB/s "
                   f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m} "
-                  f"decode{cfg.decode}{' swap' if cfg.swap else ''}", flush=True)
+                  f"decode{cfg.decode}", flush=True)
 
 
 def cases(args: argparse.Namespace) -> list[Case]:

@@ -361,8 +361,7 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
     D = I = 1024
     cfg = moe.experts_config(4096, 6, 64, D, I)
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds), bm = cfg.up, cfg.down, cfg.block_m
-    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, SWAP=False, TMA=True, BLOCK_M=bm,
-                  GROUP_M=cfg.group_m)
+    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m)
     up = compile_sm90(moe._up_kernel, dict(
         x_ptr="*bf16", w13_ptr="*bf16", s13_ptr="*bf16", w_desc=f"tensordesc<bf16[{ubn}, {ubk}]>", h_ptr="*bf16",
         sorted_ptr="*i32", block_expert_ptr="*i32", table_ptr="*bf16", n=24576, D=D, I=I, num_blocks=300,
@@ -380,10 +379,9 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
 
 
 def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills():
-    """DECODE 2's inline PTX is accepted by ptxas for sm_90a in the MMA tiles (16 tokens of `small`), swapped
-    or not, and the GEMV kernels (1 token), with no spills: the interpreter cannot run it, so this and
-    test_e2m1_ptx_decodes_every_code_and_exponent are what CI checks of it. Swapped, the BN-64 weight tiles are
-    a wgmma's left operand (mma v3; unswapped, 16-row blocks are mma.sync)."""
+    """DECODE 2's inline PTX is accepted by ptxas for sm_90a in the MMA tiles (16 tokens of `small`) and the
+    GEMV kernels (1 token), with no spills: the interpreter cannot run it, so this and
+    test_e2m1_ptx_decodes_every_code_and_exponent are what CI checks of it."""
     from sm90 import compile_sm90
 
     from k3backend.kernels import moe
@@ -393,31 +391,27 @@ def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills():
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
     mx = dict(GPU=True, EVEN_K=True, MX=True, DECODE=2, TOP_K=6)
     act = dict(inv_beta=0.25, beta=4.0, inv_lam=0.04, lam=25.0)
-    up = (moe._up_kernel, dict(
+    up = compile_sm90(moe._up_kernel, dict(
         x_ptr="*bf16", w13_ptr="*u8", s13_ptr="*u8", w_desc="*u8", h_ptr="*bf16", sorted_ptr="*i32",
         block_expert_ptr="*i32", table_ptr="*fp32", n=96, D=D, I=I, num_blocks=100, stride_xt=D, stride_we=I * D,
         stride_wn=D // 2, stride_se=I * D // 16, stride_sn=D // 32, stride_hm=I, **act),
         dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, TMA=False, BLOCK_M=cfg.block_m,
-             BLOCK_N=ubn, BLOCK_K=ubk, GROUP_M=cfg.group_m), uw, us)
-    down = (moe._down_kernel, dict(
+             BLOCK_N=ubn, BLOCK_K=ubk, GROUP_M=cfg.group_m), num_warps=uw, num_stages=us)
+    down = compile_sm90(moe._down_kernel, dict(
         h_ptr="*bf16", w2_ptr="*u8", s2_ptr="*u8", h_desc="*bf16", w_desc="*u8", y_ptr="*bf16",
         weights_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32", n=96, D=D, I=I, num_blocks=100,
         stride_hm=I, stride_we=D * I // 2, stride_wn=I // 2, stride_se=D * I // 32, stride_sn=I // 32, stride_yn=D,
         stride_pt=6, stride_pk=1), dict(mx, TMA=False, BLOCK_M=cfg.block_m, BLOCK_N=dbn, BLOCK_K=dbk,
-                                         GROUP_M=cfg.group_m), dw, ds)
-    compiled = {f"{name}{' swapped' if swap else ''}": compile_sm90(kernel, args, dict(c, SWAP=swap), num_warps=w,
-                                                                      num_stages=st)
-                for name, (kernel, args, c, w, st) in (("up", up), ("down", down)) for swap in (False, True)}
+                                         GROUP_M=cfg.group_m), num_warps=dw, num_stages=ds)
     bn, bk, warps, stages = moe.experts_config(1, 6, 64, D, I, mxfp4=True).gemv
-    compiled["up gemv"] = compile_sm90(moe._up_gemv_kernel, dict(
+    gemv = compile_sm90(moe._up_gemv_kernel, dict(
         x_ptr="*bf16", w13_ptr="*u8", s13_ptr="*u8", h_ptr="*bf16", ids_ptr="*i32", table_ptr="*fp32", n=6, D=D,
         I=I, E=64, stride_xt=D, stride_we=I * D, stride_wn=D // 2, stride_se=I * D // 16, stride_sn=D // 32,
         stride_it=6, stride_ik=1, stride_hm=I, **act),
         dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, BLOCK_N=bn, BLOCK_K=bk),
         num_warps=warps, num_stages=stages)
-    for what, c in compiled.items():
+    for what, c in (("up", up), ("down", down), ("up gemv", gemv)):
         assert c.stack == 0 and c.smem <= 227 * 1024, f"{what}: {c}"
-    assert 3 in compiled["up swapped"].mma and 3 in compiled["down swapped"].mma, compiled
 
 
 def check_experts_activations_and_dtypes_equal_reference():
@@ -539,9 +533,8 @@ def mxfp4_case(T: int, E: int, k: int, D: int, I: int, seed: int):
     return x, weights, ids, w13, s13, w2, s2
 
 
-def experts_mxfp4_both(x, weights, ids, w13, s13, w2, s2, act, scaling=1.0, decode=None, swap=False):
-    """The Triton op (decode None: as dispatched; 0 / 1 / 2: that expansion, MMA tiles, swapped or not) and
-    moe_ref.experts_mxfp4."""
+def experts_mxfp4_both(x, weights, ids, w13, s13, w2, s2, act, scaling=1.0, decode=None):
+    """The Triton op (decode None: as dispatched; 0 / 1: that expansion) and moe_ref.experts_mxfp4."""
     import dataclasses
 
     from k3backend.kernels import moe, moe_ref
@@ -553,8 +546,8 @@ def experts_mxfp4_both(x, weights, ids, w13, s13, w2, s2, act, scaling=1.0, deco
             got = moe.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, act, scaling)
         else:
             cfg = moe.experts_config(x.shape[0], ids.shape[1], w13.shape[0], x.shape[1], w2.shape[2] * 2, mxfp4=True)
-            cfg = dataclasses.replace(cfg, decode=decode, swap=swap, gemv=None if swap else cfg.gemv)
-            got = moe.experts_with(x, weights, ids, w13, w2, act, scaling, cfg, (s13, s2))
+            got = moe.experts_with(x, weights, ids, w13, w2, act, scaling, dataclasses.replace(cfg, decode=decode),
+                                   (s13, s2))
     want = moe_ref.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, act, scaling)
     return got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3)
 
@@ -582,16 +575,13 @@ def check_experts_mxfp4_hand_expansion_equals_reference():
 
 
 def check_experts_mxfp4_ptx_expansion_equals_reference():
-    """DECODE 2 (`_E2M1_PTX` on a GPU), with the weights on either side of the MMA (swap): under the
-    interpreter it runs `_mx_rows`' math, so this checks the plumbing (MMA tiles, swapped tiles with masked K
-    tails, GEMV kernels); test_e2m1_ptx_decodes_every_code_and_exponent checks the asm."""
+    """DECODE 2 (`_E2M1_PTX` on a GPU): under the interpreter it runs `_mx_rows`' math, so this checks
+    the plumbing (MMA tiles and GEMV kernels); test_e2m1_ptx_decodes_every_code_and_exponent the asm."""
     from k3backend.kernels.moe_ref import Activation
 
-    for T, D, I in [(1, 96, 64), (5, 96, 64), (61, 64, 96), (157, 96, 64)]:
-        for swap in (False, True):
-            got, want, scale = experts_mxfp4_both(*mxfp4_case(T, 7, 3, D, I, seed=920 + T), Activation(**SITU),
-                                                  decode=2, swap=swap)
-            assert_bf16_close(got, want, scale, f"mxfp4 PTX expansion T={T} swap={swap}")
+    for T, D, I in [(1, 96, 64), (5, 96, 64), (61, 64, 96)]:
+        got, want, scale = experts_mxfp4_both(*mxfp4_case(T, 7, 3, D, I, seed=920 + T), Activation(**SITU), decode=2)
+        assert_bf16_close(got, want, scale, f"mxfp4 PTX expansion T={T}")
 
 
 def run_ptx(text: str, regs: dict) -> dict:

@@ -341,24 +341,13 @@ def _mx_rows(wt, s, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-           DECODE: tl.constexpr, SWAP: tl.constexpr, BLOCK_K: tl.constexpr):
+           DECODE: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + a · (one K step of a weight tile): w_ptrs [BK, BN] in a's dtype, or MXFP4 (w_ptrs [BK/2, BN]
     codes, s_ptrs [BN, BK/32] exponents) expanded to bf16 in registers: by tl.dot_scaled (DECODE 0,
     Triton's own e2m1 upcast on Hopper; fast_math: no NaN select, the loader refuses the NaN
     exponent 255; its bf16 scale flushes exponent byte 0, 2^-127, to zero, which leaves out weights
-    below 2^-124) or by `_mx_expand` (DECODE 1, 2). k_left: K elements left from this step on.
-    SWAP (MXFP4, DECODE 1 or 2): acc [BN, BM] + w·aᵀ from w_ptrs [BN, BK/2] codes (`_row_ptrs`): the expanded
-    weights are the MMA's left operand, which a Hopper wgmma reads from registers, so they never go
-    through shared memory (ExpertsConfig.swap)."""
-    if MX and SWAP:
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            s = tl.load(s_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[None, :], other=0)
-            s = tl.load(s_ptrs, mask=(tl.arange(0, BLOCK_K // 32) < k_left // 32)[None, :], other=127)
-        return _mma(_mx_bf16(w, s, BLOCK_K, DECODE, GPU), tl.trans(a), acc, GPU)
-    elif MX:
+    below 2^-124) or by `_mx_expand` (DECODE 1, 2). k_left: K elements left from this step on."""
+    if MX:
         if EVEN_K:
             w = tl.load(w_ptrs)
             s = tl.load(s_ptrs)
@@ -395,15 +384,15 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
                stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm, inv_beta, beta, inv_lam, lam,
                TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
                ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-               DECODE: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+               DECODE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
 
     DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
     activation reads the fp32 accumulator (the fused MoE front, §7.6). TABLE (with ROUND_GU, bf16): the
     activation by lookup in `table_ptr` (`_act_table`). MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13
     their exponents [E, 2I, D/32]. TMA: weight tiles [BN, BK] come through w_desc, w13 viewed [E·2I, D]
-    (BN divides I, so a tile never crosses into the next matrix). SWAP: see `_w_dot`.
+    (BN divides I, so a tile never crosses into the next matrix).
     """
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -422,16 +411,12 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    if SWAP:  # w1 rows
-        g_ptrs, gs_ptrs = _row_ptrs(w_ptr, s_ptr, (offs_n % I).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:  # w1ᵀ
-        g_ptrs, gs_ptrs = _w_ptrs(w_ptr, s_ptr, (offs_n % I).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g_ptrs, gs_ptrs = _w_ptrs(w_ptr, s_ptr, (offs_n % I).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)  # w1ᵀ;
     u_ptrs, us_ptrs = g_ptrs + I * stride_wn, gs_ptrs + I * stride_sn  # % I keeps the edge block in bounds
     step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
     step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
-    acc_u = tl.zeros_like(acc_g)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
         k_left = D - k0 * BLOCK_K
         if EVEN_K:
@@ -442,8 +427,8 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
             acc_g = _mma(xa, w_desc.load([w_row, k0 * BLOCK_K]).T, acc_g, GPU)
             acc_u = _mma(xa, w_desc.load([w_row + I, k0 * BLOCK_K]).T, acc_u, GPU)
         else:
-            acc_g = _w_dot(xa, acc_g, g_ptrs, gs_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SWAP, BLOCK_K)
-            acc_u = _w_dot(xa, acc_u, u_ptrs, us_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SWAP, BLOCK_K)
+            acc_g = _w_dot(xa, acc_g, g_ptrs, gs_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
+            acc_u = _w_dot(xa, acc_u, u_ptrs, us_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
         x_ptrs += BLOCK_K
         g_ptrs += step_w
         u_ptrs += step_w
@@ -451,8 +436,6 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
         us_ptrs += step_s
     h = _up_epilogue(acc_g, acc_u, table_ptr, inv_beta, beta, inv_lam, lam, h_ptr.dtype.element_ty, ACT, HAS_LAMBDA,
                      ROUND_GU, TABLE, GPU)
-    if SWAP:
-        h = tl.trans(h)
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h, mask=(a_idx < n)[:, None] & (offs_n < I)[None, :])
 
@@ -461,8 +444,8 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, n, D, I,
                  num_blocks, stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_yn, stride_pt, stride_pk,
                  TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-                 DECODE: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                 DECODE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[row]·w2ᵀ)) for the rows of one expert block (MX: w2 codes
     [E, D, I/2], s2 exponents [E, D, I/32]). TMA: h tiles [BM, BK] through h_desc and weight tiles
     [BN, BK] through w_desc, w2 viewed [E·D, I] (BN divides D). A padding row's h was never written:
@@ -477,15 +460,11 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
-    w_base, s_base, w_rows = w2_ptr + e.to(tl.int64) * stride_we, s2_ptr + e.to(tl.int64) * stride_se, offs_n % D
-    if SWAP:  # w2 rows
-        w_ptrs, s_ptrs = _row_ptrs(w_base, s_base, w_rows.to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:  # w2ᵀ
-        w_ptrs, s_ptrs = _w_ptrs(w_base, s_base, w_rows.to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_ptrs, s_ptrs = _w_ptrs(w2_ptr + e.to(tl.int64) * stride_we, s2_ptr + e.to(tl.int64) * stride_se,
+                             (offs_n % D).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)  # w2ᵀ
     step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
     step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         k_left = I - k0 * BLOCK_K
         if TMA:
@@ -496,12 +475,10 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
                 ha = tl.load(h_ptrs, mask=real[:, None], other=0.0)
             else:
                 ha = tl.load(h_ptrs, mask=real[:, None] & (offs_k < k_left)[None, :], other=0.0)
-            acc = _w_dot(ha, acc, w_ptrs, s_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SWAP, BLOCK_K)
+            acc = _w_dot(ha, acc, w_ptrs, s_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
         h_ptrs += BLOCK_K
         w_ptrs += step_w
         s_ptrs += step_s
-    if SWAP:
-        acc = tl.trans(acc)
     a_safe = tl.where(real, a_idx, 0)
     wt = tl.load(weights_ptr + (a_safe // TOP_K) * stride_pt + (a_safe % TOP_K) * stride_pk, mask=real, other=0.0)
     y = _round(acc * wt[:, None], y_ptr.dtype.element_ty, GPU)
@@ -652,8 +629,7 @@ class ExpertsConfig:
     MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_rows`, 2: `_E2M1_PTX`; the GEMV kernels take 1's
     math for 0); bf16 weights ignore it.
     table: the up GEMM's activation by lookup where its inputs are bf16-rounded (`_glu_table`).
-    gemv: `_up_gemv_kernel` / `_down_gemv_kernel` with these tiles instead (a few rows). swap (MXFP4 with
-    decode 1 or 2): the GEMMs as w·xᵀ, the expanded weights as the MMA's register operand (`_w_dot`)."""
+    gemv: `_up_gemv_kernel` / `_down_gemv_kernel` with these tiles instead (a few rows)."""
 
     block_m: int
     up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
@@ -663,7 +639,6 @@ class ExpertsConfig:
     table: bool = True
     gemv: tuple[int, int, int, int] | None = None  # BLOCK_N, BLOCK_K, num_warps, num_stages
     tma: bool = False  # bf16 weight (and down's h) tiles through TMA descriptors where the shapes allow (`_desc`)
-    swap: bool = False
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -791,15 +766,9 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
         inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
         inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
         HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
-        EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, SWAP=_swap(cfg, s), TMA=w_desc is not None,
-        BLOCK_M=cfg.block_m,
+        EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, TMA=w_desc is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
     )
-
-
-def _swap(cfg: ExpertsConfig, s: torch.Tensor | None) -> bool:
-    """cfg.swap where it applies: MXFP4 weights expanded by hand (tl.dot_scaled has its own operand order)."""
-    return cfg.swap and s is not None and cfg.decode in (1, 2)
 
 
 def _desc(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor | None:
@@ -937,8 +906,7 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=0 if s2 is None else s2.stride(0),
         stride_sn=0 if s2 is None else s2.stride(1), stride_yn=y.stride(0), stride_pt=weights.stride(0),
         stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
-        SWAP=_swap(cfg, s2), TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        num_warps=warps, num_stages=stages,
+        TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
     )
     return _sum(y, ids, out, E, scaling)
 
