@@ -712,6 +712,18 @@ def test_mxfp4_row_blocks_of_up_to_32_take_three_stages():
     assert moe.experts_config(8192, 6, 64, 1024, 1024, mxfp4=True).up[3] == 4
 
 
+def test_mxfp4_expands_by_ptx_tables_except_in_row_blocks_of_32():
+    """The H200 measurements behind experts_config's MXFP4 expansion at `small`: the PTX byte tables (decode
+    2) were faster in the GEMV kernels and the BM 16, 64 and 128 tiles, tl.dot_scaled (0) at BM 32."""
+    from k3backend.kernels import moe
+
+    for T, bm, decode in ((1, 16, 2), (16, 16, 2), (64, 16, 2), (256, 32, 0), (1024, 64, 2), (8192, 128, 2)):
+        cfg = moe.experts_config(T, 6, 64, 1024, 1024, mxfp4=True)
+        assert (cfg.block_m, cfg.decode) == (bm, decode), (T, cfg)
+    assert moe.experts_config(1, 6, 64, 1024, 1024, mxfp4=True).gemv, "1 token: the GEMV kernels, decode 2"
+    assert moe.experts_config(64, 6, 64, 1024, 1024).decode == 0, "bf16 weights have nothing to expand"
+
+
 def test_one_matrix_fills_the_gpu_below_2048_rows():
     """glu_linear (E = 1): one row block up to 64 rows and N split to >= 256 programs where the width
     allows. The expert tiers gave the `small` shared experts 16-32 programs from 17 rows on: 2.5x

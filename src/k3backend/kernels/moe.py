@@ -51,10 +51,6 @@ from k3backend.kernels.moe_ref import Activation
 # math) and `_round` rounds to nearest even by hand.
 _GPU = not triton.knobs.runtime.interpret
 
-# How experts_mxfp4 expands MXFP4 tiles (ExpertsConfig.decode): 0 tl.dot_scaled, 1 `_mx_rows` through
-# fp32, 2 `_E2M1_PTX`; the fastest on the GPU per bench/kernels_mxfp4.py (all checked there, 0 and 1 under
-# the interpreter too, where 2 runs 1's math: the interpreter has no inline asm).
-MX_DECODE = 0
 # Shapes that take the GEMV kernels instead of the MMA tiles (ExpertsConfig.gemv): at most GEMV_ROWS
 # assignments (T·k) and GEMV_PER_MATRIX rows per weight matrix (T·k/E), since each row streams its
 # matrix again. On the H200 at `small` (bench/kernels_moe.py, 2026-12-02): routed experts 2.1× at 1
@@ -650,7 +646,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
     - a few rows (GEMV_ROWS, GEMV_PER_MATRIX; bf16 weights): the GEMV kernels, one program per
       assignment and N block, BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens).
-      MXFP4 weights take them too (expanded to fp32 in registers), over fewer rows (GEMV_ROWS_MXFP4).
+      MXFP4 weights take them too (expanded in registers), over fewer rows (GEMV_ROWS_MXFP4).
     - many experts (`wide`), m ≤ 40: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages); at 192 /
       320 tokens of `small` 7 / 10 % faster than BN 64, and BM 64 wins from m = 48 (512 tokens: −25 %;
       bench/kernels_moe.py's sweep on the H200).
@@ -668,7 +664,11 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       512-1,024 tokens; a 4,096-token prefill graph 0.5 ms less.
     Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 192 KB of 228.
     mxfp4: the same tiles but never `wide` (a weight tile is a quarter of the bytes), BK at least 64 (two
-    exponent groups), 3 stages up to BM 32.
+    exponent groups), 3 stages up to BM 32. Expansion (`decode`): the PTX byte tables (2), except tl.dot_scaled
+    (0) at BM 32. H200, `small`, µs, d2 against d0 (bench/kernels_mxfp4.py, 2026-12-04, two runs): GEMV 1 token
+    15-16 / 18, 2 tokens 23 / 28; BM 16 at 4 / 16 / 64 tokens 41 / 70-77 / 86-87 against 44-45 / 80-84 / 90;
+    BM 32 at 256 tokens 135 against 120-121; BM 64 at 1,024 238-260 against 264-292; BM 128 at 8,192 1,206
+    against 1,256-1,269.
     """
     m = T * k / max(E, 1)
     # the experts hit fill 2 waves of BN-128 tiles (bf16: MXFP4 was not measured with them)
@@ -704,7 +704,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
             stages = 3  # 86 vs 89 us at 16 tokens, 91 vs 95 at 64, 130 vs 142 at 320)
         return min(bn, max(16, triton.next_power_of_2(N))), max(64, bk) if mxfp4 else bk, warps, stages
 
-    return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=MX_DECODE if mxfp4 else 0, gemv=gemv,
+    decode = (0 if bm == 32 else 2) if mxfp4 else 0
+    return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=decode, gemv=gemv,
                          tma=bm >= 64 and not mxfp4)
 
 
