@@ -84,8 +84,8 @@ class LmServer:
         setup_logging()
         # The stub process is this instance's alone. With Python's 5 ms GIL switch interval, the response
         # thread waits up to 5 ms after each Triton send while the prepare thread renders a burst of arrivals;
-        # at 0.2 ms, served at 256 streams on the H200: 12,372 tok/s, TTFT p50 243 ms against 11,549-11,853
-        # and 307-316 ms (bench/serving_load.py, one run against two).
+        # at 0.2 ms, served at 256 streams on the H200, TTFT p50 was 243-269 ms against 291-316 (three runs of
+        # each on two machines, bench/serving_load.py); throughput and 64 streams were unchanged within noise.
         sys.setswitchinterval(2e-4)
         _check_instance_config(model_config)
         p = ModelParams(model_config, PARAMETERS, MODEL)
