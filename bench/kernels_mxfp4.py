@@ -11,7 +11,7 @@ bench/kernels_moe.py (a per-expert popularity skew). Weights: random codes and e
 make-checkpoint's rule; the bf16 copy is their exact dequantization.
 
 Columns: ms of experts_mxfp4, with each in-register expansion (d0 tl.dot_scaled, d1 through fp32, d2 the
-PTX byte tables; the first row is what experts_config picks, the one the engine runs); TB/s in packed bytes (codes + exponents of the experts hit, plus x and
+PTX bit placement; the first row is what experts_config picks, the one the engine runs); TB/s in packed bytes (codes + exponents of the experts hit, plus x and
 the output; the 1-64 token target is >= 70 % of 4.27 TB/s, the measured copy ceiling); TFLOP/s of the
 useful 2·T·k·3·I·D (the 8-16 K target is >= 450); x bf16 = the bf16 kernel's time / this one's (the
 1-64 token target is >= 2.5); check: every element within 2 bf16 ulps of the row's largest |output|

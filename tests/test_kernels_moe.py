@@ -632,8 +632,9 @@ def run_ptx(text: str, regs: dict) -> dict:
 
 def test_e2m1_ptx_decodes_every_code_and_exponent():
     """`_E2M1_PTX`, run instruction by instruction in a model, gives each of the 8 values of 4 code bytes the
-    bf16 of E2M1 times 2^(s-127) bit for bit: every code byte in every byte position with every exponent
-    1..254 (the loader refuses 255), neighbours random; exponent 0 gives a zero of the code's sign."""
+    bf16 of E2M1 times 2^(s-127) bit for bit, each byte with its own exponent given as `_mx_bf16` gives it
+    (bf16x2 bits s << 7, an int32 a byte): every code byte in every byte position with every exponent 1..254
+    (the loader refuses 255), neighbours random; exponent 0 gives a zero of the code's sign."""
     import numpy as np
 
     from k3backend.kernels import moe
@@ -644,8 +645,9 @@ def test_e2m1_ptx_decodes_every_code_and_exponent():
     codes = rng.integers(0, 256, (code.size, 4))
     exps = rng.integers(0, 255, (code.size, 4))
     codes[np.arange(code.size), pos], exps[np.arange(code.size), pos] = code, exp
-    word = lambda b: (b.astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))).sum(1).astype(np.uint32)  # noqa: E731
-    regs = run_ptx(moe._E2M1_PTX.value, {"$4": word(codes), "$5": word(exps)})
+    word = (codes.astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))).sum(1).astype(np.uint32)
+    scales = {f"${5 + b}": (exps[:, b] * 0x800080).astype(np.uint32) for b in range(4)}
+    regs = run_ptx(moe._E2M1_PTX.value, {"$4": word, **scales})
     for byte in range(4):
         for nib, out in ((0, "$0" if byte < 2 else "$1"), (1, "$2" if byte < 2 else "$3")):
             got = (regs[out] >> (16 * (byte % 2))) & 0xFFFF
@@ -712,9 +714,9 @@ def test_mxfp4_row_blocks_of_up_to_32_take_three_stages():
     assert moe.experts_config(8192, 6, 64, 1024, 1024, mxfp4=True).up[3] == 4
 
 
-def test_mxfp4_expands_by_ptx_tables_except_in_row_blocks_of_32():
-    """The H200 measurements behind experts_config's MXFP4 expansion at `small`: the PTX byte tables (decode
-    2) were faster in the GEMV kernels and the BM 16, 64 and 128 tiles, tl.dot_scaled (0) at BM 32."""
+def test_mxfp4_expands_by_ptx_except_in_row_blocks_of_32():
+    """The H200 measurements behind experts_config's MXFP4 expansion at `small`: the PTX expansion (decode
+    2) was faster in the GEMV kernels and the BM 16, 64 and 128 tiles, tl.dot_scaled (0) at BM 32."""
     from k3backend.kernels import moe
 
     for T, bm, decode in ((1, 16, 2), (16, 16, 2), (64, 16, 2), (256, 32, 0), (1024, 64, 2), (8192, 128, 2)):

@@ -25,7 +25,7 @@ each K step loads the packed tile (a quarter of the bf16 bytes, plus 1/32 for th
 expands it to bf16 in registers before the same bf16 tensor-core MMA with fp32 accumulation: the
 products equal those of the dequantized weights (every dequantized value is exact in bf16), only the
 accumulation order can differ. Three expansions (`ExpertsConfig.decode`): tl.dot_scaled's own e2m1
-upcast (0), `_mx_rows` through fp32 (1), or byte-table lookups in inline PTX (2, `_E2M1_PTX`), which
+upcast (0), `_mx_rows` through fp32 (1), or bit placement in inline PTX (2, `_E2M1_PTX`), which
 bench/kernels_mxfp4.py times against each other.
 """
 
@@ -257,48 +257,34 @@ def _align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch
 
 
 # ----------------------------------------------------------------------------- experts: GEMMs
-# E2M1 -> bf16 by byte tables (decode 2: 27 instructions per 8 values, against about 7 a value in `_mx_rows`;
-# Marlin-style w4a16 kernels convert the same way). The bf16 of a magnitude code m (0, .5, 1, 1.5, 2, 3, 4, 6)
-# has high byte HI[m] and low byte LO[m], so one prmt.b32 with four 3-bit codes as selectors looks up four
-# bytes of a table held in two registers. Pairs of those bytes make bf16x2, a lop3 puts each code's sign
-# (bit 3 of its nibble) in bit 15, and one fma by the E8M0 scale (its exponent byte s as bf16 bits s << 7:
-# 2^(s-127), 0 for s = 0 as in tl.dot_scaled) finishes.
-# Per 4 code bytes ($4) and their 4 exponent bytes ($5): $0, $1 the low nibbles' bf16x2 (bytes 0-1, 2-3),
-# $2, $3 the high nibbles'. tests/test_kernels_moe.py runs this text through a model of the instructions.
-_E2M1_HI = (0x3F3F3F00, 0x40404040)  # HI[0..7]: 00 3F 3F 3F 40 40 40 40
-_E2M1_LO = (0xC0800000, 0xC0804000)  # LO[0..7]: 00 00 80 C0 00 40 80 C0
-_E2M1_PTX = tl.constexpr(f"""{{
-.reg .b32 ha, hb, la, lb, m, n, h0, l0, h1, l1, t, g, e, z, nz;
-mov.b32 ha, {_E2M1_HI[0]:#x}; mov.b32 hb, {_E2M1_HI[1]:#x};
-mov.b32 la, {_E2M1_LO[0]:#x}; mov.b32 lb, {_E2M1_LO[1]:#x}; mov.b32 z, 0; mov.b32 nz, 0x80008000;
-and.b32 m, $4, 0x77777777;
-shr.u32 n, m, 16;
-prmt.b32 h0, ha, hb, m;
-prmt.b32 l0, la, lb, m;
-prmt.b32 h1, ha, hb, n;
-prmt.b32 l1, la, lb, n;
-prmt.b32 $0, l0, h0, 0x6240;
-prmt.b32 $2, l0, h0, 0x7351;
-prmt.b32 $1, l1, h1, 0x6240;
-prmt.b32 $3, l1, h1, 0x7351;
-shl.b32 t, $4, 4;
-prmt.b32 g, t, $4, 0x1000;
-lop3.b32 $0, $0, g, 0x80008000, 0xF8;
-prmt.b32 g, t, $4, 0x5040;
-lop3.b32 $2, $2, g, 0x80008000, 0xF8;
-prmt.b32 g, t, $4, 0x3020;
-lop3.b32 $1, $1, g, 0x80008000, 0xF8;
-prmt.b32 g, t, $4, 0x7060;
-lop3.b32 $3, $3, g, 0x80008000, 0xF8;
-prmt.b32 e, $5, z, 0x4140;
-shl.b32 e, e, 7;
-fma.rn.bf16x2 $0, $0, e, nz;
-fma.rn.bf16x2 $2, $2, e, nz;
-prmt.b32 e, $5, z, 0x4342;
-shl.b32 e, e, 7;
-fma.rn.bf16x2 $1, $1, e, nz;
-fma.rn.bf16x2 $3, $3, e, nz;
-}}""")
+# E2M1 -> bf16 by bit placement (decode 2). A code's magnitude bits e1 e0 m placed at bf16 bits 8:6 make the
+# bf16 of its value times 2^-126 (the 0.5 code, e = 0, is a subnormal there), exactly; its sign (bit 3) goes
+# to bit 15. An fma by 2^126 (bf16 0x7E80) gives the value, a second by the E8M0 scale (2^(s-127), bf16 bits
+# s << 7; s = 0 gives 0, as tl.dot_scaled does) finishes: 27 instructions per 8 values, shifts, lop3s and
+# fmas (Marlin-style w4a16 kernels convert the same way), with no table constants to keep live. The 4 code bytes ($4) are first reordered as
+# (b0, b2, b1, b3), so that nibbles i and i + 4 of the word are the pair one output register holds.
+# $5-$8: each byte's scale as bf16x2 (an int32 a byte: no byte packing, and no assumption on which bytes
+# pack=4 groups); $0, $1 the low nibbles' bf16x2 (bytes 0-1, 2-3), $2, $3 the high nibbles'. On the H200
+# at `small` the routed experts took 9-10 % less at 16-64 tokens than with the byte-table lookups this
+# replaced (whose table constants the register allocator rematerialised at every use), with the same bits.
+# tests/test_kernels_moe.py runs this text through a model of the instructions.
+
+
+def _e2m1_pair(out: str, mag: str, sign: str, scale: str) -> str:
+    """One output register: magnitudes to bits 8:6 and 24:22, signs to 15 and 31, times 2^126, times the scale."""
+    return (f"{mag}\n{sign}\nand.b32 b, b, 0x80008000;\nlop3.b32 a, a, 0x01C001C0, b, 0xEA;\n"
+            f"fma.rn.bf16x2 a, a, k, nz;\nfma.rn.bf16x2 {out}, a, {scale}, nz;\n")
+
+
+_E2M1_PTX = tl.constexpr(
+    "{\n.reg .b32 w, a, b, k, nz, s01, s23;\n"
+    "prmt.b32 w, $4, 0, 0x3120;\nmov.b32 k, 0x7E807E80; mov.b32 nz, 0x80008000;\n"
+    "prmt.b32 s01, $5, $6, 0x5410;\nprmt.b32 s23, $7, $8, 0x5410;\n"
+    + _e2m1_pair("$0", "shl.b32 a, w, 6;", "shl.b32 b, w, 12;", "s01")
+    + _e2m1_pair("$2", "shl.b32 a, w, 2;", "shl.b32 b, w, 8;", "s01")
+    + _e2m1_pair("$1", "shr.u32 a, w, 2;", "shl.b32 b, w, 4;", "s23")
+    + _e2m1_pair("$3", "shr.u32 a, w, 6;", "mov.b32 b, w;", "s23")
+    + "}")
 
 
 @triton.jit
@@ -314,9 +300,10 @@ def _mx_bf16(wt, s, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, GPU: tl.constex
     `_E2M1_PTX` on a GPU, else `_mx_rows`."""
     BN: tl.constexpr = wt.shape[0]
     if DECODE == 2 and GPU:
-        sb = tl.broadcast_to(s[:, :, None], (BN, BLOCK_K // 32, 16)).reshape(BN, BLOCK_K // 2)
-        lo, hi = tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r,r", [wt, sb], dtype=(tl.bfloat16, tl.bfloat16),
-                                           is_pure=True, pack=4)
+        sx2 = s.to(tl.int32) * 0x800080  # 2^(s-127) as bf16x2: s << 7 in both halves
+        sb = tl.broadcast_to(sx2[:, :, None], (BN, BLOCK_K // 32, 16)).reshape(BN, BLOCK_K // 2)
+        lo, hi = tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r,r,r,r,r", [wt, sb],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return tl.join(lo, hi).reshape(BN, BLOCK_K)
     else:
         return _mx_rows(wt, s, BLOCK_K).to(tl.bfloat16)
@@ -664,11 +651,12 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       512-1,024 tokens; a 4,096-token prefill graph 0.5 ms less.
     Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 192 KB of 228.
     mxfp4: the same tiles but never `wide` (a weight tile is a quarter of the bytes), BK at least 64 (two
-    exponent groups), 3 stages up to BM 32. Expansion (`decode`): the PTX byte tables (2), except tl.dot_scaled
-    (0) at BM 32. H200, `small`, µs, d2 against d0 (bench/kernels_mxfp4.py, 2026-12-04, two runs): GEMV 1 token
-    15-16 / 18, 2 tokens 23 / 28; BM 16 at 4 / 16 / 64 tokens 41 / 70-77 / 86-87 against 44-45 / 80-84 / 90;
-    BM 32 at 256 tokens 135 against 120-121; BM 64 at 1,024 238-260 against 264-292; BM 128 at 8,192 1,206
-    against 1,256-1,269.
+    exponent groups), 3 stages up to BM 32. Expansion (`decode`): the PTX bit placement (2), except
+    tl.dot_scaled (0) at BM 32. H200, `small`, µs, d2 against d0 (bench/kernels_mxfp4.py, 2026-12-04): GEMV 1
+    token 15 (d1 18), 2 tokens 21 (d1 28); BM 16 at 4 / 16 / 64 tokens 39 / 71 / 78 against 45 / 85 / 91; BM 32
+    at 256 tokens 130 against 116; BM 64 at 1,024 229 against 266; BM 128 at 8,192 1,161 against 1,270. (The
+    byte-table expansion that decode 2 was before: 41 / 78 / 87 at 4 / 16 / 64 tokens, 239 and 1,218 at
+    1,024 and 8,192, same run.)
     """
     m = T * k / max(E, 1)
     # the experts hit fill 2 waves of BN-128 tiles (bf16: MXFP4 was not measured with them)
