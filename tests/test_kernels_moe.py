@@ -747,21 +747,19 @@ def check_gemv_kernels_equal_reference_for_a_few_rows():
     """ExpertsConfig.gemv: routed experts (bf16 and MXFP4) and glu_linear for 1-4 rows, uneven and even
     K, both activations, fp16, slots of other ranks' experts skipped; more rows (per matrix, or in all)
     keep the MMA tiles."""
-    import dataclasses
-
     from k3backend.kernels import moe, moe_ref
     from k3backend.kernels.moe_ref import Activation
 
-    saved = moe.GEMV_ROWS, moe.GEMV_PER_MATRIX, moe.GEMV_ROWS_MXFP4
-    moe.GEMV_ROWS, moe.GEMV_PER_MATRIX, moe.GEMV_ROWS_MXFP4 = 24, 2, 12  # the defaults as measured, pinned
+    saved = moe.GEMV_ROWS, moe.GEMV_PER_MATRIX
+    moe.GEMV_ROWS, moe.GEMV_PER_MATRIX = 24, 2  # the defaults as measured, pinned
     try:
         assert moe.experts_config(4, 6, 64, 64, 32).gemv is not None, "K3 decode at 4 tokens: 24 assignments"
         assert moe.experts_config(5, 6, 64, 64, 32).gemv is None, "30 assignments > GEMV_ROWS: MMA tiles"
         assert moe.experts_config(5, 3, 7, 64, 32).gemv is None, "15 rows over 7 experts > GEMV_PER_MATRIX"
         assert moe.experts_config(2, 1, 1, 64, 32).gemv is not None, "a dense glu at 2 rows"
         assert moe.experts_config(3, 1, 1, 64, 32).gemv is None, "a dense glu at 3 rows: MMA tiles"
-        assert moe.experts_config(2, 6, 64, 64, 64, mxfp4=True).gemv is not None, "MXFP4 at 12 assignments"
-        assert moe.experts_config(3, 6, 64, 64, 64, mxfp4=True).gemv is None, "MXFP4 at 18: MMA tiles"
+        assert moe.experts_config(4, 6, 64, 64, 64, mxfp4=True).gemv is not None, "MXFP4 at 24 assignments"
+        assert moe.experts_config(5, 6, 64, 64, 64, mxfp4=True).gemv is None, "MXFP4 at 30: MMA tiles"
         for T, D, I, act, dtype in [(1, 37, 23, Activation(**SITU), BF16), (2, 64, 32, Activation(**SITU), BF16),
                                     (4, 300, 40, Activation("situ", 4.0, None), BF16),
                                     (3, 37, 23, Activation("silu"), BF16),
@@ -778,8 +776,7 @@ def check_gemv_kernels_equal_reference_for_a_few_rows():
             x, weights, ids, w13, s13, w2, s2 = mxfp4_case(T, 7, 3, D, I, seed=780 + T)
             ids[0, 0] = 9  # another rank's expert
             cfg = moe.experts_config(T, 3, 7, D, I, mxfp4=True)
-            if cfg.gemv is None:  # 4 tokens: past GEMV_ROWS_MXFP4, checked with the bf16 rule's tiles
-                cfg = dataclasses.replace(cfg, gemv=moe.experts_config(T, 3, 7, D, I).gemv)
+            assert cfg.gemv is not None, (T, cfg)
             with poisoned_empty():
                 got = moe.experts_with(x, weights, ids, w13, w2, Activation(**SITU), 1.0, cfg, (s13, s2))
             want = moe_ref.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, Activation(**SITU), 1.0)
@@ -794,7 +791,7 @@ def check_gemv_kernels_equal_reference_for_a_few_rows():
                 assert_bf16_close(got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3),
                                   f"gemv glu_linear T={T} fp32_front={fp32_front}")
     finally:
-        moe.GEMV_ROWS, moe.GEMV_PER_MATRIX, moe.GEMV_ROWS_MXFP4 = saved
+        moe.GEMV_ROWS, moe.GEMV_PER_MATRIX = saved
 
 
 def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():

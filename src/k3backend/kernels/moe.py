@@ -56,11 +56,11 @@ _GPU = not triton.knobs.runtime.interpret
 # matrix again. On the H200 at `small` (bench/kernels_moe.py, 2026-12-02): routed experts 2.1× at 1
 # token, 1.2× at 2, 1.1× at 4, 0.9× at 8; a dense [2·1024, 2048] glu 1.4× at 1-2 rows, [2·8192, 2048] 1.5×
 # at 1 row and 0.6× at 4.
+# MXFP4 weights take the same rule (bench/kernels_mxfp4.py, 2026-12-04, decode 2 by bit placement: 2.6× the
+# MMA tiles at 1 token, 1.6× at 2, 1.10× at 3, 1.06-1.08× at 4 in two runs; with the byte tables 4 tokens
+# were 0.92×).
 GEMV_ROWS = 24
 GEMV_PER_MATRIX = 2
-# MXFP4 weights expand in registers, so the GEMV kernels win over fewer rows (same bench, bench/
-# kernels_mxfp4.py): 2.06× the MMA tiles at 1 token, 1.31× at 2, 0.92× at 4, 0.68× at 8.
-GEMV_ROWS_MXFP4 = 12
 
 
 # ----------------------------------------------------------------------------- scalar math
@@ -633,7 +633,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
     - a few rows (GEMV_ROWS, GEMV_PER_MATRIX; bf16 weights): the GEMV kernels, one program per
       assignment and N block, BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens).
-      MXFP4 weights take them too (expanded in registers), over fewer rows (GEMV_ROWS_MXFP4).
+      MXFP4 weights take them too (expanded in registers).
     - many experts (`wide`), m ≤ 40: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages); at 192 /
       320 tokens of `small` 7 / 10 % faster than BN 64, and BM 64 wins from m = 48 (512 tokens: −25 %;
       bench/kernels_moe.py's sweep on the H200).
@@ -682,7 +682,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         bm, up, down = 128, (128, 64, 8, 4), (128, 64, 8, 3)
 
     gemv = None
-    if T * k <= (GEMV_ROWS_MXFP4 if mxfp4 else GEMV_ROWS) and m <= GEMV_PER_MATRIX:
+    if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX:
         gemv = (16, min(256, max(16, triton.next_power_of_2(D))), 4, 3)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
