@@ -743,10 +743,26 @@ def test_one_matrix_fills_the_gpu_below_2048_rows():
     assert moe.experts_config(4096, 1, 1, 2048, 1024).block_m == 128, "large prefills keep the big tiles"
 
 
+def test_gemv_programs_fill_two_waves():
+    """The GEMV kernels take 16 rows a program unless the rows alone would give fewer than 2 waves of 132
+    SMs: then 8, 4 or 2 (the `small` shared experts' glu at 1 row: 512 programs of 2 rows, not 64 of 16)."""
+    import triton
+
+    from k3backend.kernels import moe
+
+    for T, k, E, D, I, bn in ((1, 1, 1, 2048, 1024, 2), (2, 1, 1, 2048, 1024, 4), (1, 1, 1, 2048, 8192, 16),
+                              (1, 6, 64, 1024, 1024, 16), (4, 6, 64, 1024, 1024, 16), (1, 16, 896, 3584, 3072, 16)):
+        gemv = moe.experts_config(T, k, E, D, I).gemv
+        assert gemv is not None and gemv[0] == bn, (T, k, E, D, I, gemv)
+        assert T * k * triton.cdiv(I, bn) >= 264 or bn == 2, (T, k, I, bn)
+
+
 def check_gemv_kernels_equal_reference_for_a_few_rows():
     """ExpertsConfig.gemv: routed experts (bf16 and MXFP4) and glu_linear for 1-4 rows, uneven and even
     K, both activations, fp16, slots of other ranks' experts skipped; more rows (per matrix, or in all)
     keep the MMA tiles."""
+    from dataclasses import replace
+
     from k3backend.kernels import moe, moe_ref
     from k3backend.kernels.moe_ref import Activation
 
@@ -772,6 +788,10 @@ def check_gemv_kernels_equal_reference_for_a_few_rows():
                 assert_bf16_close(got, want, scale, f"gemv T={T} D={D} I={I} {act.kind}")
             else:
                 torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * scale.max().item(), msg="gemv fp16")
+            cfg = moe.experts_config(T, 3, 7, D, I)  # these sizes take 2 rows a program: 16, as a GPU's do
+            with poisoned_empty():
+                got16 = moe.experts_with(x, weights, ids, w13, w2, act, 1.5, replace(cfg, gemv=(16,) + cfg.gemv[1:]))
+            torch.testing.assert_close(got16, got, rtol=0, atol=0, msg=f"gemv 16 rows a program T={T}")
         for T, D, I in [(1, 96, 64), (2, 64, 96), (4, 320, 64)]:  # MXFP4: K tails of 1 and 2 exponent groups
             x, weights, ids, w13, s13, w2, s2 = mxfp4_case(T, 7, 3, D, I, seed=780 + T)
             ids[0, 0] = 9  # another rank's expert

@@ -631,8 +631,11 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - m ≤ 16 (decode): weight-streaming. BM 16 (the smallest tl.dot); N split fine (BN 64, or 32 / 16
       when the touched experts alone would not fill 2 waves of 132 SMs) instead of split-K, so the
       activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
-    - a few rows (GEMV_ROWS, GEMV_PER_MATRIX; bf16 weights): the GEMV kernels, one program per
-      assignment and N block, BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens).
+    - a few rows (GEMV_ROWS, GEMV_PER_MATRIX): the GEMV kernels, one program per assignment and N block,
+      BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens), BN 8 / 4 / 2 where the rows
+      alone would give fewer than 2 waves of programs: the shared experts' glu at 1 row had 64 programs
+      of 16 rows; 512 of 2 cut the batch-1 decode step 2.510 -> 2.359 ms of device time on the H200
+      (`small`, MXFP4 experts, graph replays, `_up_gemv_kernel` 10.0 -> 7.3 µs a call), batch 2 2.690 -> 2.566.
       MXFP4 weights take them too (expanded in registers).
     - many experts (`wide`), m ≤ 40: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages); at 192 /
       320 tokens of `small` 7 / 10 % faster than BN 64, and BM 64 wins from m = 48 (512 tokens: −25 %;
@@ -682,8 +685,9 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         bm, up, down = 128, (128, 64, 8, 4), (128, 64, 8, 3)
 
     gemv = None
-    if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX:
-        gemv = (16, min(256, max(16, triton.next_power_of_2(D))), 4, 3)
+    if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX:  # rows a program: fewer where 16 would not fill 2 waves
+        bn = next((b for b in (16, 8, 4) if T * k * triton.cdiv(I, b) >= 264), 2)
+        gemv = (bn, min(256, max(16, triton.next_power_of_2(D))), 4, 3)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
         bn, bk, warps, stages = tiles  # tiny test sizes: no tile wider than the (padded) matrix
