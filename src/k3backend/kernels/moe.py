@@ -261,13 +261,13 @@ def _align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch
 # bf16 of its value times 2^-126 (the 0.5 code, e = 0, is a subnormal there), exactly; its sign (bit 3) goes
 # to bit 15. An fma by 2^126 (bf16 0x7E80) gives the value, a second by the E8M0 scale (2^(s-127), bf16 bits
 # s << 7; s = 0 gives 0, as tl.dot_scaled does) finishes: 27 instructions per 8 values, shifts, lop3s and
-# fmas (Marlin-style w4a16 kernels convert the same way), with no table constants to keep live. The 4 code bytes ($4) are first reordered as
-# (b0, b2, b1, b3), so that nibbles i and i + 4 of the word are the pair one output register holds.
-# $5-$8: each byte's scale as bf16x2 (an int32 a byte: no byte packing, and no assumption on which bytes
-# pack=4 groups); $0, $1 the low nibbles' bf16x2 (bytes 0-1, 2-3), $2, $3 the high nibbles'. On the H200
-# at `small` the routed experts took 9-10 % less at 16-64 tokens than with the byte-table lookups this
-# replaced (whose table constants the register allocator rematerialised at every use), with the same bits.
-# tests/test_kernels_moe.py runs this text through a model of the instructions.
+# fmas, with no table constants to keep live (Marlin-style w4a16 kernels convert the same way). The 4 code
+# bytes ($4) are first reordered as (b0, b2, b1, b3), so that nibbles i and i + 4 of the word are the pair
+# one output register holds. $5-$8: each byte's scale as bf16x2 (an int32 a byte: no byte packing, and no
+# assumption on which bytes pack=4 groups); $0, $1 the low nibbles' bf16x2 (bytes 0-1, 2-3), $2, $3 the
+# high nibbles'. On the H200 at `small` the routed experts took 9-10 % less at 16-64 tokens than with the
+# byte-table lookups this replaced (whose table constants the register allocator rematerialised at every
+# use), with the same bits. tests/test_kernels_moe.py runs this text through a model of the instructions.
 
 
 def _e2m1_pair(out: str, mag: str, sign: str, scale: str) -> str:
