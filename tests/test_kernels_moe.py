@@ -802,6 +802,10 @@ def check_gemv_kernels_equal_reference_for_a_few_rows():
             want = moe_ref.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, Activation(**SITU), 1.0)
             assert_bf16_close(got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3),
                               f"gemv mxfp4 T={T} D={D} I={I}")
+            with poisoned_empty():
+                got16 = moe.experts_with(x, weights, ids, w13, w2, Activation(**SITU), 1.0,
+                                         replace(cfg, gemv=(16,) + cfg.gemv[1:]), (s13, s2))
+            torch.testing.assert_close(got16, got, rtol=0, atol=0, msg=f"gemv mxfp4 16 rows a program T={T}")
         for T, D, I in [(1, 37, 23), (2, 64, 48)]:
             x, w_gu = randn(T, D, seed=750 + T, dtype=BF16), randn(2 * I, D, seed=751 + T, scale=D ** -0.5, dtype=BF16)
             for fp32_front in (False, True):
