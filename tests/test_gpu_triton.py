@@ -1,0 +1,37 @@
+"""The sm_90a compile tests again, under the Triton that the GPU image runs (3.6; the venv has 3.9).
+
+The two versions lay out the same kernel differently (registers, shared memory, where a layout
+conversion goes), and a kernel one accepts the other may refuse. scripts/setup-env installs the GPU's
+Triton beside the venv (`<venv>/lib/triton-gpu`); a child pytest imports it first and runs every
+`*hopper*` test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_TRITON = Path(sys.prefix) / "lib" / "triton-gpu"
+FILES = ["test_kernels_kda.py", "test_kernels_mla.py", "test_kernels_moe.py", "test_kernels_norm.py",
+         "test_kernels_sample.py"]
+
+
+def test_kernels_compile_for_hopper_under_the_gpu_images_triton():
+    spec = (GPU_TRITON / ".spec").read_text().strip() if (GPU_TRITON / ".spec").exists() else None
+    assert spec and (GPU_TRITON / "triton" / "__init__.py").exists(), \
+        f"no GPU Triton in {GPU_TRITON}: run scripts/setup-env"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(GPU_TRITON), str(ROOT / "src")]))
+    env.pop("TRITON_INTERPRET", None)
+    version = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"], env=env,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert spec == f"triton=={version}", f"the child imports triton {version}, setup-env installed {spec}"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "hopper",
+                          *[str(ROOT / "tests" / f) for f in FILES]],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    tail = run.stdout[-3000:] + run.stderr[-2000:]
+    assert run.returncode == 0, f"sm_90a compile tests under triton {version} failed:\n{tail}"
+    assert re.search(r"\b7 passed", run.stdout), f"expected the 7 compile tests to run:\n{tail}"
