@@ -754,7 +754,7 @@ def test_gemv_programs_fill_two_waves():
                               (1, 6, 64, 1024, 1024, 16), (4, 6, 64, 1024, 1024, 16), (1, 16, 896, 3584, 3072, 16)):
         gemv = moe.experts_config(T, k, E, D, I).gemv
         assert gemv is not None and gemv[0] == bn, (T, k, E, D, I, gemv)
-        assert T * k * triton.cdiv(I, bn) >= 264 or bn == 2, (T, k, I, bn)
+        assert T * k * triton.cdiv(I, bn) >= moe.TWO_WAVES or bn == 2, (T, k, I, bn)
 
 
 def check_gemv_kernels_equal_reference_for_a_few_rows():

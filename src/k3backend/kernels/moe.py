@@ -61,6 +61,7 @@ _GPU = not triton.knobs.runtime.interpret
 # were 0.92×).
 GEMV_ROWS = 24
 GEMV_PER_MATRIX = 2
+TWO_WAVES = 2 * 132  # programs that fill the H200's 132 SMs twice: the tile rules' bound
 
 
 # ----------------------------------------------------------------------------- scalar math
@@ -663,7 +664,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     """
     m = T * k / max(E, 1)
     # the experts hit fill 2 waves of BN-128 tiles (bf16: MXFP4 was not measured with them)
-    wide = not mxfp4 and min(E, T * k) * triton.cdiv(I, 128) >= 264
+    wide = not mxfp4 and min(E, T * k) * triton.cdiv(I, 128) >= TWO_WAVES
     if E == 1 and k == 1 and T < 2048:  # glu_linear
         bm = max(16, min(64, triton.next_power_of_2(T)))
         bn = next((b for b in (128, 64, 32) if triton.cdiv(T, bm) * triton.cdiv(I, b) >= 256), 16)
@@ -672,7 +673,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         blocks = min(E, T * k)  # ≈ the experts hit: one row block each
 
         def bn(N: int) -> int:  # the widest N tile that still gives >= 2 waves of programs
-            return next((b for b in (64, 32) if blocks * triton.cdiv(N, b) >= 264), 16)
+            return next((b for b in (64, 32) if blocks * triton.cdiv(N, b) >= TWO_WAVES), 16)
 
         bm, up, down = 16, (bn(I), 128, 4, 4), (bn(D), 128, 4, 4)
     elif wide and m <= 40:
@@ -686,7 +687,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
 
     gemv = None
     if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX:  # rows a program: fewer where 16 would not fill 2 waves
-        bn = next((b for b in (16, 8, 4) if T * k * triton.cdiv(I, b) >= 264), 2)
+        bn = next((b for b in (16, 8, 4) if T * k * triton.cdiv(I, b) >= TWO_WAVES), 2)
         gemv = (bn, min(256, max(16, triton.next_power_of_2(D))), 4, 3)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
