@@ -439,6 +439,7 @@ def compile_sm90() -> None:
     from k3backend.kernels import kda, kda_chunk
 
     def build(name: str, fn, sig: dict, const: dict, num_warps: int, num_stages: int = 3) -> None:
+        const = {"PDL": True, **const} if "PDL" in fn.arg_names else const  # compiled as launched on Hopper
         signature = {a: "constexpr" if a in const else sig[a] for a in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig.get(a, "").startswith("*")}
         k = triton.compile(ASTSource(fn, signature, const, attrs), target=GPUTarget("cuda", 90, 32),

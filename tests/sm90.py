@@ -7,6 +7,11 @@ its element type ("*bf16"; assumed 16-byte aligned, as torch allocations are; a 
 tuple of those), an int its value
 (divisible by 16 -> specialised as such unless the kernel's `do_not_specialize` names it), a float
 its value. Constexprs are passed separately.
+
+A kernel with a `PDL` constexpr (programmatic dependent launch, kernels/pdl.py) compiles with it on, as
+it launches on Hopper, and its PTX must wait (`griddepcontrol.wait`) before its first global load or
+store: reading before the wait races with the previous kernel. Only the kernels in PREFETCH_BEFORE_WAIT
+load (their weights, which no kernel writes) first.
 """
 
 from __future__ import annotations
@@ -25,6 +30,18 @@ from triton.compiler import ASTSource
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
+PREFETCH_BEFORE_WAIT = {"_linear_kernel"}
+_GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld\.global|st\.global|atom\.global|red\.global|cp\.async|"
+                            r"cp\.reduce|ld\.volatile\.global)", re.M)
+
+
+def accesses_before_wait(ptx: str) -> list[str]:
+    """The global-memory instructions of `ptx` before its first griddepcontrol.wait (all of them if none)."""
+    wait = ptx.find("griddepcontrol.wait")
+    head = ptx if wait < 0 else ptx[:wait]
+    return [m.group(0).strip() for m in _GLOBAL_ACCESS.finditer(head)]
+
+
 @dataclass(frozen=True)
 class Compiled:
     regs: int  # registers per thread (255 is the ceiling)
@@ -40,6 +57,8 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
                  num_stages: int, enable_fp_fusion: bool = True) -> Compiled:
     """Compile `kernel` (a triton JITFunction) for sm_90a with `args` (every non-constexpr parameter)."""
     names = kernel.arg_names
+    if "PDL" in names:  # the kernels that take part in programmatic dependent launch compile as launched
+        constexprs = {"PDL": True, **constexprs}
     missing = [n for n in names if n not in args and n not in constexprs]
     if missing:
         raise ValueError(f"compile_sm90: no value for {missing}")
@@ -66,6 +85,11 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": enable_fp_fusion}
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    if constexprs.get("PDL"):
+        assert "griddepcontrol.wait" in ck.asm["ptx"], f"{kernel.fn.__name__}: PDL on but no griddepcontrol.wait"
+    if constexprs.get("PDL") and kernel.fn.__name__ not in PREFETCH_BEFORE_WAIT:
+        early = accesses_before_wait(ck.asm["ptx"])
+        assert not early, f"{kernel.fn.__name__} touches global memory before griddepcontrol.wait: {early[:3]}"
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
         cubin.write_bytes(ck.asm["cubin"])

@@ -245,6 +245,8 @@ def check_layer_steps(dtype: str) -> None:
 
         def op(*args, **kwargs):
             ok, reason = getattr(mod, f"{name}_supports")(*args, **kwargs)
+            if not ok and name == "linear":  # by design a kernel for decode rows only (cuBLAS above)
+                return refs[name](*args, **kwargs)
             assert ok, f"{name} declines the model's call: {reason}"
             calls[name] += 1
             return getattr(mod, name)(*args, **kwargs)
@@ -263,13 +265,14 @@ def check_layer_steps(dtype: str) -> None:
         outs[mode] = (torch.cat(ys), streams.cache.state, streams.cache.conv)
     for name, op in dispatchers.items():
         setattr(kernels, name, op)
-    unused = [name for name in ("kda_decode_fused", "short_conv", "kda_prefill_inputs", "kda_prefill")
+    unused = [name for name in ("kda_decode_fused", "short_conv", "kda_prefill_inputs", "kda_prefill", "linear")
               if not calls[name]]
     assert not unused, f"the layer never called {unused}"
     (y, S, conv), (y_ref, S_ref, conv_ref) = outs["triton"], outs["ref"]
     torch.testing.assert_close(y, y_ref, **KERNEL_PREFILL[dt], msg=lambda m: f"layer output: {m}")
     torch.testing.assert_close(S[1:], S_ref[1:], **KERNEL_PREFILL[dt], msg=lambda m: f"S_pool: {m}")  # slot 0: null
-    assert torch.equal(conv[1:], conv_ref[1:]), "conv_pool differs"
+    # the raw projections (linear's GEMV at decode rows sums in another order than the reference)
+    torch.testing.assert_close(conv[1:], conv_ref[1:], **KERNEL_PREFILL[dt], msg=lambda m: f"conv_pool: {m}")
 
 
 CASES: Cases = {

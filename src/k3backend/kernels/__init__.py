@@ -29,6 +29,7 @@ from k3backend.kernels.kda_ref import (
     short_conv_decode,
     short_conv_seq,
 )
+from k3backend.kernels.linear_ref import linear
 from k3backend.kernels.mla_ref import mla_absorbed, mla_decode, mla_mha, mla_prefill, mla_write
 from k3backend.kernels.moe_ref import (
     Activation,
@@ -64,6 +65,7 @@ FAST_OPS: dict[str, str] = {
     **dict.fromkeys(("kda_decode_fused", "kda_decode", "short_conv"), "k3backend.kernels.kda"),
     **dict.fromkeys(("kda_prefill", "kda_prefill_inputs"), "k3backend.kernels.kda_chunk"),
     "experts": "k3backend.kernels.moe",
+    "linear": "k3backend.kernels.gemv",
     "experts_mxfp4": "k3backend.kernels.moe",
     "glu_linear": "k3backend.kernels.moe",
     "router": "k3backend.kernels.routing",
@@ -135,8 +137,8 @@ def reference_ops() -> Iterator[None]:
 __all__ = [
     "Activation", "acc_dtype", "attn_res_mix", "attn_res_mix_norm", "dequant_mxfp4", "experts", "experts_mxfp4",
     "gated_rms_norm", "glu", "kda_chunked",
-    "kda_decode", "kda_gate", "kda_prefill", "kda_prefill_inputs", "kda_recurrent", "l2_norm", "mla_absorbed",
-    "mla_decode", "mla_mha", "mla_prefill",
+    "kda_decode", "kda_gate", "kda_prefill", "kda_prefill_inputs", "kda_recurrent", "l2_norm", "linear",
+    "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
     "mla_write", "race_draw", "rms_norm", "route", "router", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
     "situ_and_mul", "glu_linear", "kda_decode_fused", "VarlenLayout", "varlen_layout",
 ]

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3backend.kernels import pdl
+
 from k3backend.kernels.varlen import VarlenLayout, layout_problem, varlen_layout
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton itself does
@@ -166,13 +168,15 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b,
                              W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
                              NV: tl.constexpr, SPLIT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                              LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
-                             BITS: tl.constexpr):
+                             BITS: tl.constexpr, PDL: tl.constexpr):
     """Program (b, h, V-block i_v of NV): columns i_v·BV.. of one head's K×V state (only its own columns,
     so no other program reads or writes them). Not SPLIT (one block holds all of V): the gated norm
     over V and the head's conv-history update stay inside the program. SPLIT: the program writes
     bf(o) of its columns into y and reads the conv pool only; `_kda_decode_norm_kernel`, launched
     after it, does the norm and the history. s_x, s_b, s_z: the row strides of xqkv, b and z
     (slices of the layer's one input GEMM)."""
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     pid = tl.program_id(0).to(tl.int64)  # one axis (a 2-D grid caps B·H at 65535): a head's blocks adjacent
     i_v, i_b, i_h = pid % NV, pid // NV // H, pid // NV % H
     C: tl.constexpr = 2 * H * K + H * V
@@ -227,10 +231,12 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b,
 def _kda_decode_norm_kernel(xqkv, conv_pool, z, o_norm_weight, state_indices, y, s_x, s_z, H: tl.constexpr,
                             K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, BW: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
-                            BITS: tl.constexpr):
+                            BITS: tl.constexpr, PDL: tl.constexpr):
     """Program (b, h) after the SPLIT launch: the gated norm of the head's row bf(o) in y, in place, and
     the head's q/k/v conv-history shift (every V-block of the first launch read the old q/k rows, so
     none of them may write; here one program owns the head's channels of the slot)."""
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     pid = tl.program_id(0).to(tl.int64)
     i_b, i_h = pid // H, pid % H
     C: tl.constexpr = 2 * H * K + H * V
@@ -367,12 +373,12 @@ def decode_fused_split(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool:
         o_norm_weight=o_norm_weight, S_pool=S_pool, state_indices=state_indices, y=y, s_x=xqkv.stride(0),
         s_b=b.stride(0), s_z=z.stride(0), H=H, K=K, V=V, W=W, BK=BK, BV=BV, BW=BW, NV=NV, SPLIT=NV > 1,
         USE_LOWER_BOUND=lower_bound is not None, LOWER_BOUND=float(lower_bound or 0.0), SCALE=K ** -0.5,
-        EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, num_warps=num_warps)
+        EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, **pdl.launch_args(xqkv.device), num_warps=num_warps)
     if NV > 1:  # stream order: every V-block has read the old conv history before this launch shifts it
         _kda_decode_norm_kernel[(B * H,)](
             xqkv=xqkv, conv_pool=conv_pool, z=z, o_norm_weight=o_norm_weight, state_indices=state_indices, y=y,
             s_x=xqkv.stride(0), s_z=z.stride(0), H=H, K=K, V=V, W=W, BK=BK, BV=triton.next_power_of_2(V), BW=BW,
-            EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, num_warps=4)
+            EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, **pdl.launch_args(xqkv.device), num_warps=4)
     return y
 
 

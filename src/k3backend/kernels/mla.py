@@ -30,6 +30,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from k3backend.kernels import pdl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3backend.kernels.norm import interpreting, to_dtype
@@ -140,7 +142,7 @@ def _latent_attn_kernel(
     BLOCK_SIZE: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr, SKIP_FRESH: tl.constexpr,
     SPLIT: tl.constexpr, USE_TMA: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_P: tl.constexpr,
-    INTERPRET: tl.constexpr, SEARCH: tl.constexpr, PREFIX: tl.constexpr = False,
+    INTERPRET: tl.constexpr, SEARCH: tl.constexpr, PREFIX: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Rows (token t, head h) of one sequence, flattened t·N + h, against the sequence's latent rows.
 
@@ -154,6 +156,8 @@ def _latent_attn_kernel(
     split takes the masked pointer loads, so rows past the context are never read (they may hold
     anything a block's previous owner left).
     """
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if DECODE:
@@ -233,9 +237,11 @@ def _latent_attn_kernel(
 def _latent_reduce_kernel(
     part_ptr, lse_ptr, out_ptr, N, num_splits,
     s_os, s_ot, s_oh, s_ls, s_lt, s_lh, s_t, s_h,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, h] = Σ_s exp(lse_s − M)·part_s / Σ_s exp(lse_s − M), rounded once; 0 when no key was seen."""
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     pid = tl.program_id(0)
     t = (pid // N).to(tl.int64)
     h = pid % N
@@ -509,12 +515,14 @@ def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor
         DECODE=cu_seqlens is None, SKIP_FRESH=skip_fresh, SPLIT=splits > 1, USE_TMA=descs is not None,
         PREFIX=prefix_cu is not None,
         SEARCH=SEARCH, **{**_dot_modes(q_hat.dtype), **({"SPLIT_P": False} if config.get("p8") else {})},
-        num_warps=config["num_warps"], num_stages=config["num_stages"], enable_fp_fusion=FP_FUSION)
+        **pdl.launch_args(q_hat.device), num_warps=config["num_warps"], num_stages=config["num_stages"],
+        enable_fp_fusion=FP_FUSION)
     if splits > 1:
         _latent_reduce_kernel[(T * N,)](
             part, lse, out, N=N, num_splits=splits, s_os=part.stride(0), s_ot=part.stride(1), s_oh=part.stride(2),
             s_ls=lse.stride(0), s_lt=lse.stride(1), s_lh=lse.stride(2), s_t=out.stride(0), s_h=out.stride(1),
-            R=r, BLOCK_R=_block(r), INTERPRET=interpreting(), num_warps=4, enable_fp_fusion=FP_FUSION)
+            R=r, BLOCK_R=_block(r), INTERPRET=interpreting(), **pdl.launch_args(q_hat.device), num_warps=4,
+            enable_fp_fusion=FP_FUSION)
     return out
 
 

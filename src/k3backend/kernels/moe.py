@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from k3backend.kernels import pdl
 from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -194,7 +196,10 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 # ----------------------------------------------------------------------------- experts: align
 @triton.jit(do_not_specialize=["n"])
-def _align_count_kernel(ids_ptr, counts_ptr, n, E, stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _align_count_kernel(ids_ptr, counts_ptr, n, E, stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + (a // TOP_K) * stride_it + (a % TOP_K) * stride_ik, mask=a < n, other=-1)
     ok = (e >= 0) & (e < E)
@@ -204,10 +209,12 @@ def _align_count_kernel(ids_ptr, counts_ptr, n, E, stride_it, stride_ik, TOP_K: 
 @triton.jit(do_not_specialize=["n", "num_blocks"])
 def _align_place_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, n, E, num_blocks,
                         stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-                        BLOCK_E: tl.constexpr, PAD_E: tl.constexpr):
+                        BLOCK_E: tl.constexpr, PAD_E: tl.constexpr, PDL: tl.constexpr):
     """Every program derives the padded expert offsets from the counts, places its assignments
     (a per-expert atomic cursor gives each a row; the row order inside an expert does not change
     any result), and does its share of the padding rows and of the unused blocks."""
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     ev = tl.arange(0, BLOCK_E)
     cnt = tl.load(counts_ptr + ev, mask=ev < E, other=0)
@@ -248,11 +255,12 @@ def _align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch
     block = 1024 if n > 4096 else 256
     grid = (triton.cdiv(n, block),)
     _align_count_kernel[grid](ids_ptr=ids, counts_ptr=work, n=n, E=E, stride_it=ids.stride(0),
-                              stride_ik=ids.stride(1), TOP_K=k, BLOCK=block, num_warps=4)
+                              stride_ik=ids.stride(1), TOP_K=k, BLOCK=block, **pdl.launch_args(dev), num_warps=4)
     _align_place_kernel[grid](
         ids_ptr=ids, counts_ptr=work, cursor_ptr=work[E:], sorted_ptr=sorted_ids, block_expert_ptr=block_expert,
         n=n, E=E, num_blocks=num_blocks, stride_it=ids.stride(0), stride_ik=ids.stride(1), TOP_K=k,
-        BLOCK_M=block_m, BLOCK=block, BLOCK_E=triton.next_power_of_2(E), PAD_E=max(1, 2048 // block_m), num_warps=4,
+        BLOCK_M=block_m, BLOCK=block, BLOCK_E=triton.next_power_of_2(E), PAD_E=max(1, 2048 // block_m),
+        **pdl.launch_args(dev), num_warps=4,
     )
     return sorted_ids, block_expert
 
@@ -369,7 +377,7 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
                TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
                ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
                DECODE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
 
     DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
@@ -378,6 +386,8 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
     their exponents [E, 2I, D/32]. TMA: weight tiles [BN, BK] come through w_desc, w13 viewed [E·2I, D]
     (BN divides I, so a tile never crosses into the next matrix).
     """
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if DENSE:
@@ -429,11 +439,13 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
                  num_blocks, stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_yn, stride_pt, stride_pk,
                  TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
                  DECODE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[row]·w2ᵀ)) for the rows of one expert block (MX: w2 codes
     [E, D, I/2], s2 exponents [E, D, I/32]). TMA: h tiles [BM, BK] through h_desc and weight tiles
     [BN, BK] through w_desc, w2 viewed [E·D, I] (BN divides D). A padding row's h was never written:
     its product row is garbage, and never stored."""
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(D, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
@@ -520,11 +532,14 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
                     stride_se, stride_sn, stride_it, stride_ik, stride_hm, inv_beta, beta, inv_lam, lam,
                     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
                     ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr,
-                    MX: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    MX: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
     """`_up_kernel` for a handful of rows (ExpertsConfig.gemv): one program per (assignment, N block),
     h[a] in assignment order; the weights stream through vector loads and fp32 FMAs instead of MMA
     tiles padded to 16 rows, and no align step runs. Assignments to other ranks' experts do nothing.
     MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13 their exponents [E, 2I, D/32]."""
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     a = tl.program_id(0)
     if DENSE:
         t = a
@@ -564,9 +579,11 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
 def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, I, E, stride_hm, stride_we,
                       stride_wn, stride_se, stride_sn, stride_yn, stride_it, stride_ik, stride_pt, stride_pk,
                       TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-                      DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[a]·w2ᵀ)) for one assignment (ExpertsConfig.gemv; MX: w2 codes
     [E, D, I/2], s2 exponents [E, D, I/32])."""
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     a = tl.program_id(0)
     t, j = a // TOP_K, a % TOP_K
     e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
@@ -593,8 +610,11 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, 
 
 @triton.jit(do_not_specialize=["T"])
 def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it, stride_ik, stride_ot,
-                TOP_K: tl.constexpr, GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                TOP_K: tl.constexpr, GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                PDL: tl.constexpr):
     """out[t] = bf(scaling · Σ_j fp32(y[t·k + j])) in slot order; a skipped slot adds +0 as in the reference."""
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = (t < T)[:, None] & (d < D)[None, :]
@@ -744,7 +764,8 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
             inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
             inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
             HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
-            EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+            EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, BLOCK_N=bn, BLOCK_K=bk,
+            **pdl.launch_args(x.device), num_warps=warps,
             num_stages=stages,
         )
         return
@@ -761,7 +782,7 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
         inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
         HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
         EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, TMA=w_desc is not None, BLOCK_M=cfg.block_m,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
     )
 
 
@@ -881,7 +902,7 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
             stride_se=0 if s2 is None else s2.stride(0), stride_sn=0 if s2 is None else s2.stride(1),
             stride_yn=y.stride(0), stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_pt=weights.stride(0),
             stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None,
-            DECODE=cfg.decode, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+            DECODE=cfg.decode, BLOCK_N=bn, BLOCK_K=bk, **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
         )
         return _sum(y, ids, out, E, scaling)
     sorted_ids, block_expert = _align(ids, E, cfg.block_m)
@@ -900,7 +921,8 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=0 if s2 is None else s2.stride(0),
         stride_sn=0 if s2 is None else s2.stride(1), stride_yn=y.stride(0), stride_pt=weights.stride(0),
         stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
-        TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages,
+        TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, **pdl.launch_args(x.device),
+        num_warps=warps, num_stages=stages,
     )
     return _sum(y, ids, out, E, scaling)
 
@@ -913,7 +935,7 @@ def _sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, scaling:
     _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
         y_ptr=y, ids_ptr=ids, out_ptr=out, T=T, D=D, E=E, scaling=float(scaling), stride_yn=y.stride(0),
         stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_ot=out.stride(0), TOP_K=k, GPU=_GPU,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=8,
+        BLOCK_T=block_t, BLOCK_D=block_d, **pdl.launch_args(out.device), num_warps=8,
     )
     return out
 

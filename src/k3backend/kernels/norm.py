@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3backend.kernels import pdl
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_WIDTH = 16384  # one program holds a whole row (H 7168 -> 8192 lanes)
 MAX_ROWS_MIXED = 16  # attn_res_mix candidates (K3: at most 9)
@@ -55,9 +57,12 @@ def _tanh(x):
 def _row_norm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr, n_rows, s_x, s_z, s_y, eps,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, KIND: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """KIND 0: rms_norm, x32·rsqrt(mean x32² + eps)·w32 (§2.2). 1: gated_rms_norm, ·σ(z32) (§2.7).
     One rounding, at the store."""
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -76,11 +81,13 @@ def _row_norm_kernel(
 def _attn_res_mix_kernel(
     rows, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, n_rows, s_r, s_o, eps, out_eps,
     H: tl.constexpr, BLOCK_H: tl.constexpr, NUM: tl.constexpr, BLOCK_J: tl.constexpr, NORM: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """§4.2 for one token: s_j = (r_j·cw)·rsqrt(mean r_j² + eps), p = softmax_j(s), bf(Σ_j p_j r_j) in order;
     NORM: then the RMSNorm of that bf16 mixture with out_w, out_eps (a second rounding, §4.9).
     `rows` is a tuple of NUM candidate pointers; each row is read twice (scores, then the mix)."""
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
@@ -138,7 +145,7 @@ def _row_norm(kind: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.
         _row_norm_kernel[(triton.cdiv(x2.shape[0], block_rows),)](
             x2, z2, weight if weight is not None else x2, out, n_rows=x2.shape[0], s_x=x2.stride(0), s_z=z2.stride(0),
             s_y=out.stride(0), eps=eps, D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, KIND=kind,
-            INTERPRET=interpreting(), num_warps=warps, enable_fp_fusion=FP_FUSION)
+            INTERPRET=interpreting(), **pdl.launch_args(x.device), num_warps=warps, enable_fp_fusion=FP_FUSION)
     return out.view(x.shape)
 
 
@@ -188,7 +195,8 @@ def _mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, e
             tuple(flat), norm_w, proj_w.reshape(-1), norm_w if out_w is None else out_w, out,
             n_rows=flat[0].shape[0], s_r=flat[0].stride(0), s_o=out.stride(0), eps=eps, out_eps=out_eps, H=H,
             BLOCK_H=block_h, NUM=len(rows), BLOCK_J=max(2, triton.next_power_of_2(len(rows))), NORM=out_w is not None,
-            INTERPRET=interpreting(), num_warps=mix_warps(block_h), enable_fp_fusion=FP_FUSION)
+            INTERPRET=interpreting(), **pdl.launch_args(out.device), num_warps=mix_warps(block_h),
+            enable_fp_fusion=FP_FUSION)
     return out.view(first.shape)
 
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3backend.kernels import pdl
 from k3backend.kernels.moe import _GPU, _div, _mma, _sigmoid
 
 _MAX_EXPERTS = 4096  # route: one program holds a token's E scores in registers
@@ -29,7 +30,7 @@ ROUTER_MIN_SPLIT_K = 64
 @triton.jit(do_not_specialize=["T"])
 def _router_gemm_kernel(h_ptr, w_ptr, out_ptr, T, E, D, split_k, stride_ht, stride_we, stride_os, stride_ot,
                         GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[s, t, e] = Σ h[t, d]·w[e, d] over split s's K range [s·split_k, (s+1)·split_k), in fp32.
 
     A tile of logitsᵀ [BLOCK_E, BLOCK_T]: the experts fill the MMA's 64 rows and a decode step's few
@@ -38,6 +39,8 @@ def _router_gemm_kernel(h_ptr, w_ptr, out_ptr, T, E, D, split_k, stride_ht, stri
     values is exact in fp32: three bf16 MMAs give the fp32 GEMM up to summation order, at tensor-core
     speed, from the fp32 weight in memory (no bf16 copy of it, no fp32 copy of h).
     """
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     pid_e, pid_t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -70,10 +73,12 @@ def _router_gemm_kernel(h_ptr, w_ptr, out_ptr, T, E, D, split_k, stride_ht, stri
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_ls, stride_lt, stride_wt, stride_it, E, per_group,
                   scaling, SPLITS: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GPU: tl.constexpr):
+                  BLOCK_K: tl.constexpr, GPU: tl.constexpr, PDL: tl.constexpr):
     """One token per program: its E scores as a [group, member] tile; top-k by repeated argmax. The
     logits are the sum of SPLITS partial sums [SPLITS, T, E] (the router GEMM's K splits), added in
     split order: the same bits on every run (no atomics)."""
+    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     gi = tl.arange(0, BLOCK_G)
     pi = tl.arange(0, BLOCK_P)
@@ -175,7 +180,8 @@ def _route(partials: torch.Tensor, correction_bias: torch.Tensor | None, top_k: 
         stride_ls=partials.stride(0), stride_lt=partials.stride(1), stride_wt=w.stride(0), stride_it=ids.stride(0),
         E=E, per_group=per, scaling=float(scaling), SPLITS=S, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
         HAS_BIAS=correction_bias is not None, RENORMALIZE=bool(renormalize), BLOCK_G=block_g, BLOCK_P=block_p,
-        BLOCK_K=triton.next_power_of_2(top_k), GPU=_GPU, num_warps=4 if block_g * block_p >= 512 else 1,
+        BLOCK_K=triton.next_power_of_2(top_k), GPU=_GPU, **pdl.launch_args(partials.device),
+        num_warps=4 if block_g * block_p >= 512 else 1,
     )
     return w, ids
 
@@ -257,6 +263,6 @@ def _router_logits(h: torch.Tensor, weight: torch.Tensor, cfg: RouterConfig) -> 
             h_ptr=h, w_ptr=weight, out_ptr=partials, T=T, E=E, D=D, split_k=cfg.split_k, stride_ht=h.stride(0),
             stride_we=weight.stride(0), stride_os=partials.stride(0), stride_ot=partials.stride(1), GPU=_GPU,
             EVEN_K=D % cfg.block_k == 0, BLOCK_E=cfg.block_e, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k,
-            num_warps=cfg.warps, num_stages=cfg.stages,
+            **pdl.launch_args(h.device), num_warps=cfg.warps, num_stages=cfg.stages,
         )
     return partials

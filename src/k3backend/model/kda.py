@@ -9,6 +9,7 @@ from k3backend import kernels
 from k3backend.config import TextConfig
 from k3backend.kernels.varlen import VarlenLayout
 from k3backend.model.cache import ForwardBatch, KDACache, cat_parts
+from k3backend.model.linear import Linear
 from k3backend.model.norm import RMSNorm
 from k3backend.model.parallel import SINGLE, Parallel, packed_rows
 
@@ -40,16 +41,16 @@ class KDA(nn.Module):
         D, P, PV = cfg.hidden_size, self.H * self.K, self.H * self.V
         # [q_proj ; k_proj ; v_proj ; g_proj (or g_a_proj) ; f_a_proj ; b_proj]
         self.in_sizes = (2 * P + PV, PV if self.full_rank_gate else self.K, self.K, self.H)
-        self.in_proj = nn.Linear(D, sum(self.in_sizes), bias=False)
+        self.in_proj = Linear(D, sum(self.in_sizes))
         # Depthwise conv weights [C, 1, W] = [q_conv1d ; k_conv1d ; v_conv1d], fp32 on disk and in SGLang.
         self.conv1d_weight = nn.Parameter(torch.zeros(2 * P + PV, 1, self.W))
-        self.f_b_proj = nn.Linear(self.K, P, bias=False)
+        self.f_b_proj = Linear(self.K, P)
         self.A_log = nn.Parameter(torch.zeros(self.H))  # one per head; checkpoints pad it (§13)
         self.dt_bias = nn.Parameter(torch.zeros(P))
         if not self.full_rank_gate:
-            self.g_b_proj = nn.Linear(self.K, PV, bias=False)
+            self.g_b_proj = Linear(self.K, PV)
         self.o_norm = RMSNorm(self.V, O_NORM_EPS)  # weight shared by all heads; applied gated below
-        self.o_proj = nn.Linear(PV, D, bias=False)
+        self.o_proj = Linear(PV, D)
 
     def packing(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint name -> (packed parameter, first row, end row), names relative to this layer."""

@@ -8,6 +8,7 @@ from torch import nn
 from k3backend import kernels
 from k3backend.config import TextConfig
 from k3backend.model.cache import ForwardBatch, MLACache, cat_parts
+from k3backend.model.linear import Linear
 from k3backend.model.norm import RMSNorm
 from k3backend.model.parallel import SINGLE, Parallel, packed_rows
 
@@ -35,13 +36,13 @@ class MLA(nn.Module):
         # The projections of x, one GEMM: [q_a_proj (or q_proj) ; kv_a_proj_with_mqa ; g_proj]
         self.in_sizes = (cfg.q_lora_rank if self.q_lora else qd, self.r + self.dr) + ((self.N * self.dv,) if self.gated
                                                                                        else ())
-        self.in_proj = nn.Linear(D, sum(self.in_sizes), bias=False)
+        self.in_proj = Linear(D, sum(self.in_sizes))
         if self.q_lora:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, qd, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, qd)
         self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.r, self.N * (self.dn + self.dv), bias=False)
-        self.o_proj = nn.Linear(self.N * self.dv, D, bias=False)
+        self.kv_b_proj = Linear(self.r, self.N * (self.dn + self.dv))
+        self.o_proj = Linear(self.N * self.dv, D)
 
     def packing(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint name -> (packed parameter, first row, end row), names relative to this layer."""

@@ -7,6 +7,7 @@ from torch import nn
 
 from k3backend import kernels
 from k3backend.config import MXFP4, MXFP4_GROUP, TextConfig
+from k3backend.model.linear import Linear
 from k3backend.model.norm import RMSNorm
 from k3backend.model.parallel import SINGLE, Parallel, ParallelConfigError, packed_rows
 
@@ -32,8 +33,8 @@ class MLP(nn.Module):
         super().__init__()
         self.par = par
         n = par.split(intermediate, what)
-        self.gate_up_proj = nn.Linear(hidden, 2 * n, bias=False)
-        self.down_proj = nn.Linear(n, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * n)
+        self.down_proj = Linear(n, hidden)
         self.act = make_act(cfg, routed=False)
 
     def packing(self) -> dict[str, tuple[str, int, int]]:
@@ -134,8 +135,8 @@ class MoE(nn.Module):
         latent = cfg.routed_expert_hidden_size
         self.gate = Gate(E, D)
         if latent is not None:
-            self.routed_expert_down_proj = nn.Linear(D, latent, bias=False)
-            self.routed_expert_up_proj = nn.Linear(latent, D, bias=False)
+            self.routed_expert_down_proj = Linear(D, latent)
+            self.routed_expert_up_proj = Linear(latent, D)
             self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
         self.latent = latent is not None
         self.experts = Experts(E, latent or D, cfg.moe_intermediate_size, par, cfg.routed_expert_quant)

@@ -1,0 +1,177 @@
+"""The Triton `linear` (kernels/gemv.py) equals x·wᵀ computed in fp64, element by element, and the
+kernels that take part in programmatic dependent launch wait before they touch memory.
+
+Interpreter cases: 1 and 2 rows; N and K from 1 up to 2,048, K not a multiple of the step (masked
+tails), several K steps (the next step's weights in flight), the rule's 2,048-wide step; a strided x
+(a column slice, as the model's projections get); bf16, fp16 and fp32. Outputs start as NaN
+(`poisoned_empty`). Bound: one rounding to the output dtype plus fp32 summation, K·2⁻²³·Σ|x||w|.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+
+import torch
+
+from interpret import Checks, poisoned_empty
+
+CHECKS = Checks(__file__)
+EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 0.0}
+
+
+def check_linear_matches_fp64() -> None:
+    from k3backend.kernels import gemv
+
+    g = torch.Generator().manual_seed(7)
+    cases = [(1, 1, 1, None), (1, 7, 33, None), (2, 7, 33, None), (1, 64, 2048, None), (2, 37, 1030, None),
+             (1, 300, 96, None), (2, 5, 200, 16), (1, 9, 100, 32)]  # (M, N, K, BK forced or the rule's)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for M, N, K, bk in cases:
+            wide = torch.randn(M, K + 24, generator=g).to(dtype)
+            x = wide[:, 24:] if M > 1 else wide[:, :K]  # a column slice: row stride K + 24
+            w = torch.randn(N, K, generator=g).to(dtype)
+            ok, why = gemv.linear_supports(x, w)
+            assert ok, why
+            cfg = None if bk is None else gemv.LinearConfig(4, bk, 4)
+            with poisoned_empty():
+                y = gemv.linear(x, w, cfg)
+            ref = x.double() @ w.double().T
+            mag = x.double().abs() @ w.double().abs().T
+            bound = EPS[dtype] * ref.abs() + K * 2.0 ** -23 * mag + 1e-30
+            err = (y.double() - ref).abs()
+            assert y.dtype == dtype and y.shape == (M, N), (y.dtype, y.shape)
+            assert (err <= bound).all(), f"{dtype} M{M} N{N} K{K} bk {bk}: worst {(err / bound).max():.2f}x the bound"
+
+
+def test_linear_matches_fp64():
+    CHECKS.assert_passed("linear_matches_fp64")
+
+
+def test_linear_declines_what_it_does_not_take():
+    from k3backend.kernels import gemv
+
+    def case(m: int, n: int, k: int, dtype=torch.bfloat16, wdtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(m, k, dtype=dtype, device="meta"), torch.empty(n, k, dtype=wdtype or dtype, device="meta")
+
+    assert gemv.linear_supports(*case(1, 8336, 2048)) == (True, "")
+    assert gemv.linear_supports(*case(2, 3392, 2048)) == (True, "")
+    declined = {
+        "no rows": case(0, 16, 16),
+        "3 rows": case(3, 16, 16),
+        "2 rows of a large weight": case(2, 8336, 2048),
+        "mixed dtypes": case(1, 16, 16, torch.bfloat16, torch.float32),
+        "fp64": case(1, 16, 16, torch.float64),
+        "x strided along K": (torch.empty(1, 32, dtype=torch.bfloat16, device="meta")[:, ::2],
+                              torch.empty(16, 16, dtype=torch.bfloat16, device="meta")),
+        "3-D x": (torch.empty(1, 1, 16, dtype=torch.bfloat16, device="meta"),
+                  torch.empty(16, 16, dtype=torch.bfloat16, device="meta")),
+    }
+    for what, (x, w) in declined.items():
+        ok, why = gemv.linear_supports(x, w)
+        assert not ok and why, what
+
+
+SMALL_SHAPES = ((8336, 2048), (2048, 128), (2048, 2048), (3392, 2048), (3072, 768), (1024, 2048), (2048, 1024),
+                (2048, 8192))  # the `small` preset's projections: KDA in/f_b/o, MLA in/q_b, latent down/up, MLP down
+
+
+def test_linear_compiles_for_hopper_without_spills():
+    """The rule's launches at the `small` projections, 1 and 2 rows, compile for sm_90a without spills."""
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import gemv
+
+    for M in (1, 2):
+        for N, K in SMALL_SHAPES:
+            cfg = gemv.linear_config(M, N, K)
+            c = compile_sm90(gemv._linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N=N, K=K,
+                                                       stride_xm=K, stride_wn=K, stride_ym=N),
+                             dict(M=M, BLOCK_M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, INTERPRET=False),
+                             num_warps=cfg.warps, num_stages=1)
+            assert c.stack == 0, f"M{M} N{N} K{K} {cfg}: {c}"
+
+
+# The PDL kernels no other compile test builds: (module, kernel) -> (args, constexprs, warps).
+_PDL_ONLY_HERE = {
+    ("kda", "_kda_decode_fused_kernel"): (
+        dict(xqkv="*bf16", conv_weight="*fp32", conv_pool="*bf16", f="*bf16", dt_bias="*fp32", A_log="*fp32",
+             b="*bf16", z="*bf16", o_norm_weight="*bf16", S_pool="*fp32", state_indices="*i32", y="*bf16", s_x=8336,
+             s_b=8336, s_z=8336),
+        dict(H=16, K=128, V=128, W=4, BK=128, BV=64, BW=4, NV=2, SPLIT=True, USE_LOWER_BOUND=True, LOWER_BOUND=-5.0,
+             SCALE=128 ** -0.5, EPS=1e-5, ACC="fp32", BITS=False), 4),
+    ("kda", "_kda_decode_norm_kernel"): (
+        dict(xqkv="*bf16", conv_pool="*bf16", z="*bf16", o_norm_weight="*bf16", state_indices="*i32", y="*bf16",
+             s_x=8336, s_z=8336),
+        dict(H=16, K=128, V=128, W=4, BK=128, BV=128, BW=4, EPS=1e-5, ACC="fp32", BITS=False), 4),
+    ("mla", "_latent_reduce_kernel"): (
+        dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", N=16, num_splits=4, s_os=16 * 512 * 64,
+             s_ot=16 * 512, s_oh=512, s_ls=1024, s_lt=16, s_lh=1, s_t=16 * 512, s_h=512),
+        dict(R=512, BLOCK_R=512, INTERPRET=False), 4),
+    ("moe", "_align_count_kernel"): (
+        dict(ids_ptr="*i64", counts_ptr="*i32", n=384, E=64, stride_it=6, stride_ik=1), dict(TOP_K=6, BLOCK=256), 4),
+    ("moe", "_align_place_kernel"): (
+        dict(ids_ptr="*i64", counts_ptr="*i32", cursor_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
+             n=384, E=64, num_blocks=88, stride_it=6, stride_ik=1),
+        dict(TOP_K=6, BLOCK_M=16, BLOCK=256, BLOCK_E=64, PAD_E=128), 4),
+    ("moe", "_down_gemv_kernel"): (
+        dict(h_ptr="*bf16", w2_ptr="*bf16", s2_ptr="*bf16", y_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", n=6,
+             D=1024, I=1024, E=64, stride_hm=1024, stride_we=1024 * 1024, stride_wn=1024, stride_se=0, stride_sn=0,
+             stride_yn=1024, stride_it=6, stride_ik=1, stride_pt=6, stride_pk=1),
+        dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, BLOCK_N=16, BLOCK_K=256), 4),
+    ("moe", "_sum_kernel"): (
+        dict(y_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16", T=4, D=1024, E=64, scaling=1.0, stride_yn=1024,
+             stride_it=6, stride_ik=1, stride_ot=1024),
+        dict(TOP_K=6, GPU=True, BLOCK_T=4, BLOCK_D=1024), 8),
+}
+_PDL_BUILT_ELSEWHERE = {  # compiled with PDL on (tests/sm90.py turns it on) by these files' hopper tests
+    ("gemv", "_linear_kernel"), ("norm", "_row_norm_kernel"), ("norm", "_attn_res_mix_kernel"),
+    ("routing", "_route_kernel"), ("routing", "_router_gemm_kernel"), ("moe", "_up_kernel"), ("moe", "_down_kernel"),
+    ("moe", "_up_gemv_kernel"), ("mla", "_latent_attn_kernel")}
+
+
+def test_pdl_kernels_compile_for_hopper_and_wait_before_touching_memory():
+    """Every kernel with a PDL constexpr is compiled for sm_90a with PDL on by some hopper test, and each
+    waits (griddepcontrol.wait) before its first global load or store (tests/sm90.py checks the PTX)."""
+    import triton.language as tl
+    from sm90 import compile_sm90
+
+    import k3backend.kernels as pkg
+
+    with_pdl = set()
+    for info in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"k3backend.kernels.{info.name}")
+        for name, obj in vars(mod).items():
+            if name.endswith("_kernel") and "PDL" in getattr(obj, "arg_names", ()):
+                with_pdl.add((info.name, name))
+    assert with_pdl == set(_PDL_ONLY_HERE) | _PDL_BUILT_ELSEWHERE, with_pdl ^ (set(_PDL_ONLY_HERE) | _PDL_BUILT_ELSEWHERE)
+    for (mod, name), (args, constexprs, warps) in _PDL_ONLY_HERE.items():
+        kernel = getattr(importlib.import_module(f"k3backend.kernels.{mod}"), name)
+        constexprs = {k: (tl.float32 if v == "fp32" and k == "ACC" else v) for k, v in constexprs.items()}
+        c = compile_sm90(kernel, args, constexprs, num_warps=warps, num_stages=1)
+        assert c.stack == 0, f"{name}: {c}"
+
+
+def test_the_wait_check_catches_an_early_load():
+    """tests/sm90.py's check is not vacuous: the GEMV loads its first weights before the wait, and
+    without its exemption it fails."""
+    import pytest
+    import sm90
+
+    from k3backend.kernels import gemv
+
+    ptx_like = "\n".join(["ld.param.u64 %rd1, [p];", "@%p1 ld.global.v4.b32 {%r1}, [%rd1];",
+                          "griddepcontrol.wait;", "st.global.b16 [%rd2], %rs1;"])
+    assert sm90.accesses_before_wait(ptx_like) == ["@%p1 ld.global"]
+    assert re.search(r"griddepcontrol", ptx_like)
+    args = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N=2048, K=2048, stride_xm=2048, stride_wn=2048,
+                stride_ym=2048)
+    constexprs = dict(M=1, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, INTERPRET=False)
+    saved = set(sm90.PREFETCH_BEFORE_WAIT)
+    sm90.PREFETCH_BEFORE_WAIT.clear()
+    try:
+        with pytest.raises(AssertionError, match="before griddepcontrol.wait"):
+            sm90.compile_sm90(gemv._linear_kernel, args, constexprs, num_warps=8, num_stages=1)
+    finally:
+        sm90.PREFETCH_BEFORE_WAIT.update(saved)
