@@ -27,14 +27,13 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, M
     """y[:, n-block] = bf(Σ_k fp32(x[m, k])·fp32(w[n, k])) for the M rows. Rows past N wrap (loads stay
     unmasked); the store masks them. PDL: the first weight step is loaded before waiting for the
     previous kernel (programmatic dependent launch), which overlaps it with that kernel's tail."""
-    pdl.launch_next(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     rows = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     for k0 in range(0, K, BLOCK_K):
         wf = w.to(tl.float32)
         w_ptrs += BLOCK_K

@@ -175,8 +175,7 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b,
     bf(o) of its columns into y and reads the conv pool only; `_kda_decode_norm_kernel`, launched
     after it, does the norm and the history. s_x, s_b, s_z: the row strides of xqkv, b and z
     (slices of the layer's one input GEMM)."""
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     pid = tl.program_id(0).to(tl.int64)  # one axis (a 2-D grid caps B·H at 65535): a head's blocks adjacent
     i_v, i_b, i_h = pid % NV, pid // NV // H, pid // NV % H
     C: tl.constexpr = 2 * H * K + H * V
@@ -235,8 +234,7 @@ def _kda_decode_norm_kernel(xqkv, conv_pool, z, o_norm_weight, state_indices, y,
     """Program (b, h) after the SPLIT launch: the gated norm of the head's row bf(o) in y, in place, and
     the head's q/k/v conv-history shift (every V-block of the first launch read the old q/k rows, so
     none of them may write; here one program owns the head's channels of the slot)."""
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     pid = tl.program_id(0).to(tl.int64)
     i_b, i_h = pid // H, pid % H
     C: tl.constexpr = 2 * H * K + H * V

@@ -156,8 +156,7 @@ def _latent_attn_kernel(
     split takes the masked pointer loads, so rows past the context are never read (they may hold
     anything a block's previous owner left).
     """
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if DECODE:
@@ -240,8 +239,7 @@ def _latent_reduce_kernel(
     R: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, h] = Σ_s exp(lse_s − M)·part_s / Σ_s exp(lse_s − M), rounded once; 0 when no key was seen."""
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     t = (pid // N).to(tl.int64)
     h = pid % N

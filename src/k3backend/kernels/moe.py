@@ -198,8 +198,7 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 @triton.jit(do_not_specialize=["n"])
 def _align_count_kernel(ids_ptr, counts_ptr, n, E, stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr):
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + (a // TOP_K) * stride_it + (a % TOP_K) * stride_ik, mask=a < n, other=-1)
     ok = (e >= 0) & (e < E)
@@ -213,8 +212,7 @@ def _align_place_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_exper
     """Every program derives the padded expert offsets from the counts, places its assignments
     (a per-expert atomic cursor gives each a row; the row order inside an expert does not change
     any result), and does its share of the padding rows and of the unused blocks."""
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     ev = tl.arange(0, BLOCK_E)
     cnt = tl.load(counts_ptr + ev, mask=ev < E, other=0)
@@ -386,8 +384,7 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
     their exponents [E, 2I, D/32]. TMA: weight tiles [BN, BK] come through w_desc, w13 viewed [E·2I, D]
     (BN divides I, so a tile never crosses into the next matrix).
     """
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if DENSE:
@@ -444,8 +441,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
     [E, D, I/2], s2 exponents [E, D, I/32]). TMA: h tiles [BM, BK] through h_desc and weight tiles
     [BN, BK] through w_desc, w2 viewed [E·D, I] (BN divides D). A padding row's h was never written:
     its product row is garbage, and never stored."""
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(D, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
@@ -538,8 +534,7 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
     h[a] in assignment order; the weights stream through vector loads and fp32 FMAs instead of MMA
     tiles padded to 16 rows, and no align step runs. Assignments to other ranks' experts do nothing.
     MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13 their exponents [E, 2I, D/32]."""
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     a = tl.program_id(0)
     if DENSE:
         t = a
@@ -582,8 +577,7 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, 
                       DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[a]·w2ᵀ)) for one assignment (ExpertsConfig.gemv; MX: w2 codes
     [E, D, I/2], s2 exponents [E, D, I/32])."""
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     a = tl.program_id(0)
     t, j = a // TOP_K, a % TOP_K
     e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
@@ -613,8 +607,7 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it,
                 TOP_K: tl.constexpr, GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                 PDL: tl.constexpr):
     """out[t] = bf(scaling · Σ_j fp32(y[t·k + j])) in slot order; a skipped slot adds +0 as in the reference."""
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = (t < T)[:, None] & (d < D)[None, :]

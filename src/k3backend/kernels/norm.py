@@ -61,8 +61,7 @@ def _row_norm_kernel(
 ):
     """KIND 0: rms_norm, x32·rsqrt(mean x32² + eps)·w32 (§2.2). 1: gated_rms_norm, ·σ(z32) (§2.7).
     One rounding, at the store."""
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -86,8 +85,7 @@ def _attn_res_mix_kernel(
     """§4.2 for one token: s_j = (r_j·cw)·rsqrt(mean r_j² + eps), p = softmax_j(s), bf(Σ_j p_j r_j) in order;
     NORM: then the RMSNorm of that bf16 mixture with out_w, out_eps (a second rounding, §4.9).
     `rows` is a tuple of NUM candidate pointers; each row is read twice (scores, then the mix)."""
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H

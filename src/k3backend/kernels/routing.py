@@ -39,8 +39,7 @@ def _router_gemm_kernel(h_ptr, w_ptr, out_ptr, T, E, D, split_k, stride_ht, stri
     values is exact in fp32: three bf16 MMAs give the fp32 GEMM up to summation order, at tensor-core
     speed, from the fp32 weight in memory (no bf16 copy of it, no fp32 copy of h).
     """
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     pid_e, pid_t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -77,8 +76,7 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_ls, stride_lt, st
     """One token per program: its E scores as a [group, member] tile; top-k by repeated argmax. The
     logits are the sum of SPLITS partial sums [SPLITS, T, E] (the router GEMM's K splits), added in
     split order: the same bits on every run (no atomics)."""
-    pdl.launch_next(PDL)  # PDL: launch early, wait before any read
-    pdl.wait(PDL)
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     gi = tl.arange(0, BLOCK_G)
     pi = tl.arange(0, BLOCK_P)
