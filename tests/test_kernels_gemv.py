@@ -1,7 +1,7 @@
 """The Triton `linear` (kernels/gemv.py) equals x·wᵀ computed in fp64, element by element, and the
 kernels that take part in programmatic dependent launch wait before they touch memory.
 
-Interpreter cases: 1 and 2 rows; N and K from 1 up to 2,048, K not a multiple of the step (masked
+Interpreter cases: 1 to 8 rows; N and K from 1 up to 2,048, K not a multiple of the step (masked
 tails), several K steps (the next step's weights in flight), the rule's 2,048-wide step; a strided x
 (a column slice, as the model's projections get); bf16, fp16 and fp32. Outputs start as NaN
 (`poisoned_empty`). Bound: one rounding to the output dtype plus fp32 summation, K·2⁻²³·Σ|x||w|.
@@ -26,7 +26,8 @@ def check_linear_matches_fp64() -> None:
 
     g = torch.Generator().manual_seed(7)
     cases = [(1, 1, 1, None), (1, 7, 33, None), (2, 7, 33, None), (1, 64, 2048, None), (2, 37, 1030, None),
-             (1, 300, 96, None), (2, 5, 200, 16), (1, 9, 100, 32)]  # (M, N, K, BK forced or the rule's)
+             (1, 300, 96, None), (2, 5, 200, 16), (1, 9, 100, 32), (3, 9, 100, None), (4, 20, 600, None),
+             (5, 6, 300, None), (8, 33, 130, None), (7, 5, 40, 16)]  # (M, N, K, BK forced or the rule's)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for M, N, K, bk in cases:
             wide = torch.randn(M, K + 24, generator=g).to(dtype)
@@ -55,12 +56,14 @@ def test_linear_declines_what_it_does_not_take():
     def case(m: int, n: int, k: int, dtype=torch.bfloat16, wdtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty(m, k, dtype=dtype, device="meta"), torch.empty(n, k, dtype=wdtype or dtype, device="meta")
 
-    assert gemv.linear_supports(*case(1, 8336, 2048)) == (True, "")
-    assert gemv.linear_supports(*case(2, 3392, 2048)) == (True, "")
+    for m, n, k in ((1, 8336, 2048), (2, 3392, 2048), (4, 2048, 8192), (8, 2048, 2048)):
+        assert gemv.linear_supports(*case(m, n, k)) == (True, ""), (m, n, k)
     declined = {
         "no rows": case(0, 16, 16),
-        "3 rows": case(3, 16, 16),
-        "2 rows of a large weight": case(2, 8336, 2048),
+        "9 rows": case(9, 16, 16),
+        "2 rows of 8,336": case(2, 8336, 2048),
+        "3 rows of 3,392": case(3, 3392, 2048),
+        "5 rows, K 8,192": case(5, 2048, 8192),
         "mixed dtypes": case(1, 16, 16, torch.bfloat16, torch.float32),
         "fp64": case(1, 16, 16, torch.float64),
         "x strided along K": (torch.empty(1, 32, dtype=torch.bfloat16, device="meta")[:, ::2],
@@ -78,14 +81,16 @@ SMALL_SHAPES = ((8336, 2048), (2048, 128), (2048, 2048), (3392, 2048), (3072, 76
 
 
 def test_linear_compiles_for_hopper_without_spills():
-    """The rule's launches at the `small` projections, 1 and 2 rows, compile for sm_90a without spills."""
+    """The rule's launches at the `small` projections, 1-8 rows, compile for sm_90a without spills."""
     from sm90 import compile_sm90
 
     from k3backend.kernels import gemv
 
-    for M in (1, 2):
+    for M in (1, 2, 4, 8):
         for N, K in SMALL_SHAPES:
             cfg = gemv.linear_config(M, N, K)
+            if cfg is None:
+                continue
             c = compile_sm90(gemv._linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N=N, K=K,
                                                        stride_xm=K, stride_wn=K, stride_ym=N),
                              dict(M=M, BLOCK_M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, INTERPRET=False),

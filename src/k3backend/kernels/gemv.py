@@ -1,6 +1,8 @@
-"""The fast `linear` for decode-sized batches: y = x·Wᵀ for a few rows, a Triton GEMV that streams the
-weight once with all of a program's loads in flight (cuBLAS's GEMVs for these shapes run at 1.9-2.8 TB/s
-on the H200). Larger batches decline to the reference (cuBLAS). fp32 accumulation, one rounding.
+"""The fast `linear` for decode-sized batches: y = x·Wᵀ for 1-8 rows, a Triton GEMV that streams the
+weight once, a whole K step of it in flight, and loads its first step before waiting for the previous
+kernel (kernels/pdl.py). cuBLAS's kernels for these shapes run at 0.3-3 TB/s on the H200; where they
+are faster (`linear_config`), and for larger batches, the reference (cuBLAS) runs. fp32 accumulation,
+one rounding.
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ import triton.language as tl
 from k3backend.kernels import pdl
 from k3backend.kernels.norm import interpreting, to_dtype
 
-MAX_ROWS = 2  # more rows: cuBLAS (the kernel repeats its reductions per row and falls behind)
-MAX_WEIGHT_2 = 12 << 20  # at 2 rows, weights larger than this go to cuBLAS
+MAX_ROWS = 8  # more rows: cuBLAS
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -24,24 +25,26 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _linear_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, M: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                    INTERPRET: tl.constexpr):
-    """y[:, n-block] = bf(Σ_k fp32(x[m, k])·fp32(w[n, k])) for the M rows. Rows past N wrap (loads stay
-    unmasked); the store masks them. PDL: the first weight step is loaded before waiting for the
-    previous kernel (programmatic dependent launch), which overlaps it with that kernel's tail."""
+    """y[:, n-block] = bf(Σ_k fp32(x[m, k])·fp32(w[n, k])) for the M rows: products accumulate in an
+    [M, BLOCK_N, BLOCK_K] fp32 tile, reduced once at the end (no reduction inside the K loop). Rows
+    past N wrap (loads stay unmasked); the store masks them. With PDL the first weight step is loaded
+    before waiting for the previous kernel, overlapping that kernel's tail."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     rows = tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+    w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[None, :, None] * stride_wn + offs_k[None, None, :]  # [1, BN, BK]
+    x_ptrs = x_ptr + rows[:, None, None] * stride_xm + offs_k[None, None, :]  # [BM, 1, BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w = tl.load(w_ptrs, mask=(offs_k < K)[None, None, :], other=0.0)
     pdl.enter(PDL)
     for k0 in range(0, K, BLOCK_K):
         wf = w.to(tl.float32)
         w_ptrs += BLOCK_K
-        w = tl.load(w_ptrs, mask=(offs_k < K - k0 - BLOCK_K)[None, :], other=0.0)  # the next step's, in flight
-        for m in tl.static_range(M):
-            xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
-            acc += tl.where(rows[:, None] == m, tl.sum(wf * xm[None, :], axis=1)[None, :], 0.0)
-    y = to_dtype(acc, y_ptr.dtype.element_ty, INTERPRET)
+        w = tl.load(w_ptrs, mask=(offs_k < K - k0 - BLOCK_K)[None, None, :], other=0.0)  # the next step's, in flight
+        x = tl.load(x_ptrs, mask=(rows < M)[:, None, None] & (offs_k < K - k0)[None, None, :], other=0.0)
+        acc += wf * x.to(tl.float32)
+        x_ptrs += BLOCK_K
+    y = to_dtype(tl.sum(acc, axis=2), y_ptr.dtype.element_ty, INTERPRET)
     tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], y, mask=(rows < M)[:, None] & (offs_n < N)[None, :])
 
 
@@ -53,22 +56,23 @@ class LinearConfig:
     pdl: bool = False
 
 
-def linear_config(M: int, N: int, K: int) -> LinearConfig:
-    """4 rows a program and up to 1,024 values of K a step; at one row 2,048 and 8 warps where the
-    programs would not fill 4 to an SM (more bytes in flight each)."""
-    bk = 2048 if M == 1 and triton.cdiv(N, 4) <= 4 * 132 else 1024
-    bk = min(bk, max(16, triton.next_power_of_2(K)))
-    return LinearConfig(4, bk, 8 if bk >= 2048 else 4)
+def linear_config(M: int, N: int, K: int) -> LinearConfig | None:
+    """4 rows a program, K steps of 1,024 / 512 / 256 at 1-2 / 3-4 / 5-8 rows (the fp32 tile is
+    M·4·BK values); None where cuBLAS was faster (H200, `small`'s projections, graphs of 48 calls):
+    above 2 rows beyond 2,048 rows of weight (more programs than cuBLAS's tiles pay off), at 2 rows
+    beyond 4,096, at 5-8 rows K beyond 2,048 too."""
+    if M > MAX_ROWS or (M == 2 and N > 4096) or (M > 2 and N > 2048) or (M > 4 and K > 2048):
+        return None
+    bk = 1024 if M <= 2 else 512 if M <= 4 else 256
+    return LinearConfig(4, min(bk, max(16, triton.next_power_of_2(K))), 4)
 
 
 def linear_supports(x: torch.Tensor, w: torch.Tensor) -> tuple[bool, str]:
     """Whether the kernel takes this call (the reference runs it otherwise)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         return False, "x [M, K] and w [N, K] expected"
-    if not 0 < x.shape[0] <= MAX_ROWS:
-        return False, f"M {x.shape[0]} outside 1..{MAX_ROWS} (cuBLAS takes larger batches)"
-    if x.shape[0] > 1 and w.numel() > MAX_WEIGHT_2:
-        return False, f"2 rows of a weight over {MAX_WEIGHT_2} values (cuBLAS is faster there)"
+    if x.shape[0] == 0 or linear_config(x.shape[0], w.shape[0], w.shape[1]) is None:
+        return False, f"{x.shape[0]} rows of a [{w.shape[0]}, {w.shape[1]}] weight: cuBLAS's size (linear_config)"
     if x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
         return False, f"dtypes {x.dtype}/{w.dtype}: bf16, fp16 or fp32, the same for both"
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -81,7 +85,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig | None = None) ->
     M, K = x.shape
     N = w.shape[0]
     if cfg is None:
-        cfg = dataclasses.replace(linear_config(M, N, K), pdl=pdl.enabled(x.device))
+        rule = linear_config(M, N, K)
+        if rule is None:
+            raise ValueError(f"linear: {M} rows of a [{N}, {K}] weight are cuBLAS's (see linear_supports)")
+        cfg = dataclasses.replace(rule, pdl=pdl.enabled(x.device))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _linear_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, w, y, N, K, x.stride(0), w.stride(0), y.stride(0), M=M, BLOCK_M=triton.next_power_of_2(M),

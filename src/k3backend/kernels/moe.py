@@ -650,6 +650,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       alone would give fewer than 2 waves of programs: the shared experts' glu at 1 row had 64 programs
       of 16 rows; 512 of 2 cut the batch-1 decode step 2.510 -> 2.359 ms of device time on the H200
       (`small`, MXFP4 experts, graph replays, `_up_gemv_kernel` 10.0 -> 7.3 µs a call), batch 2 2.690 -> 2.566.
+      K steps of 1,024 where a program holds at most 4 rows: more of its weights in flight (the shared experts'
+      glu at 1 / 2 rows 6.2 / 7.0 -> 4.6 / 5.3 µs, graphs of 48 calls with PDL; 16-row programs would spill).
       MXFP4 weights take them too (expanded in registers).
     - many experts (`wide`), m ≤ 40: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages); at 192 /
       320 tokens of `small` 7 / 10 % faster than BN 64, and BM 64 wins from m = 48 (512 tokens: −25 %;
@@ -701,7 +703,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     gemv = None
     if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX:  # rows a program: fewer where 16 would not fill 2 waves
         bn = next((b for b in (16, 8, 4) if T * k * triton.cdiv(I, b) >= TWO_WAVES), 2)
-        gemv = (bn, min(256, max(16, triton.next_power_of_2(D))), 4, 3)
+        gemv = (bn, min(1024 if bn <= 4 else 256, max(16, triton.next_power_of_2(D))), 4, 3)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
         bn, bk, warps, stages = tiles  # tiny test sizes: no tile wider than the (padded) matrix
