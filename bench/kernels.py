@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 HBM_TBS = 4.27  # device-to-device copy, read + write (measured on the project's H200s)
 BF16_TFLOPS = 788.0  # 8192^3 bf16 matmul on random data
-FAMILIES = ("kda", "moe", "mxfp4", "mla", "norm", "sample")
+FAMILIES = ("kda", "moe", "mxfp4", "mla", "norm", "sample", "gemv")
 
 
 @dataclass

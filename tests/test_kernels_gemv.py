@@ -35,9 +35,8 @@ def check_linear_matches_fp64() -> None:
             w = torch.randn(N, K, generator=g).to(dtype)
             ok, why = gemv.linear_supports(x, w)
             assert ok, why
-            cfg = None if bk is None else gemv.LinearConfig(4, bk, 4)
             with poisoned_empty():
-                y = gemv.linear(x, w, cfg)
+                y = gemv.linear(x, w) if bk is None else gemv.linear_with(x, w, gemv.LinearConfig(4, bk, 4))
             ref = x.double() @ w.double().T
             mag = x.double().abs() @ w.double().abs().T
             bound = EPS[dtype] * ref.abs() + K * 2.0 ** -23 * mag + 1e-30
@@ -46,8 +45,35 @@ def check_linear_matches_fp64() -> None:
             assert (err <= bound).all(), f"{dtype} M{M} N{N} K{K} bk {bk}: worst {(err / bound).max():.2f}x the bound"
 
 
+def check_linear_random_shapes() -> None:
+    """A seeded fuzz: 30 random (M, N, K, dtype, row stride, tile) cases, each element within the bound."""
+    import random
+
+    from k3backend.kernels import gemv
+
+    rng, g = random.Random(11), torch.Generator().manual_seed(12)
+    for case in range(30):
+        M, N, K = rng.randint(1, 8), rng.randint(1, 300), rng.randint(1, 1500)
+        dtype = rng.choice((torch.bfloat16, torch.float16, torch.float32))
+        pad = rng.choice((0, 8, 13))
+        x = torch.randn(M, K + pad, generator=g).to(dtype)[:, pad:]
+        w = (torch.randn(N, K + pad, generator=g).to(dtype)[:, :K]) if rng.random() < 0.5 else \
+            torch.randn(N, K, generator=g).to(dtype)
+        cfg = gemv.LinearConfig(rng.choice((1, 2, 4, 8)), rng.choice((16, 64, 256, 1024)), rng.choice((1, 4)))
+        with poisoned_empty():
+            y = gemv.linear_with(x, w, cfg)
+        ref = x.double() @ w.double().T
+        bound = EPS[dtype] * ref.abs() + K * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+        worst = ((y.double() - ref).abs() / bound).max().item()
+        assert worst <= 1, f"case {case}: M{M} N{N} K{K} {dtype} pad {pad} {cfg}: {worst:.2f}x the bound"
+
+
 def test_linear_matches_fp64():
     CHECKS.assert_passed("linear_matches_fp64")
+
+
+def test_linear_random_shapes():
+    CHECKS.assert_passed("linear_random_shapes")
 
 
 def test_linear_declines_what_it_does_not_take():

@@ -72,7 +72,7 @@ def linear_supports(x: torch.Tensor, w: torch.Tensor) -> tuple[bool, str]:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         return False, "x [M, K] and w [N, K] expected"
     if x.shape[0] == 0 or linear_config(x.shape[0], w.shape[0], w.shape[1]) is None:
-        return False, f"{x.shape[0]} rows of a [{w.shape[0]}, {w.shape[1]}] weight: cuBLAS's size (linear_config)"
+        return False, "a shape cuBLAS runs faster (linear_config: more than 8 rows, or a large weight)"  # logged once
     if x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
         return False, f"dtypes {x.dtype}/{w.dtype}: bf16, fp16 or fp32, the same for both"
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -80,15 +80,18 @@ def linear_supports(x: torch.Tensor, w: torch.Tensor) -> tuple[bool, str]:
     return True, ""
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
-    """x [M, K] · w [N, K]ᵀ -> [M, N] in x's dtype."""
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] · w [N, K]ᵀ -> [M, N] in x's dtype, with `linear_config`'s tiles."""
+    cfg = linear_config(x.shape[0], w.shape[0], w.shape[1])
+    if cfg is None:
+        raise ValueError(f"linear: {x.shape[0]} rows of a {list(w.shape)} weight are cuBLAS's (see linear_supports)")
+    return linear_with(x, w, dataclasses.replace(cfg, pdl=pdl.enabled(x.device)))
+
+
+def linear_with(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig) -> torch.Tensor:
+    """`linear` with explicit tiles (the tests and sweeps)."""
     M, K = x.shape
     N = w.shape[0]
-    if cfg is None:
-        rule = linear_config(M, N, K)
-        if rule is None:
-            raise ValueError(f"linear: {M} rows of a [{N}, {K}] weight are cuBLAS's (see linear_supports)")
-        cfg = dataclasses.replace(rule, pdl=pdl.enabled(x.device))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _linear_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, w, y, N, K, x.stride(0), w.stride(0), y.stride(0), M=M, BLOCK_M=triton.next_power_of_2(M),
