@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from k3backend.kernels import pdl
-
 from k3backend.kernels.varlen import VarlenLayout, layout_problem, varlen_layout
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton itself does

@@ -30,10 +30,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from k3backend.kernels import pdl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from k3backend.kernels import pdl
 from k3backend.kernels.norm import interpreting, to_dtype
 from k3backend.kernels.varlen import VarlenLayout, layout_problem, varlen_layout
 

@@ -36,11 +36,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from k3backend.kernels import pdl
 from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from k3backend.kernels import pdl
 from k3backend.kernels.mla import has_tma
 from k3backend.kernels.moe_ref import Activation
 
