@@ -277,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-parallel-size", type=int, default=1)
     ap.add_argument("--placement", default="tp", choices=["tp", "host_ep"],
                     help="k3_lm parallel_placement (one host here: host_ep is tp with expert-parallel-size 1)")
+    ap.add_argument("--save-decode-logits", metavar="FILE",
+                    help="after the runs, torch.save {batch size: logits} of one replay of each decode graph on "
+                         "graph_times' fixed step (compare two builds or K3_PDL=on/off bit for bit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=1.0, help="--workload: request counts times this (a quick run)")
     args = ap.parse_args(argv)
@@ -359,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.workload:  # the table so far after each run: a time limit still leaves the finished ones
             print(summary(results))
     if model is not None:
+        if args.save_decode_logits:
+            save_decode_logits(executor, args.save_decode_logits)
         print(graph_times(executor))
     executor.close()
     return 0
@@ -470,6 +475,23 @@ def set_decode_context(graphs, pools, b: int, context: int = DECODE_CONTEXT) -> 
         else:
             cache.latent[blocks] = 0
     return rows
+
+
+def save_decode_logits(executor, path: str, context: int = DECODE_CONTEXT) -> None:
+    """torch.save {b: fp32 logits [b, V]} of one replay of each captured decode graph on the fixed step
+    of `set_decode_context` (the same inputs whatever ran before)."""
+    graphs = getattr(getattr(executor, "runner", None), "graphs", None)
+    if graphs is None or not graphs.graphs:
+        print("decode logits: no decode graphs to save")
+        return
+    context = min(context, graphs.block_tables.shape[1] * graphs.block_size - 1)
+    out = {}
+    for b, g in sorted(graphs.graphs.items()):
+        set_decode_context(graphs, executor.runner.pools, b, context)
+        g.replay()
+        out[b] = graphs.outputs[b][:b].float().cpu()
+    torch.save(out, path)
+    print(f"decode logits of batch sizes {sorted(out)} saved to {path}")
 
 
 def graph_times(executor, context: int = DECODE_CONTEXT) -> str:

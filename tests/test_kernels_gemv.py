@@ -206,3 +206,21 @@ def test_the_wait_check_catches_an_early_load():
             sm90.compile_sm90(gemv._linear_kernel, args, constexprs, num_warps=8, num_stages=1)
     finally:
         sm90.PREFETCH_BEFORE_WAIT.update(saved)
+
+
+def test_k3_pdl_switch():
+    """K3_PDL off turns PDL off before any device is asked (a child reads it at import); a bad value fails
+    the import with the variable's name; on a CPU it is off either way."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from k3backend.kernels import pdl; "
+            "print(pdl.MODE, pdl.launch_args(torch.device('cuda', 0)), pdl.launch_args(torch.device('cpu')))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    off = subprocess.run([sys.executable, "-c", code], env={**env, "K3_PDL": "off"}, capture_output=True, text=True)
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split() == ["off", "{'PDL':", "False,", "'launch_pdl':", "False}", "{'PDL':", "False,",
+                                  "'launch_pdl':", "False}"], off.stdout
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "K3_PDL": "maybe"}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "K3_PDL must be on or off" in bad.stderr, bad.stderr[-500:]

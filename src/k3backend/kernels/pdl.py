@@ -1,22 +1,29 @@
 """Programmatic dependent launch (Hopper and later). A kernel launched with `launch_pdl=True` may start
 while the kernel before it in the stream is still running, so its launch and its loads of constant
 data (weights) overlap that kernel's tail. It calls `enter` before it reads anything an earlier kernel
-wrote or writes anything.
+wrote or writes anything. `K3_PDL` (read once, here; `on` by default) turns it off: `off` launches
+every kernel plainly, for an A/B measurement or a driver that mishandles it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 
+MODE = os.environ.get("K3_PDL", "on").strip().lower()
+if MODE not in ("on", "off"):
+    raise ValueError(f"K3_PDL must be on or off, got {MODE!r}")
+
+
 @functools.cache
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on this device launch with PDL (sm_90+, compiled, not interpreted)."""
-    if device.type != "cuda" or triton.knobs.runtime.interpret:
+    """Whether kernels on this device launch with PDL (K3_PDL on, sm_90+, compiled, not interpreted)."""
+    if MODE == "off" or device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
