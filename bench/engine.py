@@ -135,7 +135,7 @@ def image_request(rid: int, ids: list[int], params: SamplingParams, rows: int, h
 
 def run(core: EngineCore, jobs: list[tuple[list[int], int, int]], concurrency: int, first_id: int,
         hidden: int = 0, dtype: torch.dtype = torch.float32, turnaround: tuple[float, float] = (0.0, 0.0),
-        temperature: float = 1.0) -> dict:
+        temperature: float = 1.0, top_p: float = 1.0) -> dict:
     """Closed loop over the engine core's steps: per-request TTFT, inter-token intervals, tokens.
 
     turnaround (s): a finished request's client sends its next one that much later, plus the second
@@ -157,7 +157,8 @@ def run(core: EngineCore, jobs: list[tuple[list[int], int, int]], concurrency: i
             sent = min(clients)  # TTFT counts from here, as a served client's does from its send
             clients.remove(sent)
             rid, (ids, n_out, rows) = pending.pop()
-            p = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=temperature, seed=rid)
+            p = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=temperature,
+                               top_p=top_p, seed=rid)
             core.add(rid, image_request(rid, ids, p, rows, hidden, dtype) if rows else Request(f"bench-{rid}", ids, p))
             live[rid] = [sent, 0.0]
         out = core.step()
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0,
                     help="sampling temperature of every request (default 1, seeded; 0: greedy, as the requests of "
                          "bench/serving_load.py, for a served-against-in-process comparison)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="top_p of every sampled request (default 1: off)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="GPU: warn (once per line) for every operation that makes the host wait for the device "
                          "implicitly during the measured runs (a pageable copy, .item(), nonzero); explicit waits, "
@@ -345,12 +347,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{describe_cap(cap) if cap else cfg.max_num_batched_tokens} tokens of longer prompts", flush=True)
         jobs = workload(w, info.vocab_size, info.media_pad_id)
         run(core, jobs[:w.warmup], min(w.concurrency, w.warmup), first, info.hidden_size, dtype,
-            temperature=args.temperature)
+            temperature=args.temperature, top_p=args.top_p)
         before, coord0 = core.stats(), getattr(executor, "coordination_s", 0.0)
         if args.sync_debug and device.type == "cuda":  # every op that waits for the device warns, with its line
             torch.cuda.set_sync_debug_mode("warn")
         r = run(core, jobs[w.warmup:], w.concurrency, first + w.warmup, info.hidden_size, dtype,
-                turnaround(w.turnaround_ms), args.temperature)
+                turnaround(w.turnaround_ms), args.temperature, args.top_p)
         if args.sync_debug and device.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")
         first += len(jobs)
@@ -406,7 +408,7 @@ def report(args: argparse.Namespace, r: dict, before, after, coord: float, execu
           f"{args.shared_prefix_len} x {args.shared_prefix_fraction:g}{images}, preemptions "
           f"{after.num_preemptions - before.num_preemptions}"
           f"{'' if turnaround(args.turnaround_ms) == (0, 0) else f', client turnaround {args.turnaround_ms} ms'}"
-          f"{', greedy' if args.temperature == 0 else ''}")
+          f"{', greedy' if args.temperature == 0 else ''}{f', top_p {args.top_p:g}' if args.top_p < 1 else ''}")
     if counts:
         print(f"expert load: {spread(counts)}")
     steps = after.steps - before.steps

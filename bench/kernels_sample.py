@@ -2,10 +2,12 @@
 
 race_draw over S = 1, 16, 64, 256 rows of the K3 vocabulary (163,840 ids): bytes are one fp32 read
 of the probabilities; the reference materialises the float64 uniforms. `--check` wants the same ids
-as the reference, bit for bit. sampler/*: `Sampler()` over bf16 logits as the engine calls it, for
-temperature-only rows (no sort), top-p 0.9 rows (a sort of [S, V]), top-k 50 rows (the 50 largest,
-no sort) and greedy rows; the reference column of temperature and top-k rows is the always-sorted
-path with the reference draw, which must pick the same tokens. Timed eagerly: the sampler ends in the step's one host copy.
+as the reference, bit for bit. top_k_top_p: the sort-free cut against the sorted reference over the
+same probabilities (top-p 0.9 rows, and top-k 50 with top-p 0.9), every element equal. sampler/*:
+`Sampler()` over bf16 logits as the engine calls it, for temperature-only rows, top-p 0.9 rows,
+top-k 50 rows and greedy rows; none sorts the vocabulary. The reference column of the sampled rows
+is the always-sorted path with the reference draw, which must pick the same tokens. Timed eagerly:
+the sampler ends in the step's one host copy.
 """
 
 from __future__ import annotations
@@ -27,9 +29,18 @@ def _ids_equal(fast, ref):
     return check
 
 
+def _probs_equal(fast, ref):
+    def check() -> str:
+        got, want = fast(), ref()
+        rows = [i for i in range(len(want)) if not torch.equal(got[i], want[i])]
+        assert not rows, f"{len(rows)} of {len(want)} rows differ, first {rows[:5]}"
+        return f"ok: {len(want)} rows equal, {int((want > 0).sum(1).float().mean())} ids kept a row on average"
+    return check
+
+
 def cases(args) -> list[Case]:
     from k3backend import kernels
-    from k3backend.engine.sampler import Sampler, SamplingRow
+    from k3backend.engine.sampler import Sampler, SamplingRow, _top_ks
     from k3backend.engine.sampling_params import SamplingParams
     from k3backend.kernels import sample, sample_ref
 
@@ -46,6 +57,14 @@ def cases(args) -> list[Case]:
                         ref=lambda a=a: sample_ref.race_draw(*a), bytes=S * V * 4,
                         check=_ids_equal(lambda a=a: sample.race_draw(*a), lambda a=a: sample_ref.race_draw(*a))))
 
+    for S in sizes:
+        probs = torch.softmax(torch.randn(S, V, generator=g, device=device).bfloat16().float() * 3 / 0.8, dim=-1)
+        for tag, ks in (("top_p0.9", [V] * S), ("top_k50_top_p0.9", [50] * S)):
+            a = (probs, ks, [0.9] * S)
+            run, ref = (lambda a=a: sample.top_k_top_p(*a)), (lambda a=a: sample_ref.top_k_top_p(*a))
+            out.append(Case("sample", f"top_k_top_p/{tag}", f"S{S} V{V}", run=run, ref=ref, bytes=S * V * 8,
+                            graph=False, check=_probs_equal(run, ref)))
+
     sampler = Sampler()
 
     def before(logits: torch.Tensor, rows: list) -> list[int]:
@@ -54,8 +73,8 @@ def cases(args) -> list[Case]:
         x = logits.float()
         p = [r.params for r in rows]
         temp = torch.tensor([q.temperature for q in p], device=x.device)[:, None]
-        probs = Sampler._sorted_top_k_top_p(torch.softmax(x / temp, dim=-1), p)
         with kernels.reference_ops():
+            probs = kernels.top_k_top_p(torch.softmax(x / temp, dim=-1), _top_ks(p, x.shape[1]), [q.top_p for q in p])
             ids = kernels.race_draw(probs, torch.tensor([r.seed for r in rows], device=x.device),
                                     torch.tensor([r.step for r in rows], device=x.device))
         return ids.tolist()
@@ -67,7 +86,7 @@ def cases(args) -> list[Case]:
         for mode, kw in modes.items():
             rows = [SamplingRow(SamplingParams(max_tokens=64, seed=i, **kw), seed=i, step=17) for i in range(S)]
             run = lambda x=logits, r=rows: sampler(x, r).token_ids  # noqa: E731
-            ref = (lambda x=logits, r=rows: before(x, r)) if mode in ("temperature", "top_k50") else None
+            ref = (lambda x=logits, r=rows: before(x, r)) if mode != "greedy" else None
             out.append(Case("sample", f"sampler/{mode}", f"S{S} V{V}", run=run, ref=ref, graph=False,
                             check=_ids_equal(run, ref) if ref else None))
     return out

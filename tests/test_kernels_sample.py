@@ -1,9 +1,13 @@
-"""The Triton draw (kernels/sample.py) picks the reference's token (sample_ref.race_draw) exactly.
+"""The Triton draw and top-k/top-p cut (kernels/sample.py) equal their references exactly.
 
-Under TRITON_INTERPRET=1 in a subprocess (tests/interpret.py): vocabularies of 1, 7, 2049 (one
-past a block) and 5000 ids; probabilities with zeros (filtered ids), uniform rows (the winner is
-the largest uniform, so any bit of the hash that differs shows), seeds at the int64 extremes and
-large output positions. The per-block partials start as NaN (`poisoned_empty`).
+Under TRITON_INTERPRET=1 in a subprocess (tests/interpret.py). The draw (sample_ref.race_draw):
+vocabularies of 1, 7, 2049 (one past a block) and 5000 ids; probabilities with zeros (filtered ids),
+uniform rows (the winner is the largest uniform, so any bit of the hash that differs shows), seeds at
+the int64 extremes and large output positions. The cut (sample_ref.top_k_top_p, every element
+torch.equal): smooth, coarse-grid (many equal probabilities at every cut) and bf16-rounded logits,
+zeros, top-k from 1 to past the vocabulary, top-p from a few ids to nearly all and at the exact
+integer mass of a prefix, rows with both; with the shipped tiles and with small blocks, so rows span
+many blocks, chunks and lists. Buffers the kernels allocate start as NaN (`poisoned_empty`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,114 @@ def check_many_rows_and_ties() -> None:
 
     assert sample.race_draw(torch.zeros(0, 9), torch.zeros(0, dtype=torch.int64),
                             torch.zeros(0, dtype=torch.int64)).shape == (0,)
+
+
+def cut_both(probs: torch.Tensor, ks: list[int], ps: list[float]) -> None:
+    from k3backend.kernels import sample, sample_ref
+
+    with poisoned_empty():
+        got = sample.top_k_top_p(probs, ks, ps)
+    want = sample_ref.top_k_top_p(probs, ks, ps)
+    bad = [i for i in range(len(ks)) if not torch.equal(got[i], want[i])]
+    assert not bad, [(i, ks[i], ps[i], int((got[i] > 0).sum()), int((want[i] > 0).sum())) for i in bad[:5]]
+
+
+def cut_rows(V: int, seed: int) -> torch.Tensor:
+    """Probabilities of smooth, coarse-grid and bf16-rounded logits (4 rows each), every 7th id zero."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(12, V, generator=g) * 3
+    x[4:8] = torch.round(x[4:8] / 2)
+    x[8:] = x[8:].bfloat16().float()
+    probs = torch.softmax(x, -1)
+    probs[:, ::7] = 0.0
+    return probs
+
+
+def mass_boundaries(probs: torch.Tensor, k: int) -> list[float]:
+    """top_p at the exact mass (`mass_units`) of a prefix of the top-k, and the doubles beside it."""
+    import math
+
+    from k3backend.kernels.sample_ref import mass_units
+
+    q = mass_units(torch.sort(probs, descending=True, stable=True).values[:k])
+    out = []
+    for j in (0, 1, 2, 3, 5, 8):
+        exact = float(q[:j + 1].sum()) / float(q.sum())
+        out += [exact, math.nextafter(exact, 0.0), math.nextafter(exact, 1.0)]
+    return [t for t in out if 0.0 < t < 1.0]
+
+
+def check_cut_matches_reference() -> None:
+    V = 5000  # two blocks of the shipped tiles
+    probs = cut_rows(V, 2)
+    ks = [1, 3, 17, 40, V, V + 5, 2, 300, V, 50, 4999, V]
+    ps = [1.0, 0.05, 0.5, 0.9, 0.99, 0.999999, 0.9, 1.0, 0.3, 0.95, 0.7, 1.0]
+    cut_both(probs, ks, ps)
+    cut_both(probs, [V] * 12, ps)  # top-p alone: one phase
+    cut_both(probs, ks, [1.0] * 12)  # top-k alone, by count
+    cut_both(probs[:0], [], [])
+    cut_both(probs[:3], [V] * 3, [1.0] * 3)  # nothing to cut
+    cut_both(torch.softmax(torch.randn(2, 1, generator=torch.Generator().manual_seed(3)), -1), [1, 1], [0.5, 1.0])
+
+
+def check_cut_at_mass_boundaries_and_ties() -> None:
+    V = 700
+    probs = cut_rows(V, 4)
+    for row, k in ((0, V), (5, V), (9, 40), (6, 12)):  # smooth, tied, bf16; the last two also cut by top-k
+        ps = mass_boundaries(probs[row], k)
+        cut_both(probs[row].expand(len(ps), V).contiguous(), [k] * len(ps), ps)
+    x = torch.full((V,), -1e4)
+    tied = [200, 13, 77, 5, 150, 99, 31, 250, 650, 699]
+    x[tied] = 0.0
+    x[40] = 1.0
+    tie_probs = torch.softmax(x, -1)
+    cut_both(tie_probs.expand(6, V).contiguous(), [3, V, V, 6, 4, V], [1.0, 0.5, 0.7, 0.6, 0.9, 0.999])
+    ps = mass_boundaries(tie_probs, V)  # targets that end exactly inside the ten equal ids
+    cut_both(tie_probs.expand(len(ps), V).contiguous(), [V] * len(ps), ps)
+
+
+def check_cut_small_blocks() -> None:
+    """Blocks of 256 ids in chunks of 64: a row spans 8 blocks and its lists several programs."""
+    from k3backend.kernels import sample
+
+    block, tile = sample.CUT_BLOCK, sample.CUT_TILE
+    sample.CUT_BLOCK, sample.CUT_TILE = 256, 512
+    try:
+        V = 2000
+        probs = cut_rows(V, 6)
+        flat = torch.softmax(torch.randn(4, V, generator=torch.Generator().manual_seed(7)) * 0.3, -1)
+        cut_both(probs, [V, 40, 1, V, V + 1, 300, V, 2, 999, V, 17, V], [0.9, 0.9, 1.0, 0.5, 0.99, 1.0, 0.05,
+                                                                          0.9, 0.8, 0.999999, 0.6, 0.95])
+        cut_both(flat, [V, V, 100, V], [0.9, 0.5, 0.9, 0.999])  # most ids in play for several passes
+    finally:
+        sample.CUT_BLOCK, sample.CUT_TILE = block, tile
+
+
+def test_cut_kernels_compile_for_hopper():
+    """Every variant `top_k_top_p` launches compiles for sm_90a at the K3 vocabulary without spills."""
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import sample
+
+    P, V, S = len(sample.WIDTHS), 163840, 64
+    args = dict(src_ptr="*fp32", s_src=V, len_ptr="*i32", dst_ptr="*fp32", V=V, kp_ptr="*fp64", tot="*fp64",
+                st="*fp64", done_ptr="*i32", S=S, i=3, shift=9)
+    variants = {(i == 0, i == P - 1, i >= 2, 1 <= i < P - 1, w) for i, w in enumerate(sample.WIDTHS)}
+    for first, last, from_list, to_list, w in sorted(variants):
+        for ph, ran_a in ((0, True), (1, True), (1, False)):
+            constexprs = dict(PH=ph, FIRST=first, LAST=last, RAN_A=ran_a, FROM_LIST=from_list, TO_LIST=to_list,
+                              P=P, D=w, FMAX=1 << max(sample.WIDTHS), BLOCK=sample.CUT_BLOCK,
+                              CHUNK=min(sample.CUT_TILE >> w, sample.CUT_BLOCK))
+            c = compile_sm90(sample._cut_pass, args, constexprs, num_warps=sample.CUT_WARPS, num_stages=1)
+            assert c.stack == 0, (first, last, from_list, to_list, w, ph, ran_a, c)
+    tiles = dict(BLOCK=sample.CUT_BLOCK, CHUNK=min(sample.WRITE_CHUNK, sample.CUT_BLOCK))
+    nb = V // sample.CUT_BLOCK
+    c = compile_sm90(sample._cut_ties, dict(prob_ptr="*fp32", s_p=V, ties_ptr="*i32", V=V, st="*fp64", S=S, NB=nb),
+                     tiles, num_warps=4, num_stages=1)
+    assert c.stack == 0, c
+    args = dict(prob_ptr="*fp32", s_p=V, out_ptr="*fp32", s_o=V, ties_ptr="*i32", V=V, st="*fp64", S=S, NB=nb)
+    c = compile_sm90(sample._cut_apply, args, dict(NB_P2=64, **tiles), num_warps=4, num_stages=1)
+    assert c.stack == 0, c
 
 
 def test_draw_kernel_compiles_for_hopper():

@@ -11,7 +11,7 @@ import torch
 from k3backend.engine.sampler import Sampler, SamplingRow
 from k3backend.engine.sampler_ref import banned_ids, filter_probs, request_seed, sample, token_logprob
 from k3backend.engine.sampling_params import SamplingParams
-from k3backend.kernels.sample_ref import counter_uniform
+from k3backend.kernels.sample_ref import counter_uniform, mass_units
 
 V = 257
 
@@ -84,7 +84,8 @@ def test_counter_uniform_is_in_the_open_unit_interval_and_keyed():
     assert torch.equal(u[0], counter_uniform(torch.tensor([1]), torch.tensor([0]), 50000)[0])
 
 
-# ---- top-k / top-p without the full sort: the same kept set as the reference's stable sort --------
+# ---- top-k / top-p: the batched cut keeps the reference's set (on the CPU, kernels.top_k_top_p's
+# sorted reference; tests/test_kernels_sample.py holds the sort-free kernel to it) ------------------
 
 
 def batched_filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -120,22 +121,20 @@ def test_top_k_top_p_keeps_the_reference_set(seed):
     g = torch.Generator().manual_seed(seed)
     for logits in (torch.randn(32, V, generator=g) * 3, tied_logits(32, V, seed),
                    torch.randn(32, V, generator=g).bfloat16().float()):
-        assert_filters_equal(logits, params)  # a top-p row in the batch: the sorted cut
-        assert_filters_equal(logits, top_k_only)  # top-k alone: the k largest, no sort
+        assert_filters_equal(logits, params)
+        assert_filters_equal(logits, top_k_only)
 
 
 def boundary_top_ps(logits: torch.Tensor, temperature: float, top_k: int) -> list[float]:
-    """top_p at the float32 mass of a prefix of the reference's order, and the floats just below and
-    above it (as float32, which both paths compare in): the cut moves by one id across each."""
+    """top_p at the mass (`mass_units`, exact integers) of a prefix of the reference's order over the
+    top-k's, and the doubles just below and above it: the cut moves by one id across each."""
     probs = torch.softmax(logits / temperature, dim=-1)
     s = torch.sort(probs, descending=True, stable=True).values
-    if 0 < top_k < len(s):
-        s[top_k:] = 0
-    mass = torch.cumsum(s / s.sum(), 0)
+    q = mass_units(s[:top_k] if 0 < top_k < len(s) else s)
     out = []
     for j in (0, 1, 2, 5, 9, 20):
-        exact = float(mass[j])
-        out += [exact, float(torch.nextafter(mass[j], torch.tensor(0.0))), float(torch.nextafter(mass[j], torch.tensor(1.0)))]
+        exact = float(q[:j + 1].sum()) / float(q.sum())
+        out += [exact, math.nextafter(exact, 0.0), math.nextafter(exact, 1.0)]
     return [t for t in out if 0 < t < 1]
 
 
@@ -156,7 +155,7 @@ def test_ties_at_the_cut_keep_the_lower_ids():
     params = [SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(top_p=0.7)]
     got = batched_filter(logits.expand(3, V), params)
     assert (got[0] > 0).nonzero()[:, 0].tolist() == [5, 13, 40]
-    alone = batched_filter(logits.expand(2, V), [SamplingParams(top_k=3), SamplingParams(top_k=6)])  # no sort
+    alone = batched_filter(logits.expand(2, V), [SamplingParams(top_k=3), SamplingParams(top_k=6)])
     assert [(row > 0).nonzero()[:, 0].tolist() for row in alone] == [[5, 13, 40], [5, 13, 31, 40, 77, 99]]
     for row, q, n_tied in ((got[1], params[1], 3), (got[2], params[2], 5)):
         assert torch.equal(row, filter_probs(logits, q))

@@ -9,6 +9,7 @@ tokens depend only on its own seed and history, never on the batch it runs in ([
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Sequence
 
@@ -16,7 +17,7 @@ import torch
 
 from k3backend.engine.request import TokenLogprob
 from k3backend.engine.sampling_params import SamplingParams
-from k3backend.kernels.sample_ref import race_draw
+from k3backend.kernels.sample_ref import mass_units, race_draw
 
 
 def as_int64(seed: int) -> int:
@@ -57,21 +58,19 @@ def banned_ids(p: SamplingParams, output_ids: Sequence[int], eos_ids: Sequence[i
 def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Steps 4–7: temperature, top-k, top-p (ties to the lower id), min-p. Returns unnormalised probs [V].
 
-    Written over the whole sorted vocabulary (zeros past top-k), as the batched sampler computes
-    it, so that both round the top-p mass identically.
+    Top-p's mass is counted in units of 2**-32 (`mass_units`): integer sums, exact in any order, so
+    a cut that does not sort the vocabulary finds the same set.
     """
     probs = torch.softmax(logits / p.temperature, dim=-1)
     sorted_probs, order = torch.sort(probs, descending=True, stable=True)  # ties: lower id first
     V = probs.numel()
     k = p.top_k if 0 < p.top_k < V else V
-    pos = torch.arange(V, device=probs.device)
-    keep = pos < k
+    n = k
     if p.top_p < 1.0:
-        top = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-        mass = torch.cumsum(top / top.sum(), dim=0)
-        n = int((mass < p.top_p).sum()) + 1  # the smallest prefix whose mass reaches top_p
-        keep = keep & (pos < n)
-    probs = torch.zeros_like(probs).scatter(0, order, torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)))
+        mass = mass_units(sorted_probs[:k])
+        need = math.ceil(p.top_p * float(mass.sum()))  # the smallest prefix whose mass reaches this
+        n = min(k, int((mass.cumsum(0) < need).sum()) + 1)
+    probs = torch.zeros_like(probs).scatter(0, order[:n], sorted_probs[:n])
     if p.min_p > 0:
         probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
     return probs

@@ -9,6 +9,8 @@ as torch.argmax's do.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -51,11 +53,217 @@ def race_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> 
     return idx.gather(1, vals.argmax(1, keepdim=True))[:, 0]
 
 
-def race_draw_supports(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> tuple[bool, str]:
-    if not interpreting() and not all(t.is_cuda for t in (probs, seeds, steps)):
-        return False, "tensors not on a GPU (the kernel needs CUDA, or TRITON_INTERPRET=1)"
+def _declines(*tensors: torch.Tensor) -> str:
+    """Why the sampler's kernels cannot take these tensors, the first being the probabilities ('' if they can)."""
+    probs = tensors[0]
+    if not interpreting() and not all(t.is_cuda for t in tensors):
+        return "tensors not on a GPU (the kernel needs CUDA, or TRITON_INTERPRET=1)"
     if probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(-1) != 1:
-        return False, f"probs must be a float32 [S, V] tensor with contiguous rows, got {probs.dtype} {list(probs.shape)}"
+        return f"probs must be a float32 [S, V] tensor with contiguous rows, got {probs.dtype} {list(probs.shape)}"
+    return ""
+
+
+def race_draw_supports(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> tuple[bool, str]:
+    if reason := _declines(probs, seeds, steps):
+        return False, reason
     if seeds.dtype != torch.int64 or steps.dtype != torch.int64:
         return False, f"seeds / steps must be int64, got {seeds.dtype} / {steps.dtype}"
+    return True, ""
+
+
+# ---- top-k / top-p cut without a sort (`sample_ref.top_k_top_p`) ------------------------------------
+#
+# A row's cut is a threshold v (a probability's float32 bits) and the number m of ids equal to v it
+# keeps, lowest ids first. v is found a few bits at a time from the top: a pass adds up, per bucket
+# of its bits, the ids and the mass (`mass_units`: integers in float64, so the atomic sums are exact
+# in any order) of the ids that share the bits decided so far; the row's last program to finish
+# (`_choose`) keeps the highest bucket whose ids, with all above it, still reach the target. Pass 1
+# and later also list those ids' values, so passes 2 and on read only the ids still in play. Top-k
+# searches by count, top-p by mass; a row with both first finds its top-k threshold (phase A), for
+# the top-k's mass that top-p renormalises by.
+#
+# Row state, float64 [2 phases, S, 8]: the bits decided, the mass and count above them, the count of
+# the last bucket chosen, phase B's mass target (phase A leaves it there), and phase B's cut in slots 5
+# (threshold, -1 keeps every id) and 7 (ids equal to it kept). Kernels take the row count and pass
+# index unspecialised: a batch of a new size must not compile anew.
+
+NBITS = 30  # a probability in [0, 1] has float32 bits below 2**30 (1.0 is 0x3f800000)
+# Bits each pass decides (2**w buckets). On the H200 at 64 rows ten 3-bit passes took 0.29-0.65 ms of
+# device time; schedules with 6-8 bit passes once the lists shrink took up to 4x that on flat rows.
+WIDTHS = (3,) * 10
+CUT_BLOCK = 4096  # ids per program of a pass
+CUT_TILE = 4096  # [ids, buckets] values a pass sums at a time
+CUT_WARPS = 4
+WRITE_CHUNK = 1024  # ids per step of the tie count and the write
+MASS_SCALE = tl.constexpr(4294967296.0)  # 2**sample_ref.MASS_BITS
+
+
+@triton.jit
+def _units(bits):
+    """`sample_ref.mass_units` of float32 bits: an exact integer in float64."""
+    return tl.floor(bits.to(tl.float32, bitcast=True).to(tl.float64) * MASS_SCALE)
+
+
+@triton.jit
+def _choose(tot, st, kp_ptr, r, i, S, V, PH: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+            RAN_A: tl.constexpr, P: tl.constexpr, D: tl.constexpr, FMAX: tl.constexpr):
+    """Pass i's bucket for row r, from its totals, into the row state; after the last pass, the cut."""
+    F: tl.constexpr = 1 << D
+    f = tl.arange(0, F)
+    at = tot + ((PH * P + i) * S + r) * 2 * FMAX
+    m = tl.load(at + f, volatile=True)
+    c = tl.load(at + FMAX + f, volatile=True)
+    k = tl.minimum(tl.load(kp_ptr + r), V)
+    top_p = tl.load(kp_ptr + S + r)
+    by_count = (PH == 0) | (top_p >= 1.0)
+    row = st + (PH * S + r) * 8
+    if (PH == 1) & FIRST:  # every id is in the first pass: the mass to renormalise by, unless top-k's
+        target = tl.ceil(top_p * tl.sum(m, 0))
+        if RAN_A:
+            target = tl.where(k < V, tl.load(st + r * 8 + 4), target)
+        tl.store(row + 4, target)
+    target = tl.load(row + 4)
+    above_m = tl.load(row + 1)
+    above_c = tl.load(row + 2)
+    reach = tl.where(by_count, above_c + tl.sum(c, 0) - tl.cumsum(c, 0) + c >= k,
+                     above_m + tl.sum(m, 0) - tl.cumsum(m, 0) + m >= target)
+    d = tl.max(tl.where(reach, f, 0), 0)
+    above_m += tl.sum(tl.where(f > d, m, 0.0), 0)
+    above_c += tl.sum(tl.where(f > d, c, 0.0), 0)
+    v = (tl.load(row).to(tl.int32) << D) | d
+    tl.store(row, v.to(tl.float64))
+    tl.store(row + 1, above_m)
+    tl.store(row + 2, above_c)
+    tl.store(row + 3, tl.sum(tl.where(f == d, c, 0.0), 0))
+    if LAST:
+        if PH == 0:  # the top-k's mass: above its threshold, and the k - above_c ids equal to it it keeps
+            tl.store(row + 4, tl.ceil(top_p * (above_m + (k - above_c) * _units(v))))
+        else:  # target <= the mass of the ids >= v (of the top-k's), so kept never exceeds the ids equal to v it has
+            q = tl.maximum(_units(v), 1.0).to(tl.int64)
+            kept = ((target - above_m).to(tl.int64) + q - 1) // q
+            kept = tl.where(by_count, (k - above_c).to(tl.int64), kept)
+            tl.store(row + 5, tl.where(by_count & (k >= V), -1, v).to(tl.float64))
+            tl.store(row + 7, kept.to(tl.float64))
+
+
+@triton.jit(do_not_specialize=["S", "i", "shift"])
+def _cut_pass(src_ptr, s_src, len_ptr, dst_ptr, V, kp_ptr, tot, st, done_ptr, S, i, shift,
+              PH: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, RAN_A: tl.constexpr,
+              FROM_LIST: tl.constexpr, TO_LIST: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+              FMAX: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Pass i of phase PH over a block of the row (or of the previous pass's list): per bucket of
+    its D bits above `shift`, the mass and count of the ids that share the bits decided so far,
+    added to the row's totals; with TO_LIST, those ids' values appended to this pass's list."""
+    F: tl.constexpr = 1 << D
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    prefix = tl.load(st + (PH * S + r) * 8).to(tl.int32)
+    n = V
+    if FROM_LIST:
+        n = tl.load(len_ptr + (PH * P + i - 1) * S + r)
+    f = tl.arange(0, F)
+    acc_m = tl.zeros([F], tl.float64)
+    acc_c = tl.zeros([F], tl.int32)
+    row = src_ptr + r.to(tl.int64) * s_src
+    for c0 in range(0, tl.minimum(BLOCK, n - blk * BLOCK), CHUNK):
+        col = blk * BLOCK + c0 + tl.arange(0, CHUNK)
+        ok = col < n
+        p = tl.load(row + col, mask=ok, other=0.0)
+        bits = p.to(tl.int32, bitcast=True)
+        inside = ok & ((bits >> (shift + D)) == prefix)
+        count = tl.sum(inside.to(tl.int32), 0)
+        if count > 0:
+            hit = inside[:, None] & (((bits >> shift) & (F - 1))[:, None] == f[None, :])
+            acc_m += tl.sum(tl.where(hit, _units(bits)[:, None], 0.0), 0)
+            acc_c += tl.sum(hit.to(tl.int32), 0)
+            if TO_LIST:
+                at = tl.atomic_add(len_ptr + (PH * P + i) * S + r, count)
+                tl.store(dst_ptr + r.to(tl.int64) * V + at + tl.cumsum(inside.to(tl.int32), 0) - 1, p, mask=inside)
+    at = tot + ((PH * P + i) * S + r) * 2 * FMAX
+    if tl.sum(acc_c, 0) > 0:
+        tl.atomic_add(at + f, acc_m)
+        tl.atomic_add(at + FMAX + f, acc_c.to(tl.float64))
+    if tl.atomic_add(done_ptr + (PH * P + i) * S + r, 1) == tl.num_programs(1) - 1:  # acq_rel: sees every add
+        _choose(tot, st, kp_ptr, r, i, S, V, PH, FIRST, LAST, RAN_A, P, D, FMAX)
+
+
+@triton.jit(do_not_specialize=["S", "NB"])
+def _cut_ties(prob_ptr, s_p, ties_ptr, V, st, S, NB, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Ids equal to the row's threshold in each block, where the cut keeps only some of them."""
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    row_st = st + (S + r) * 8
+    v = tl.load(row_st + 5).to(tl.int32)
+    ties = tl.full((), 0, tl.int32)
+    if tl.load(row_st + 7) < tl.load(row_st + 3):
+        row = prob_ptr + r.to(tl.int64) * s_p
+        for c0 in range(0, BLOCK, CHUNK):
+            col = blk * BLOCK + c0 + tl.arange(0, CHUNK)
+            bits = tl.load(row + col, mask=col < V, other=0.0).to(tl.int32, bitcast=True)
+            ties += tl.sum(((col < V) & (bits == v)).to(tl.int32), 0)
+    tl.store(ties_ptr + r * NB + blk, ties)
+
+
+@triton.jit(do_not_specialize=["S", "NB"])
+def _cut_apply(prob_ptr, s_p, out_ptr, s_o, ties_ptr, V, st, S, NB,
+               BLOCK: tl.constexpr, CHUNK: tl.constexpr, NB_P2: tl.constexpr):
+    """Zeros past the row's cut: ids above the threshold stay, and of the ids equal to it the first m."""
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    v = tl.load(st + (S + r) * 8 + 5).to(tl.int32)
+    m = tl.load(st + (S + r) * 8 + 7).to(tl.int32)
+    nb = tl.arange(0, NB_P2)
+    seen = tl.sum(tl.load(ties_ptr + r * NB + nb, mask=nb < blk, other=0), 0)  # equal ids in earlier blocks
+    row = prob_ptr + r.to(tl.int64) * s_p
+    out = out_ptr + r.to(tl.int64) * s_o
+    for c0 in range(0, BLOCK, CHUNK):
+        col = blk * BLOCK + c0 + tl.arange(0, CHUNK)
+        ok = col < V
+        p = tl.load(row + col, mask=ok, other=0.0)
+        bits = p.to(tl.int32, bitcast=True)
+        eq = ok & (bits == v)
+        keep = (bits > v) | (eq & (seen + tl.cumsum(eq.to(tl.int32), 0) <= m))
+        tl.store(out + col, tl.where(keep, p, 0.0), mask=ok)
+        seen += tl.sum(eq.to(tl.int32), 0)
+
+
+def top_k_top_p(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """`sample_ref.top_k_top_p` without sorting the vocabulary: per phase two passes over probs and
+    the rest over the ids still in play, then a count of tied ids and the write."""
+    S, V = probs.shape
+    if S == 0 or not any(k < V or p < 1.0 for k, p in zip(top_k, top_p)):
+        return probs.clone()
+    dev = probs.device
+    P, FMAX = len(WIDTHS), 1 << max(WIDTHS)
+    nb = triton.cdiv(V, CUT_BLOCK)
+    kp = torch.tensor([list(top_k), list(top_p)], dtype=torch.float64)  # k < 2**53: exact
+    kp = kp.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else kp
+    tot = torch.zeros(2 * P * S * 2 * FMAX + 2 * S * 8, dtype=torch.float64, device=dev)
+    tot, st = tot[:2 * P * S * 2 * FMAX], tot[2 * P * S * 2 * FMAX:]
+    done, lens = torch.zeros(2, 2, P, S, dtype=torch.int32, device=dev)  # programs finished, list lengths
+    lists = torch.empty(2, S, V, dtype=probs.dtype, device=dev).unbind(0)
+    ran_a = any(k < V and p < 1.0 for k, p in zip(top_k, top_p))
+    launch = _cut_pass[(S, nb)]
+    for ph in (0, 1) if ran_a else (1,):
+        shift = NBITS
+        for i, w in enumerate(WIDTHS):
+            shift -= w
+            src, s_src = (lists[(i - 1) % 2], V) if i >= 2 else (probs, probs.stride(0))
+            launch(src, s_src, lens, lists[i % 2], V, kp, tot, st, done, S, i, shift, PH=ph, FIRST=i == 0,
+                   LAST=i == P - 1, RAN_A=ran_a, FROM_LIST=i >= 2, TO_LIST=1 <= i < P - 1, P=P, D=w, FMAX=FMAX,
+                   BLOCK=CUT_BLOCK, CHUNK=min(CUT_TILE >> w, CUT_BLOCK), num_warps=CUT_WARPS)
+    tiles = dict(BLOCK=CUT_BLOCK, CHUNK=min(WRITE_CHUNK, CUT_BLOCK))
+    ties = torch.empty(S, nb, dtype=torch.int32, device=dev)
+    _cut_ties[(S, nb)](probs, probs.stride(0), ties, V, st, S, nb, **tiles, num_warps=4)
+    out = torch.empty_like(probs)
+    _cut_apply[(S, nb)](probs, probs.stride(0), out, out.stride(0), ties, V, st, S, nb,
+                        NB_P2=triton.next_power_of_2(nb), **tiles, num_warps=4)
+    return out
+
+
+def top_k_top_p_supports(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> tuple[bool, str]:
+    if reason := _declines(probs):
+        return False, reason
+    if not len(top_k) == len(top_p) == probs.shape[0]:
+        return False, f"one top-k and top-p per row: {len(top_k)} and {len(top_p)} for {probs.shape[0]} rows"
     return True, ""

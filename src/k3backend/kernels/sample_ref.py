@@ -8,6 +8,8 @@ depends on its own seed and position only ([SMP-7]). `engine/sampler_ref.py` (on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic): multiplication wraps.
@@ -39,3 +41,31 @@ def race_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> 
     """
     u = counter_uniform(seeds, steps, probs.shape[1])
     return torch.argmax(probs.double() / -torch.log(u), dim=-1)
+
+
+MASS_BITS = 32  # top-p mass in units of 2**-32: exact integer sums, the same in any order
+
+
+def mass_units(probs: torch.Tensor) -> torch.Tensor:
+    """floor(p * 2**32) as float64: the top-p mass of each probability, an integer (exact below 2**53)."""
+    return torch.floor(probs.double() * 2.0 ** MASS_BITS)
+
+
+def top_k_top_p(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """[SMP-6] steps 5-6 for rows of probabilities: zeros past each row's top-k and top-p.
+
+    probs [S, V] float32 in [0, 1]; per row a top-k >= 1 (>= V: none) and a top-p (>= 1: none). A
+    row keeps the first min(k, n) ids of its stable descending sort (ties: lower id first), n the
+    smallest prefix whose mass reaches ceil(top_p * the top-k's mass), masses in `mass_units`.
+    """
+    V = probs.shape[1]
+    top_k = torch.tensor(top_k, dtype=torch.int64, device=probs.device)
+    top_p = torch.tensor(top_p, dtype=torch.float64, device=probs.device)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    pos = torch.arange(V, device=probs.device)[None, :]
+    keep = pos < top_k[:, None]
+    q = torch.where(keep, mass_units(sorted_probs), 0.0)
+    target = torch.ceil(top_p[:, None] * q.sum(-1, keepdim=True))
+    n = (q.cumsum(-1) < target).sum(-1, keepdim=True) + 1
+    keep &= (pos < n) | (top_p[:, None] >= 1.0)
+    return torch.zeros_like(probs).scatter(1, order, torch.where(keep, sorted_probs, 0.0))
