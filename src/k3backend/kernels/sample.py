@@ -183,6 +183,7 @@ def _cut_pass(src_ptr, s_src, len_ptr, dst_ptr, V, kp_ptr, tot, st, done_ptr, S,
     if tl.sum(acc_c, 0) > 0:
         tl.atomic_add(at + f, acc_m)
         tl.atomic_add(at + FMAX + f, acc_c.to(tl.float64))
+    tl.debug_barrier()  # every thread's adds issued before the one count below releases them
     if tl.atomic_add(done_ptr + (PH * P + i) * S + r, 1) == tl.num_programs(1) - 1:  # acq_rel: sees every add
         _choose(tot, st, kp_ptr, r, i, S, V, PH, FIRST, LAST, RAN_A, P, D, FMAX)
 
