@@ -73,15 +73,16 @@ def cut_rows(V: int, seed: int) -> torch.Tensor:
     return probs
 
 
-def mass_boundaries(probs: torch.Tensor, k: int) -> list[float]:
-    """top_p at the exact mass (`mass_units`) of a prefix of the top-k, and the doubles beside it."""
+def mass_boundaries(probs: torch.Tensor, k: int, prefixes=(0, 1, 2, 3, 5, 8)) -> list[float]:
+    """top_p at the exact mass (`mass_units`) of each prefix of the top-k's stable descending order,
+    and the doubles just below and above it: the cut moves by one id across each."""
     import math
 
     from k3backend.kernels.sample_ref import mass_units
 
     q = mass_units(torch.sort(probs, descending=True, stable=True).values[:k])
     out = []
-    for j in (0, 1, 2, 3, 5, 8):
+    for j in prefixes:
         exact = float(q[:j + 1].sum()) / float(q.sum())
         out += [exact, math.nextafter(exact, 0.0), math.nextafter(exact, 1.0)]
     return [t for t in out if 0.0 < t < 1.0]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -11,7 +10,8 @@ import torch
 from k3backend.engine.sampler import Sampler, SamplingRow
 from k3backend.engine.sampler_ref import banned_ids, filter_probs, request_seed, sample, token_logprob
 from k3backend.engine.sampling_params import SamplingParams
-from k3backend.kernels.sample_ref import counter_uniform, mass_units
+from k3backend.kernels.sample_ref import counter_uniform
+from test_kernels_sample import mass_boundaries
 
 V = 257
 
@@ -126,16 +126,9 @@ def test_top_k_top_p_keeps_the_reference_set(seed):
 
 
 def boundary_top_ps(logits: torch.Tensor, temperature: float, top_k: int) -> list[float]:
-    """top_p at the mass (`mass_units`, exact integers) of a prefix of the reference's order over the
-    top-k's, and the doubles just below and above it: the cut moves by one id across each."""
-    probs = torch.softmax(logits / temperature, dim=-1)
-    s = torch.sort(probs, descending=True, stable=True).values
-    q = mass_units(s[:top_k] if 0 < top_k < len(s) else s)
-    out = []
-    for j in (0, 1, 2, 5, 9, 20):
-        exact = float(q[:j + 1].sum()) / float(q.sum())
-        out += [exact, math.nextafter(exact, 0.0), math.nextafter(exact, 1.0)]
-    return [t for t in out if 0 < t < 1]
+    """top_p at the mass of a prefix of the reference's order over the top-k's, and the doubles beside it."""
+    k = top_k if 0 < top_k < len(logits) else len(logits)
+    return mass_boundaries(torch.softmax(logits / temperature, dim=-1), k, (0, 1, 2, 5, 9, 20))
 
 
 def test_top_p_at_a_cumulative_boundary():

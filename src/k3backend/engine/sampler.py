@@ -146,13 +146,12 @@ class Sampler:
     @staticmethod
     def _draw(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Steps 4-8 for sampled rows: filtered probabilities, then argmax_i p_i / E_i."""
-        dev, V = x.device, x.shape[1]
+        dev = x.device
         p = [r.params for r in rows]
         temp_min_p = to_device([(q.temperature, q.min_p) for q in p], x.dtype, dev)
         seeds, steps = to_device([[r.seed for r in rows], [r.step for r in rows]], torch.int64, dev)
         probs = torch.softmax(x / temp_min_p[:, :1], dim=-1)
-        if any(k < V for k in _top_ks(p, V)) or any(q.top_p < 1.0 for q in p):
-            probs = Sampler._top_k_top_p(probs, p)  # else every id is kept: no sort
+        probs = Sampler._top_k_top_p(probs, p)
         if any(q.min_p > 0 for q in p):
             floor = temp_min_p[:, 1:] * probs.max(-1, keepdim=True).values
             probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
@@ -161,8 +160,11 @@ class Sampler:
     @staticmethod
     def _top_k_top_p(probs: torch.Tensor, p: Sequence[SamplingParams]) -> torch.Tensor:
         """Steps 5-6 (ties to the lower id): zeros past top-k and top-p; on a GPU without a sort of
-        the vocabulary (`kernels.top_k_top_p`)."""
-        return kernels.top_k_top_p(probs, _top_ks(p, probs.shape[1]), [q.top_p for q in p])
+        the vocabulary (`kernels.top_k_top_p`). probs itself where no row cuts."""
+        ks, top_ps = _top_ks(p, probs.shape[1]), [q.top_p for q in p]
+        if all(k == probs.shape[1] for k in ks) and all(t >= 1.0 for t in top_ps):
+            return probs
+        return kernels.top_k_top_p(probs, ks, top_ps)
 
     # ---- log-probs and the one host copy --------------------------------------------------------
 
