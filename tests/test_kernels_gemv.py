@@ -68,12 +68,37 @@ def check_linear_random_shapes() -> None:
         assert worst <= 1, f"case {case}: M{M} N{N} K{K} {dtype} pad {pad} {cfg}: {worst:.2f}x the bound"
 
 
+def check_linear_adds_are_torch_adds() -> None:
+    """The epilogue's adds give torch's `(y + a0) + a1` on the kernel's own product, bit for bit, for
+    1, 2 and 8 rows, strided adds (a column slice), every dtype; the reference op adds the same way."""
+    from k3backend.kernels import gemv, linear_ref
+
+    g = torch.Generator().manual_seed(8)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for M, N, K in ((1, 37, 300), (2, 300, 96), (8, 33, 130)):
+            x, w = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+            a0 = (torch.randn(M, N + 5, generator=g) * 30).to(dtype)[:, 5:]  # larger than y: the add rounds
+            a1 = torch.randn(M, N, generator=g).to(dtype)
+            with poisoned_empty():
+                y = gemv.linear(x, w)
+                one, two = gemv.linear(x, w, (a0,)), gemv.linear(x, w, (a0, a1))
+            assert torch.equal(one, y + a0), f"{dtype} M{M}: one add"
+            assert torch.equal(two, (y + a0) + a1), f"{dtype} M{M}: two adds"
+            assert not torch.equal(two, y + (a0 + a1)), "the check cannot tell the order of the adds"
+            ref = linear_ref.linear(x, w, (a0, a1))
+            assert torch.equal(ref, (linear_ref.linear(x, w) + a0) + a1)
+
+
 def test_linear_matches_fp64():
     CHECKS.assert_passed("linear_matches_fp64")
 
 
 def test_linear_random_shapes():
     CHECKS.assert_passed("linear_random_shapes")
+
+
+def test_linear_adds_are_torch_adds():
+    CHECKS.assert_passed("linear_adds_are_torch_adds")
 
 
 def test_linear_declines_what_it_does_not_take():
@@ -100,6 +125,15 @@ def test_linear_declines_what_it_does_not_take():
     for what, (x, w) in declined.items():
         ok, why = gemv.linear_supports(x, w)
         assert not ok and why, what
+    x, w = case(2, 16, 16)
+    add = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    assert gemv.linear_supports(x, w, (add(2, 16), add(2, 16))) == (True, "")
+    bad_adds = {"3 adds": (add(2, 16),) * 3, "an add of 1 row": (add(1, 16),),
+                "an fp32 add": (add(2, 16, dtype=torch.float32),), "an add strided along N": (add(2, 32)[:, ::2],),
+                "an add on another device": (torch.empty(2, 16, dtype=torch.bfloat16),)}
+    for what, adds in bad_adds.items():
+        ok, why = gemv.linear_supports(x, w, adds)
+        assert not ok and why, what
 
 
 SMALL_SHAPES = ((8336, 2048), (2048, 128), (2048, 2048), (3392, 2048), (3072, 768), (1024, 2048), (2048, 1024),
@@ -117,11 +151,13 @@ def test_linear_compiles_for_hopper_without_spills():
             cfg = gemv.linear_config(M, N, K)
             if cfg is None:
                 continue
-            c = compile_sm90(gemv._linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N=N, K=K,
-                                                       stride_xm=K, stride_wn=K, stride_ym=N),
-                             dict(M=M, BLOCK_M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, INTERPRET=False),
-                             num_warps=cfg.warps, num_stages=1)
-            assert c.stack == 0, f"M{M} N{N} K{K} {cfg}: {c}"
+            for adds in (0, 2):
+                c = compile_sm90(gemv._linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", a0_ptr="*bf16",
+                                                           a1_ptr="*bf16", N=N, K=K, stride_xm=K, stride_wn=K,
+                                                           stride_ym=N, stride_a0=N, stride_a1=N),
+                                 dict(M=M, BLOCK_M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ADDS=adds,
+                                      INTERPRET=False), num_warps=cfg.warps, num_stages=1)
+                assert c.stack == 0, f"M{M} N{N} K{K} {cfg} adds {adds}: {c}"
 
 
 # The PDL kernels no other compile test builds: (module, kernel) -> (args, constexprs, warps).
@@ -193,9 +229,9 @@ def test_the_wait_check_catches_an_early_load():
     ptx_like = "\n".join(["ld.param.u64 %rd1, [p];", "@%p1 ld.global.v4.b32 {%r1}, [%rd1];",
                           "griddepcontrol.wait;", "st.global.b16 [%rd2], %rs1;"])
     assert sm90.accesses_before_wait(ptx_like) == ["@%p1 ld.global"]
-    args = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N=2048, K=2048, stride_xm=2048, stride_wn=2048,
-                stride_ym=2048)
-    constexprs = dict(M=1, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, INTERPRET=False)
+    args = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", a0_ptr="*bf16", a1_ptr="*bf16", N=2048, K=2048,
+                stride_xm=2048, stride_wn=2048, stride_ym=2048, stride_a0=2048, stride_a1=2048)
+    constexprs = dict(M=1, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, ADDS=1, INTERPRET=False)
     saved = set(sm90.PREFETCH_BEFORE_WAIT)
     sm90.PREFETCH_BEFORE_WAIT.clear()
     try:

@@ -2,12 +2,14 @@
 weight once, a whole K step of it in flight, and loads its first step before waiting for the previous
 kernel (kernels/pdl.py). cuBLAS's kernels for these shapes run at 0.3-3 TB/s on the H200; where they
 are faster (`linear_config`), and for larger batches, the reference (cuBLAS) runs. fp32 accumulation,
-one rounding.
+one rounding; the residual adds a layer ends with ride in the epilogue, each rounded as torch's add
+rounds, so the sum is the reference's bit for bit and a decode step saves a kernel per add.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,17 +20,19 @@ from k3backend.kernels import pdl
 from k3backend.kernels.norm import interpreting, to_dtype
 
 MAX_ROWS = 8  # more rows: cuBLAS
+MAX_ADDS = 2  # the MoE layer's end, bf(bf(up + shared) + Q), has two
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit(do_not_specialize=["N"])
-def _linear_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, M: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, y_ptr, a0_ptr, a1_ptr, N, K, stride_xm, stride_wn, stride_ym, stride_a0, stride_a1,
+                   M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ADDS: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
     """y[:, n-block] = bf(Σ_k fp32(x[m, k])·fp32(w[n, k])) for the M rows: products accumulate in an
     [M, BLOCK_N, BLOCK_K] fp32 tile, reduced once at the end (no reduction inside the K loop). Rows
     past N wrap (loads stay unmasked); the store masks them. With PDL the first weight step is loaded
-    before waiting for the previous kernel, overlapping that kernel's tail."""
+    before waiting for the previous kernel, overlapping that kernel's tail. ADDS: then y = bf(y + a0),
+    y = bf(y + a1) in fp32, as torch adds two tensors of y's dtype."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
@@ -45,7 +49,14 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, M
         acc += wf * x.to(tl.float32)
         x_ptrs += BLOCK_K
     y = to_dtype(tl.sum(acc, axis=2), y_ptr.dtype.element_ty, INTERPRET)
-    tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], y, mask=(rows < M)[:, None] & (offs_n < N)[None, :])
+    out = (rows < M)[:, None] & (offs_n < N)[None, :]
+    if ADDS >= 1:
+        a = tl.load(a0_ptr + rows[:, None] * stride_a0 + offs_n[None, :], mask=out, other=0.0)
+        y = to_dtype(y.to(tl.float32) + a.to(tl.float32), y_ptr.dtype.element_ty, INTERPRET)
+    if ADDS >= 2:
+        a = tl.load(a1_ptr + rows[:, None] * stride_a1 + offs_n[None, :], mask=out, other=0.0)
+        y = to_dtype(y.to(tl.float32) + a.to(tl.float32), y_ptr.dtype.element_ty, INTERPRET)
+    tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], y, mask=out)
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ def linear_config(M: int, N: int, K: int) -> LinearConfig | None:
     return LinearConfig(4, min(bk, max(16, triton.next_power_of_2(K))), 4)
 
 
-def linear_supports(x: torch.Tensor, w: torch.Tensor) -> tuple[bool, str]:
+def linear_supports(x: torch.Tensor, w: torch.Tensor, adds: Sequence[torch.Tensor] = ()) -> tuple[bool, str]:
     """Whether the kernel takes this call (the reference runs it otherwise)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         return False, "x [M, K] and w [N, K] expected"
@@ -77,24 +88,31 @@ def linear_supports(x: torch.Tensor, w: torch.Tensor) -> tuple[bool, str]:
         return False, f"dtypes {x.dtype}/{w.dtype}: bf16, fp16 or fp32, the same for both"
     if x.stride(1) != 1 or w.stride(1) != 1:
         return False, "x and w must be contiguous along K"
+    if len(adds) > MAX_ADDS:
+        return False, f"more than {MAX_ADDS} adds"
+    for a in adds:
+        if a.shape != (x.shape[0], w.shape[0]) or a.dtype != x.dtype or a.stride(-1) != 1 or a.device != x.device:
+            return False, f"an add must be an [M, N] tensor of x's dtype and device with unit column stride, got " \
+                          f"{a.dtype} {list(a.shape)}"
     return True, ""
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] · w [N, K]ᵀ -> [M, N] in x's dtype, with `linear_config`'s tiles."""
+def linear(x: torch.Tensor, w: torch.Tensor, adds: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """x [M, K] · w [N, K]ᵀ -> [M, N] in x's dtype, then each of adds in turn, with `linear_config`'s tiles."""
     cfg = linear_config(x.shape[0], w.shape[0], w.shape[1])
     if cfg is None:
         raise ValueError(f"linear: {x.shape[0]} rows of a {list(w.shape)} weight are cuBLAS's (see linear_supports)")
-    return linear_with(x, w, dataclasses.replace(cfg, pdl=pdl.enabled(x.device)))
+    return linear_with(x, w, dataclasses.replace(cfg, pdl=pdl.enabled(x.device)), adds)
 
 
-def linear_with(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig) -> torch.Tensor:
+def linear_with(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig, adds: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """`linear` with explicit tiles (the tests and sweeps)."""
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    a0, a1 = (*adds, y, y)[:2]  # unused pointers: y, never read
     _linear_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, w, y, N, K, x.stride(0), w.stride(0), y.stride(0), M=M, BLOCK_M=triton.next_power_of_2(M),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=cfg.pdl, INTERPRET=interpreting(), num_warps=cfg.warps,
-        launch_pdl=cfg.pdl)
+        x, w, y, a0, a1, N, K, x.stride(0), w.stride(0), y.stride(0), a0.stride(0), a1.stride(0), M=M,
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ADDS=len(adds), PDL=cfg.pdl,
+        INTERPRET=interpreting(), num_warps=cfg.warps, launch_pdl=cfg.pdl)
     return y

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -76,8 +78,10 @@ class KDA(nn.Module):
         """((H, K, V) of the recurrent state, (W-1, C) of the conv history) per slot."""
         return (self.H, self.K, self.V), (self.W - 1, self.conv1d_weight.shape[0])
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
-        """x: [T, D] normed attention input (flat over the batch). Returns [T, D]; updates the slots.
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDACache,
+                adds: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """x: [T, D] normed attention input (flat over the batch). Returns [T, D] plus `adds` (the
+        residual, added in turn); updates the slots.
 
         Decode rows (the first `num_decode`) take the fused one-token op from the raw projections
         to the gated norm; prefill chunks take the varlen conv and the chunked form (§5.8).
@@ -94,7 +98,7 @@ class KDA(nn.Module):
                                             self.lower_bound, b[:nd], z[:nd], self.o_norm.weight, cache.state,
                                             si[:nd], O_NORM_EPS),
             batch.has_prefill and self._prefill(xqkv[nd:], w, f[nd:], b[nd:], z[nd:], batch, cache))
-        return self.par.all_reduce(self.o_proj(y.reshape(T, H * V)))  # row-parallel o_proj (§9.3 item 2)
+        return self.par.row_parallel(self.o_proj, y.reshape(T, H * V), adds)  # §9.3 item 2
 
     def _prefill(self, xqkv: torch.Tensor, w: torch.Tensor, f: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
                  batch: ForwardBatch, cache: KDACache) -> torch.Tensor:

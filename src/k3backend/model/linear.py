@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -10,10 +12,11 @@ from k3backend import kernels
 
 class Linear(nn.Linear):
     """nn.Linear without bias (the checkpoint's names and layout) whose product is `kernels.linear`:
-    a GEMV kernel at decode batch sizes, cuBLAS above."""
+    a GEMV kernel at decode batch sizes, cuBLAS above. `adds`: residuals added in turn after the
+    product (in the GEMV's epilogue where it runs)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, adds: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        return kernels.linear(x, self.weight, adds)

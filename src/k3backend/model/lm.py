@@ -46,10 +46,9 @@ class DecoderLayer(nn.Module):
         P = None if self.i % self.S == 0 else x
         if P is None:
             bank.append(x)  # freeze the old prefix; the running prefix restarts at this layer
-        A = self.self_attn(a_in, batch, cache)
-        Q = A if P is None else P + A  # bf(P + A), the pending add
+        Q = self.self_attn(a_in, batch, cache, () if P is None else (P,))  # A, or bf(P + A): the pending add
         m_in = self.mlp_res.mix_norm(bank + [Q], self.post_attention_layernorm)
-        return self.mlp(m_in) + Q  # bf(M + Q): dense bf(d + Q), MoE bf(bf(up + sh) + Q)
+        return self.mlp(m_in, adds=(Q,))  # bf(M + Q): dense bf(d + Q), MoE bf(bf(up + sh) + Q)
 
     def forward_plain(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                       cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -70,8 +72,10 @@ class MLA(nn.Module):
         w = self.kv_b_proj.weight.view(self.N, self.dn + self.dv, self.r)
         return w[:, :self.dn], w[:, self.dn:].transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
-        """x: [T, D] normed attention input (flat). Writes this step's latent rows, then attends."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLACache,
+                adds: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """x: [T, D] normed attention input (flat). Writes this step's latent rows, then attends; returns
+        the output plus `adds` (the residual, added in turn)."""
         T = x.shape[0]
         q, lat, *z = self.in_proj(x).split(self.in_sizes, dim=-1)  # lat [T, r + dr]; z: the gate's logits
         q = (self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora else q).view(T, self.N, self.dn + self.dr)
@@ -89,4 +93,4 @@ class MLA(nn.Module):
                                                       layout=batch.prefill_layout))
         if self.gated:
             o = o * torch.sigmoid(z[0])  # bf(O ⊙ bf(σ(z))) (§6.4)
-        return self.par.all_reduce(self.o_proj(o))  # row-parallel o_proj (§9.3 item 2)
+        return self.par.row_parallel(self.o_proj, o, adds)  # §9.3 item 2

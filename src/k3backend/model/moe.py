@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -47,11 +49,13 @@ class MLP(nn.Module):
         return {"gate_proj.weight": (0, r * n, (r + 1) * n), "up_proj.weight": (0, r * n, (r + 1) * n),
                 "down_proj.weight": (1, r * n, (r + 1) * n)}
 
-    def forward(self, x: torch.Tensor, *, fp32_front: bool = False, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, fp32_front: bool = False, reduce: bool = True,
+                adds: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """fp32_front: feed the activation the unrounded GEMM output (SGLang's fused MoE front, §7.6).
-        reduce=False leaves this rank's partial sum (the MoE reduces it with the routed latent)."""
-        out = self.down_proj(kernels.glu_linear(x, self.gate_up_proj.weight, self.act, fp32_front))
-        return self.par.all_reduce(out) if reduce else out  # row-parallel down_proj (§9.3 item 3)
+        reduce=False leaves this rank's partial sum (the MoE reduces it with the routed latent).
+        adds: the residual, added in turn after the reduction."""
+        h = kernels.glu_linear(x, self.gate_up_proj.weight, self.act, fp32_front)
+        return self.par.row_parallel(self.down_proj, h, adds) if reduce else self.down_proj(h)  # §9.3 item 3
 
 
 class Gate(nn.Module):
@@ -144,8 +148,8 @@ class MoE(nn.Module):
                                    "moe_intermediate_size * num_shared_experts") if cfg.num_shared_experts > 0 else None)
         self.act = make_act(cfg, routed=True)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [T, D] normed MLP input. Returns [T, D].
+    def forward(self, h: torch.Tensor, adds: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """h: [T, D] normed MLP input. Returns [T, D], plus `adds` (the residual, added in turn).
 
         Routing runs identically on every rank; each rank's experts see global ids shifted to its
         own (others' fall outside and are skipped); the partial sums are reduced before the latent
@@ -160,12 +164,14 @@ class MoE(nn.Module):
         shared = None if self.shared_experts is None else self.par.moe_share(
             self.shared_experts(h, fp32_front=self.latent, reduce=False))
         if not self.latent:
-            return self.par.all_reduce(out if shared is None else out + shared, moe=True)
+            out = self.par.all_reduce(out if shared is None else out + shared, moe=True)
+            for a in adds:
+                out = out + a
+            return out
         if shared is None:
             out = self.par.all_reduce(out, moe=True)
         else:
             out, shared = self.par.all_reduce_pair(out, shared, moe=True)
         if self.routed_expert_norm is not None:
             out = self.routed_expert_norm(out)
-        out = self.routed_expert_up_proj(out)
-        return out if shared is None else out + shared
+        return self.routed_expert_up_proj(out, adds if shared is None else (shared, *adds))  # bf(bf(up + sh) + ...)

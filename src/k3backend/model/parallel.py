@@ -110,6 +110,16 @@ class Parallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def row_parallel(self, proj: torch.nn.Module, x: torch.Tensor, adds: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """A row-parallel projection summed over the ranks, then `adds` in turn (the layer's residual).
+        With one rank there is nothing to sum, and the adds ride in the projection (`Linear`'s epilogue)."""
+        if self.tp_size == 1:
+            return proj(x, adds)
+        y = self.all_reduce(proj(x))
+        for a in adds:
+            y = y + a
+        return y
+
     def all_reduce_pair(self, a: torch.Tensor, b: torch.Tensor, *,
                         moe: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Both sums in ONE all-reduce of [a | b] (the MoE's routed latent and shared partials, §9.3 item 4)."""
