@@ -65,6 +65,19 @@ def test_seeded_draw_does_not_depend_on_the_batch():
     assert Sampler()(torch.cat([logits[-1:], logits[:-1]]), [target] + rows).token_ids[0] == alone
 
 
+def test_reference_draw_of_many_rows_equals_each_row_alone():
+    """sample_ref draws DRAW_ROWS rows at a time: 70 rows (two chunks and a tail) give each row's own draw."""
+    from k3backend.kernels import sample_ref
+
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(70, V, generator=g) * 2, -1)
+    seeds, steps = torch.randint(0, 2**62, (70,), generator=g), torch.randint(0, 1000, (70,), generator=g)
+    got = sample_ref.race_draw(probs, seeds, steps)
+    alone = [sample_ref.race_draw(probs[i:i + 1], seeds[i:i + 1], steps[i:i + 1]) for i in range(70)]
+    assert sample_ref.DRAW_ROWS < 70 and torch.equal(got, torch.cat(alone))
+    assert sample_ref.race_draw(probs[:0], seeds[:0], steps[:0]).shape == (0,)
+
+
 def test_draws_follow_the_distribution():
     """The exponential race is an exact sample: frequencies over many positions match p."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])

@@ -20,9 +20,6 @@ from k3backend.engine.batch import to_device
 from k3backend.engine.request import TokenLogprob
 from k3backend.engine.sampling_params import SamplingParams
 
-DRAW_ROWS = 32  # rows drawn together: bounds the [rows, V] float64 temporaries of the draw
-
-
 @dataclass(frozen=True)
 class SamplingRow:
     """What the sampler needs of one request this step.
@@ -94,14 +91,12 @@ class Sampler:
         x = self._mask(raw, rows)
         x = self._penalize(x, rows)
         ids = torch.argmax(x, dim=-1)  # greedy rows: the first maximum, ties to the lowest id
-        drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
-        for start in range(0, len(drawn), DRAW_ROWS):
-            idx = drawn[start:start + DRAW_ROWS]
-            if idx[-1] - idx[0] == len(idx) - 1:  # consecutive rows (all drawn, typically): slices, no gather
-                ids[idx[0]:idx[-1] + 1] = self._draw(x[idx[0]:idx[-1] + 1], rows[idx[0]:idx[-1] + 1])
-            else:
-                t = to_device(idx, torch.long, x.device)
-                ids.index_copy_(0, t, self._draw(x.index_select(0, t), [rows[i] for i in idx]))
+        idx = [i for i, r in enumerate(rows) if not r.params.greedy]  # drawn together: one launch of each kernel
+        if idx and idx[-1] - idx[0] == len(idx) - 1:  # consecutive rows (all drawn, typically): slices, no gather
+            ids[idx[0]:idx[-1] + 1] = self._draw(x[idx[0]:idx[-1] + 1], rows[idx[0]:idx[-1] + 1])
+        elif idx:
+            t = to_device(idx, torch.long, x.device)
+            ids.index_copy_(0, t, self._draw(x.index_select(0, t), [rows[i] for i in idx]))
         return self._to_host(raw, ids, rows)
 
     # ---- [SMP-6] steps --------------------------------------------------------------------------

@@ -34,13 +34,19 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, n: int) -> torch.T
     return (_shr(z, 11).to(torch.float64) + 0.5) * 2.0 ** -53
 
 
+DRAW_ROWS = 32  # rows of a batch the reference draws at a time: bounds its [rows, V] float64 temporaries
+
+
 def race_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """ids [S] int64: argmax_i probs[s, i] / -log u[s, i] in float64 (ties to the lowest id).
 
     probs [S, V] float32 (filtered, zeros where excluded); seeds, steps [S] int64.
     """
-    u = counter_uniform(seeds, steps, probs.shape[1])
-    return torch.argmax(probs.double() / -torch.log(u), dim=-1)
+    ids = []
+    for r in range(0, probs.shape[0], DRAW_ROWS):
+        u = counter_uniform(seeds[r:r + DRAW_ROWS], steps[r:r + DRAW_ROWS], probs.shape[1])
+        ids.append(torch.argmax(probs[r:r + DRAW_ROWS].double() / -torch.log(u), dim=-1))
+    return torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=probs.device)
 
 
 MASS_BITS = 32  # top-p mass in units of 2**-32: exact integer sums, the same in any order
