@@ -1,7 +1,9 @@
 """Sampler cases for bench/kernels.py: the Triton draw (kernels/sample.py) and the whole batched sampler.
 
 race_draw over S = 1, 16, 64, 256 rows of the K3 vocabulary (163,840 ids): bytes are one fp32 read
-of the probabilities; the reference materialises the float64 uniforms. `--check` wants the same ids
+of the probabilities; the reference materialises the float64 uniforms. softmax_rows: from bf16
+logits with a temperature (bytes: two bf16 reads and the fp32 write), within 32 float32 ulps of
+torch's softmax. `--check` wants the same ids
 as the reference, bit for bit. top_k_top_p: the sort-free cut against the sorted reference over the
 same probabilities (top-p 0.9 rows, and top-k 50 with top-p 0.9), every element equal. sampler/*:
 `Sampler()` over bf16 logits as the engine calls it, for temperature-only rows, top-p 0.9 rows,
@@ -38,6 +40,15 @@ def _probs_equal(fast, ref):
     return check
 
 
+def _probs_close(fast, ref, ulps: int = 32):
+    def check() -> str:
+        got, want = fast(), ref()
+        worst = ((got - want).abs() / (want * 2.0 ** -24 + 2.0 ** -140)).max().item()
+        assert worst <= ulps, f"worst element {worst:.1f} float32 ulps (2^-24 of its value) from the reference"
+        return f"ok: within {worst:.1f} ulps"
+    return check
+
+
 def cases(args) -> list[Case]:
     from k3backend import kernels
     from k3backend.engine.sampler import Sampler, SamplingRow, _top_ks
@@ -56,6 +67,13 @@ def cases(args) -> list[Case]:
         out.append(Case("sample", "race_draw", f"S{S} V{V}", run=lambda a=a: sample.race_draw(*a),
                         ref=lambda a=a: sample_ref.race_draw(*a), bytes=S * V * 4,
                         check=_ids_equal(lambda a=a: sample.race_draw(*a), lambda a=a: sample_ref.race_draw(*a))))
+
+    for S in sizes:  # from the model's bf16 logits: the reference converts them and divides first
+        logits = (torch.randn(S, V, generator=g, device=device) * 3).bfloat16()
+        a = (logits, torch.full((S,), 0.8, device=device))
+        run, ref = (lambda a=a: sample.softmax_rows(*a)), (lambda a=a: sample_ref.softmax_rows(*a))
+        out.append(Case("sample", "softmax_rows", f"S{S} V{V}", run=run, ref=ref, bytes=S * V * 8,
+                        check=_probs_close(run, ref)))
 
     for S in sizes:
         probs = torch.softmax(torch.randn(S, V, generator=g, device=device).bfloat16().float() * 3 / 0.8, dim=-1)

@@ -7,7 +7,8 @@ the int64 extremes and large output positions. The cut (sample_ref.top_k_top_p, 
 torch.equal): smooth, coarse-grid (many equal probabilities at every cut) and bf16-rounded logits,
 zeros, top-k from 1 to past the vocabulary, top-p from a few ids to nearly all and at the exact
 integer mass of a prefix, rows with both; with the shipped tiles and with small blocks, so rows span
-many blocks, chunks and lists. Buffers the kernels allocate start as NaN (`poisoned_empty`).
+many blocks, chunks and lists. The softmax with temperature (sample_ref.softmax_rows) within a few
+float32 ulps. Buffers the kernels allocate start as NaN (`poisoned_empty`).
 """
 
 from __future__ import annotations
@@ -132,6 +133,63 @@ def check_cut_small_blocks() -> None:
         cut_both(flat, [V, V, 100, V], [0.9, 0.5, 0.9, 0.999])  # most ids in play for several passes
     finally:
         sample.CUT_BLOCK, sample.CUT_TILE = block, tile
+
+
+def check_softmax_matches_torch() -> None:
+    """softmax_rows against torch.softmax(x.float() / t) within 32 float32 ulps of each probability (torch's
+    CPU softmax takes a faster exp, good to 20 ulps), each row summing to 1: bf16,
+    fp16 and fp32 logits, temperatures 0.25-3, -inf at banned ids and over a whole block, a row of -inf
+    only (NaN, as torch gives), one id, no rows; shipped blocks and blocks of 64 (rows of many blocks)."""
+    from k3backend.kernels import sample, sample_ref
+
+    g = torch.Generator().manual_seed(21)
+    block = sample.SOFTMAX_BLOCK
+    try:
+        for sample.SOFTMAX_BLOCK in (block, 64):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                for S, V in ((5, 1000), (3, 1), (0, 50), (4, block + 3)):
+                    x = (torch.randn(S, V, generator=g) * 4).to(dtype)
+                    if S >= 3 and V > 200:
+                        x[0, ::7] = float("-inf")
+                        x[1, 64:192] = float("-inf")  # whole blocks of 64
+                        x[2] = float("-inf")
+                    t = torch.tensor([0.25, 1.0, 3.0, 0.7, 1.3][:S], dtype=torch.float32)
+                    ok, why = sample.softmax_rows_supports(x, t)
+                    assert ok, why
+                    with poisoned_empty():
+                        got = sample.softmax_rows(x, t)
+                    want = sample_ref.softmax_rows(x, t)
+                    assert got.dtype == torch.float32 and got.shape == want.shape
+                    assert torch.equal(got.isnan(), want.isnan()), f"{dtype} S{S} V{V}: NaN rows differ"
+                    ok_rows = ~want.isnan().any(1)
+                    err = (got[ok_rows] - want[ok_rows]).abs()
+                    bound = 32 * 2.0 ** -24 * want[ok_rows] + 2.0 ** -140  # and subnormals' absolute steps
+                    assert (err <= bound).all(), f"{dtype} S{S} V{V} block {sample.SOFTMAX_BLOCK}: " \
+                                                 f"worst {(err / bound).max():.2f}x the bound"
+                    assert ((got[ok_rows].double().sum(1) - 1).abs() < 1e-5).all(), f"{dtype} S{S} V{V}: sums"
+    finally:
+        sample.SOFTMAX_BLOCK = block
+
+
+def test_softmax_kernels_compile_for_hopper():
+    """Both softmax passes compile for sm_90a at the K3 vocabulary from bf16 logits, without spills; the
+    row count is not specialised (a new batch size compiles nothing)."""
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import sample
+
+    V, S = 163840, 64
+    nb = V // sample.SOFTMAX_BLOCK
+    c = compile_sm90(sample._softmax_stats_kernel, dict(x_ptr="*bf16", t_ptr="*fp32", stats_ptr="*fp32", V=V, s_x=V,
+                                                        S=S, NB=nb), dict(BLOCK=sample.SOFTMAX_BLOCK, GPU=True),
+                     num_warps=4, num_stages=1)
+    assert c.stack == 0, c
+    c = compile_sm90(sample._softmax_write_kernel, dict(x_ptr="*bf16", t_ptr="*fp32", stats_ptr="*fp32",
+                                                        out_ptr="*fp32", V=V, s_x=V, s_o=V, S=S, NB=nb),
+                     dict(BLOCK=sample.SOFTMAX_BLOCK, NB_P2=64, GPU=True), num_warps=4, num_stages=1)
+    assert c.stack == 0, c
+    for kernel in (sample._softmax_stats_kernel, sample._softmax_write_kernel):
+        assert "S" in {p.name for p in kernel.params if p.do_not_specialize}, kernel.fn.__name__
 
 
 def test_cut_kernels_compile_for_hopper():

@@ -87,9 +87,11 @@ class Sampler:
     @torch.inference_mode()
     def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
         """The draw queued on the device, its copy to the host started; nothing waits for it."""
-        raw = logits.float()
-        x = self._mask(raw, rows)
-        x = self._penalize(x, rows)
+        exact = logits.dtype in (torch.bfloat16, torch.float16, torch.float32)  # float32 holds these exactly
+        if exact and not any(r.banned or r.has_penalties for r in rows):
+            x = logits  # read as they are: the kernels below take float32 of them, without a copy
+        else:
+            x = self._penalize(self._mask(logits.float(), rows), rows)
         ids = torch.argmax(x, dim=-1)  # greedy rows: the first maximum, ties to the lowest id
         idx = [i for i, r in enumerate(rows) if not r.params.greedy]  # drawn together: one launch of each kernel
         if idx and idx[-1] - idx[0] == len(idx) - 1:  # consecutive rows (all drawn, typically): slices, no gather
@@ -97,7 +99,7 @@ class Sampler:
         elif idx:
             t = to_device(idx, torch.long, x.device)
             ids.index_copy_(0, t, self._draw(x.index_select(0, t), [rows[i] for i in idx]))
-        return self._to_host(raw, ids, rows)
+        return self._to_host(logits, ids, rows)
 
     # ---- [SMP-6] steps --------------------------------------------------------------------------
 
@@ -143,12 +145,12 @@ class Sampler:
         """Steps 4-8 for sampled rows: filtered probabilities, then argmax_i p_i / E_i."""
         dev = x.device
         p = [r.params for r in rows]
-        temp_min_p = to_device([(q.temperature, q.min_p) for q in p], x.dtype, dev)
+        temps, min_ps = to_device([[q.temperature for q in p], [q.min_p for q in p]], torch.float32, dev)
         seeds, steps = to_device([[r.seed for r in rows], [r.step for r in rows]], torch.int64, dev)
-        probs = torch.softmax(x / temp_min_p[:, :1], dim=-1)
+        probs = kernels.softmax_rows(x, temps)
         probs = Sampler._top_k_top_p(probs, p)
         if any(q.min_p > 0 for q in p):
-            floor = temp_min_p[:, 1:] * probs.max(-1, keepdim=True).values
+            floor = min_ps[:, None] * probs.max(-1, keepdim=True).values
             probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
         return kernels.race_draw(probs, seeds, steps)
 
@@ -164,7 +166,7 @@ class Sampler:
     # ---- log-probs and the one host copy --------------------------------------------------------
 
     @staticmethod
-    def _to_host(raw: torch.Tensor, ids: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+    def _to_host(logits: torch.Tensor, ids: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
         """[LP-1]..[LP-3] for the rows that ask, packed with the ids into one tensor whose copy to
         pinned host memory is started here (float64 with log-probs: ids < 2**53 stay exact)."""
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -173,7 +175,7 @@ class Sampler:
         if not lp_rows:
             packed = ids
         else:
-            lp = torch.log_softmax(raw[lp_rows], dim=-1)  # raw logits: before penalties ([LP-1])
+            lp = torch.log_softmax(logits[lp_rows].float(), dim=-1)  # raw logits: before penalties ([LP-1])
             tok = ids[lp_rows][:, None]
             v = lp.gather(1, tok)
             lower = torch.arange(lp.shape[1], device=lp.device)[None, :] < tok

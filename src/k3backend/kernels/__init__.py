@@ -51,7 +51,7 @@ from k3backend.kernels.norm_ref import (
     l2_norm,
     rms_norm,
 )
-from k3backend.kernels.sample_ref import race_draw, top_k_top_p
+from k3backend.kernels.sample_ref import race_draw, softmax_rows, top_k_top_p
 from k3backend.kernels.varlen import VarlenLayout, varlen_layout
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ FAST_OPS: dict[str, str] = {
     "gated_rms_norm": "k3backend.kernels.norm",
     "attn_res_mix": "k3backend.kernels.norm",
     "attn_res_mix_norm": "k3backend.kernels.norm",
-    **dict.fromkeys(("race_draw", "top_k_top_p"), "k3backend.kernels.sample"),
+    **dict.fromkeys(("race_draw", "softmax_rows", "top_k_top_p"), "k3backend.kernels.sample"),
 }
 
 Verifier = Callable[..., tuple[bool, str]]
@@ -139,6 +139,6 @@ __all__ = [
     "gated_rms_norm", "glu", "kda_chunked",
     "kda_decode", "kda_gate", "kda_prefill", "kda_prefill_inputs", "kda_recurrent", "l2_norm", "linear",
     "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
-    "mla_write", "race_draw", "rms_norm", "route", "router", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul",
+    "mla_write", "race_draw", "rms_norm", "route", "router", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul", "softmax_rows",
     "situ_and_mul", "glu_linear", "kda_decode_fused", "top_k_top_p", "VarlenLayout", "varlen_layout",
 ]

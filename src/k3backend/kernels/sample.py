@@ -15,9 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
+from k3backend.kernels.moe import _GPU, _div, _exp
 from k3backend.kernels.norm import interpreting
 
 BLOCK = 2048  # token ids per program: 80 programs per row at V = 163,840
+SOFTMAX_BLOCK = 4096  # logits per program of the softmax's two passes
 
 
 @triton.jit
@@ -51,6 +53,71 @@ def race_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> 
     idx = torch.empty(S, nb, dtype=torch.int64, device=probs.device)
     _race_kernel[(S, nb)](probs, seeds, steps, vals, idx, V, probs.stride(0), nb, BLOCK=BLOCK, num_warps=4)
     return idx.gather(1, vals.argmax(1, keepdim=True))[:, 0]
+
+
+# ---- softmax with temperature (`sample_ref.softmax_rows`) --------------------------------------------
+#
+# Two passes over the logits as they come (bf16 from the model: no float32 copy of them, no separate
+# division): per block of a row its maximum m_b of z = x / t and Σ exp(z − m_b); then each program
+# combines its row's blocks, M = max m_b and Σ = Σ_b s_b·exp(m_b − M), and writes exp(z − M) / Σ.
+# Division and exp are torch's CUDA ones (IEEE division, libdevice expf); only the order of the sum
+# differs from torch.softmax's, a few ulps. A row of -inf only gives NaN, as torch's does.
+
+@triton.jit(do_not_specialize=["S"])
+def _softmax_stats_kernel(x_ptr, t_ptr, stats_ptr, V, s_x, S, NB, BLOCK: tl.constexpr, GPU: tl.constexpr):
+    """stats[0, r, blk] = max z and stats[1, r, blk] = Σ exp(z − max z) over the block's logits."""
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    col = blk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r.to(tl.int64) * s_x + col, mask=col < V, other=float("-inf")).to(tl.float32)
+    z = _div(x, tl.load(t_ptr + r), GPU)
+    m = tl.max(z, 0)
+    tl.store(stats_ptr + r * NB + blk, m)
+    tl.store(stats_ptr + (S + r) * NB + blk, tl.sum(tl.where(z == float("-inf"), 0.0, _exp(z - m, GPU)), 0))
+
+
+@triton.jit(do_not_specialize=["S"])
+def _softmax_write_kernel(x_ptr, t_ptr, stats_ptr, out_ptr, V, s_x, s_o, S, NB, BLOCK: tl.constexpr,
+                          NB_P2: tl.constexpr, GPU: tl.constexpr):
+    """out[r, block] = exp(z − M) / Σ with the row's M and Σ from every block's stats."""
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = tl.arange(0, NB_P2)
+    m_b = tl.load(stats_ptr + r * NB + b, mask=b < NB, other=float("-inf"))
+    s_b = tl.load(stats_ptr + (S + r) * NB + b, mask=b < NB, other=0.0)
+    m = tl.max(m_b, 0)
+    total = tl.sum(tl.where(m_b == float("-inf"), 0.0, s_b * _exp(m_b - m, GPU)), 0)
+    col = blk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r.to(tl.int64) * s_x + col, mask=col < V, other=0.0).to(tl.float32)
+    p = _div(_exp(_div(x, tl.load(t_ptr + r), GPU) - m, GPU), total, GPU)
+    tl.store(out_ptr + r.to(tl.int64) * s_o + col, p, mask=col < V)
+
+
+def softmax_rows(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """`sample_ref.softmax_rows` in two launches of S × ⌈V / SOFTMAX_BLOCK⌉ programs."""
+    S, V = logits.shape
+    out = torch.empty(S, V, dtype=torch.float32, device=logits.device)
+    if S == 0 or V == 0:
+        return out
+    nb = triton.cdiv(V, SOFTMAX_BLOCK)
+    stats = torch.empty(2, S, nb, dtype=torch.float32, device=logits.device)
+    _softmax_stats_kernel[(S, nb)](logits, temperature, stats, V, logits.stride(0), S, nb, BLOCK=SOFTMAX_BLOCK,
+                                   GPU=_GPU, num_warps=4)
+    _softmax_write_kernel[(S, nb)](logits, temperature, stats, out, V, logits.stride(0), out.stride(0), S, nb,
+                                   BLOCK=SOFTMAX_BLOCK, NB_P2=triton.next_power_of_2(nb), GPU=_GPU, num_warps=4)
+    return out
+
+
+def softmax_rows_supports(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[bool, str]:
+    if not interpreting() and not (logits.is_cuda and temperature.is_cuda):
+        return False, "tensors not on a GPU (the kernel needs CUDA, or TRITON_INTERPRET=1)"
+    if logits.dim() != 2 or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
+            or logits.stride(-1) != 1:
+        return False, f"logits must be a bf16, fp16 or fp32 [S, V] tensor with contiguous rows, got {logits.dtype} " \
+                      f"{list(logits.shape)}"
+    if temperature.shape != logits.shape[:1] or temperature.dtype != torch.float32 or temperature.stride(0) != 1:
+        return False, f"temperature must be a contiguous float32 [S], got {temperature.dtype} {list(temperature.shape)}"
+    return True, ""
 
 
 def _declines(*tensors: torch.Tensor) -> str:

@@ -34,6 +34,12 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, n: int) -> torch.T
     return (_shr(z, 11).to(torch.float64) + 0.5) * 2.0 ** -53
 
 
+def softmax_rows(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """[SMP-6] step 4: float32 softmax(x / temperature) of each row, x the logits as float32.
+    logits [S, V] in any float dtype (bf16 and fp16 convert exactly); temperature [S] float32, > 0."""
+    return torch.softmax(logits.float() / temperature.float()[:, None], dim=-1)
+
+
 DRAW_ROWS = 32  # rows of a batch the reference draws at a time: bounds its [rows, V] float64 temporaries
 
 
