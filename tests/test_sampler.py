@@ -54,6 +54,26 @@ def test_batched_sampler_equals_the_reference_row_by_row(seed):
             assert g.logprob == pytest.approx(lp.logprob, abs=1e-6)
 
 
+def test_bf16_logits_are_sampled_as_their_float32_values():
+    """The model's bf16 logits go to the kernels as they are where no row masks or penalises (no float32
+    copy), and through a float32 copy where one does: either way each row draws the reference's token
+    from the logits' float32 values, log-probs included."""
+    rng = random.Random(11)
+    plain = [SamplingRow(SamplingParams(temperature=t, top_p=p, top_k=k, seed=i, logprobs=lp), request_seed(i), 4)
+             for i, (t, p, k, lp) in enumerate([(0.0, 1.0, 0, None), (1.0, 0.9, 0, 3), (0.7, 1.0, 20, None),
+                                                 (1.3, 0.5, 5, 0)])]
+    penalised = [random_row(rng) for _ in range(6)]
+    logits = (torch.randn(10, V, generator=torch.Generator().manual_seed(4)) * 3).bfloat16()
+    for rows, refs in ((plain, [{}] * len(plain)), (tuple(r for r, _ in penalised), [f for _, f in penalised])):
+        got = Sampler()(logits[:len(rows)], rows)
+        for i, (row, ref) in enumerate(zip(rows, refs)):
+            want = sample(logits[i].float(), row.params, row.seed, row.step, **ref)
+            assert got.token_ids[i] == want, (i, row.params)
+            if row.params.logprobs is not None:
+                lp = token_logprob(logits[i].float(), want, row.params.logprobs)
+                assert (got.logprobs[i].rank, got.logprobs[i].top) == (lp.rank, lp.top)
+
+
 def test_seeded_draw_does_not_depend_on_the_batch():
     """[SMP-7]: the same request state gives the same token alone, first or last in a batch."""
     rng = random.Random(7)
