@@ -139,6 +139,7 @@ __all__ = [
     "gated_rms_norm", "glu", "kda_chunked",
     "kda_decode", "kda_gate", "kda_prefill", "kda_prefill_inputs", "kda_recurrent", "l2_norm", "linear",
     "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill",
-    "mla_write", "race_draw", "rms_norm", "route", "router", "short_conv", "short_conv_decode", "short_conv_seq", "silu_and_mul", "softmax_rows",
+    "mla_write", "race_draw", "rms_norm", "route", "router", "short_conv", "short_conv_decode", "short_conv_seq",
+    "silu_and_mul", "softmax_rows",
     "situ_and_mul", "glu_linear", "kda_decode_fused", "top_k_top_p", "VarlenLayout", "varlen_layout",
 ]
