@@ -145,7 +145,8 @@ def check_softmax_matches_torch() -> None:
     g = torch.Generator().manual_seed(21)
     block = sample.SOFTMAX_BLOCK
     try:
-        for sample.SOFTMAX_BLOCK in (block, 64):
+        for size in (block, 64):
+            sample.SOFTMAX_BLOCK = size
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 for S, V in ((5, 1000), (3, 1), (0, 50), (4, block + 3)):
                     x = (torch.randn(S, V, generator=g) * 4).to(dtype)

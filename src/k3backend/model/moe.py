@@ -11,7 +11,7 @@ from k3backend import kernels
 from k3backend.config import MXFP4, MXFP4_GROUP, TextConfig
 from k3backend.model.linear import Linear
 from k3backend.model.norm import RMSNorm
-from k3backend.model.parallel import SINGLE, Parallel, ParallelConfigError, packed_rows
+from k3backend.model.parallel import SINGLE, Parallel, ParallelConfigError, add_in_turn, packed_rows
 
 
 def make_act(cfg: TextConfig, *, routed: bool) -> kernels.Activation:
@@ -164,10 +164,7 @@ class MoE(nn.Module):
         shared = None if self.shared_experts is None else self.par.moe_share(
             self.shared_experts(h, fp32_front=self.latent, reduce=False))
         if not self.latent:
-            out = self.par.all_reduce(out if shared is None else out + shared, moe=True)
-            for a in adds:
-                out = out + a
-            return out
+            return add_in_turn(self.par.all_reduce(out if shared is None else out + shared, moe=True), adds)
         if shared is None:
             out = self.par.all_reduce(out, moe=True)
         else:

@@ -115,10 +115,7 @@ class Parallel:
         With one rank there is nothing to sum, and the adds ride in the projection (`Linear`'s epilogue)."""
         if self.tp_size == 1:
             return proj(x, adds)
-        y = self.all_reduce(proj(x))
-        for a in adds:
-            y = y + a
-        return y
+        return add_in_turn(self.all_reduce(proj(x)), adds)
 
     def all_reduce_pair(self, a: torch.Tensor, b: torch.Tensor, *,
                         moe: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +143,14 @@ class Parallel:
 
 
 SINGLE = Parallel()
+
+
+def add_in_turn(y: torch.Tensor, adds: Sequence[torch.Tensor]) -> torch.Tensor:
+    """y + adds[0] + adds[1] ..., rounding after each add (the residual adds of a layer that the
+    projection's epilogue does not take)."""
+    for a in adds:
+        y = y + a
+    return y
 
 
 class VocabParallelEmbedding(torch.nn.Module):
