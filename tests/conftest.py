@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import interpret
 from k3backend.tritonserver import TritonServer
 
 # The models under test are tiny: one intra-op thread is several times faster than two fighting
@@ -94,12 +95,36 @@ def perf_analyzer() -> Path:
 
 
 _REPORTS = pytest.StashKey[list]()
+_CHILDREN = pytest.StashKey[list]()
 
 
 @pytest.fixture
 def report(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """`report(text)`: print `text` in the session's closing summary (not amid the progress dots)."""
     return lambda text: request.config.stash.setdefault(_REPORTS, []).append(text)
+
+
+def _child(item: pytest.Item) -> interpret.Child | None:
+    """The interpreter child (`CHECKS`) of the item's module, if it has one."""
+    child = getattr(getattr(item, "module", None), "CHECKS", None)
+    return child if isinstance(child, interpret.Child) else None
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules with interpreter children run last, and their children start now at low priority
+    (`interpret.prestart`): the single-threaded checks (~7 CPU-minutes) then overlap the rest of the
+    suite, which leaves a core idle while it waits on servers."""
+    items.sort(key=lambda item: _child(item) is not None)  # stable: file order otherwise
+    children = list(dict.fromkeys(c for c in map(_child, items) if c is not None))
+    if children:
+        config.stash[_CHILDREN] = children
+        interpret.prestart(children)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for child in session.config.stash.get(_CHILDREN, []):
+        child.stop()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

@@ -3,11 +3,11 @@
 triton reads TRITON_INTERPRET when it is first imported, and another test module of the same pytest
 process may already have imported it (transformers and fla probe for it); so the checks of a kernel
 test module run in a fresh interpreter that sets the variable first. A kernel test module defines
-plain functions that raise on a mismatch and lists its cases as `{case id: (function name, kwargs)}`
-(kwargs of str, int, float, bool or None); `run_checks(__file__, cases)` imports that module in the
-child, runs every case and returns `{case id: None | the traceback}`. One child per module keeps the
-start-up cost (torch, triton) to once. `Checks` does the same for a module whose cases are its
-argument-free `check_*` functions.
+plain functions that raise on a mismatch and names its cases `{case id: (function name, kwargs)}`
+(kwargs of str, int, float, bool or None), or lets them default to its argument-free `check_*`
+functions, in a module attribute `CHECKS = Checks(__file__, ...)`. One child per module imports it,
+runs every case and returns `{case id: None | the traceback}`, which keeps the start-up cost (torch,
+triton) to once. conftest starts the selected modules' children early, at low priority (`prestart`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,21 +48,73 @@ for case, (fn, kwargs) in json.load(open(cases_file)).items():
 """
 
 
-def run_checks(module_file: str, cases: Cases, env: dict[str, str] | None = None,
-               timeout: float = 600.0) -> dict[str, str | None]:
-    """Run `cases` of `module_file` in a child with TRITON_INTERPRET=1 (plus `env`); one result per case.
+class Child:
+    """One interpreter child running `cases` of `module_file`: started at most once, by `start` (at
+    low priority from `prestart`'s thread, which fills a core the serial suite leaves idle) or by the
+    first `results` call. Its output goes to files, so a child nobody waits on yet cannot block."""
 
-    A case the child did not reach (it crashed or timed out) gets the child's exit status and stderr.
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        cases_file, results_file = Path(tmp, "cases.json"), Path(tmp, "results.json")
-        cases_file.write_text(json.dumps(cases))
-        child_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(module_file), str(cases_file), str(results_file)],
-                              env=child_env, capture_output=True, text=True, timeout=timeout)
-        results = json.loads(results_file.read_text()) if results_file.exists() else {}
-    missing = f"the interpreter child exited with {proc.returncode} before this case:\n{proc.stderr[-4000:]}"
-    return {case: results[case] if case in results else missing for case in cases}
+    def __init__(self, module_file: str | Path, cases: Cases, env: dict[str, str] | None = None,
+                 timeout_s: float = 600.0) -> None:
+        self.module_file, self.cases, self.env, self.timeout_s = str(module_file), cases, env, timeout_s
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._results: dict[str, str | None] | None = None
+
+    def start(self, *, low_priority: bool = False) -> subprocess.Popen:
+        with self._lock:
+            if self._proc is None:
+                self._tmp = tempfile.TemporaryDirectory()
+                tmp = Path(self._tmp.name)
+                (tmp / "cases.json").write_text(json.dumps(self.cases))
+                with open(tmp / "stderr", "w") as err:
+                    self._proc = subprocess.Popen(
+                        [sys.executable, "-c", _CHILD, self.module_file, str(tmp / "cases.json"),
+                         str(tmp / "results.json")],
+                        env={**os.environ, "TRITON_INTERPRET": "1", **(self.env or {})},
+                        stdout=subprocess.DEVNULL, stderr=err)
+                if low_priority:  # (not preexec_fn: unsafe in a process with threads)
+                    os.setpriority(os.PRIO_PROCESS, self._proc.pid, 19)
+            return self._proc
+
+    def results(self) -> dict[str, str | None]:
+        """{case: None | the traceback}; a case the child did not reach (it crashed or ran past
+        `timeout_s` from this call) gets the child's exit status and stderr."""
+        proc = self.start()
+        with self._lock:
+            if self._results is None:
+                try:
+                    proc.wait(timeout=self.timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                tmp = Path(self._tmp.name)
+                done = tmp / "results.json"
+                results = json.loads(done.read_text()) if done.exists() else {}
+                missing = (f"the interpreter child exited with {proc.returncode} before this case:\n"
+                           f"{(tmp / 'stderr').read_text()[-4000:]}")
+                self._results = {case: results[case] if case in results else missing for case in self.cases}
+                self._tmp.cleanup()
+            return self._results
+
+    def stop(self) -> None:
+        """Kill the child if it still runs (the session ends before a test waited for it)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def prestart(children: list[Child]) -> threading.Thread:
+    """Run `children` one after another at nice 19 on a daemon thread, in the order the session will
+    need them. The suite runs its tests serially, mostly waiting on servers, so this fills the idle
+    core; a test that needs a child first starts it itself."""
+    def run() -> None:
+        for child in children:
+            child.start(low_priority=True).wait()
+
+    thread = threading.Thread(target=run, name="interpreter-prestart", daemon=True)
+    thread.start()
+    return thread
 
 
 def check_names(path: str | Path) -> list[str]:
@@ -70,8 +123,10 @@ def check_names(path: str | Path) -> list[str]:
     return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("check_")]
 
 
-class Checks:
-    """A module whose cases are its argument-free `check_*` functions, run on the first assert:
+class Checks(Child):
+    """A test module's interpreter child, as its module attribute `CHECKS` (which conftest prestarts
+    for the selected modules). Its cases are the module's argument-free `check_*` functions unless
+    `cases` names them:
 
         CHECKS = interpret.Checks(__file__, env={"K3_KERNELS": "triton"})
 
@@ -80,16 +135,16 @@ class Checks:
             CHECKS.assert_passed(name)
     """
 
-    def __init__(self, path: str | Path, env: dict[str, str] | None = None, timeout_s: float = 600.0) -> None:
-        self.path, self.env, self.timeout_s = str(Path(path).resolve()), env, timeout_s
-        self.names = [n.removeprefix("check_") for n in check_names(self.path)]
-        self._results: dict[str, str | None] | None = None
+    def __init__(self, path: str | Path, env: dict[str, str] | None = None, timeout_s: float = 600.0,
+                 cases: Cases | None = None) -> None:
+        path = Path(path).resolve()
+        if cases is None:
+            cases = {n.removeprefix("check_"): (n, {}) for n in check_names(path)}
+        super().__init__(path, cases, env, timeout_s)
+        self.names = list(cases)
 
     def assert_passed(self, name: str) -> None:
-        if self._results is None:
-            self._results = run_checks(self.path, {n: (f"check_{n}", {}) for n in self.names}, self.env,
-                                       self.timeout_s)
-        error = self._results[name]
+        error = self.results()[name]
         if error is not None:
             pytest.fail(f"check {name!r} failed under TRITON_INTERPRET=1:\n{error}", pytrace=False)
 

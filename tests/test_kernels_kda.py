@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from interpret import Cases, poisoned_empty, run_checks
+from interpret import Cases, Checks, poisoned_empty
 from tolerances import KERNEL, KERNEL_PREFILL
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -299,9 +299,12 @@ CASES: Cases = {
 }
 
 
+CHECKS = Checks(__file__, env={"K3_KERNELS": "triton"}, cases=CASES)
+
+
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str | None]:
-    return run_checks(__file__, CASES, env={"K3_KERNELS": "triton"})
+    return CHECKS.results()
 
 
 def _cases(prefix: str) -> list[str]:
