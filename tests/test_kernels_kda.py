@@ -152,7 +152,9 @@ def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: in
     boundary, into slot 3), a single token, a fresh one, and padding (a sequence on the null slot 0,
     as a captured graph's unused places: zero output, slot 0 untouched). v is a strided view (the model's is a slice of the conv output). dtype is v's (the model's); q, k,
     g, beta and the state are in its accumulation dtype. `steep`: a softplus-like gate whose Γ drops by
-    more than 80 within 16 rows, so the diagonal blocks take the elementwise path. The default K = 20
+    more than 80 within 16 rows, so the diagonal blocks take the elementwise path. `lb5` drops by about
+    40 over 16 rows, which hides what one 16-row block contributes to the next but one; `gentle` (about
+    3 over a chunk) shows every block's terms. The default K = 20
     gives the intra kernel two channel slices of 16, the second ragged; heads 22 at K = V = 64 take
     `prefill_rule`'s wide tiles (64 channels a slice, V blocks of 64 once B·H ≥ 64)."""
     from k3backend.kernels import kda_chunk, kda_ref, norm_ref, varlen
@@ -172,7 +174,9 @@ def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: in
     k = norm_ref.l2_norm(rand(gen, T, H, K)).to(a)
     rows = rand(gen, T, 2 * H * V + 3).to(dt)
     v = rows[:, 3:3 + H * V].view(T, H, V)
-    g = -5 * torch.sigmoid(2 * rand(gen, T, H, K)) if gate == "lb5" else -8 * torch.exp(2 * rand(gen, T, H, K))
+    g = {"lb5": lambda: -5 * torch.sigmoid(2 * rand(gen, T, H, K)),
+         "gentle": lambda: -0.1 * torch.sigmoid(2 * rand(gen, T, H, K)),
+         "steep": lambda: -8 * torch.exp(2 * rand(gen, T, H, K))}[gate]()
     beta = torch.rand(T, H, generator=gen, dtype=torch.float64).to(a)
     args = [q, k, v, g.to(a), beta, pool(gen, (N, H, K, V), a, fresh=[]), cu, torch.tensor(slots, dtype=torch.int32),
             has]
@@ -289,7 +293,8 @@ CASES: Cases = {
     **{f"decode-{d}": ("check_kda_decode", {"dtype": d, "seed": 20 + i}) for i, d in enumerate(("fp64", "fp32"))},
     **{f"short_conv-{d}": ("check_short_conv", {"dtype": d, "seed": 30 + i}) for i, d in enumerate(DTYPES)},
     **{f"prefill-{d}-{gate}": ("check_kda_prefill", {"dtype": d, "gate": gate, "seed": 40 + i})
-       for i, (d, gate) in enumerate((("fp64", "lb5"), ("fp64", "steep"), ("bf16", "lb5")))},
+       for i, (d, gate) in enumerate((("fp64", "lb5"), ("fp64", "steep"), ("bf16", "lb5"), ("fp64", "gentle"),
+                                      ("bf16", "gentle")))},
     "prefill-bf16-tiles": ("check_kda_prefill", {"dtype": "bf16", "gate": "lb5", "seed": 43, "heads": 22, "kdim": 64,
                                                  "vdim": 64}),
     **{f"inputs-{d}-{gate}": ("check_kda_prefill_inputs", {"dtype": d, "lower_bound": lb, "seed": 50 + i})
