@@ -117,7 +117,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     suite, which leaves a core idle while it waits on servers."""
     items.sort(key=lambda item: _child(item) is not None)  # stable: file order otherwise
     children = list(dict.fromkeys(c for c in map(_child, items) if c is not None))
-    if children:
+    if children and not config.option.collectonly:
         config.stash[_CHILDREN] = children
         interpret.prestart(children)
 
