@@ -60,9 +60,13 @@ class Child:
         self._proc: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._results: dict[str, str | None] | None = None
+        self._stopped = False
 
-    def start(self, *, low_priority: bool = False) -> subprocess.Popen:
+    def start(self, *, low_priority: bool = False) -> subprocess.Popen | None:
+        """The child's process, started now if it was not; None once `stop` ran (the session ended)."""
         with self._lock:
+            if self._stopped:
+                return None
             if self._proc is None:
                 self._tmp = tempfile.TemporaryDirectory()
                 tmp = Path(self._tmp.name)
@@ -81,6 +85,7 @@ class Child:
         """{case: None | the traceback}; a case the child did not reach (it crashed or ran past
         `timeout_s` from this call) gets the child's exit status and stderr."""
         proc = self.start()
+        assert proc is not None, "results() after the session ended"
         with self._lock:
             if self._results is None:
                 try:
@@ -98,10 +103,13 @@ class Child:
             return self._results
 
     def stop(self) -> None:
-        """Kill the child if it still runs (the session ends before a test waited for it)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
+        """Kill the child if it still runs, and start none after this (the session ends before a test
+        waited for it: `prestart`'s thread must not start the next child then)."""
+        with self._lock:
+            self._stopped = True
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
 
 
 def prestart(children: list[Child]) -> threading.Thread:
@@ -110,7 +118,10 @@ def prestart(children: list[Child]) -> threading.Thread:
     core; a test that needs a child first starts it itself."""
     def run() -> None:
         for child in children:
-            child.start(low_priority=True).wait()
+            proc = child.start(low_priority=True)
+            if proc is None:  # the session ended
+                return
+            proc.wait()
 
     thread = threading.Thread(target=run, name="interpreter-prestart", daemon=True)
     thread.start()
