@@ -58,18 +58,19 @@ def test_a_successor_is_sent_after_the_turnaround_of_the_request_it_follows():
 
 
 class DecodeCore(OneStepCore):
-    """Every request gets one token a step until its output length; steps take 2 ms."""
+    """Every request gets one token a step until its output length; steps take `step_s`."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_s: float = 0.002) -> None:
         super().__init__()
         self.left: dict[int, int] = {}
+        self.step_s = step_s
 
     def add(self, rid: int, request) -> None:
         super().add(rid, request)
         self.left[rid] = request.params.max_tokens
 
     def step(self) -> StepOutputs:
-        time.sleep(0.002)
+        time.sleep(self.step_s)
         self._new = []
         ids = list(self.left)
         for rid in ids:
@@ -83,11 +84,15 @@ class DecodeCore(OneStepCore):
 
 def test_full_concurrency_throughput_leaves_out_the_drain():
     """Two clients, outputs of 4, 4 and 40 tokens: the third request decodes alone for 36 steps at
-    the end (half the rate), which the whole run's tok/s counts and "full tok/s" leaves out."""
+    the end (half the rate), which the whole run's tok/s counts and "full tok/s" leaves out.
+
+    Nominally full / whole ≈ 1.6, and 1.0 if the drain were counted. The full window is a few steps,
+    so one late wake-up on a busy machine moves it: steps of 5 ms and a bound of 1.25 (a 2 ms step
+    and 1.5 failed once on CI's 2 cores with the interpreter children running beside it)."""
     jobs = [([1, 2], 4, 0), ([1, 2], 4, 0), ([1, 2], 40, 0)]
-    r = bench.run(DecodeCore(), jobs, 2, first_id=1)
+    r = bench.run(DecodeCore(step_s=0.005), jobs, 2, first_id=1)
     whole = r["tokens"] / r["wall"]
-    assert r["tokens"] == 48 and r["full_tok_s"] > 1.5 * whole, (r["full_tok_s"], whole)
+    assert r["tokens"] == 48 and r["full_tok_s"] > 1.25 * whole, (r["full_tok_s"], whole)
     r = bench.run(DecodeCore(), jobs[:2], 2, first_id=1)  # no successors: the whole run is full
     assert r["full_tok_s"] == r["tokens"] / r["wall"]
 
