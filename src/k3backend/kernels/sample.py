@@ -108,9 +108,16 @@ def softmax_rows(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     return out
 
 
+def _off_gpu(*tensors: torch.Tensor) -> str:
+    """Why the sampler's kernels cannot run where these tensors are ('' on a GPU, or under the interpreter)."""
+    if not interpreting() and not all(t.is_cuda for t in tensors):
+        return "tensors not on a GPU (the kernel needs CUDA, or TRITON_INTERPRET=1)"
+    return ""
+
+
 def softmax_rows_supports(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[bool, str]:
-    if not interpreting() and not (logits.is_cuda and temperature.is_cuda):
-        return False, "tensors not on a GPU (the kernel needs CUDA, or TRITON_INTERPRET=1)"
+    if reason := _off_gpu(logits, temperature):
+        return False, reason
     if logits.dim() != 2 or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
             or logits.stride(-1) != 1:
         return False, f"logits must be a bf16, fp16 or fp32 [S, V] tensor with contiguous rows, got {logits.dtype} " \
@@ -123,8 +130,8 @@ def softmax_rows_supports(logits: torch.Tensor, temperature: torch.Tensor) -> tu
 def _declines(*tensors: torch.Tensor) -> str:
     """Why the sampler's kernels cannot take these tensors, the first being the probabilities ('' if they can)."""
     probs = tensors[0]
-    if not interpreting() and not all(t.is_cuda for t in tensors):
-        return "tensors not on a GPU (the kernel needs CUDA, or TRITON_INTERPRET=1)"
+    if reason := _off_gpu(*tensors):
+        return reason
     if probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(-1) != 1:
         return f"probs must be a float32 [S, V] tensor with contiguous rows, got {probs.dtype} {list(probs.shape)}"
     return ""
