@@ -96,9 +96,11 @@ class Child:
                 tmp = Path(self._tmp.name)
                 done = tmp / "results.json"
                 results = json.loads(done.read_text()) if done.exists() else {}
-                missing = (f"the interpreter child exited with {proc.returncode} before this case:\n"
-                           f"{(tmp / 'stderr').read_text()[-4000:]}")
-                self._results = {case: results[case] if case in results else missing for case in self.cases}
+                if len(results) < len(self.cases):  # the child died (or was killed) before the rest
+                    missing = (f"the interpreter child exited with {proc.returncode} before this case:\n"
+                               f"{(tmp / 'stderr').read_text()[-4000:]}")
+                    results = {case: results.get(case, missing) for case in self.cases}
+                self._results = results
                 self._tmp.cleanup()
             return self._results
 
