@@ -100,6 +100,8 @@ def check_cut_matches_reference() -> None:
     cut_both(probs[:0], [], [])
     cut_both(probs[:3], [V] * 3, [1.0] * 3)  # nothing to cut
     cut_both(torch.softmax(torch.randn(2, 1, generator=torch.Generator().manual_seed(3)), -1), [1, 1], [0.5, 1.0])
+    tiny = torch.tensor([[3e-40, 7e-40, 7e-40, 1e-45], [0.0] * 4])  # no mass in units of 2**-32: the top id
+    cut_both(tiny.repeat(2, 1), [4, 4, 2, 1], [0.5, 0.5, 1e-7, 0.9])  # alone (the first of two equal ones)
 
 
 def check_cut_at_mass_boundaries_and_ties() -> None:

@@ -189,7 +189,6 @@ def _choose(tot, st, kp_ptr, r, i, S, V, PH: tl.constexpr, FIRST: tl.constexpr, 
     c = tl.load(at + FMAX + f, volatile=True)
     k = tl.minimum(tl.load(kp_ptr + r), V)
     top_p = tl.load(kp_ptr + S + r)
-    by_count = (PH == 0) | (top_p >= 1.0)
     row = st + (PH * S + r) * 8
     if (PH == 1) & FIRST:  # every id is in the first pass: the mass to renormalise by, unless top-k's
         target = tl.ceil(top_p * tl.sum(m, 0))
@@ -197,6 +196,11 @@ def _choose(tot, st, kp_ptr, r, i, S, V, PH: tl.constexpr, FIRST: tl.constexpr, 
             target = tl.where(k < V, tl.load(st + r * 8 + 4), target)
         tl.store(row + 4, target)
     target = tl.load(row + 4)
+    # no mass to reach (every probability kept is below 2**-32, so none from a softmax): like the
+    # reference, the top id alone, found by count
+    massless = (PH == 1) & (top_p < 1.0) & (target <= 0)
+    by_count = (PH == 0) | (top_p >= 1.0) | massless
+    k = tl.where(massless, 1, k)
     above_m = tl.load(row + 1)
     above_c = tl.load(row + 2)
     reach = tl.where(by_count, above_c + tl.sum(c, 0) - tl.cumsum(c, 0) + c >= k,
