@@ -7,8 +7,9 @@ the int64 extremes and large output positions. The cut (sample_ref.top_k_top_p, 
 torch.equal): smooth, coarse-grid (many equal probabilities at every cut) and bf16-rounded logits,
 zeros, top-k from 1 to past the vocabulary, top-p from a few ids to nearly all and at the exact
 integer mass of a prefix, rows with both; with the shipped tiles and with small blocks, so rows span
-many blocks, chunks and lists. The softmax with temperature (sample_ref.softmax_rows) within a few
-float32 ulps. Buffers the kernels allocate start as NaN (`poisoned_empty`).
+many blocks, chunks and lists; seeded random rows, tiles and pass widths, subnormal rows among them.
+The softmax with temperature (sample_ref.softmax_rows) within a few float32 ulps. Buffers the
+kernels allocate start as NaN (`poisoned_empty`).
 """
 
 from __future__ import annotations
@@ -135,6 +136,33 @@ def check_cut_small_blocks() -> None:
         cut_both(flat, [V, V, 100, V], [0.9, 0.5, 0.9, 0.999])  # most ids in play for several passes
     finally:
         sample.CUT_BLOCK, sample.CUT_TILE = block, tile
+
+
+def check_cut_random_rows() -> None:
+    """Seeded random cases against the reference: rows smooth, tied, with zeros, underflowing or
+    subnormal (no mass in 2**-32 units), random top-k and top-p, tiles and pass widths."""
+    import random
+
+    from k3backend.kernels import sample
+
+    saved = sample.CUT_BLOCK, sample.CUT_TILE, sample.WRITE_CHUNK, sample.WIDTHS
+    rng, g = random.Random(11), torch.Generator().manual_seed(11)
+    try:
+        for kind in ("smooth", "tied", "zeros", "underflow", "subnormal", "smooth", "tied", "zeros"):
+            sample.CUT_BLOCK, sample.CUT_TILE = rng.choice([64, 128]), rng.choice([256, 512])
+            sample.WRITE_CHUNK = rng.choice([16, 64])
+            sample.WIDTHS = rng.choice([(3,) * 10, (3, 3, 3, 7, 7, 7), (2, 4, 4, 4, 4, 4, 4, 4), (6,) * 5])
+            S, V = rng.randint(2, 4), rng.choice([1, 7, 65, 300])
+            x = torch.randn(S, V, generator=g) * rng.choice([0.3, 3.0])
+            probs = torch.softmax(torch.round(x) if kind == "tied" else x * (60 if kind == "underflow" else 1), -1)
+            if kind == "zeros":
+                probs[torch.rand(S, V, generator=g) < 0.5] = 0.0
+            if kind == "subnormal":
+                probs = torch.rand(S, V, generator=g) * 1e-39
+            ks = [rng.choice([1, 2, rng.randint(1, V), V, V + 3]) for _ in range(S)]
+            cut_both(probs, ks, [rng.choice([1.0, 0.9, rng.random(), 1e-7]) for _ in range(S)])
+    finally:
+        sample.CUT_BLOCK, sample.CUT_TILE, sample.WRITE_CHUNK, sample.WIDTHS = saved
 
 
 def check_softmax_matches_torch() -> None:
