@@ -98,6 +98,80 @@ def test_a_request_probes_the_server_at_once_until_it_was_seen_live():
     assert [watch.shutting_down(), watch.shutting_down()] == [False, True]  # refused twice in a row
 
 
+def test_the_watch_holds_one_connection_to_a_live_server_until_released():
+    """At shutdown 2.51 stops its HTTP endpoint once no connection is open, and a response reaching
+    it after that crashes the server (test_lm_faults: a client that dropped its k3_ensemble stream).
+    So while the server answers, the watch holds one idle connection of its own (opened again if
+    the server closed it), and lets it go only when told that no response is left to send."""
+    import http.server
+    import threading
+
+    from k3backend.serving import lifecycle
+
+    open_now, lock = [0], threading.Lock()
+
+    class Live(http.server.BaseHTTPRequestHandler):
+        def setup(self):
+            super().setup()
+            with lock:
+                open_now[0] += 1
+
+        def finish(self):
+            super().finish()
+            with lock:
+                open_now[0] -= 1
+
+        def do_GET(self):  # noqa: N802 - the http.server API
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Live)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        watch = lifecycle.ServerWatch(os.getpid())
+        watch.url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert not watch.shutting_down()
+        assert _settles(lambda: open_now[0] == 1), open_now  # the probe's connection closed, the hold's not
+        assert not watch.shutting_down() and _settles(lambda: open_now[0] == 1), open_now  # not a second one
+        watch._hold._sock.close()  # as if the server had closed it: the next probe holds a new one
+        assert _settles(lambda: open_now[0] == 0)
+        assert not watch.shutting_down() and _settles(lambda: open_now[0] == 1), open_now
+        t0 = time.monotonic()
+        watch.release()
+        assert time.monotonic() - t0 >= lifecycle.RESPONSE_SETTLE_S
+        assert _settles(lambda: open_now[0] == 0), open_now
+        assert not watch.shutting_down() and _settles(lambda: open_now[0] == 0), open_now  # released for good
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_guardian_stops_a_server_that_is_already_gone_quietly():
+    """The stub dies when the server does: stopping that server must not raise (it did: a traceback)."""
+    from k3backend.serving import guardian
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    guardian._stop_server(child.pid)  # reaped: no such process
+
+
+def _settles(condition, timeout_s: float = 5.0) -> bool:
+    """`condition()` holds within `timeout_s`, and still does 0.3 s later."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            time.sleep(0.3)
+            if condition():
+                return True
+        time.sleep(0.05)
+    return False
+
+
 import os  # noqa: E402 - the fast checks above need none of these
 import signal  # noqa: E402
 import subprocess  # noqa: E402

@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 
@@ -260,6 +261,35 @@ def test_shutdown_with_http_streams_in_flight_ends_them_and_exits_cleanly(triton
         assert s.done.wait(5), "a stream was not closed"
         assert s.end == "eof", s.end
         assert "UNAVAILABLE: server shutting down" in s.events[-1].get("error", ""), s.events[-1]
+    assert code == 0, srv.log_tail(60)
+    _shutdown_log_is_clean(srv)
+    assert took < exit_timeout + 1, took
+    wait_until(lambda: not group_pids(srv.pid), 10, "the stubs and the guardian to exit")
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_shutdown_after_a_client_dropped_an_http_ensemble_stream_exits_cleanly(triton_server, how):
+    """Finding: a client that closed its HTTP `generate_stream` to k3_ensemble mid-generation left the
+    request generating in k3_lm (2.51 cancels an ensemble's later steps, never one in flight). At the
+    next shutdown, with no HTTP connection open, 2.51 stopped its HTTP endpoint at once and the
+    request's next response went to the freed endpoint: SIGSEGV within 0.1 s, every time. Now the
+    request is drained and ended like one whose client is still there, and the server exits 0."""
+    exit_timeout = 8
+    srv = triton_server(REPO, MODELS, [f"--exit-timeout-secs={exit_timeout}"], fresh=True)
+    endless = {**LONG, "max_tokens": 100_000, "min_tokens": 100_000}  # still generating at the signal
+    dropped = HttpStream(srv.http_url, "k3_ensemble", {"text_input": "dropped", **endless})
+    wait_until(lambda: dropped.events, 60, "the stream's first event")
+    dropped.conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away; the request keeps generating
+    assert dropped.done.wait(5)
+    time.sleep(1.0)
+    wait_until(lambda: metric(metrics(srv.metrics_url), "k3:num_requests_running") == 1, 5, "the request to run")
+    start = time.monotonic()
+    if how == "sigterm":
+        os.kill(srv.pid, signal.SIGTERM)
+    else:
+        os.killpg(srv.pid, signal.SIGINT)
+    code = srv.process.wait(exit_timeout + 20 + 5)
+    took = time.monotonic() - start
     assert code == 0, srv.log_tail(60)
     _shutdown_log_is_clean(srv)
     assert took < exit_timeout + 1, took

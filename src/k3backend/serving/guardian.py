@@ -28,6 +28,7 @@ The guardian exits when the server itself is gone, after making sure the stub is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -116,12 +117,13 @@ def _unload(server_pid: int, model: str) -> str:
 
 
 def _stop_server(server_pid: int) -> None:
-    os.kill(server_pid, signal.SIGTERM)
-    deadline = time.monotonic() + KILL_AFTER_S
-    while _alive(server_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _alive(server_pid):
-        os.kill(server_pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # gone by itself meanwhile (its stub died because it did)
+        os.kill(server_pid, signal.SIGTERM)
+        deadline = time.monotonic() + KILL_AFTER_S
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(server_pid):
+            os.kill(server_pid, signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,9 @@ listener closes the moment shutdown begins:
 - `ServerWatch.shutting_down()`: True once `/v2/health/live` stops answering 200 after it did;
 - `ServerWatch.exit_timeout_s`: the server's `--exit-timeout-secs`, from its command line, to know
   how long in-flight requests may still run;
+- `ServerWatch.release()`: the watch holds a connection to that endpoint open while the server is
+  live, so that 2.51 keeps the endpoint up at shutdown until the stub has sent its last response
+  (a response reaching a stopped HTTP endpoint crashes the server: `_Hold`);
 - `parent_alive()`: the stub's own parent watch only notices a parent that was reaped; a crashed
   server that its launcher has not waited for yet is a zombie, and counts as dead here.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -36,6 +40,9 @@ SHUTDOWN_MARGIN_FRACTION = 0.25
 # A healthy server is gone this long after its exit timeout (measured from the shutdown's start);
 # the k3_lm guardian kills one that is not (a stream held open: see guardian.py).
 EXIT_GRACE_S = 5.0
+# From a stub's last response sent to the server's HTTP endpoint letting go of it (ServerWatch.release):
+# the server passes a response on to the endpoint's threads asynchronously.
+RESPONSE_SETTLE_S = 1.0
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, whatever http_proxy says
 # How a probe fails once the endpoint is shutting down: refused (listener closed) or reset (2.51
 # refuses new connections while it waits for open ones).
@@ -100,6 +107,7 @@ class ServerWatch:
         self.explicit = (server_option(argv, "model-control-mode", "none") or "").lower() == "explicit"
         self._seen_live = False
         self._failures = 0  # liveness probes failed in a row
+        self._hold = _Hold()
         if self.url is None:
             log.warning("tritonserver runs without HTTP: requests still in flight at shutdown cannot be ended "
                         "before --exit-timeout-secs expires")
@@ -118,6 +126,7 @@ class ServerWatch:
         live = self._probe()
         if live:
             self._seen_live = True  # only ever set (confirm_live sets it from another thread)
+            self._hold.keep(self.url)
         self._failures = 0 if live else self._failures + 1
         return self._seen_live and self._failures >= 2
 
@@ -129,6 +138,12 @@ class ServerWatch:
         probe: a probe that cannot reach the server must not be taken for a shutdown."""
         if self.url is not None and not self._seen_live and self._probe():
             self._failures, self._seen_live = 0, True  # an answer: the refusals before it were the start-up's
+            self._hold.keep(self.url)
+
+    def release(self) -> None:
+        """Let the server's HTTP endpoint stop, once the responses this stub sent had time to reach it:
+        the stub sends no more (idempotent)."""
+        self._hold.release(settle_s=RESPONSE_SETTLE_S)
 
     def _probe(self) -> bool:
         try:
@@ -142,6 +157,60 @@ class ServerWatch:
             return False
         except OSError:
             return True  # a timeout: unknown
+
+
+class _Hold:
+    """One idle connection to the server's HTTP endpoint, open while the server is live.
+
+    On SIGTERM 2.51 waits for its open HTTP connections to close, then stops the endpoint and frees
+    its threads; a response that reaches the endpoint after that crashes the server (SIGSEGV). A
+    client still connected holds the endpoint up for its own responses, but one that closed its
+    connection mid-stream leaves a k3_ensemble request generating in k3_lm (2.51 cancels an
+    ensemble's later steps, not one in flight), and with no connection open its next response came
+    after the stop. Counted as a connection like any client's, this one keeps the endpoint up until
+    the stub released it after its last response. It sends nothing; the server never closes an
+    idle connection, and one found closed is opened again at the next probe."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+        self._released = False
+        self._lock = threading.Lock()
+
+    def keep(self, url: str) -> None:
+        """Hold a connection to http://host:port `url` (the server just answered there) unless one is open."""
+        with self._lock:
+            if self._released or self._open():
+                return
+            host, _, port = url.removeprefix("http://").rpartition(":")
+            try:
+                self._sock = socket.create_connection((host, int(port)), timeout=2)
+            except OSError as e:
+                self._sock = None
+                log.warning("could not hold a connection to the server's HTTP endpoint (%s): a response sent at "
+                            "shutdown to a client that has gone may crash the server", e)
+
+    def release(self, settle_s: float) -> None:
+        with self._lock:
+            self._released = True
+            if self._sock is not None:
+                time.sleep(settle_s)
+                self._sock.close()
+                self._sock = None
+
+    def _open(self) -> bool:
+        """The held connection is still open: no end of stream (nor error) waiting on it."""
+        if self._sock is None:
+            return False
+        try:
+            alive = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            alive = False
+        if not alive:
+            self._sock.close()
+            self._sock = None
+        return alive
 
 
 def watch_parent(model: str, period_s: float = 0.5) -> threading.Thread:
