@@ -250,21 +250,12 @@ def test_shutdown_with_http_streams_in_flight_ends_them_and_exits_cleanly(triton
     streams = [HttpStream(srv.http_url, model, {"text_input": f"long {model}", **LONG})
                for model in ("k3_ensemble", "k3_lm")]
     wait_until(lambda: all(s.events for s in streams), 60, "every stream's first event")
-    start = time.monotonic()
-    if how == "sigterm":
-        os.kill(srv.pid, signal.SIGTERM)
-    else:
-        os.killpg(srv.pid, signal.SIGINT)
-    code = srv.process.wait(exit_timeout + 20 + 5)
-    took = time.monotonic() - start
+    code, took = _stop(srv, how, exit_timeout)
     for s in streams:
         assert s.done.wait(5), "a stream was not closed"
         assert s.end == "eof", s.end
         assert "UNAVAILABLE: server shutting down" in s.events[-1].get("error", ""), s.events[-1]
-    assert code == 0, srv.log_tail(60)
-    _shutdown_log_is_clean(srv)
-    assert took < exit_timeout + 1, took
-    wait_until(lambda: not group_pids(srv.pid), 10, "the stubs and the guardian to exit")
+    _exited_cleanly(srv, code, took, exit_timeout)
 
 
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
@@ -283,13 +274,21 @@ def test_shutdown_after_a_client_dropped_an_http_ensemble_stream_exits_cleanly(t
     assert dropped.done.wait(5)
     time.sleep(1.0)
     wait_until(lambda: metric(metrics(srv.metrics_url), "k3:num_requests_running") == 1, 5, "the request to run")
+    _exited_cleanly(srv, *_stop(srv, how, exit_timeout), exit_timeout)
+
+
+def _stop(srv, how: str, exit_timeout: float) -> tuple[int, float]:
+    """SIGTERM to the server, or Ctrl-C (SIGINT to its whole process group); its exit status and time."""
     start = time.monotonic()
     if how == "sigterm":
         os.kill(srv.pid, signal.SIGTERM)
     else:
         os.killpg(srv.pid, signal.SIGINT)
     code = srv.process.wait(exit_timeout + 20 + 5)
-    took = time.monotonic() - start
+    return code, time.monotonic() - start
+
+
+def _exited_cleanly(srv, code: int, took: float, exit_timeout: float) -> None:
     assert code == 0, srv.log_tail(60)
     _shutdown_log_is_clean(srv)
     assert took < exit_timeout + 1, took
