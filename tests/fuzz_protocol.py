@@ -301,8 +301,12 @@ def duplicate_ids(g: Gen) -> Case:
         return Case(g.index, f"abuse/duplicate-ids/{model}", protocol, requests, OK,
                     action="race" if protocol == "grpc" else "parallel")
     requests = [Request(model, _long(g, protocol, 256), rid) for _ in range(n)] + [_stop(model, rid)]
+    # One gRPC stream keeps their order. HTTP requests go from threads 50 ms apart, and under load a target
+    # can arrive after the stop, which matched the others and so left no tombstone: it runs to its end
+    # ([CAN-7]; the soak saw it once in 18,219 cases). One is always cancelled, matched or by the tombstone.
     return Case(g.index, f"abuse/duplicate-ids-stopped/{model}", protocol, requests, OK,
-                action="race" if protocol == "grpc" else "parallel", delay_s=0.05, finish=("cancelled", n))
+                action="race" if protocol == "grpc" else "parallel", delay_s=0.05,
+                finish=("cancelled", n if protocol == "grpc" else 1))
 
 
 def request_ids(g: Gen) -> Case:

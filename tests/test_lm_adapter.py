@@ -108,13 +108,14 @@ def test_the_watch_holds_one_connection_to_a_live_server_until_released():
 
     from k3backend.serving import lifecycle
 
-    open_now, lock = [0], threading.Lock()
+    open_now, opened, lock = [0], [0], threading.Lock()
 
     class Live(http.server.BaseHTTPRequestHandler):
         def setup(self):
             super().setup()
             with lock:
                 open_now[0] += 1
+                opened[0] += 1
 
         def finish(self):
             super().finish()
@@ -137,7 +138,10 @@ def test_the_watch_holds_one_connection_to_a_live_server_until_released():
         watch.url = f"http://127.0.0.1:{server.server_address[1]}"
         assert not watch.shutting_down()
         assert _settles(lambda: open_now[0] == 1), open_now  # the probe's connection closed, the hold's not
-        assert not watch.shutting_down() and _settles(lambda: open_now[0] == 1), open_now  # not a second one
+        t0 = time.monotonic()
+        assert not any(watch.shutting_down() for _ in range(3))
+        assert time.monotonic() - t0 < 1.0  # the hold's check does not wait
+        assert _settles(lambda: open_now[0] == 1) and opened[0] == 5, (open_now, opened)  # 4 probes, 1 hold
         watch._hold._sock.close()  # as if the server had closed it: the next probe holds a new one
         assert _settles(lambda: open_now[0] == 0)
         assert not watch.shutting_down() and _settles(lambda: open_now[0] == 1), open_now

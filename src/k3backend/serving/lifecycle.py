@@ -174,6 +174,7 @@ class _Hold:
     def __init__(self) -> None:
         self._sock: socket.socket | None = None
         self._released = False
+        self._warned = False
         self._lock = threading.Lock()
 
     def keep(self, url: str) -> None:
@@ -184,10 +185,13 @@ class _Hold:
             host, _, port = url.removeprefix("http://").rpartition(":")
             try:
                 self._sock = socket.create_connection((host, int(port)), timeout=2)
+                self._sock.setblocking(False)  # `_open` peeks without waiting
             except OSError as e:
                 self._sock = None
-                log.warning("could not hold a connection to the server's HTTP endpoint (%s): a response sent at "
-                            "shutdown to a client that has gone may crash the server", e)
+                if not self._warned:
+                    self._warned = True
+                    log.warning("could not hold a connection to the server's HTTP endpoint (%s): a response sent "
+                                "at shutdown to a client that has gone may crash the server", e)
 
     def release(self, settle_s: float) -> None:
         with self._lock:
@@ -202,7 +206,7 @@ class _Hold:
         if self._sock is None:
             return False
         try:
-            alive = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+            alive = self._sock.recv(1, socket.MSG_PEEK) != b""
         except BlockingIOError:
             return True
         except OSError:
