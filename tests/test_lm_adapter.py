@@ -146,8 +146,8 @@ def test_the_watch_holds_one_connection_to_a_live_server_until_released():
         assert _settles(lambda: open_now[0] == 0)
         assert not watch.shutting_down() and _settles(lambda: open_now[0] == 1), open_now
         t0 = time.monotonic()
-        watch.release()
-        assert time.monotonic() - t0 >= lifecycle.RESPONSE_SETTLE_S
+        watch.release(last_send=t0 - 0.4)  # a response 0.4 s ago: the rest of the settle
+        assert lifecycle.RESPONSE_SETTLE_S - 0.4 <= time.monotonic() - t0 < lifecycle.RESPONSE_SETTLE_S
         assert _settles(lambda: open_now[0] == 0), open_now
         assert not watch.shutting_down() and _settles(lambda: open_now[0] == 0), open_now  # released for good
     finally:

@@ -140,10 +140,10 @@ class ServerWatch:
             self._failures, self._seen_live = 0, True  # an answer: the refusals before it were the start-up's
             self._hold.keep(self.url)
 
-    def release(self) -> None:
-        """Let the server's HTTP endpoint stop, once the responses this stub sent had time to reach it:
-        the stub sends no more (idempotent)."""
-        self._hold.release(settle_s=RESPONSE_SETTLE_S)
+    def release(self, last_send: float) -> None:
+        """Let the server's HTTP endpoint stop once the responses this stub sent, the last at monotonic
+        time `last_send`, had time to reach it: the stub sends no more (idempotent)."""
+        self._hold.release(settle_s=RESPONSE_SETTLE_S - (time.monotonic() - last_send))
 
     def _probe(self) -> bool:
         try:
@@ -197,7 +197,7 @@ class _Hold:
         with self._lock:
             self._released = True
             if self._sock is not None:
-                time.sleep(settle_s)
+                time.sleep(max(0.0, settle_s))
                 self._sock.close()
                 self._sock = None
 

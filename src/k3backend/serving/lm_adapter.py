@@ -210,7 +210,7 @@ class LmServer:
             self._prepare_q.put(None)
         self.responder.put(("shutdown",), None)
         self.responder.join(timeout=5)
-        self.server.release()  # every response sent: the HTTP endpoint may stop
+        self.server.release(self.responder.last_send)  # every response sent: the HTTP endpoint may stop
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5 if t.name != "k3-lm-lifecycle" else 0.5)

@@ -81,6 +81,7 @@ class Responder:
         self.pb, self.engine, self.registry, self.metrics, self.period_s = pb_utils, engine, registry, metrics, period_s
         self.stats = stats  # the engine's latest, for the gauges
         self.steps_seen = 0  # engine messages read: the step watchdog's progress count
+        self.last_send = -float("inf")  # monotonic time of the last response sent
         self.inbox = _Inbox()
         self._lock = threading.Lock()  # put() against the thread's last drain
         self.alive = True
@@ -235,6 +236,7 @@ class Responder:
             sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         except Exception:  # noqa: BLE001 - a vanished client must not stop other responses
             log.exception("%s: sending a response of request %r failed", MODEL, client_id)
+        self.last_send = time.monotonic()
 
     def _poll_cancellations(self, open_: dict) -> None:
         """[CAN-1]: ask each open sender `is_cancelled()` at most once per period, never after its final.
