@@ -466,6 +466,28 @@ def test_close_ends_in_flight_requests_with_unavailable_and_leaves_no_process(lm
     assert late.final.wait(5) and "server shutting down" in late.error.message
 
 
+def test_the_http_endpoint_stays_held_while_final_responses_are_still_being_sent(lm_ckpt):
+    """The held HTTP connection is let go only after the response thread sent its last response: a
+    response that reaches a stopped endpoint crashes 2.51. Here a send blocks past the 5 s that the
+    shutdown waits for the response thread (it let go at 5 s, with the final response unsent)."""
+    server = start(lm_ckpt)
+    gate = threading.Event()
+    released = []
+    server.server.release = lambda last_send: released.append(gate.is_set())
+    stuck = ask(server, "a", sender=FakeSender(gate=gate), max_tokens=3000, min_tokens=3000, ignore_eos=True,
+                stream=True)
+    closing = threading.Thread(target=server.close, daemon=True)
+    closing.start()
+    time.sleep(6.5)
+    assert released == [], "let go while a response was still being sent"
+    gate.set()
+    wait_until(lambda: released, 30, "the release after the last response")
+    assert released == [True] and stuck.final.is_set()
+    assert stuck.error.message == "k3_lm: UNAVAILABLE: server shutting down"
+    closing.join(30)
+    assert not closing.is_alive()
+
+
 def test_setup_logging_leaves_a_test_processs_exit_status_alone():
     """The stub exits at once at interpreter teardown (os._exit(0)); any other process, a test run
     above all, must keep its exit status."""

@@ -33,9 +33,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 DEFAULT_EXIT_TIMEOUT_S = 30.0  # tritonserver's default --exit-timeout-secs
-# Every response is sent this long before Triton's exit timeout expires: the models must still
-# unload after that (about a second per Python stub here), or the server exits with exit(1).
-SHUTDOWN_MARGIN_S = 6.0
+# Every response is sent this long before Triton's exit timeout expires: the HTTP endpoint must still
+# stop (the held connection's settle, then its 1 s polls) and the models unload after that, or the
+# server exits with exit(1). That took 5.4-6.3 s here (2-core CPU, T = 8 and 30).
+SHUTDOWN_MARGIN_S = 8.0
 SHUTDOWN_MARGIN_FRACTION = 0.25
 # A healthy server is gone this long after its exit timeout (measured from the shutdown's start);
 # the k3_lm guardian kills one that is not (a stream held open: see guardian.py).

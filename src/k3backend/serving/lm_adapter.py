@@ -210,11 +210,21 @@ class LmServer:
             self._prepare_q.put(None)
         self.responder.put(("shutdown",), None)
         self.responder.join(timeout=5)
-        self.server.release(self.responder.last_send)  # every response sent: the HTTP endpoint may stop
+        if self.responder.alive:
+            log.warning("%s: responses are still being sent 5 s into the shutdown; the HTTP endpoint is held "
+                        "until the last one is", MODEL)
+        threading.Thread(target=self._release_when_sent, name="k3-lm-release", daemon=True).start()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5 if t.name != "k3-lm-lifecycle" else 0.5)
         self.engine.close(timeout=self.shutdown_timeout_s)
+
+    def _release_when_sent(self) -> None:
+        """Let the HTTP endpoint stop once the response thread sent its last response (a response
+        that reaches a stopped endpoint crashes 2.51); a send stuck for ever keeps it until the exit
+        timeout, which ends the server without a crash."""
+        self.responder.join(timeout=None)
+        self.server.release(self.responder.last_send)
 
     # ---- the prepare thread ----------------------------------------------------------------
 
