@@ -129,6 +129,21 @@ def test_an_engine_core_whose_stub_is_gone_exits(ckpt):
     c.close()
 
 
+def test_close_ends_an_engine_core_blocked_on_outputs_nobody_reads(ckpt, tok):
+    """Once the serving layer's reader has stopped (its response thread ended at shutdown), the engine
+    core fills the pipe with step outputs and blocks sending, so it never reads "close": close() then
+    waited its whole timeout and killed the core (a shutdown stalled 20 s; the stub later crashed)."""
+    c = EngineClient(CoreSpec(str(ckpt), CFG, "float32", "cpu"))
+    pid = c.process.pid
+    c.add(Request("long", tok.encode("fill the pipe", allow_special=True),
+                  SamplingParams(max_tokens=900, min_tokens=900, ignore_eos=True, logprobs=20)))
+    time.sleep(5)  # nobody reads: ~1 KB of outputs a step fills the pipe within a second or two
+    t0 = time.monotonic()
+    c.close(timeout=15)
+    assert time.monotonic() - t0 < 5, "close() waited for an engine core blocked on its own outputs"
+    assert not alive(pid)
+
+
 def test_a_start_up_failure_is_raised_with_the_engine_cores_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(EngineStartError, match="the engine core failed to start"):

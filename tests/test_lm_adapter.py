@@ -476,6 +476,7 @@ def test_the_http_endpoint_stays_held_while_final_responses_are_still_being_sent
     server.server.release = lambda last_send: released.append(gate.is_set())
     stuck = ask(server, "a", sender=FakeSender(gate=gate), max_tokens=3000, min_tokens=3000, ignore_eos=True,
                 stream=True)
+    wait_until(server.registry.engine_in_flight, 30, "the request in the engine")  # its sends: the responder's
     closing = threading.Thread(target=server.close, daemon=True)
     closing.start()
     time.sleep(6.5)

@@ -16,6 +16,7 @@ import pickle
 import queue
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 from k3backend.engine.core_process import CoreInfo, CoreSpec, core_main
@@ -103,14 +104,25 @@ class EngineClient:
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def close(self, timeout: float = 20.0) -> None:
-        """Ask the engine core to finish, wait up to `timeout`, then kill it."""
+    def close(self, timeout: float = 20.0, reader_gone: Callable[[], bool] = lambda: True) -> None:
+        """Ask the engine core to finish, wait up to `timeout`, then kill it. Meanwhile what it still
+        sends is read and dropped (a core blocked on a full pipe never reads "close"), from when
+        `reader_gone()` says no other thread reads its messages any more."""
         if self._closed:
             return
         self._closed = True
         self._outbox.put(("close", 0, None))
         self._outbox.put(None)
-        self.process.join(timeout)
+        deadline = time.monotonic() + timeout
+        while self.process.is_alive() and (left := deadline - time.monotonic()) > 0:
+            if not reader_gone():
+                self.process.join(min(left, 0.1))
+            elif self.conn in wait([self.conn, self.process.sentinel], left):
+                try:
+                    self.conn.recv_bytes()
+                except (EOFError, OSError):
+                    break
+        self.process.join(max(0.0, deadline - time.monotonic()))
         if self.process.is_alive():
             log.error("engine core pid %d did not exit within %.1f s; killing it", self.process.pid, timeout)
         self._kill()

@@ -217,7 +217,7 @@ class LmServer:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5 if t.name != "k3-lm-lifecycle" else 0.5)
-        self.engine.close(timeout=self.shutdown_timeout_s)
+        self.engine.close(timeout=self.shutdown_timeout_s, reader_gone=lambda: not self.responder.alive)
 
     def _release_when_sent(self) -> None:
         """Let the HTTP endpoint stop once the response thread sent its last response (a response
