@@ -137,11 +137,21 @@ def test_close_ends_an_engine_core_blocked_on_outputs_nobody_reads(ckpt, tok):
     pid = c.process.pid
     c.add(Request("long", tok.encode("fill the pipe", allow_special=True),
                   SamplingParams(max_tokens=900, min_tokens=900, ignore_eos=True, logprobs=20)))
-    time.sleep(5)  # nobody reads: ~1 KB of outputs a step fills the pipe within a second or two
+    wait_until(lambda: _unread_bytes(c.conn) > 60_000, 60, "the engine core to fill its pipe (nobody reads)")
+    time.sleep(0.5)  # and block in its next send
     t0 = time.monotonic()
     c.close(timeout=15)
     assert time.monotonic() - t0 < 5, "close() waited for an engine core blocked on its own outputs"
     assert not alive(pid)
+
+
+def _unread_bytes(conn) -> int:
+    """Bytes waiting in a pipe (Linux FIONREAD); its capacity is 64 KiB."""
+    import fcntl
+    import struct
+    import termios
+
+    return struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
 
 
 def test_a_start_up_failure_is_raised_with_the_engine_cores_error(tmp_path):

@@ -209,8 +209,7 @@ class LmServer:
             self._accepting = False
             self._prepare_q.put(None)
         self.responder.put(("shutdown",), None)
-        self.responder.join(timeout=5)
-        if self.responder.alive:
+        if not self.responder.join(timeout=5):
             log.warning("%s: responses are still being sent 5 s into the shutdown; the HTTP endpoint is held "
                         "until the last one is", MODEL)
         threading.Thread(target=self._release_when_sent, name="k3-lm-release", daemon=True).start()

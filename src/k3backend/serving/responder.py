@@ -98,8 +98,10 @@ class Responder:
                 self.inbox.put(item)
             return True
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float | None) -> bool:
+        """Wait for the thread's end; whether it ended (`alive` turns False before its last sends)."""
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         """The loop, then every request still open gets its final response: after a shutdown, or with
