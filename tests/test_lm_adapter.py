@@ -489,6 +489,37 @@ def test_the_http_endpoint_stays_held_while_final_responses_are_still_being_sent
     assert not closing.is_alive()
 
 
+def test_the_http_endpoint_stays_held_while_the_prepare_thread_answers_what_was_queued(lm_ckpt):
+    """Requests still queued at shutdown are answered by the prepare thread itself once the response
+    thread has ended; the held connection waits for those sends too. Here the prepare thread is busy
+    with one request while the shutdown ends the response thread, and the queued one's send blocks."""
+    server = start(lm_ckpt)
+    busy, gate = threading.Event(), threading.Event()
+    released = []
+    server.server.release = lambda last_send: released.append(gate.is_set())
+    admit = server._admit
+
+    def slow_admit(stream):
+        busy.wait(30)
+        admit(stream)
+
+    server._admit = slow_admit
+    first = ask(server, "a", max_tokens=4)
+    queued = ask(server, "b", sender=FakeSender(gate=gate), max_tokens=4)
+    closing = threading.Thread(target=server.close, daemon=True)
+    closing.start()
+    assert server.responder.join(timeout=30), "the response thread did not end"
+    busy.set()
+    time.sleep(1.5)
+    assert released == [], "let go while the prepare thread was still sending"
+    gate.set()
+    wait_until(lambda: released, 30, "the release after the prepare thread's send")
+    assert released == [True] and first.final.is_set() and queued.final.is_set()
+    assert queued.error.message == "k3_lm: UNAVAILABLE: server shutting down"
+    closing.join(30)
+    assert not closing.is_alive()
+
+
 def test_setup_logging_leaves_a_test_processs_exit_status_alone():
     """The stub exits at once at interpreter teardown (os._exit(0)); any other process, a test run
     above all, must keep its exit status."""

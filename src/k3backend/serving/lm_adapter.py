@@ -151,7 +151,8 @@ class LmServer:
         self._accepting, self._accepting_lock = True, threading.Lock()  # the prepare thread takes requests
         self._guardian_fd = guardian.spawn(MODEL, stub_failure_action)
         self.responder = Responder(pb_utils, self.engine, self.registry, self.metrics, self.period_s, warm_stats)
-        self._threads = [threading.Thread(target=self._prepare_loop, name="k3-lm-prepare", daemon=True),
+        self._preparer = threading.Thread(target=self._prepare_loop, name="k3-lm-prepare", daemon=True)
+        self._threads = [self._preparer,
                          threading.Thread(target=self._lifecycle_loop, name="k3-lm-lifecycle", daemon=True)]
         for t in self._threads:
             t.start()
@@ -219,10 +220,14 @@ class LmServer:
         self.engine.close(timeout=self.shutdown_timeout_s, reader_gone=lambda: not self.responder.alive)
 
     def _release_when_sent(self) -> None:
-        """Let the HTTP endpoint stop once the response thread sent its last response (a response
-        that reaches a stopped endpoint crashes 2.51); a send stuck for ever keeps it until the exit
-        timeout, which ends the server without a crash."""
+        """Let the HTTP endpoint stop once the last response is sent (one that reaches a stopped endpoint
+        crashes 2.51): the response thread's, and the prepare thread's for requests still queued, which
+        it answers itself once the response thread ended. A send stuck for ever keeps the endpoint until
+        the exit timeout, which ends the server without a crash."""
         self.responder.join(timeout=None)
+        self._preparer.join()  # it ends at the None that _shut_down queued
+        while not self.responder.quiet():  # execute() answering a late arrival
+            time.sleep(0.01)
         self.server.release(self.responder.last_send)
 
     # ---- the prepare thread ----------------------------------------------------------------

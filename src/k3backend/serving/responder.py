@@ -81,7 +81,9 @@ class Responder:
         self.pb, self.engine, self.registry, self.metrics, self.period_s = pb_utils, engine, registry, metrics, period_s
         self.stats = stats  # the engine's latest, for the gauges
         self.steps_seen = 0  # engine messages read: the step watchdog's progress count
-        self.last_send = -float("inf")  # monotonic time of the last response sent
+        self.last_send = -float("inf")  # monotonic time of the last response sent, by any thread
+        self._sending = 0  # sends in progress, by any thread (see `quiet`)
+        self._send_lock = threading.Lock()
         self.inbox = _Inbox()
         self._lock = threading.Lock()  # put() against the thread's last drain
         self.alive = True
@@ -97,6 +99,11 @@ class Responder:
             for item in items:
                 self.inbox.put(item)
             return True
+
+    def quiet(self) -> bool:
+        """No send in progress on any thread: `last_send` is then the last response to reach the server."""
+        with self._send_lock:
+            return self._sending == 0
 
     def join(self, timeout: float | None) -> bool:
         """Wait for the thread's end; whether it ended (`alive` turns False before its last sends)."""
@@ -225,6 +232,18 @@ class Responder:
                 self._count_final(stream)
 
     def send(self, sender: Any, client_id: str, outputs: dict | None, error: Exception | None, final: bool) -> None:
+        """Send one response. Every thread's sends go through here (the prepare thread and execute()
+        answer directly once this thread ended), so that the shutdown knows when the last one left."""
+        with self._send_lock:
+            self._sending += 1
+        try:
+            self._send(sender, client_id, outputs, error, final)
+        finally:
+            with self._send_lock:
+                self._sending -= 1
+                self.last_send = time.monotonic()
+
+    def _send(self, sender: Any, client_id: str, outputs: dict | None, error: Exception | None, final: bool) -> None:
         if error is not None:
             code, message = error_message(MODEL, error, client_id)
             if code == "CANCELLED":  # a direct cancellation counts as a finished request (§9)
@@ -238,7 +257,6 @@ class Responder:
             sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         except Exception:  # noqa: BLE001 - a vanished client must not stop other responses
             log.exception("%s: sending a response of request %r failed", MODEL, client_id)
-        self.last_send = time.monotonic()
 
     def _poll_cancellations(self, open_: dict) -> None:
         """[CAN-1]: ask each open sender `is_cancelled()` at most once per period, never after its final.
