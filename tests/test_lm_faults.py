@@ -470,13 +470,16 @@ def test_killed_server_leaves_no_process(triton_server, frozen):
     """[HLT-10]: SIGKILL of tritonserver: the k3_lm stub (even while the dead server is an unreaped
     zombie) and its guardian exit within 10 s. Frozen: the stub's own parent watch cannot run (a
     thread blocked in a call into the dead server can hold the GIL; here the stub is SIGSTOPped),
-    so its guardian ends it once the server is gone."""
+    so its guardian ends it once the server is gone. `stop()` then removes the stub regions the
+    killed server left in /dev/shm."""
     srv = triton_server(REPO, MODELS, fresh=True)
     watch = Watch(srv.grpc_url, "k3_lm", {"text_input": "long", **LONG}, "orphan")
     try:
         wait_until(lambda: watch.responses, 60, "the first response")
         stub = stub_pid(srv.log_path)
         guardian = log_pid(srv.log_path, r"k3_lm: guardian pid (\d+)")
+        regions = srv.shm_regions()
+        assert regions, f"no stub region named {srv.shm_prefix}* in /dev/shm"
         if frozen:
             os.kill(stub, signal.SIGSTOP)
         os.kill(srv.pid, signal.SIGKILL)
@@ -488,5 +491,8 @@ def test_killed_server_leaves_no_process(triton_server, frozen):
         assert not frozen or "did not exit within" in srv.log_path.read_text(errors="replace")
         srv.process.wait(5)  # reap: the other stubs see their parent gone
         wait_until(lambda: not group_pids(srv.pid), 10, "every process of the server")
+        assert all(r.exists() for r in regions), "Triton itself removed them: this check no longer tests stop()"
+        srv.stop()
+        assert srv.shm_regions() == [], "a killed server's stub regions outlived stop()"
     finally:
         watch.close()

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import uuid
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -145,6 +146,8 @@ def _prepend(entries: list[str], existing: str) -> str:
 # for the pinned-memory pool ("Unable to allocate pinned system memory"). These flags skip both;
 # nothing is lost, since neither can work without a GPU.
 NO_GPU_ARGS = ("--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0")
+SHM_DIR = Path("/dev/shm")  # where the Python backend's stub regions live (POSIX shared memory on Linux)
+SHM_PREFIX_OPTION = "shm-region-prefix-name"
 
 
 def gpu_visible(env: Mapping[str, str] | None = None) -> bool:
@@ -252,6 +255,10 @@ class TritonServer:
         self.process: subprocess.Popen[bytes] | None = None
         self._log_file = None
         self._sigterm_sent = False
+        # Our own stub-region prefix, so that `stop` can remove what a killed server leaves in /dev/shm
+        # (Triton unlinks them only on a clean exit); None where extra_args name their own.
+        own = any(SHM_PREFIX_OPTION in a for a in self.extra_args)
+        self.shm_prefix = None if own else f"k3backend_{uuid.uuid4().hex[:12]}_"
 
     # URLs in the forms the clients take: tritonclient.grpc wants host:port without a scheme.
     @property
@@ -305,9 +312,10 @@ class TritonServer:
         raise AssertionError("unreachable")
 
     def _spawn(self, backend_dir: Path) -> None:
+        shm = () if self.shm_prefix is None else (f"--backend-config=python,{SHM_PREFIX_OPTION}={self.shm_prefix}",)
         cmd = server_command(
             self.model_repository, backend_dir, self.http_port, self.grpc_port, self.metrics_port,
-            self.extra_args, self.install, address=self.address,
+            (*shm, *self.extra_args), self.install, address=self.address,
         )
         self._log_file = open(self.log_path, "wb")
         self._log_file.write(f"$ {' '.join(cmd)}\n".encode())
@@ -363,8 +371,9 @@ class TritonServer:
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM the server (once), wait `timeout_s`, then SIGKILL its whole process group.
 
-        The group is swept even after a clean exit, so no stub outlives the server. Idempotent;
-        returns the server's exit code (None if it was never started).
+        The group is swept even after a clean exit, so no stub outlives the server, and so are the
+        stub regions a killed server leaves in /dev/shm. Idempotent; returns the server's exit code
+        (None if it was never started).
         """
         atexit.unregister(self.stop)
         if self.process is None:
@@ -377,10 +386,17 @@ class TritonServer:
                 logger.warning("tritonserver pid %d: no exit %.0f s after SIGTERM, killing", self.pid, timeout_s)
         self._kill_group()
         code = self.process.wait()
+        for region in self.shm_regions():  # the group is dead: nothing attaches to these any more
+            with contextlib.suppress(FileNotFoundError):
+                region.unlink()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
         return code
+
+    def shm_regions(self) -> list[Path]:
+        """The stub shared-memory regions of this server that exist now (none known: [])."""
+        return sorted(SHM_DIR.glob(self.shm_prefix + "*")) if self.shm_prefix and SHM_DIR.is_dir() else []
 
     def _kill_group(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
