@@ -491,7 +491,8 @@ def test_killed_server_leaves_no_process(triton_server, frozen):
         assert not frozen or "did not exit within" in srv.log_path.read_text(errors="replace")
         srv.process.wait(5)  # reap: the other stubs see their parent gone
         wait_until(lambda: not group_pids(srv.pid), 10, "every process of the server")
-        assert all(r.exists() for r in regions), "Triton itself removed them: this check no longer tests stop()"
+        # A stub that exits by itself may unlink its region; the killed (frozen) one cannot.
+        assert not frozen or any(r.exists() for r in regions), "no region left to test stop() with"
         srv.stop()
         assert srv.shm_regions() == [], "a killed server's stub regions outlived stop()"
     finally:
