@@ -29,9 +29,9 @@ import subprocess
 import sys
 import sysconfig
 import time
-import uuid
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,7 +256,7 @@ class TritonServer:
         self._log_file = None
         self._sigterm_sent = False
         # Our own stub-region prefix, so that `stop` can remove what a killed server leaves in /dev/shm
-        # (Triton unlinks them only on a clean exit); None where extra_args name their own.
+        # (a killed or stuck stub's region stays); None where extra_args name their own.
         own = any(SHM_PREFIX_OPTION in a for a in self.extra_args)
         self.shm_prefix = None if own else f"k3backend_{uuid.uuid4().hex[:12]}_"
 
