@@ -11,7 +11,8 @@ bench/kernels_moe.py (a per-expert popularity skew). Weights: random codes and e
 make-checkpoint's rule; the bf16 copy is their exact dequantization.
 
 Columns: ms of experts_mxfp4, with each in-register expansion (d0 tl.dot_scaled, d1 through fp32, d2 the
-PTX bit placement; the first row is what experts_config picks, the one the engine runs); TB/s in packed bytes (codes + exponents of the experts hit, plus x and
+PTX bit placement, d3 the same with the 2^126 in the scale; the first row is what experts_mxfp4_config picks,
+the one the engine runs); TB/s in packed bytes (codes + exponents of the experts hit, plus x and
 the output; the 1-64 token target is >= 70 % of 4.27 TB/s, the measured copy ceiling); TFLOP/s of the
 useful 2·T·k·3·I·D (the 8-16 K target is >= 450); x bf16 = the bf16 kernel's time / this one's (the
 1-64 token target is >= 2.5); check: every element within 2 bf16 ulps of the row's largest |output|
@@ -94,7 +95,7 @@ def check(layer: MxLayer, args: tuple, cfg=None) -> str:
 
     x, w, ids = args[:3]
     s = layer.s
-    cfg = cfg or moe.experts_config(x.shape[0], s.k, s.E, s.D, s.I, mxfp4=True)
+    cfg = cfg or moe.experts_mxfp4_config(x.shape[0], s.k, s.E, s.D, s.I, layer.mx["w13_scale"], layer.mx["w2_scale"])
     run = lambda: moe.experts_with(x, w, ids, layer.mx["w13"], layer.mx["w2"], SITU, 1.0, cfg,  # noqa: E731
                                    (layer.mx["w13_scale"], layer.mx["w2_scale"]))
     got = run()
@@ -114,7 +115,7 @@ def _math(cfg):
 
 
 def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list[str]:
-    """Check and time experts_mxfp4 as experts_config picks it, then the MMA tiles with each expansion and
+    """Check and time experts_mxfp4 as experts_mxfp4_config picks it, then the MMA tiles with each expansion and
     the GEMV kernels (d1, d2) where it or the bf16 experts take them, and the bf16 kernel at each T;
     returns the table rows."""
     from k3backend.kernels import moe
@@ -124,11 +125,11 @@ def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list
         x, w, ids = layer.inputs(T)
         hit = int(torch.unique(ids).numel())
         nbytes, flops = _bytes_flops(s, T, hit)
-        chosen = moe.experts_config(T, s.k, s.E, s.D, s.I, mxfp4=True)
+        chosen = moe.experts_mxfp4_config(T, s.k, s.E, s.D, s.I, layer.mx["w13_scale"], layer.mx["w2_scale"])
         t_bf = time_fn(lambda: moe.experts(*layer.bf16_args(x, w, ids)), True, iters)
         gemv = chosen.gemv or moe.experts_config(T, s.k, s.E, s.D, s.I).gemv  # where either rule takes them
-        variants = [dataclasses.replace(chosen, gemv=None, decode=d) for d in (0, 1, 2)]
-        variants += [dataclasses.replace(chosen, gemv=gemv, decode=d) for d in (1, 2)] if gemv else []
+        variants = [dataclasses.replace(chosen, gemv=None, decode=d) for d in (0, 1, 2, 3)]
+        variants += [dataclasses.replace(chosen, gemv=gemv, decode=d) for d in (1, 2, 3)] if gemv else []
         for cfg in [chosen] + [v for v in variants if _math(v) != _math(chosen)]:
             shape = f"T{T} hit{hit}/{s.E} " + (f"gemv{cfg.gemv[:2]}" if cfg.gemv else f"BM{cfg.block_m}") + \
                 f" d{cfg.decode}"
@@ -158,7 +159,7 @@ def candidates(cfg) -> list:
     """The chosen tiles and expansion, then one change at a time."""
     r = dataclasses.replace
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
-    out = [cfg] + [r(cfg, decode=d) for d in (0, 1, 2) if d != cfg.decode]
+    out = [cfg] + [r(cfg, decode=d) for d in (0, 1, 2, 3) if d != cfg.decode]
     out += [r(cfg, up=(ubn, bk, uw, us), down=(dbn, bk, dw, ds)) for bk in (64, 128, 256) if bk != ubk]
     out += [r(cfg, up=(ubn, ubk, uw, st), down=(dbn, dbk, dw, st)) for st in (2, 3, 5) if st != us]
     out += [r(cfg, up=(bn, ubk, uw, us), down=(bn, dbk, dw, ds)) for bn in (32, 64, 128) if bn != ubn]
@@ -178,7 +179,7 @@ def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
         nbytes, flops = _bytes_flops(s, T, int(torch.unique(ids).numel()))
         scales = (layer.mx["w13_scale"], layer.mx["w2_scale"])
         timed = []
-        for cfg in candidates(moe.experts_config(T, s.k, s.E, s.D, s.I, mxfp4=True)):
+        for cfg in candidates(moe.experts_mxfp4_config(T, s.k, s.E, s.D, s.I, *scales)):
             try:
                 t = time_fn(lambda: moe.experts_with(x, w, ids, layer.mx["w13"], layer.mx["w2"], SITU, 1.0, cfg,
                                                      scales), True, iters)

@@ -378,7 +378,8 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
         assert c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what}: {c}"
 
 
-def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills():
+@pytest.mark.parametrize("decode", [2, 3])
+def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode):
     """DECODE 2's inline PTX is accepted by ptxas for sm_90a in the MMA tiles (16 tokens of `small`) and the
     GEMV kernels (1 token), with no spills: the interpreter cannot run it, so this and
     test_e2m1_ptx_decodes_every_code_and_exponent are what CI checks of it."""
@@ -389,7 +390,7 @@ def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills():
     D = I = 1024
     cfg = moe.experts_config(16, 6, 64, D, I, mxfp4=True)
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
-    mx = dict(GPU=True, EVEN_K=True, MX=True, DECODE=2, TOP_K=6)
+    mx = dict(GPU=True, EVEN_K=True, MX=True, DECODE=decode, TOP_K=6)
     act = dict(inv_beta=0.25, beta=4.0, inv_lam=0.04, lam=25.0)
     up = compile_sm90(moe._up_kernel, dict(
         x_ptr="*bf16", w13_ptr="*u8", s13_ptr="*u8", w_desc="*u8", h_ptr="*bf16", sorted_ptr="*i32",
@@ -584,6 +585,27 @@ def check_experts_mxfp4_ptx_expansion_equals_reference():
         assert_bf16_close(got, want, scale, f"mxfp4 PTX expansion T={T}")
 
 
+def check_experts_mxfp4_fold_the_bias_into_scales_up_to_exponent_128():
+    """experts_mxfp4 runs decode 3 (`_E2M1_PTX_FOLDED`) where experts_config picks 2 and every exponent is
+    <= 128, and decode 2 once an in-place change puts one above (`_max_exponent` keeps the maximum with the
+    tensor's version); both equal the reference."""
+    from k3backend.kernels import moe
+    from k3backend.kernels.moe_ref import Activation
+
+    x, weights, ids, w13, s13, w2, s2 = mxfp4_case(5, 7, 3, 96, 64, seed=940)
+    seen, real = [], moe.experts_with
+    moe.experts_with = lambda *a, **kw: seen.append(a[7].decode) or real(*a, **kw)
+    try:
+        for top in (128, 129):
+            s2[1, 2, 0] = top
+            got, want, scale = experts_mxfp4_both(x, weights, ids, w13, s13, w2, s2, Activation(**SITU))
+            assert_bf16_close(got, want, scale, f"largest exponent {top}")
+    finally:
+        moe.experts_with = real
+    assert moe.experts_config(5, 3, 7, 96, 64, mxfp4=True).decode == 2
+    assert seen == [3, 2], seen
+
+
 def run_ptx(text: str, regs: dict) -> dict:
     """Run straight-line PTX over numpy uint32 arrays: the instructions `_E2M1_PTX` uses, as the PTX ISA
     defines them (prmt.b32's default mode, lop3's truth table, fma.rn.bf16x2 rounded to nearest even)."""
@@ -630,30 +652,34 @@ def run_ptx(text: str, regs: dict) -> dict:
     return regs
 
 
-def test_e2m1_ptx_decodes_every_code_and_exponent():
+@pytest.mark.parametrize("folded", [False, True])
+def test_e2m1_ptx_decodes_every_code_and_exponent(folded):
     """`_E2M1_PTX`, run instruction by instruction in a model, gives each of the 8 values of 4 code bytes the
-    bf16 of E2M1 times 2^(s-127) bit for bit, each byte with its own exponent given as `_mx_bf16` gives it
+    bf16 of E2M1 times 2^(s-127) bit for bit, each byte with its own exponent given as `_mx_halves` gives it
     (bf16x2 bits s << 7, an int32 a byte): every code byte in every byte position with every exponent 1..254
-    (the loader refuses 255), neighbours random; exponent 0 gives a zero of the code's sign."""
+    (the loader refuses 255), neighbours random; exponent 0 gives a zero of the code's sign.
+    `_E2M1_PTX_FOLDED` (decode 3, bits (s + 126) << 7) does the same for exponents 0..128, 0 included."""
     import numpy as np
 
     from k3backend.kernels import moe
     from k3backend.kernels.moe_ref import E2M1, e8m0_scale
 
     rng = np.random.default_rng(0)
-    code, exp, pos = (a.ravel() for a in np.meshgrid(np.arange(256), np.arange(255), np.arange(4), indexing="ij"))
+    top = 129 if folded else 255
+    code, exp, pos = (a.ravel() for a in np.meshgrid(np.arange(256), np.arange(top), np.arange(4), indexing="ij"))
     codes = rng.integers(0, 256, (code.size, 4))
-    exps = rng.integers(0, 255, (code.size, 4))
+    exps = rng.integers(0, top, (code.size, 4))
     codes[np.arange(code.size), pos], exps[np.arange(code.size), pos] = code, exp
     word = (codes.astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))).sum(1).astype(np.uint32)
-    scales = {f"${5 + b}": (exps[:, b] * 0x800080).astype(np.uint32) for b in range(4)}
-    regs = run_ptx(moe._E2M1_PTX.value, {"$4": word, **scales})
+    scales = {f"${5 + b}": ((exps[:, b] + (126 if folded else 0)) * 0x800080).astype(np.uint32) for b in range(4)}
+    regs = run_ptx((moe._E2M1_PTX_FOLDED if folded else moe._E2M1_PTX).value, {"$4": word, **scales})
     for byte in range(4):
         for nib, out in ((0, "$0" if byte < 2 else "$1"), (1, "$2" if byte < 2 else "$3")):
             got = (regs[out] >> (16 * (byte % 2))) & 0xFFFF
             c, e = torch.from_numpy((codes[:, byte] >> (4 * nib)) & 0xF), torch.from_numpy(exps[:, byte])
             mag = torch.tensor(E2M1, dtype=torch.float64)[c & 7]
-            want = torch.where(c & 8 != 0, -mag, mag) * torch.where(e == 0, 0.0, e8m0_scale(e, torch.float64))
+            scale = e8m0_scale(e, torch.float64)
+            want = torch.where(c & 8 != 0, -mag, mag) * (scale if folded else torch.where(e == 0, 0.0, scale))
             want = want.to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)
             bad = np.flatnonzero(got != want)
             assert bad.size == 0, (f"byte {byte} nibble {nib}: {bad.size} wrong, e.g. code {c[bad[0]].item():#x} "

@@ -24,14 +24,15 @@ experts_mxfp4 (w4a16, §7.7): the same four steps and tiles on MXFP4 weights, co
 each K step loads the packed tile (a quarter of the bf16 bytes, plus 1/32 for the exponents) and
 expands it to bf16 in registers before the same bf16 tensor-core MMA with fp32 accumulation: the
 products equal those of the dequantized weights (every dequantized value is exact in bf16), only the
-accumulation order can differ. Three expansions (`ExpertsConfig.decode`): tl.dot_scaled's own e2m1
-upcast (0), `_mx_rows` through fp32 (1), or bit placement in inline PTX (2, `_E2M1_PTX`), which
-bench/kernels_mxfp4.py times against each other.
+accumulation order can differ. Four expansions (`ExpertsConfig.decode`): tl.dot_scaled's own e2m1
+upcast (0), `_mx_rows` through fp32 (1), or bit placement in inline PTX (2, `_E2M1_PTX`; 3 with the 2^126
+folded into the scale, for weights whose exponents allow it), which bench/kernels_mxfp4.py times against
+each other.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -276,21 +277,28 @@ def _align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch
 # use), with the same bits. tests/test_kernels_moe.py runs this text through a model of the instructions.
 
 
-def _e2m1_pair(out: str, mag: str, sign: str, scale: str) -> str:
-    """One output register: magnitudes to bits 8:6 and 24:22, signs to 15 and 31, times 2^126, times the scale."""
+def _e2m1_pair(out: str, mag: str, sign: str, scale: str, bias: bool = True) -> str:
+    """One output register: magnitudes to bits 8:6 and 24:22, signs to 15 and 31, times 2^126 (bias; else the
+    scale carries it), times the scale."""
     return (f"{mag}\n{sign}\nand.b32 b, b, 0x80008000;\nlop3.b32 a, a, 0x01C001C0, b, 0xEA;\n"
-            f"fma.rn.bf16x2 a, a, k, nz;\nfma.rn.bf16x2 {out}, a, {scale}, nz;\n")
+            + ("fma.rn.bf16x2 a, a, k, nz;\n" if bias else "") + f"fma.rn.bf16x2 {out}, a, {scale}, nz;\n")
 
 
-_E2M1_PTX = tl.constexpr(
-    "{\n.reg .b32 w, a, b, k, nz, s01, s23;\n"
-    "prmt.b32 w, $4, 0, 0x3120;\nmov.b32 k, 0x7E807E80; mov.b32 nz, 0x80008000;\n"
-    "prmt.b32 s01, $5, $6, 0x5410;\nprmt.b32 s23, $7, $8, 0x5410;\n"
-    + _e2m1_pair("$0", "shl.b32 a, w, 6;", "shl.b32 b, w, 12;", "s01")
-    + _e2m1_pair("$2", "shl.b32 a, w, 2;", "shl.b32 b, w, 8;", "s01")
-    + _e2m1_pair("$1", "shr.u32 a, w, 2;", "shl.b32 b, w, 4;", "s23")
-    + _e2m1_pair("$3", "shr.u32 a, w, 6;", "mov.b32 b, w;", "s23")
-    + "}")
+def _e2m1_ptx(bias: bool) -> str:
+    return ("{\n.reg .b32 w, a, b, k, nz, s01, s23;\n"
+            "prmt.b32 w, $4, 0, 0x3120;\n" + ("mov.b32 k, 0x7E807E80; " if bias else "") + "mov.b32 nz, 0x80008000;\n"
+            "prmt.b32 s01, $5, $6, 0x5410;\nprmt.b32 s23, $7, $8, 0x5410;\n"
+            + _e2m1_pair("$0", "shl.b32 a, w, 6;", "shl.b32 b, w, 12;", "s01", bias)
+            + _e2m1_pair("$2", "shl.b32 a, w, 2;", "shl.b32 b, w, 8;", "s01", bias)
+            + _e2m1_pair("$1", "shr.u32 a, w, 2;", "shl.b32 b, w, 4;", "s23", bias)
+            + _e2m1_pair("$3", "shr.u32 a, w, 6;", "mov.b32 b, w;", "s23", bias)
+            + "}")
+
+
+_E2M1_PTX = tl.constexpr(_e2m1_ptx(True))
+# decode 3: the scale operand is 2^(s-1) = 2^126 · 2^(s-127) (bf16 bits (s + 126) << 7), one fma fewer per pair;
+# exact for exponents s <= 128 (scales <= 2), where 2^(s-1) is a finite bf16, and s = 0 keeps its 2^-127
+_E2M1_PTX_FOLDED = tl.constexpr(_e2m1_ptx(False))
 
 
 @triton.jit
@@ -303,13 +311,18 @@ def _mx_expand(w, s, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, GPU: tl.conste
 @triton.jit
 def _mx_bf16(wt, s, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, GPU: tl.constexpr):
     """MXFP4 rows -> bf16 [BN, BK] (wt [BN, BK/2] codes, s [BN, BK/32] exponents): DECODE 2 by
-    `_E2M1_PTX` on a GPU, else `_mx_rows`."""
+    `_E2M1_PTX` on a GPU, 3 by `_E2M1_PTX_FOLDED`, else `_mx_rows`."""
     BN: tl.constexpr = wt.shape[0]
-    if DECODE == 2 and GPU:
-        sx2 = s.to(tl.int32) * 0x800080  # 2^(s-127) as bf16x2: s << 7 in both halves
+    if DECODE >= 2 and GPU:
+        # 2^(s-127) as bf16x2 (s << 7 in both halves); decode 3: 2^(s-1), which carries the 2^126
+        sx2 = (s.to(tl.int32) + (126 if DECODE == 3 else 0)) * 0x800080
         sb = tl.broadcast_to(sx2[:, :, None], (BN, BLOCK_K // 32, 16)).reshape(BN, BLOCK_K // 2)
-        lo, hi = tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r,r,r,r,r", [wt, sb],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        if DECODE == 3:
+            lo, hi = tl.inline_asm_elementwise(_E2M1_PTX_FOLDED, "=r,=r,=r,=r,r,r,r,r,r", [wt, sb],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r,r,r,r,r", [wt, sb],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return tl.join(lo, hi).reshape(BN, BLOCK_K)
     else:
         return _mx_rows(wt, s, BLOCK_K).to(tl.bfloat16)
@@ -498,7 +511,7 @@ def _gemv(acc, w_ptrs, s_ptrs, v, k_left, EVEN_K: tl.constexpr, MX: tl.constexpr
         else:
             c = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[None, :], other=0)
             s = tl.load(s_ptrs, mask=(tl.arange(0, BLOCK_K // 32) < k_left // 32)[None, :], other=127)
-        if DECODE == 2:
+        if DECODE >= 2:
             w = _mx_bf16(c, s, BLOCK_K, DECODE, GPU).to(tl.float32)
         else:
             w = _mx_rows(c, s, BLOCK_K)
@@ -622,8 +635,8 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it,
 @dataclass(frozen=True)
 class ExpertsConfig:
     """Tiles of the two grouped GEMMs; both share block_m (the align step's padding). decode: how
-    MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_rows`, 2: `_E2M1_PTX`; the GEMV kernels take 1's
-    math for 0); bf16 weights ignore it.
+    MXFP4 weights are expanded (0: tl.dot_scaled, 1: `_mx_rows`, 2: `_E2M1_PTX`, 3: `_E2M1_PTX_FOLDED`, exact
+    only for exponents <= 128; the GEMV kernels take 1's math for 0); bf16 weights ignore it.
     table: the up GEMM's activation by lookup where its inputs are bf16-rounded (`_glu_table`).
     gemv: `_up_gemv_kernel` / `_down_gemv_kernel` with these tiles instead (a few rows)."""
 
@@ -674,7 +687,9 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     token 15 (d1 18), 2 tokens 21 (d1 28); BM 16 at 4 / 16 / 64 tokens 39 / 71 / 78 against 45 / 85 / 91; BM 32
     at 256 tokens 130 against 116; BM 64 at 1,024 229 against 266; BM 128 at 8,192 1,161 against 1,270. (The
     byte-table expansion that decode 2 was before: 41 / 78 / 87 at 4 / 16 / 64 tokens, 239 and 1,218 at
-    1,024 and 8,192, same run.)
+    1,024 and 8,192, same run.) experts_mxfp4_config takes decode 3 for 2 where the exponents allow (2026-12-05,
+    µs, d2 against d3: GEMV 1 token 15.7 / 15.0; BM 16 at 4 / 32 / 64 / 128 tokens 34.3 / 75.6 / 75.7 / 88.8
+    against 33.7 / 73.3 / 72.0 / 84.5, 16 tokens 62.8 / 63.5; at BM 32 d3 is 9 % slower than d0).
     """
     m = T * k / max(E, 1)
     # the experts hit fill 2 waves of BN-128 tiles (bf16: MXFP4 was not measured with them)
@@ -868,8 +883,34 @@ def experts_mxfp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     """Routed experts on MXFP4 weights (§7.4, §7.7), w4a16: the same kernels, which read the packed
     codes and exponents and expand them to bf16 in registers; see moe_ref.experts_mxfp4."""
     (T, D), k = x.shape, ids.shape[1]
-    cfg = experts_config(T, k, w13.shape[0], D, w2.shape[2] * 2, mxfp4=True)
+    cfg = experts_mxfp4_config(T, k, w13.shape[0], D, w2.shape[2] * 2, w13_scale, w2_scale)
     return experts_with(x, weights, ids, w13, w2, act, scaling, cfg, (w13_scale, w2_scale))
+
+
+def experts_mxfp4_config(T: int, k: int, E: int, D: int, I: int, *scales: torch.Tensor) -> ExpertsConfig:
+    """experts_config's MXFP4 tiles, with decode 3 for 2 where every exponent of `scales` is at most
+    FOLD_MAX_EXPONENT (H200, `small`, .dev sweep of 2026-12-05: 2-5 % faster at 1-128 tokens, GEMV and BM 16)."""
+    cfg = experts_config(T, k, E, D, I, mxfp4=True)
+    if cfg.decode == 2 and max(map(_max_exponent, scales), default=0) <= FOLD_MAX_EXPONENT:
+        cfg = replace(cfg, decode=3)
+    return cfg
+
+
+FOLD_MAX_EXPONENT = 128  # decode 3's bound: the scale 2^(s-1) must be a finite bf16
+
+
+def _max_exponent(scale: torch.Tensor) -> int:
+    """The largest E8M0 exponent of `scale`, kept on the tensor (`_k3_max_exponent`, with its version, so an
+    in-place change is seen): one device sync per weight, at its first call. Unknown while a CUDA graph is
+    being captured: 255, so the graph records decode 2 (the engine's warm-up runs outside the capture first)."""
+    seen = getattr(scale, "_k3_max_exponent", None)
+    if seen is not None and seen[0] == scale._version:
+        return seen[1]
+    if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+        return 255
+    value = int(scale.max()) if scale.numel() else 0
+    scale._k3_max_exponent = (scale._version, value)
+    return value
 
 
 def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
