@@ -20,7 +20,7 @@ kept() { echo; echo "== $*"; timeout -s ABRT "${T:-240}" "$@" 2>&1 | grep -E "$K
   | awk '!seen[$0]++' | head -40; }
 kernels() { T=${T:-540} step python3 -X faulthandler bench/kernels_mxfp4.py --iters 30; }
 sweep() { T=${T:-360} step python3 -X faulthandler bench/kernels_mxfp4.py --shapes small --no-check --tokens 1 --sweep \
-  --sweep-tokens 1 16 64 8192 16384 --iters 20; }
+  --sweep-tokens 1 16 64 256 512 8192 16384 --iters 20; }
 engine() {
   local T=${T:-200}
   for e in mxfp4 mxfp4-as-bf16; do

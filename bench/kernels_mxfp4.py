@@ -166,6 +166,8 @@ def candidates(cfg) -> list:
     out += [r(cfg, up=(ubn, ubk, w, us), down=(dbn, dbk, w, ds)) for w in (4, 8) if w != uw]
     if cfg.block_m >= 64:
         out += [r(cfg, block_m=bm) for bm in (64, 128) if bm != cfg.block_m] + [r(cfg, group_m=16)]
+    if cfg.block_m == 32:  # the next tier's tiles, with each expansion
+        out += [r(cfg, block_m=64, up=(128, 64, 4, 4), down=(128, 64, 4, 4), decode=d) for d in (0, 2, 3)]
     return out
 
 
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="then time tile and expansion variants")
-    ap.add_argument("--sweep-tokens", type=int, nargs="*", default=[1, 16, 64, 8192, 16384])
+    ap.add_argument("--sweep-tokens", type=int, nargs="*", default=[1, 16, 64, 256, 512, 8192, 16384])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter runs of the harness)")
     args = ap.parse_args(argv)

@@ -11,6 +11,7 @@ from k3backend import kernels
 from k3backend.config import MXFP4, MXFP4_GROUP, TextConfig
 from k3backend.model.linear import Linear
 from k3backend.model.norm import RMSNorm
+from k3backend.model.overlap import Branch
 from k3backend.model.parallel import SINGLE, Parallel, ParallelConfigError, add_in_turn, packed_rows
 
 
@@ -156,13 +157,14 @@ class MoE(nn.Module):
         norm, together with the shared experts' partials, in one all-reduce (§9.3 item 4), over
         every host's ranks under placement host_ep (`Parallel.moe_share`).
         """
+        shared = None if self.shared_experts is None else Branch(  # beside the router and the routed experts
+            lambda: self.shared_experts(h, fp32_front=self.latent, reduce=False), h.device)
         w, ids = kernels.router(h, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.n_group,
                                 self.topk_group, self.renormalize, 1.0)  # [T, k]: fp32 logits inside
         local_ids = ids - self.experts.e0 if self.experts.e0 else ids
         zl = self.routed_expert_down_proj(h) if self.latent else h  # [T, latent]
         out = self.experts(zl, w, local_ids, self.act, self.scaling)
-        shared = None if self.shared_experts is None else self.par.moe_share(
-            self.shared_experts(h, fp32_front=self.latent, reduce=False))
+        shared = None if shared is None else self.par.moe_share(shared.join())
         if not self.latent:
             return add_in_turn(self.par.all_reduce(out if shared is None else out + shared, moe=True), adds)
         if shared is None:
