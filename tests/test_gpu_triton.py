@@ -41,4 +41,6 @@ def test_kernels_compile_for_hopper_under_the_gpu_images_triton():
                           *map(str, tests)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     tail = run.stdout[-3000:] + run.stderr[-2000:]
     assert run.returncode == 0, f"sm_90a compile tests under triton {version} failed:\n{tail}"
-    assert re.search(rf"\b{n} passed", run.stdout), f"expected the {n} compile tests to run:\n{tail}"
+    passed = re.search(r"\b(\d+) passed", run.stdout)  # a parametrized test passes once per case
+    assert passed and int(passed.group(1)) >= n and "skipped" not in run.stdout, \
+        f"expected the {n} compile tests to run:\n{tail}"
