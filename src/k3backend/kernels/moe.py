@@ -689,7 +689,10 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     byte-table expansion that decode 2 was before: 41 / 78 / 87 at 4 / 16 / 64 tokens, 239 and 1,218 at
     1,024 and 8,192, same run.) experts_mxfp4_config takes decode 3 for 2 where the exponents allow (2026-12-05,
     µs, d2 against d3: GEMV 1 token 15.7 / 15.0; BM 16 at 4 / 32 / 64 / 128 tokens 34.3 / 75.6 / 75.7 / 88.8
-    against 33.7 / 73.3 / 72.0 / 84.5, 16 tokens 62.8 / 63.5; at BM 32 d3 is 9 % slower than d0).
+    against 33.7 / 73.3 / 72.0 / 84.5, 16 tokens 62.8 / 63.5; at BM 32 d3 is 9 % slower than d0). MXFP4 leaves
+    BM 32 above m = 40, as bf16 does where it is `wide`: on an H100 (2026-12-05), 512 tokens (m = 48) took 181 µs
+    in BM 32 with d0 and 158 in BM 64 with d3 (bf16: 177), while at 256 BM 32 with d0 stayed the fastest (113
+    against 137 in BM 64 with d3).
     """
     m = T * k / max(E, 1)
     # the experts hit fill 2 waves of BN-128 tiles (bf16: MXFP4 was not measured with them)
@@ -707,7 +710,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         bm, up, down = 16, (bn(I), 128, 4, 4), (bn(D), 128, 4, 4)
     elif wide and m <= 40:
         bm, up, down = 32, (128, 64, 4, 4), (128, 128, 4, 3)
-    elif m <= 64 and not wide:
+    elif m <= (40 if mxfp4 else 64) and not wide:
         bm, up, down = 32, (64, 128, 4, 4), (64, 128, 4, 4)
     elif m <= 192:
         bm, up, down = 64, (128, 64, 4, 4), (128, 64, 4, 4)
