@@ -54,6 +54,7 @@ class MxLayer:
                   "w2": (s.E, s.D, s.I // 2), "w2_scale": (s.E, s.D, s.I // 32)}
         self.mx = {n: random_tensor(f"experts.{n}", shape, torch.uint8, g, device) for n, shape in shapes.items()}
         self.bf16 = {w: self._dequant(w) for w in ("w13", "w2")}
+        self.scales = (self.mx["w13_scale"], self.mx["w2_scale"])
         self.popularity = torch.randn(s.E, generator=g, device=device) * 0.15
         self.bias = torch.randn(s.E, generator=g, device=device) * 0.01
 
@@ -95,9 +96,9 @@ def check(layer: MxLayer, args: tuple, cfg=None) -> str:
 
     x, w, ids = args[:3]
     s = layer.s
-    cfg = cfg or moe.experts_mxfp4_config(x.shape[0], s.k, s.E, s.D, s.I, layer.mx["w13_scale"], layer.mx["w2_scale"])
+    cfg = cfg or moe.experts_mxfp4_config(x.shape[0], s.k, s.E, s.D, s.I, *layer.scales)
     run = lambda: moe.experts_with(x, w, ids, layer.mx["w13"], layer.mx["w2"], SITU, 1.0, cfg,  # noqa: E731
-                                   (layer.mx["w13_scale"], layer.mx["w2_scale"]))
+                                   layer.scales)
     got = run()
     assert torch.equal(got, run()), "experts_mxfp4: two runs differ (row placement must not matter)"
     want = moe_ref.experts_mxfp4(*layer.mx_args(x, w, ids))
@@ -125,7 +126,7 @@ def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list
         x, w, ids = layer.inputs(T)
         hit = int(torch.unique(ids).numel())
         nbytes, flops = _bytes_flops(s, T, hit)
-        chosen = moe.experts_mxfp4_config(T, s.k, s.E, s.D, s.I, layer.mx["w13_scale"], layer.mx["w2_scale"])
+        chosen = moe.experts_mxfp4_config(T, s.k, s.E, s.D, s.I, *layer.scales)
         t_bf = time_fn(lambda: moe.experts(*layer.bf16_args(x, w, ids)), True, iters)
         gemv = chosen.gemv or moe.experts_config(T, s.k, s.E, s.D, s.I).gemv  # where either rule takes them
         variants = [dataclasses.replace(chosen, gemv=None, decode=d) for d in (0, 1, 2, 3)]
@@ -139,7 +140,7 @@ def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list
                 status = f"FAILED {e}"
             try:
                 t = time_fn(lambda: moe.experts_with(x, w, ids, layer.mx["w13"], layer.mx["w2"], SITU, 1.0, cfg,
-                                                     (layer.mx["w13_scale"], layer.mx["w2_scale"])), True, iters)
+                                                     layer.scales), True, iters)
             except Exception as e:  # noqa: BLE001 - an expansion that does not compile here: report, go on
                 rows.append(f"{'experts_mxfp4_' + s.name:<20} {shape:<26} FAILED {type(e).__name__}: {str(e)[:200]}")
                 print(rows[-1], flush=True)
@@ -179,12 +180,11 @@ def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
     for T in tokens:
         x, w, ids = layer.inputs(T)
         nbytes, flops = _bytes_flops(s, T, int(torch.unique(ids).numel()))
-        scales = (layer.mx["w13_scale"], layer.mx["w2_scale"])
         timed = []
-        for cfg in candidates(moe.experts_mxfp4_config(T, s.k, s.E, s.D, s.I, *scales)):
+        for cfg in candidates(moe.experts_mxfp4_config(T, s.k, s.E, s.D, s.I, *layer.scales)):
             try:
                 t = time_fn(lambda: moe.experts_with(x, w, ids, layer.mx["w13"], layer.mx["w2"], SITU, 1.0, cfg,
-                                                     scales), True, iters)
+                                                     layer.scales), True, iters)
             except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit: report, go on
                 print(f"  {s.name} T{T} {cfg}: failed ({type(e).__name__}: {str(e)[:100]})", flush=True)
                 continue

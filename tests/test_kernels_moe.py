@@ -380,7 +380,7 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
 
 @pytest.mark.parametrize("decode", [2, 3])
 def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode):
-    """DECODE 2's inline PTX is accepted by ptxas for sm_90a in the MMA tiles (16 tokens of `small`) and the
+    """DECODE 2's and 3's inline PTX is accepted by ptxas for sm_90a in the MMA tiles (16 tokens of `small`) and the
     GEMV kernels (1 token), with no spills: the interpreter cannot run it, so this and
     test_e2m1_ptx_decodes_every_code_and_exponent are what CI checks of it."""
     from sm90 import compile_sm90
@@ -655,7 +655,7 @@ def run_ptx(text: str, regs: dict) -> dict:
 @pytest.mark.parametrize("folded", [False, True])
 def test_e2m1_ptx_decodes_every_code_and_exponent(folded):
     """`_E2M1_PTX`, run instruction by instruction in a model, gives each of the 8 values of 4 code bytes the
-    bf16 of E2M1 times 2^(s-127) bit for bit, each byte with its own exponent given as `_mx_halves` gives it
+    bf16 of E2M1 times 2^(s-127) bit for bit, each byte with its own exponent given as `_mx_bf16` gives it
     (bf16x2 bits s << 7, an int32 a byte): every code byte in every byte position with every exponent 1..254
     (the loader refuses 255), neighbours random; exponent 0 gives a zero of the code's sign.
     `_E2M1_PTX_FOLDED` (decode 3, bits (s + 126) << 7) does the same for exponents 0..128, 0 included."""

@@ -317,12 +317,9 @@ def _mx_bf16(wt, s, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, GPU: tl.constex
         # 2^(s-127) as bf16x2 (s << 7 in both halves); decode 3: 2^(s-1), which carries the 2^126
         sx2 = (s.to(tl.int32) + (126 if DECODE == 3 else 0)) * 0x800080
         sb = tl.broadcast_to(sx2[:, :, None], (BN, BLOCK_K // 32, 16)).reshape(BN, BLOCK_K // 2)
-        if DECODE == 3:
-            lo, hi = tl.inline_asm_elementwise(_E2M1_PTX_FOLDED, "=r,=r,=r,=r,r,r,r,r,r", [wt, sb],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        else:
-            lo, hi = tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r,r,r,r,r", [wt, sb],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        asm: tl.constexpr = _E2M1_PTX_FOLDED if DECODE == 3 else _E2M1_PTX
+        lo, hi = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r,r,r", [wt, sb],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return tl.join(lo, hi).reshape(BN, BLOCK_K)
     else:
         return _mx_rows(wt, s, BLOCK_K).to(tl.bfloat16)
