@@ -488,8 +488,8 @@ def test_mix_row_counts_follow_block_schedule(monkeypatch):
 
 
 def test_k3_overlap_switch():
-    """K3_OVERLAP (model/overlap.py) is read once at import: off and on are taken, a bad value fails the import
-    with the variable's name; on a CPU a branch runs inline, so join() returns fn's own result."""
+    """K3_OVERLAP (model/overlap.py) is read once at import: on (the default) and off are taken, a bad value
+    fails the import with the variable's name; on a CPU a branch runs inline, so join() returns fn's own result."""
     import os
     import subprocess
     import sys
@@ -497,11 +497,12 @@ def test_k3_overlap_switch():
     code = ("import torch; from k3backend.model.overlap import MODE, Branch; t = torch.ones(2); "
             "b = Branch(lambda: t, t.device); print(MODE, b.main is None, b.join() is t)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    for mode in ("off", "on"):
-        run = subprocess.run([sys.executable, "-c", code], env={**env, "K3_OVERLAP": mode}, capture_output=True,
-                             text=True)
+    env.pop("K3_OVERLAP", None)
+    for mode in ("off", "on", None):
+        run = subprocess.run([sys.executable, "-c", code], env=env if mode is None else {**env, "K3_OVERLAP": mode},
+                             capture_output=True, text=True)
         assert run.returncode == 0, run.stderr
-        assert run.stdout.split() == [mode, "True", "True"], run.stdout
+        assert run.stdout.split() == [mode or "on", "True", "True"], run.stdout
     bad = subprocess.run([sys.executable, "-c", code], env={**env, "K3_OVERLAP": "both"}, capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "K3_OVERLAP must be on or off" in bad.stderr, bad.stderr[-500:]
