@@ -378,17 +378,18 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
         assert c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what}: {c}"
 
 
+@pytest.mark.parametrize("tokens", [16, 512])
 @pytest.mark.parametrize("decode", [2, 3])
-def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode):
-    """DECODE 2's and 3's inline PTX is accepted by ptxas for sm_90a in the MMA tiles (16 tokens of `small`) and the
-    GEMV kernels (1 token), with no spills: the interpreter cannot run it, so this and
-    test_e2m1_ptx_decodes_every_code_and_exponent are what CI checks of it."""
+def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
+    """DECODE 2's and 3's inline PTX is accepted by ptxas for sm_90a in the MMA tiles (16 and 512 tokens of
+    `small`: BM 16, and BM 64 in 8 warps) and the GEMV kernels (1 token), with no spills: the interpreter cannot
+    run it, so this and test_e2m1_ptx_decodes_every_code_and_exponent are what CI checks of it."""
     from sm90 import compile_sm90
 
     from k3backend.kernels import moe
 
     D = I = 1024
-    cfg = moe.experts_config(16, 6, 64, D, I, mxfp4=True)
+    cfg = moe.experts_config(tokens, 6, 64, D, I, mxfp4=True)
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
     mx = dict(GPU=True, EVEN_K=True, MX=True, DECODE=decode, TOP_K=6)
     act = dict(inv_beta=0.25, beta=4.0, inv_lam=0.04, lam=25.0)

@@ -689,7 +689,9 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     against 33.7 / 73.3 / 72.0 / 84.5, 16 tokens 62.8 / 63.5; at BM 32 d3 is 9 % slower than d0). MXFP4 leaves
     BM 32 above m = 40, as bf16 does where it is `wide`: on an H100 (2026-12-05), 512 tokens (m = 48) took 181 µs
     in BM 32 with d0 and 158 in BM 64 with d3 (bf16: 177), while at 256 BM 32 with d0 stayed the fastest (113
-    against 137 in BM 64 with d3).
+    against 137 in BM 64 with d3). Its BM 64 tiles run 8 warps: 448 / 512 tokens 147 / 146 µs against 157 / 160
+    with 4 (H100, bench/kernels_mxfp4.py --sweep, 2026-12-05; BM 32 with d0 stayed ahead at 320 / 384, 129 / 147
+    against 133 / 152).
     """
     m = T * k / max(E, 1)
     # the experts hit fill 2 waves of BN-128 tiles (bf16: MXFP4 was not measured with them)
@@ -709,8 +711,9 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         bm, up, down = 32, (128, 64, 4, 4), (128, 128, 4, 3)
     elif m <= (40 if mxfp4 else 64) and not wide:
         bm, up, down = 32, (64, 128, 4, 4), (64, 128, 4, 4)
-    elif m <= 192:
-        bm, up, down = 64, (128, 64, 4, 4), (128, 64, 4, 4)
+    elif m <= 192:  # MXFP4's expansion is issue-bound: 8 warps
+        w = 8 if mxfp4 else 4
+        bm, up, down = 64, (128, 64, w, 4), (128, 64, w, 4)
     else:
         bm, up, down = 128, (128, 64, 8, 4), (128, 64, 8, 3)
 
