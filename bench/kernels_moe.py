@@ -9,7 +9,8 @@ TRITON_INTERPRET=1 on a CPU.
 Tile sweep on a GPU: `python bench/kernels_moe.py --shape k3 --tokens 16 512 8192` times the tiles that
 kernels/moe.py `experts_config` picks against one-change-at-a-time alternatives (best row marked *; each
 row's largest error against the reference, in bf16 ulps of the row's largest output, must stay <= 2).
-`--router` does the same for the router GEMM's launch (`router_config`: K splits, BK, stages, token tile).
+`--router` does the same for the router GEMM's launch (`router_config`: K splits, BK, stages, token tile),
+`--front` for the latent MoE's front (`moe_front`: the router and the down-projection in the same two kernels).
 
 Routing: independent N(0, 1) logits spread tokens almost uniformly over the experts (busiest expert
 1.1-1.3× the mean load at 8 K tokens), which flatters the prefill tail. The logits here add a fixed
@@ -24,6 +25,11 @@ Figures:
   (h.to(fp32), cuBLAS's fp32 GEMM, routing.route). bytes = h + the fp32 weight read + weights and ids
   written; flops = 2·T·E·H (useful work, not the three bf16 MMAs per product). The gate weight is
   random fp32 (not bf16 values), so the weight's three-part split is checked.
+- front: `moe_front` (the router GEMM with the latent down-projection's bf16 rows as more row tiles, then the
+  route kernel, which also adds the down-projection's splits) against what MoE.forward ran before: `router`,
+  then the down-projection (`linear`: the GEMV up to 8 rows, cuBLAS above). bytes = h + both weights + the
+  outputs. check: ids and weights as the router's (near ties skipped), the latent within CHECK_ULPS bf16
+  ulps of the fp64 product rounded once.
 - route: bytes = logits read + weights and ids written.
 - experts: bytes = the expert weights actually touched (distinct experts hit × 3·I·D·2 bytes) + x read
   + out written; the intermediate h and per-slot y round trips are not counted. flops = 2·T·k·3·I·D
@@ -55,6 +61,7 @@ CHECK_ULPS = 2.0  # as tests/tolerances.py MOE_BF16_ULPS
 ROUTER_LOGITS_REL = 2e-6  # as tests/tolerances.py
 TOKENS = (1, 16, 64, 256, 512, 8192, 16384)
 ROUTER_TOKENS = (1, 64, 320, 4096)
+FRONT_TOKENS = (1, 2, 4, 8, 16, 64)
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,50 @@ def _router_case(s: Shape, T: int, device: str) -> Case:
                 bytes=T * s.H * 2 + s.E * s.H * 4 + T * s.k * 12, flops=2.0 * T * s.E * s.H, check=check)
 
 
+def _down_weight(s: Shape, device: str) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(s.D)
+    return (torch.randn(s.D, s.H, generator=g, device=device) * s.H ** -0.5).bfloat16()
+
+
+def _old_front(h, weight, bias, down, k, n_group, topk_group, renormalize, scaling):
+    """What MoE.forward ran before `moe_front`: the router's two kernels, then the down-projection."""
+    from k3backend import kernels
+    from k3backend.kernels import routing
+
+    return *routing.router(h, weight, bias, k, n_group, topk_group, renormalize, scaling), kernels.linear(h, down)
+
+
+def _front_case(s: Shape, T: int, device: str) -> Case:
+    from k3backend.kernels import routing
+
+    h, weight, bias, k, *how = _router_inputs(s, T, device)
+    down = _down_weight(s, device)
+    args = (h, weight, bias, down, k, *how)
+    ok, reason = routing.moe_front_supports(*args)
+    assert ok, reason
+    cfg = routing.router_config(T, s.E, s.H, s.D)
+
+    def check() -> str:
+        (w, ids, z), (w_old, ids_old, _) = routing.moe_front(*args), _old_front(*args)
+        assert all(torch.equal(a, b) for a, b in zip((w, ids, z), routing.moe_front(*args))), "front: two runs differ"
+        ranked = (torch.sigmoid(h.double() @ weight.double().T) + bias.double()).sort(-1, descending=True).values
+        clear = ranked[:, k - 1] - ranked[:, k] > 1e-5  # tokens whose selection no rounding can flip
+        assert bool((ids == ids_old).all(-1)[clear].all()), "front: ids differ from the router's"
+        torch.testing.assert_close(w[clear], w_old[clear], rtol=2e-5, atol=2e-6)
+        exact = h.double() @ down.double().T
+        ulp = exact.abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
+        worst = ((z.double() - exact.bfloat16().double()).abs() / ulp).max().item()
+        differ = (z != exact.bfloat16()).float().mean().item()
+        assert worst <= CHECK_ULPS, f"front: latent off by {worst:.2f} bf16 ulps > {CHECK_ULPS}"
+        return (f"ids, weights as the router's ({int((~clear).sum())} near ties skipped), latent max {worst:.2f} ulp, "
+                f"{differ:.1%} not the rounded fp64")
+
+    return Case(family="moe", name=f"front_{s.name}", shape=f"T{T} E{s.E} L{s.D} H{s.H} S{cfg.splits}",
+                run=lambda: routing.moe_front(*args), ref=lambda: _old_front(*args),
+                bytes=T * s.H * 2 + s.E * s.H * 4 + s.D * s.H * 2 + T * (s.k * 12 + s.D * 2),
+                flops=2.0 * T * (s.E + s.D) * s.H, check=check)
+
+
 def _experts_case(layer: _Layer, T: int) -> Case:
     from k3backend.kernels import moe
 
@@ -221,11 +272,13 @@ def cases(args: argparse.Namespace) -> list[Case]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         layer = _Layer(SMOKE, device)
-        return ([_router_case(SMOKE, T, device) for T in (1, 70)] + [_route_case(layer, 5)]
+        return ([_router_case(SMOKE, T, device) for T in (1, 70)] + [_front_case(SMOKE, T, device) for T in (1, 70)]
+                + [_route_case(layer, 5)]
                 + [_experts_case(layer, T) for T in (1, 5, 61)] + [_glu_linear_case(37, 23, 9, "smoke", device)])
     out = []
     for shape in (SMALL, K3):
         out += [_router_case(shape, T, device) for T in ROUTER_TOKENS]
+        out += [_front_case(shape, T, device) for T in FRONT_TOKENS]
         layer = _Layer(shape, device)
         out += [_route_case(layer, T) for T in (1, 256, 16384)]
         out += [_experts_case(layer, T) for T in TOKENS]
@@ -351,9 +404,9 @@ def glu_sweep(D: int, I: int, tokens: list[int], iters: int, tma: bool = False) 
                   + (" tma" if cfg.tma else "") + ("  (chosen)" if cfg is chosen else ""), flush=True)
 
 
-def router_sweep(shape: Shape, tokens: list[int], iters: int) -> None:
-    """Time `router_with` over launches (K splits x BK x stages x token tile), the chosen one first, each
-    one's logits error against fp64 checked; the fastest marked; then the old three-kernel path."""
+def router_sweep(shape: Shape, tokens: list[int], iters: int, front: bool = False) -> None:
+    """Time `router_with` (front: `moe_front_with`) over launches (K splits x BK x stages x token tile), the
+    chosen one first, each one's logits error against fp64 checked; the fastest marked; then the old path."""
     from dataclasses import replace
     from itertools import product
 
@@ -362,13 +415,16 @@ def router_sweep(shape: Shape, tokens: list[int], iters: int) -> None:
 
     from k3backend.kernels import routing
 
+    what = "front" if front else "router"
+    down = _down_weight(shape, "cuda") if front else None
     for T in tokens:
         args = _router_inputs(shape, T, "cuda")
         h, weight = args[:2]
+        full = (*args[:3], down, *args[3:]) if front else args
         exact = h.double() @ weight.double().T
-        chosen = routing.router_config(T, shape.E, shape.H)
+        chosen = routing.router_config(T, shape.E, shape.H, shape.D if front else 0)
         cands = [chosen]
-        for splits, bk, stages, bt in product((1, 2, 4, 8, 16, 32), (32, 64, 128), (3, 4), (16, 32, 64, 128)):
+        for splits, bk, stages, bt in product((1, 2, 4, 8, 11, 16, 32), (32, 64, 128), (3, 4), (16, 32, 64, 128)):
             steps = triton.cdiv(shape.H, bk)
             if bt < chosen.block_t // 2 or bt > chosen.block_t * 2 or steps < splits:
                 continue
@@ -379,20 +435,22 @@ def router_sweep(shape: Shape, tokens: list[int], iters: int) -> None:
         rows = []
         for cfg in cands:
             try:
-                err = ((routing._router_logits(h, weight, cfg).double().sum(0) - exact).abs().amax(-1)
+                err = ((routing._router_logits(h, weight, cfg)[..., :shape.E].double().sum(0) - exact).abs().amax(-1)
                        / exact.abs().amax(-1)).max().item()
-                t = time_fn(lambda cfg=cfg: routing.router_with(*args, cfg), True, iters)
+                run = routing.moe_front_with if front else routing.router_with
+                t = time_fn(lambda cfg=cfg: run(*full, cfg), True, iters)
             except Exception as e:  # noqa: BLE001 - a launch that does not compile or fit: report, go on
-                print(f"router T{T} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
+                print(f"{what} T{T} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
                 continue
             rows.append((t, cfg, err))
         best = min(t for t, _, _ in rows)
         for t, cfg, err in [rows[0]] + sorted(rows[1:], key=lambda r: r[0])[:12]:
-            print(f"{'*' if t == best else ' '} router {shape.name} T{T:<5} {t * 1e6:7.1f} us  logits {err:.1e}  "
+            print(f"{'*' if t == best else ' '} {what} {shape.name} T{T:<5} {t * 1e6:7.1f} us  logits {err:.1e}  "
                   f"S{cfg.splits} BT{cfg.block_t} BK{cfg.block_k} st{cfg.stages}" + ("  (chosen)" if cfg is chosen else ""),
                   flush=True)
-        print(f"  router {shape.name} T{T:<5} {time_fn(lambda: _old_router(*args), True, iters) * 1e6:7.1f} us  "
-              "old path (h.to(fp32), cuBLAS fp32 GEMM, route kernel)", flush=True)
+        old, label = ((lambda: _old_front(*full)), "old path (router, then linear)") if front else \
+            ((lambda: _old_router(*args)), "old path (h.to(fp32), cuBLAS fp32 GEMM, route kernel)")
+        print(f"  {what} {shape.name} T{T:<5} {time_fn(old, True, iters) * 1e6:7.1f} us  {label}", flush=True)
 
 
 if __name__ == "__main__":
@@ -407,12 +465,13 @@ if __name__ == "__main__":
     ap.add_argument("--glu", nargs="*", metavar="DxI", help="the dense glu instead, at --tokens: its D x I "
                     "(default the shape's shared experts: 2048x1024 small, 7168x6144 K3; the dense MLP is 2048x8192)")
     ap.add_argument("--router", action="store_true", help="the router GEMM's launches instead, at --tokens")
+    ap.add_argument("--front", action="store_true", help="moe_front's launches (router + down-projection) instead")
     ap.add_argument("--tma", action="store_true",
                     help="experts and glu: the chosen tiles against TMA-descriptor variants")
     a = ap.parse_args()
     shape = SMALL if a.shape == "small" else K3
-    if a.router:
-        router_sweep(shape, a.tokens, a.iters)
+    if a.router or a.front:
+        router_sweep(shape, a.tokens, a.iters, front=a.front)
     elif a.glu is not None:
         for dims in a.glu or ["2048x1024" if a.shape == "small" else "7168x6144"]:
             glu_sweep(*map(int, dims.split("x")), a.tokens, a.iters, a.tma)

@@ -200,6 +200,40 @@ def check_router_equals_reference_on_fp32_gate_weights():
     assert [t.shape for t in routing.router(h, w, b, 6, 1, 1, True, 1.0)] == [(0, 6), (0, 6)]
 
 
+def check_moe_front_equals_router_and_down_projection():
+    """moe_front (kernels/routing.py): the router's ids and weights, and the latent bf(h·downᵀ) against the
+    fp64 product rounded once, with the down rows as more GEMM tiles (a ragged last tile: L 100, 70; K tails:
+    D 200, 300), in the rule's K splits and in one; above FRONT_MAX_ROWS the router and F.linear."""
+    from k3backend.kernels import moe_ref, routing
+
+    cases = [  # T, E, D, L, top_k, n_group, topk_group
+        (1, 16, 200, 100, 3, 1, 1),
+        (5, 64, 256, 128, 6, 1, 1),  # even K
+        (13, 64, 300, 70, 6, 8, 4),  # grouped top-k
+        (routing.FRONT_MAX_ROWS + 3, 16, 200, 100, 3, 1, 1),  # router + F.linear
+    ]
+    for i, (T, E, D, L, k, n_group, topk_group) in enumerate(cases):
+        h, w, b = router_case(T, E, D, seed=3000 + 10 * i)
+        down = randn(L, D, seed=3001 + 10 * i, scale=D ** -0.5, dtype=BF16)
+        args = (h, w, b, down, k, n_group, topk_group, True, 1.0)
+        assert selection_margin(h.double() @ w.double().T, b, k, n_group, topk_group) > 1e-5, f"case {i}: a near tie"
+        assert routing.moe_front_supports(*args) == (True, "")
+        want = moe_ref.moe_front(*args)
+        exact = h.double() @ down.double().T
+        rule = routing.router_config(T, E, D, L)
+        one = routing.RouterConfig(64, 16, 64, 1, -(-D // 64) * 64)
+        for cfg in (rule, one) if T <= routing.FRONT_MAX_ROWS else (None,):
+            what = f"T{T} E{E} D{D} L{L} top{k} groups {n_group}/{topk_group} splits {cfg and cfg.splits}"
+            with poisoned_empty(), interpret.poisoned_empty():
+                got = routing.moe_front(*args) if cfg is rule or cfg is None else routing.moe_front_with(*args, cfg)
+            assert_route_equal(got[:2], want[:2], what)
+            assert_bf16_close(got[2], exact.to(BF16), exact.abs().amax(-1, keepdim=True), f"{what}: latent")
+    h, w, b = router_case(3, 16, 40, seed=3100)
+    for bad in (torch.zeros(8, 40), torch.zeros(8, 41, dtype=BF16), torch.zeros(40, 8, dtype=BF16).T):
+        ok, reason = routing.moe_front_supports(h, w, b, bad, 3, 1, 1, True, 1.0)
+        assert not ok and "down weight" in reason, (bad.dtype, bad.shape, reason)
+
+
 def test_router_splits_fill_the_gpu_at_decode_and_stay_few_at_prefill():
     """router_config: `small` (hidden 2048, 64 experts) at 1-64 tokens splits K into 32 (about two waves
     of programs stream the weight), at thousands of tokens into at most 8; every split is non-empty."""
@@ -225,21 +259,26 @@ def test_router_kernels_compile_for_hopper_without_spills():
 
     from k3backend.kernels import routing
 
-    for T, E, D in ((1, 64, 2048), (4096, 64, 2048), (64, 896, 7168)):
-        cfg = routing.router_config(T, E, D)
-        args = dict(h_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", T=T, E=E, D=D, split_k=cfg.split_k, stride_ht=D,
-                    stride_we=D, stride_os=T * E, stride_ot=E)
-        constexprs = dict(GPU=True, EVEN_K=D % cfg.block_k == 0, BLOCK_E=cfg.block_e, BLOCK_T=cfg.block_t,
-                          BLOCK_K=cfg.block_k)
+    for T, E, D, L in ((1, 64, 2048, 0), (4096, 64, 2048, 0), (64, 896, 7168, 0), (1, 64, 2048, 1024),
+                       (64, 384, 7168, 3584)):
+        cfg = routing.router_config(T, E, D, L)
+        args = dict(h_ptr="*bf16", w_ptr="*fp32", d_ptr="*bf16", out_ptr="*fp32", T=T, E=E, L=L, D=D,
+                    split_k=cfg.split_k, stride_ht=D, stride_we=D, stride_wd=D, stride_os=T * (E + L),
+                    stride_ot=E + L)
+        constexprs = dict(GPU=True, EVEN_K=D % cfg.block_k == 0, FRONT=L > 0, BLOCK_E=cfg.block_e,
+                          BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k)
         c = compile_sm90(routing._router_gemm_kernel, args, constexprs, num_warps=cfg.warps, num_stages=cfg.stages)
         assert c.stack == 0 and c.mma, f"router GEMM T{T} E{E} D{D}: {c}"
         k, block = (6, 64) if E == 64 else (16, 1024)
-        args = dict(logits_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", stride_ls=T * E, stride_lt=E,
-                    stride_wt=k, stride_it=k, E=E, per_group=E, scaling=1.0)
+        warps = 4 if block >= 512 else 1
+        args = dict(logits_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", z_ptr="*bf16",
+                    stride_ls=T * (E + L), stride_lt=E + L, stride_wt=k, stride_it=k, stride_zt=L, E=E, L=L,
+                    per_group=E, scaling=1.0)
         constexprs = dict(SPLITS=cfg.splits, TOP_K=k, N_GROUP=1, TOPK_GROUP=1, HAS_BIAS=True, RENORMALIZE=True,
-                          BLOCK_G=1, BLOCK_P=block, BLOCK_K=triton.next_power_of_2(k), GPU=True)
-        c = compile_sm90(routing._route_kernel, args, constexprs, num_warps=4 if block >= 512 else 1, num_stages=1)
-        assert c.stack == 0, f"route T{T} E{E} splits {cfg.splits}: {c}"
+                          BLOCK_G=1, BLOCK_P=block, BLOCK_K=triton.next_power_of_2(k), FRONT=L > 0,
+                          BLOCK_L=min(triton.next_power_of_2(max(L, 1)), 256 * warps), GPU=True)
+        c = compile_sm90(routing._route_kernel, args, constexprs, num_warps=warps, num_stages=1)
+        assert c.stack == 0, f"route T{T} E{E} L{L} splits {cfg.splits}: {c}"
 
 
 def check_router_supports_declines_what_it_cannot_do():
@@ -858,7 +897,7 @@ def check_moe_layer_takes_the_triton_ops_and_matches_the_reference():
     from k3backend.model.moe import MoE
     from k3backend.presets import preset_config, random_tensor
 
-    ops = ("router", "experts", "experts_mxfp4", "glu_linear")
+    ops = ("router", "moe_front", "experts", "experts_mxfp4", "glu_linear")
     for op in ops:
         assert getattr(kernels, op).__wrapped__ is getattr(moe_ref, op), f"{op} must be registered in kernels.FAST_OPS"
     for quant in (None, "mxfp4"):

@@ -57,11 +57,12 @@ def test_conditioned_init_routes_every_token_to_the_same_experts(monkeypatch):
     """Selection never rides on a near tie: one fixed expert set per MoE layer, token-dependent weights."""
     model = tiny(torch.float32, True)
     seen = []
-    router = kernels.router
-    monkeypatch.setattr(kernels, "router", lambda *a, **k: seen.append(router(*a, **k)) or seen[-1])
+    for op in ("router", "moe_front"):  # the latent MoE routes in moe_front
+        fn = getattr(kernels, op)
+        monkeypatch.setattr(kernels, op, lambda *a, fn=fn, **k: seen.append(fn(*a, **k)) or seen[-1])
     full_forward(model, torch.randint(0, 256, (40,)))
     assert len(seen) == sum(1 for layer in model.language_model.model.layers if hasattr(layer.mlp, "gate"))
-    for w, ids in seen:
+    for w, ids, *_ in seen:
         assert (ids.sort(-1).values == ids[0].sort().values).all()
         assert w.std(0).max() > 1e-3
 

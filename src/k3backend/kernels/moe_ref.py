@@ -98,6 +98,15 @@ def router(h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor 
     return route(F.linear(h.to(a), weight.to(a)), correction_bias, top_k, n_group, topk_group, renormalize, scaling)
 
 
+def moe_front(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None,
+              down_weight: torch.Tensor, top_k: int, n_group: int, topk_group: int, renormalize: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The latent MoE's front (§7.2, §7.3): `router` of h and the latent input bf(h·down_weightᵀ) [T, L],
+    one op because both read h (the kernel computes them in one GEMM). Returns (weights, ids, latent)."""
+    w, ids = router(h, gate_weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling)
+    return w, ids, F.linear(h, down_weight)
+
+
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             act: Activation, scaling: float = 1.0) -> torch.Tensor:
     """Routed experts with SGLang's rounding points (§7.4).

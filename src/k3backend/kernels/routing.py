@@ -1,11 +1,15 @@
-"""Triton router ops (K3_LM.md §7.3): the MoE router `router` and its second kernel `route`.
+"""Triton router ops (K3_LM.md §7.3): the MoE router `router`, its second kernel `route`, and the latent
+MoE's front `moe_front` (the router and the latent down-projection, which read the same input, together).
 
 Same names, signatures and semantics as `moe_ref.py`; `kernels/__init__.py` imports this module
 lazily. router: two kernels. A split-K GEMM writes S partial fp32 sums of the logits h·wᵀ [S, T, E]
 from bf16 h and the fp32 gate weight (three exact bf16 parts of each weight tile,
 `_router_gemm_kernel`); the route kernel adds them in split order, then sigmoid, bias, grouped top-k
 (one program per token). Before, three kernels: h.to(fp32), cuBLAS's fp32 (SIMT) GEMM and the route
-kernel. No host syncs: the launch is a pure function of the shapes (graph capture).
+kernel. moe_front: the same two kernels with the down-projection's bf16 rows [L, D] as more row tiles of
+the GEMM (one MMA a step) and more programs of the route kernel, which add their splits and round once:
+two launches where a decode step had three. No host syncs: the launch is a pure function of the shapes
+(graph capture).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import triton
 import triton.language as tl
 
 from k3backend.kernels import pdl
-from k3backend.kernels.moe import _GPU, _div, _mma, _sigmoid
+from k3backend.kernels.moe import _GPU, _div, _mma, _round, _sigmoid
 
 _MAX_EXPERTS = 4096  # route: one program holds a token's E scores in registers
 # router_config: K splits until the GEMM has about two waves of programs on the H200's 132 SMs, none
@@ -27,25 +31,16 @@ ROUTER_MIN_SPLIT_K = 64
 
 
 # ----------------------------------------------------------------------------- router
-@triton.jit(do_not_specialize=["T"])
-def _router_gemm_kernel(h_ptr, w_ptr, out_ptr, T, E, D, split_k, stride_ht, stride_we, stride_os, stride_ot,
-                        GPU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out[s, t, e] = Σ h[t, d]·w[e, d] over split s's K range [s·split_k, (s+1)·split_k), in fp32.
-
-    A tile of logitsᵀ [BLOCK_E, BLOCK_T]: the experts fill the MMA's 64 rows and a decode step's few
-    tokens its N. Each fp32 weight tile is split in registers into three bf16 parts, hi + mid + lo = w
-    exactly (each part holds the next 8 bits of the 24-bit significand), and every product of two bf16
-    values is exact in fp32: three bf16 MMAs give the fp32 GEMM up to summation order, at tensor-core
-    speed, from the fp32 weight in memory (no bf16 copy of it, no fp32 copy of h).
-    """
-    pdl.enter(PDL)
-    pid_e, pid_t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+@triton.jit
+def _split_k_tile(w_ptr, stride_w, rows, n_rows, h_ptr, stride_ht, t, T, k0, D, split_k, EVEN_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, FP32_W: tl.constexpr,
+                  GPU: tl.constexpr):
+    """Σ w[rows, k]·h[t, k] over [k0, k0 + split_k) in fp32, [BLOCK_E, BLOCK_T]. FP32_W: each fp32 weight tile
+    is split in registers into three bf16 parts, hi + mid + lo = w exactly (each holds the next 8 bits of the
+    24-bit significand), and every product of two bf16 values is exact in fp32: three bf16 MMAs give the fp32
+    GEMM up to summation order, at tensor-core speed, from the fp32 weight in memory. Else: bf16 weights, one MMA."""
     kk = tl.arange(0, BLOCK_K)
-    k0 = s * split_k
-    w_ptrs = w_ptr + (e % E).to(tl.int64)[:, None] * stride_we + (k0 + kk)[None, :]  # % keeps edge tiles in bounds
+    w_ptrs = w_ptr + (rows % n_rows).to(tl.int64)[:, None] * stride_w + (k0 + kk)[None, :]  # % keeps edges in bounds
     h_ptrs = h_ptr + (t % T).to(tl.int64)[None, :] * stride_ht + (k0 + kk)[:, None]  # hᵀ [BLOCK_K, BLOCK_T]
     acc = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
     for k in range(k0, tl.minimum(D, k0 + split_k), BLOCK_K):
@@ -55,29 +50,76 @@ def _router_gemm_kernel(h_ptr, w_ptr, out_ptr, T, E, D, split_k, stride_ht, stri
         else:
             w = tl.load(w_ptrs, mask=(kk < D - k)[None, :], other=0.0)
             hb = tl.load(h_ptrs, mask=(kk < D - k)[:, None], other=0.0)
-        hi = w.to(tl.bfloat16)
-        r = w - hi.to(tl.float32)  # exact: |r| < one bf16 ulp of w
-        mid = r.to(tl.bfloat16)
-        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)  # exact: at most 8 significant bits remain
-        acc = _mma(hi, hb, acc, GPU)
-        acc = _mma(mid, hb, acc, GPU)
-        acc = _mma(lo, hb, acc, GPU)
+        if FP32_W:
+            hi = w.to(tl.bfloat16)
+            r = w - hi.to(tl.float32)  # exact: |r| < one bf16 ulp of w
+            mid = r.to(tl.bfloat16)
+            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)  # exact: at most 8 significant bits remain
+            acc = _mma(hi, hb, acc, GPU)
+            acc = _mma(mid, hb, acc, GPU)
+            acc = _mma(lo, hb, acc, GPU)
+        else:
+            acc = _mma(w, hb, acc, GPU)
         w_ptrs += BLOCK_K
         h_ptrs += BLOCK_K
-    out = out_ptr + s.to(tl.int64) * stride_os + t.to(tl.int64)[None, :] * stride_ot + e[:, None]
-    tl.store(out, acc, mask=(e < E)[:, None] & (t < T)[None, :])
+    return acc
+
+
+@triton.jit(do_not_specialize=["T"])
+def _router_gemm_kernel(h_ptr, w_ptr, d_ptr, out_ptr, T, E, L, D, split_k, stride_ht, stride_we, stride_wd,
+                        stride_os, stride_ot, GPU: tl.constexpr, EVEN_K: tl.constexpr, FRONT: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out[s, t, e] = Σ h[t, d]·w[e, d] over split s's K range [s·split_k, (s+1)·split_k), in fp32.
+
+    A tile of logitsᵀ [BLOCK_E, BLOCK_T]: the experts fill the MMA's 64 rows and a decode step's few
+    tokens its N. FRONT: the row tiles past the gate's take the bf16 down-projection d [L, D] into
+    out[s, t, E + l].
+    """
+    pdl.enter(PDL)
+    pid_e, pid_t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    k0 = s * split_k
+    gate_tiles = tl.cdiv(E, BLOCK_E)
+    down = False
+    if FRONT:
+        down = pid_e >= gate_tiles
+    if down:
+        rows = (pid_e - gate_tiles) * BLOCK_E + tl.arange(0, BLOCK_E)
+        acc = _split_k_tile(d_ptr, stride_wd, rows, L, h_ptr, stride_ht, t, T, k0, D, split_k, EVEN_K, BLOCK_E,
+                            BLOCK_T, BLOCK_K, False, GPU)
+        cols, ok = E + rows, rows < L
+    else:
+        rows = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+        acc = _split_k_tile(w_ptr, stride_we, rows, E, h_ptr, stride_ht, t, T, k0, D, split_k, EVEN_K, BLOCK_E,
+                            BLOCK_T, BLOCK_K, True, GPU)
+        cols, ok = rows, rows < E
+    out = out_ptr + s.to(tl.int64) * stride_os + t.to(tl.int64)[None, :] * stride_ot + cols[:, None]
+    tl.store(out, acc, mask=ok[:, None] & (t < T)[None, :])
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_ls, stride_lt, stride_wt, stride_it, E, per_group,
-                  scaling, SPLITS: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GPU: tl.constexpr, PDL: tl.constexpr):
-    """One token per program: its E scores as a [group, member] tile; top-k by repeated argmax. The
-    logits are the sum of SPLITS partial sums [SPLITS, T, E] (the router GEMM's K splits), added in
-    split order: the same bits on every run (no atomics)."""
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, z_ptr, stride_ls, stride_lt, stride_wt, stride_it,
+                  stride_zt, E, L, per_group, scaling, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, FRONT: tl.constexpr,
+                  BLOCK_L: tl.constexpr, GPU: tl.constexpr, PDL: tl.constexpr):
+    """Program (t, 0): token t's E scores as a [group, member] tile; top-k by repeated argmax. The
+    logits are the sum of SPLITS partial sums [SPLITS, T, E + L] (the router GEMM's K splits), added in
+    split order: the same bits on every run (no atomics). FRONT, program (t, c > 0): BLOCK_L columns of
+    the down-projection z[t] = bf(Σ_s partial[s, t, E + l]), the same way."""
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
+    if FRONT:
+        c = tl.program_id(1)
+        if c > 0:
+            j = (c - 1) * BLOCK_L + tl.arange(0, BLOCK_L)
+            p = logits_ptr + t * stride_lt + E + j
+            z = tl.load(p, mask=j < L, other=0.0)
+            for _ in tl.static_range(SPLITS - 1):
+                p += stride_ls
+                z += tl.load(p, mask=j < L, other=0.0)
+            tl.store(z_ptr + t * stride_zt + j, _round(z, z_ptr.dtype.element_ty, GPU), mask=j < L)
+            return
     gi = tl.arange(0, BLOCK_G)
     pi = tl.arange(0, BLOCK_P)
     ok = (gi[:, None] < N_GROUP) & (pi[None, :] < per_group)
@@ -164,22 +206,29 @@ def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int
 
 
 def _route(partials: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, n_group: int,
-           topk_group: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The route kernel on logits given as S partial sums [S, T, E] (unit stride over E)."""
-    S, T, E = partials.shape
+           topk_group: int, renormalize: bool, scaling: float,
+           z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The route kernel on logits given as S partial sums [S, T, E] (unit stride over E). z [T, L]: the
+    partials are [S, T, E + L], and their last L columns, added, are written to z (`moe_front`)."""
+    S, T, width = partials.shape
+    L = 0 if z is None else z.shape[1]
+    E = width - L
     w = torch.empty(T, top_k, dtype=torch.float32, device=partials.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=partials.device)
     if T == 0:
         return w, ids
     per = E // n_group
     block_g, block_p = triton.next_power_of_2(n_group), triton.next_power_of_2(per)
-    _route_kernel[(T,)](
+    warps = 4 if block_g * block_p >= 512 else 1
+    block_l = min(triton.next_power_of_2(max(L, 1)), 256 * warps)  # 8 columns a thread
+    _route_kernel[(T, 1 + triton.cdiv(L, block_l))](
         logits_ptr=partials, bias_ptr=partials if correction_bias is None else correction_bias, w_ptr=w, ids_ptr=ids,
-        stride_ls=partials.stride(0), stride_lt=partials.stride(1), stride_wt=w.stride(0), stride_it=ids.stride(0),
-        E=E, per_group=per, scaling=float(scaling), SPLITS=S, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
+        z_ptr=partials if z is None else z, stride_ls=partials.stride(0), stride_lt=partials.stride(1),
+        stride_wt=w.stride(0), stride_it=ids.stride(0), stride_zt=0 if z is None else z.stride(0), E=E, L=L,
+        per_group=per, scaling=float(scaling), SPLITS=S, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
         HAS_BIAS=correction_bias is not None, RENORMALIZE=bool(renormalize), BLOCK_G=block_g, BLOCK_P=block_p,
-        BLOCK_K=triton.next_power_of_2(top_k), GPU=_GPU, **pdl.launch_args(partials.device),
-        num_warps=4 if block_g * block_p >= 512 else 1,
+        BLOCK_K=triton.next_power_of_2(top_k), FRONT=z is not None, BLOCK_L=block_l, GPU=_GPU,
+        **pdl.launch_args(partials.device), num_warps=warps,
     )
     return w, ids
 
@@ -198,7 +247,7 @@ class RouterConfig:
     stages: int = 3
 
 
-def router_config(T: int, E: int, D: int) -> RouterConfig:
+def router_config(T: int, E: int, D: int, L: int = 0) -> RouterConfig:
     """Tiles and K splits as a pure function of the shape (a captured graph replays what it captured).
 
     A decode step's logits are one or a few tiles: split K until about ROUTER_PROGRAMS programs
@@ -206,12 +255,13 @@ def router_config(T: int, E: int, D: int) -> RouterConfig:
     splits of 64); thousands of tokens take token tiles of 128 and a few splits. bench/kernels_moe.py
     --router on the H200 at `small` (µs, this rule against the best of its sweep): T1 6.7 / 6.7, T64
     7.4 / 7.4, T320 ~9.2 / 8.7, T4096 17.6 / 17.6; the old three kernels 11.0, 16.3, 19.3, 69.3.
+    L: the down-projection's rows of `moe_front`, more row tiles (so fewer splits).
     """
     block_t = 32 if T <= 64 else 64 if T < 1024 else 128
     block_t = min(block_t, max(16, triton.next_power_of_2(T)))
     block_e = 64  # one wgmma M; E ≥ 64 in every real config
     block_k = min(64, max(16, triton.next_power_of_2(D)))
-    tiles = triton.cdiv(E, block_e) * triton.cdiv(T, block_t)
+    tiles = (triton.cdiv(E, block_e) + triton.cdiv(L, block_e)) * triton.cdiv(T, block_t)
     steps = triton.cdiv(D, block_k)
     want = max(1, min(triton.cdiv(D, ROUTER_MIN_SPLIT_K), ROUTER_PROGRAMS // max(tiles, 1)))
     per = triton.cdiv(steps, want)  # K steps per split; no split is left empty
@@ -251,16 +301,58 @@ def router_with(h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Te
     return _route(partials, correction_bias, top_k, n_group, topk_group, renormalize, scaling)
 
 
-def _router_logits(h: torch.Tensor, weight: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
-    """[S, T, E] fp32: cfg.splits partial sums of h·weightᵀ over K; their sum in split order is the logits."""
+def _router_logits(h: torch.Tensor, weight: torch.Tensor, cfg: RouterConfig,
+                   down: torch.Tensor | None = None) -> torch.Tensor:
+    """[S, T, E] fp32: cfg.splits partial sums of h·weightᵀ over K; their sum in split order is the logits.
+    down [L, D]: [S, T, E + L], the last L columns those of h·downᵀ."""
     (T, D), E = h.shape, weight.shape[0]
-    partials = torch.empty(cfg.splits, T, E, dtype=torch.float32, device=h.device)
+    L = 0 if down is None else down.shape[0]
+    partials = torch.empty(cfg.splits, T, E + L, dtype=torch.float32, device=h.device)
     if T > 0:
-        grid = (triton.cdiv(E, cfg.block_e), triton.cdiv(T, cfg.block_t), cfg.splits)
+        grid = (triton.cdiv(E, cfg.block_e) + triton.cdiv(L, cfg.block_e), triton.cdiv(T, cfg.block_t), cfg.splits)
         _router_gemm_kernel[grid](
-            h_ptr=h, w_ptr=weight, out_ptr=partials, T=T, E=E, D=D, split_k=cfg.split_k, stride_ht=h.stride(0),
-            stride_we=weight.stride(0), stride_os=partials.stride(0), stride_ot=partials.stride(1), GPU=_GPU,
-            EVEN_K=D % cfg.block_k == 0, BLOCK_E=cfg.block_e, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k,
-            **pdl.launch_args(h.device), num_warps=cfg.warps, num_stages=cfg.stages,
+            h_ptr=h, w_ptr=weight, d_ptr=h if down is None else down, out_ptr=partials, T=T, E=E, L=L, D=D,
+            split_k=cfg.split_k, stride_ht=h.stride(0), stride_we=weight.stride(0),
+            stride_wd=0 if down is None else down.stride(0), stride_os=partials.stride(0),
+            stride_ot=partials.stride(1), GPU=_GPU, EVEN_K=D % cfg.block_k == 0, FRONT=down is not None,
+            BLOCK_E=cfg.block_e, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, **pdl.launch_args(h.device),
+            num_warps=cfg.warps, num_stages=cfg.stages,
         )
     return partials
+
+
+# ----------------------------------------------------------------------------- the latent MoE's front
+FRONT_MAX_ROWS = 64  # moe_front's two kernels up to a decode graph's rows; above, the router and cuBLAS
+
+
+def moe_front_supports(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None,
+                       down_weight: torch.Tensor, top_k: int, n_group: int, topk_group: int, renormalize: bool,
+                       scaling: float) -> tuple[bool, str]:
+    """(ok, reason): what `router_supports` takes, and a contiguous down weight [L, D] of h's dtype and device."""
+    ok, reason = router_supports(h, gate_weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling)
+    if ok and (down_weight.dim() != 2 or down_weight.dtype != h.dtype or down_weight.shape[1] != h.shape[1]
+               or not down_weight.is_contiguous() or down_weight.device != h.device):
+        return False, (f"down weight: expected contiguous {h.dtype} [L, {h.shape[1]}] on {h.device}, got "
+                       f"{down_weight.dtype} {list(down_weight.shape)} on {down_weight.device}")
+    return ok, reason
+
+
+def moe_front(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None,
+              down_weight: torch.Tensor, top_k: int, n_group: int, topk_group: int, renormalize: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`router` and the latent bf(h·down_weightᵀ) (moe_ref.moe_front): in the router's two kernels up to
+    FRONT_MAX_ROWS tokens, the router then cuBLAS above. Returns (weights, ids, z [T, L])."""
+    (T, D), E, L = h.shape, gate_weight.shape[0], down_weight.shape[0]
+    args = (h, gate_weight, correction_bias, down_weight, top_k, n_group, topk_group, renormalize, scaling)
+    if T > FRONT_MAX_ROWS:
+        return *router(*args[:3], *args[4:]), torch.nn.functional.linear(h, down_weight)
+    return moe_front_with(*args, router_config(T, E, D, L))
+
+
+def moe_front_with(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None,
+                   down_weight: torch.Tensor, top_k: int, n_group: int, topk_group: int, renormalize: bool,
+                   scaling: float, cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_front` in two kernels with an explicit launch (the tests and bench/kernels_moe.py)."""
+    z = torch.empty(h.shape[0], down_weight.shape[0], dtype=h.dtype, device=h.device)
+    partials = _router_logits(h, gate_weight, cfg, down_weight)
+    return *_route(partials, correction_bias, top_k, n_group, topk_group, renormalize, scaling, z), z

@@ -159,10 +159,13 @@ class MoE(nn.Module):
         """
         shared = None if self.shared_experts is None else Branch(  # beside the router and the routed experts
             lambda: self.shared_experts(h, fp32_front=self.latent, reduce=False), h.device)
-        w, ids = kernels.router(h, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.n_group,
-                                self.topk_group, self.renormalize, 1.0)  # [T, k]: fp32 logits inside
+        route = (h, self.gate.weight, self.gate.e_score_correction_bias)
+        how = (self.top_k, self.n_group, self.topk_group, self.renormalize, 1.0)
+        if self.latent:  # [T, k] weights and ids (fp32 logits inside), and zl [T, latent]: both read h
+            w, ids, zl = kernels.moe_front(*route, self.routed_expert_down_proj.weight, *how)
+        else:
+            (w, ids), zl = kernels.router(*route, *how), h
         local_ids = ids - self.experts.e0 if self.experts.e0 else ids
-        zl = self.routed_expert_down_proj(h) if self.latent else h  # [T, latent]
         out = self.experts(zl, w, local_ids, self.act, self.scaling)
         shared = None if shared is None else self.par.moe_share(shared.join())
         if not self.latent:
