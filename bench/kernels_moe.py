@@ -25,8 +25,9 @@ Figures:
   (h.to(fp32), cuBLAS's fp32 GEMM, routing.route). bytes = h + the fp32 weight read + weights and ids
   written; flops = 2·T·E·H (useful work, not the three bf16 MMAs per product). The gate weight is
   random fp32 (not bf16 values), so the weight's three-part split is checked.
-- front: `moe_front` (the router GEMM with the latent down-projection's bf16 rows as more row tiles, then the
-  route kernel, which also adds the down-projection's splits) against what MoE.forward ran before: `router`,
+- front: `moe_front`'s two kernels at every T (the router GEMM with the latent down-projection's bf16 rows as
+  more row tiles, then the route kernel, which also adds the down-projection's splits; the op itself takes
+  them only where `front_fused` says) against what MoE.forward ran before and still runs elsewhere: `router`,
   then the down-projection (`linear`: the GEMV up to 8 rows, cuBLAS above). bytes = h + both weights + the
   outputs. check: ids and weights as the router's (near ties skipped), the latent within CHECK_ULPS bf16
   ulps of the fp64 product rounded once.
@@ -194,8 +195,9 @@ def _front_case(s: Shape, T: int, device: str) -> Case:
     cfg = routing.router_config(T, s.E, s.H, s.D)
 
     def check() -> str:
-        (w, ids, z), (w_old, ids_old, _) = routing.moe_front(*args), _old_front(*args)
-        assert all(torch.equal(a, b) for a, b in zip((w, ids, z), routing.moe_front(*args))), "front: two runs differ"
+        (w, ids, z), (w_old, ids_old, _) = routing.moe_front_with(*args, cfg), _old_front(*args)
+        again = routing.moe_front_with(*args, cfg)
+        assert all(torch.equal(a, b) for a, b in zip((w, ids, z), again)), "front: two runs differ"
         ranked = (torch.sigmoid(h.double() @ weight.double().T) + bias.double()).sort(-1, descending=True).values
         clear = ranked[:, k - 1] - ranked[:, k] > 1e-5  # tokens whose selection no rounding can flip
         assert bool((ids == ids_old).all(-1)[clear].all()), "front: ids differ from the router's"
@@ -209,7 +211,7 @@ def _front_case(s: Shape, T: int, device: str) -> Case:
                 f"{differ:.1%} not the rounded fp64")
 
     return Case(family="moe", name=f"front_{s.name}", shape=f"T{T} E{s.E} L{s.D} H{s.H} S{cfg.splits}",
-                run=lambda: routing.moe_front(*args), ref=lambda: _old_front(*args),
+                run=lambda: routing.moe_front_with(*args, cfg), ref=lambda: _old_front(*args),
                 bytes=T * s.H * 2 + s.E * s.H * 4 + s.D * s.H * 2 + T * (s.k * 12 + s.D * 2),
                 flops=2.0 * T * (s.E + s.D) * s.H, check=check)
 

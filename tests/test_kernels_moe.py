@@ -203,14 +203,15 @@ def check_router_equals_reference_on_fp32_gate_weights():
 def check_moe_front_equals_router_and_down_projection():
     """moe_front (kernels/routing.py): the router's ids and weights, and the latent bf(h·downᵀ) against the
     fp64 product rounded once, with the down rows as more GEMM tiles (a ragged last tile: L 100, 70; K tails:
-    D 200, 300), in the rule's K splits and in one; above FRONT_MAX_ROWS the router and F.linear."""
+    D 200, 300), in the rule's K splits and in one; where front_fused says no, the router and `linear`."""
     from k3backend.kernels import moe_ref, routing
 
     cases = [  # T, E, D, L, top_k, n_group, topk_group
         (1, 16, 200, 100, 3, 1, 1),
-        (5, 64, 256, 128, 6, 1, 1),  # even K
-        (13, 64, 300, 70, 6, 8, 4),  # grouped top-k
-        (routing.FRONT_MAX_ROWS + 3, 16, 200, 100, 3, 1, 1),  # router + F.linear
+        (2, 64, 256, 128, 6, 1, 1),  # even K
+        (17, 64, 300, 70, 6, 8, 4),  # grouped top-k
+        (5, 16, 200, 100, 3, 1, 1),  # router + linear (front_fused: 3-8 rows)
+        (routing.FRONT_MAX_ROWS + 3, 16, 200, 100, 3, 1, 1),  # router + linear
     ]
     for i, (T, E, D, L, k, n_group, topk_group) in enumerate(cases):
         h, w, b = router_case(T, E, D, seed=3000 + 10 * i)
@@ -222,7 +223,7 @@ def check_moe_front_equals_router_and_down_projection():
         exact = h.double() @ down.double().T
         rule = routing.router_config(T, E, D, L)
         one = routing.RouterConfig(64, 16, 64, 1, -(-D // 64) * 64)
-        for cfg in (rule, one) if T <= routing.FRONT_MAX_ROWS else (None,):
+        for cfg in (rule, one) if routing.front_fused(T) else (None,):
             what = f"T{T} E{E} D{D} L{L} top{k} groups {n_group}/{topk_group} splits {cfg and cfg.splits}"
             with poisoned_empty(), interpret.poisoned_empty():
                 got = routing.moe_front(*args) if cfg is rule or cfg is None else routing.moe_front_with(*args, cfg)

@@ -322,7 +322,17 @@ def _router_logits(h: torch.Tensor, weight: torch.Tensor, cfg: RouterConfig,
 
 
 # ----------------------------------------------------------------------------- the latent MoE's front
-FRONT_MAX_ROWS = 64  # moe_front's two kernels up to a decode graph's rows; above, the router and cuBLAS
+FRONT_MAX_ROWS = 32  # moe_front's two kernels up to here (but see `front_fused`)
+
+
+def front_fused(T: int) -> bool:
+    """Whether moe_front runs its two kernels for T tokens. On an H100 at `small` (MXFP4 experts, the shared
+    experts on their side stream, PDL; decode graph replays, ms, against the router and `linear`) the front
+    took B1 1.991 -> 1.956, B16 3.749 -> 3.650, B32 4.212 -> 4.082, but B4 2.727 -> 3.217, B8 3.270 -> 3.637
+    and B64 4.735 -> 4.769, where the router and `linear` stay. Without the side stream it was faster at
+    every batch (B4 2.799 -> 2.757, B64 4.982 -> 4.933), so there it loses to an interplay with the shared
+    experts' kernels (the front's alone: 8.4 against 9.2 µs at 4 tokens, bench/kernels_moe.py)."""
+    return T <= 2 or 16 <= T <= FRONT_MAX_ROWS
 
 
 def moe_front_supports(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None,
@@ -340,12 +350,15 @@ def moe_front_supports(h: torch.Tensor, gate_weight: torch.Tensor, correction_bi
 def moe_front(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None,
               down_weight: torch.Tensor, top_k: int, n_group: int, topk_group: int, renormalize: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`router` and the latent bf(h·down_weightᵀ) (moe_ref.moe_front): in the router's two kernels up to
-    FRONT_MAX_ROWS tokens, the router then cuBLAS above. Returns (weights, ids, z [T, L])."""
+    """`router` and the latent bf(h·down_weightᵀ) (moe_ref.moe_front): in the router's two kernels where
+    `front_fused` says, else the router then the model's `linear` (its GEMV up to 8 rows, cuBLAS above).
+    Returns (weights, ids, z [T, L])."""
+    from k3backend import kernels  # the linear op's own choice of kernel (a cycle at import time)
+
     (T, D), E, L = h.shape, gate_weight.shape[0], down_weight.shape[0]
     args = (h, gate_weight, correction_bias, down_weight, top_k, n_group, topk_group, renormalize, scaling)
-    if T > FRONT_MAX_ROWS:
-        return *router(*args[:3], *args[4:]), torch.nn.functional.linear(h, down_weight)
+    if not front_fused(T):
+        return *router(*args[:3], *args[4:]), kernels.linear(h, down_weight)
     return moe_front_with(*args, router_config(T, E, D, L))
 
 
