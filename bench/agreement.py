@@ -2,7 +2,7 @@
 a teacher-forced check that can fail, then the greedy agreement table.
 
     python bench/agreement.py --preset small --conditioned --prompts 4 --prompt-len 512 --decode-steps 64
-    python bench/agreement.py --preset small --conditioned --plant rms_norm   # a planted kernel error: fails
+    python bench/agreement.py --preset small --conditioned --plant attn_res_mix_norm   # a planted kernel error: fails
 
 Teacher-forced (`k3backend.numerics`): random prompts + continuations run through the fused path
 (bf16, every op its fast implementation, decode steps through the engine's ModelRunner with its
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=64, help="teacher-forced cached decode steps per sequence")
     ap.add_argument("--output-len", type=int, default=0, help="greedy tokens per prompt for the greedy table (0: none)")
     ap.add_argument("--margin", type=float, default=0.05, help="reference top-1 lead, in logits, of a clear position")
-    ap.add_argument("--plant", default=None, metavar="OP", help="scale the fast path's kernels.OP output (e.g. rms_norm)")
+    ap.add_argument("--plant", default=None, metavar="OP", help="scale the fast path's kernels.OP output (e.g. attn_res_mix_norm)")
     ap.add_argument("--plant-scale", type=float, default=1 + 2 ** -6)
     ap.add_argument("--ref-op", action="append", default=[], metavar="OP",
                     help="run kernels.OP by its torch reference in the fast path too (repeatable; bisects a failure)")

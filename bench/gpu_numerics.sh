@@ -3,7 +3,7 @@
 # bf16, conditioned random init): fused path and bf16 torch reference against the fp32 reference, teacher-forced
 # over 4 x 512 prompt rows (prefill) and 128 cached decode steps, then the old greedy agreement table (4 x 256).
 #   clean    expect the rule to PASS (rc=0)
-#   planted  the fused rms_norm's output x (1 + 2^-6): expect the rule to FAIL (rc=1) while the greedy table
+#   planted  the fused attn_res_mix_norm's output x (1 + 2^-6): expect the rule to FAIL (rc=1) while the greedy table
 #            looks like the clean run's
 #   default  the clean check on the default random init (chaotic: errors ~1 whatever the kernels do), no greedy
 # Writes numerics.txt under $OUT (or /tmp/k3out); at most 7.2 min (limits 180 + 150 + 100 s). PHASES picks phases,
@@ -19,6 +19,6 @@ run() {  # the tables, the kernel choices once, and the exit status of the check
   echo "rc=${PIPESTATUS[0]}"
 }
 clean() { T=${T:-180} run $A --output-len 256 --conditioned; }  # the first run also compiles the kernels
-planted() { T=${T:-150} run $A --output-len 256 --conditioned --plant rms_norm; }
+planted() { T=${T:-150} run $A --output-len 256 --conditioned --plant attn_res_mix_norm; }
 default() { T=${T:-100} run $A --prompts 2 --prompt-len 256 --decode-steps 16; }
 for p in ${PHASES:-clean planted default}; do $p; done | tee "$OUT/numerics.txt"

@@ -187,10 +187,10 @@ _PDL_ONLY_HERE = {
              D=1024, I=1024, E=64, stride_hm=1024, stride_we=1024 * 1024, stride_wn=1024, stride_se=0, stride_sn=0,
              stride_yn=1024, stride_it=6, stride_ik=1, stride_pt=6, stride_pk=1),
         dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, BLOCK_N=16, BLOCK_K=256), 4),
-    ("moe", "_sum_kernel"): (
-        dict(y_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16", T=4, D=1024, E=64, scaling=1.0, stride_yn=1024,
-             stride_it=6, stride_ik=1, stride_ot=1024),
-        dict(TOP_K=6, GPU=True, BLOCK_T=4, BLOCK_D=1024), 8),
+    ("moe", "_sum_kernel"): (  # with the latent norm, in norm.row_config(1024)'s tile
+        dict(y_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16", norm_w_ptr="*bf16", T=4, D=1024, E=64, scaling=1.0,
+             eps=1e-5, stride_yn=1024, stride_it=6, stride_ik=1, stride_ot=1024),
+        dict(TOP_K=6, GPU=True, NORM=True, BLOCK_T=4, BLOCK_D=1024), 4),
 }
 _PDL_BUILT_ELSEWHERE = {  # compiled with PDL on (tests/sm90.py turns it on) by these files' hopper tests
     ("gemv", "_linear_kernel"), ("norm", "_row_norm_kernel"), ("norm", "_attn_res_mix_kernel"),

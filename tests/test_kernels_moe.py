@@ -456,6 +456,37 @@ def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
         assert c.stack == 0 and c.smem <= 227 * 1024, f"{what}: {c}"
 
 
+def check_experts_with_the_latent_norm_equal_the_sum_then_rms_norm():
+    """norm_weight (the latent norm, §7.2) in the sum's kernel: equal to the references' sum then rms_norm, and
+    bit-equal to the Triton experts then the Triton rms_norm (the same tile and arithmetic), bf16 and MXFP4
+    weights, in the GEMV kernels, BM 16 and BM 32, with a width that is not a power of two."""
+    from k3backend.kernels import moe, moe_ref, norm
+    from k3backend.kernels.moe_ref import Activation
+
+    act = Activation(**SITU)
+    for T, D, I in [(1, 96, 64), (5, 96, 64), (61, 160, 64)]:
+        nw = randn(D, seed=1300 + T, scale=0.3) + 1.0
+        bf = experts_case(T, 7, 3, D, I, seed=1310 + T)
+        mx = mxfp4_case(T, 7, 3, D, I, seed=1320 + T)
+        for name, args, fast, ref in (("bf16", bf, moe.experts, moe_ref.experts),
+                                      ("mxfp4", mx, moe.experts_mxfp4, moe_ref.experts_mxfp4)):
+            what = f"{name} T={T} D={D}"
+            ok, reason = (moe.experts_supports if name == "bf16" else moe.experts_mxfp4_supports)(
+                *args, act, 2.5, nw, 1e-5)
+            assert ok, reason
+            with poisoned_empty():
+                got = fast(*args, act, 2.5, nw, 1e-5)
+                two = norm.rms_norm(fast(*args, act, 2.5), nw, 1e-5)
+            assert torch.equal(got, two), f"{what}: not the two kernels' bits"
+            want = ref(*args, act, 2.5, nw, 1e-5)
+            assert torch.equal(want, moe_ref.rms_norm(ref(*args, act, 2.5), nw, 1e-5))
+            assert_bf16_close(got, want, want.float().abs().amax(-1, keepdim=True), what)
+    x, weights, ids, w13, w2 = experts_case(3, 7, 3, 96, 64, seed=1350)
+    for bad in (torch.ones(95), torch.ones(96, 2)[:, 0]):
+        ok, reason = moe.experts_supports(x, weights, ids, w13, w2, act, 1.0, bad, 1e-5)
+        assert not ok and "norm_weight" in reason, reason
+
+
 def check_experts_activations_and_dtypes_equal_reference():
     from k3backend.kernels.moe_ref import Activation
 

@@ -72,13 +72,13 @@ def test_rule_passes_the_clean_path_and_flags_a_planted_error(run, monkeypatch):
     clean = numerics.teacher_forced_logits(low, prompts, conts, graphs=False)
     for w, f, c in zip(want, floor, clean):
         assert numerics.logit_errors(c, w).violations(numerics.logit_errors(f, w)) == []
-    fast = kernels.rms_norm
+    fast = kernels.attn_res_mix_norm  # runs before every sub-layer, so the error reaches every layer
 
     def wrong(*args, **kwargs):
         return fast(*args, **kwargs) * PLANT
 
     wrong.__wrapped__ = getattr(fast, "__wrapped__", fast)
-    monkeypatch.setattr(kernels, "rms_norm", wrong)
+    monkeypatch.setattr(kernels, "attn_res_mix_norm", wrong)
     bad = numerics.teacher_forced_logits(low, prompts, conts, graphs=False)
     for phase, w, f, b in zip(("prefill", "decode"), want, floor, bad):
         e_floor, e_bad = numerics.logit_errors(f, w), numerics.logit_errors(b, w)

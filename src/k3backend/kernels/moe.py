@@ -40,6 +40,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from k3backend.kernels import norm as norm_ops
 from k3backend.kernels import pdl
 from k3backend.kernels.mla import has_tma
 from k3backend.kernels.moe_ref import Activation
@@ -612,10 +613,12 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, 
 
 
 @triton.jit(do_not_specialize=["T"])
-def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it, stride_ik, stride_ot,
-                TOP_K: tl.constexpr, GPU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                PDL: tl.constexpr):
-    """out[t] = bf(scaling · Σ_j fp32(y[t·k + j])) in slot order; a skipped slot adds +0 as in the reference."""
+def _sum_kernel(y_ptr, ids_ptr, out_ptr, norm_w_ptr, T, D, E, scaling, eps, stride_yn, stride_it, stride_ik,
+                stride_ot, TOP_K: tl.constexpr, GPU: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = bf(scaling · Σ_j fp32(y[t·k + j])) in slot order; a skipped slot adds +0 as in the reference.
+    NORM (whole rows, BLOCK_D ≥ D): then the RMSNorm of that rounded row, in the tile, warps and arithmetic of
+    norm.py's `_row_norm_kernel` (the same `row_config`, no fma contraction): one launch where there were two."""
     pdl.enter(PDL)
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -626,6 +629,11 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, scaling, stride_yn, stride_it,
         mine = ok & ((e >= 0) & (e < E))[:, None]
         acc += tl.load(y_ptr + (t * TOP_K + j)[:, None] * stride_yn + d[None, :], mask=mine, other=0.0).to(tl.float32)
     out = _round(scaling * acc, out_ptr.dtype.element_ty, GPU)
+    if NORM:
+        x = tl.where(ok, out.to(tl.float32), 0.0)
+        w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        out = _round(x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))[:, None] * w[None, :],
+                     out_ptr.dtype.element_ty, GPU)
     tl.store(out_ptr + t[:, None] * stride_ot + d[None, :], out, mask=ok)
 
 
@@ -814,8 +822,12 @@ def _act_supported(act: Activation) -> tuple[bool, str]:
 
 
 def _routing_supported(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *tensors: torch.Tensor,
-                       act: Activation) -> tuple[bool, str]:
-    """What both experts ops need of x, the routing and the devices."""
+                       act: Activation, norm_weight: torch.Tensor | None) -> tuple[bool, str]:
+    """What both experts ops need of x, the routing, the norm and the devices."""
+    if norm_weight is not None and (norm_weight.shape != (x.shape[-1],) or norm_weight.stride(0) != 1
+                                    or norm_weight.device != x.device or x.shape[-1] > norm_ops.MAX_WIDTH):
+        return False, (f"norm_weight: expected [{x.shape[-1]}] (at most {norm_ops.MAX_WIDTH}) with unit stride on "
+                       f"{x.device}, got {list(norm_weight.shape)} on {norm_weight.device}")
     if not (x.is_cuda or not _GPU):
         return False, "x not on a GPU"
     T = x.shape[0]
@@ -831,7 +843,8 @@ def _routing_supported(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 
 
 def experts_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                     w2: torch.Tensor, act: Activation, scaling: float = 1.0) -> tuple[bool, str]:
+                     w2: torch.Tensor, act: Activation, scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
+                     norm_eps: float = 0.0) -> tuple[bool, str]:
     """(ok, reason): bf16/fp16 activations and weights of one dtype, fp32 routing weights, unit inner strides."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return False, f"x: expected bfloat16 or float16, got {x.dtype} (fp32 tl.dot would use tf32)"
@@ -845,12 +858,13 @@ def experts_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
         return False, f"expected w13 [E, 2I, {D}] and w2 [E, {D}, I], got {list(w13.shape)}, {list(w2.shape)}"
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         return False, f"weights: expected {x.dtype}, got w13 {w13.dtype}, w2 {w2.dtype}"
-    return _routing_supported(x, weights, ids, w13, w2, act=act)
+    return _routing_supported(x, weights, ids, w13, w2, act=act, norm_weight=norm_weight)
 
 
 def experts_mxfp4_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                            w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, act: Activation,
-                           scaling: float = 1.0) -> tuple[bool, str]:
+                           scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
+                           norm_eps: float = 0.0) -> tuple[bool, str]:
     """(ok, reason): bf16 activations (fp16 cannot hold every E8M0 scale), uint8 codes and exponents
     of one expert layout, widths in whole groups of 32, unit inner strides."""
     if x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -869,25 +883,32 @@ def experts_mxfp4_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     if any(t.dtype != torch.uint8 for t in got.values()):
         return False, "MXFP4 codes and exponents: expected uint8, got " + ", ".join(
             f"{n} {t.dtype}" for n, t in got.items())
-    return _routing_supported(x, weights, ids, *got.values(), act=act)
+    return _routing_supported(x, weights, ids, *got.values(), act=act, norm_weight=norm_weight)
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-            act: Activation, scaling: float = 1.0) -> torch.Tensor:
+            act: Activation, scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
+            norm_eps: float = 0.0) -> torch.Tensor:
     """Routed experts with SGLang's rounding points (§7.4); see moe_ref.experts. Returns [T, D] in x.dtype."""
     (T, D), k = x.shape, ids.shape[1]
     cfg = experts_config(T, k, w13.shape[0], D, w13.shape[1] // 2)
-    return experts_with(x, weights, ids, w13, w2, act, scaling, cfg)
+    return experts_with(x, weights, ids, w13, w2, act, scaling, cfg, norm=_norm(norm_weight, norm_eps))
 
 
 def experts_mxfp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, act: Activation,
-                  scaling: float = 1.0) -> torch.Tensor:
+                  scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
+                  norm_eps: float = 0.0) -> torch.Tensor:
     """Routed experts on MXFP4 weights (§7.4, §7.7), w4a16: the same kernels, which read the packed
     codes and exponents and expand them to bf16 in registers; see moe_ref.experts_mxfp4."""
     (T, D), k = x.shape, ids.shape[1]
     cfg = experts_mxfp4_config(T, k, w13.shape[0], D, w2.shape[2] * 2, w13_scale, w2_scale)
-    return experts_with(x, weights, ids, w13, w2, act, scaling, cfg, (w13_scale, w2_scale))
+    return experts_with(x, weights, ids, w13, w2, act, scaling, cfg, (w13_scale, w2_scale),
+                        _norm(norm_weight, norm_eps))
+
+
+def _norm(weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, float] | None:
+    return None if weight is None else (weight, eps)
 
 
 def experts_mxfp4_config(T: int, k: int, E: int, D: int, I: int, *scales: torch.Tensor) -> ExpertsConfig:
@@ -918,9 +939,10 @@ def _max_exponent(scale: torch.Tensor) -> int:
 
 def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  act: Activation, scaling: float, cfg: ExpertsConfig,
-                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """`experts` (or, with scales = (w13_scale, w2_scale), `experts_mxfp4`) with explicit tiles
-    (bench/kernels_moe.py --sweep compares configs with it)."""
+    (bench/kernels_moe.py --sweep compares configs with it); norm = (weight, eps): the sum's RMSNorm too."""
     T, D = x.shape
     k = ids.shape[1]
     E = w13.shape[0]
@@ -928,7 +950,7 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     s13, s2 = scales if scales is not None else (None, None)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0 or k == 0:
-        return out.zero_()
+        return out.zero_()  # the norm of a zero row is zero
     if cfg.gemv is not None:  # a few rows: assignment order, no align step
         h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
         y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
@@ -942,7 +964,7 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
             stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None,
             DECODE=cfg.decode, BLOCK_N=bn, BLOCK_K=bk, **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
         )
-        return _sum(y, ids, out, E, scaling)
+        return _sum(y, ids, out, E, scaling, norm)
     sorted_ids, block_expert = _align(ids, E, cfg.block_m)
     nb = block_expert.numel()
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
@@ -962,18 +984,25 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, **pdl.launch_args(x.device),
         num_warps=warps, num_stages=stages,
     )
-    return _sum(y, ids, out, E, scaling)
+    return _sum(y, ids, out, E, scaling, norm)
 
 
-def _sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, scaling: float) -> torch.Tensor:
-    """out [T, D] = bf(scaling · Σ_j y[t·k + j]) over the slots of this rank's experts (step 4)."""
+def _sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, scaling: float,
+         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """out [T, D] = bf(scaling · Σ_j y[t·k + j]) over the slots of this rank's experts (step 4); norm = (weight,
+    eps): then its RMSNorm in the same kernel (whole rows a program, as norm.py's row kernel takes them)."""
     (T, D), k = out.shape, ids.shape[1]
-    block_d = min(1024, triton.next_power_of_2(D))
-    block_t = max(1, 2048 // block_d)
+    if norm is None:
+        block_d = min(1024, triton.next_power_of_2(D))
+        block_t, warps = max(1, 2048 // block_d), 8
+    else:
+        block_d, block_t, warps = norm_ops.row_config(D)
     _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
-        y_ptr=y, ids_ptr=ids, out_ptr=out, T=T, D=D, E=E, scaling=float(scaling), stride_yn=y.stride(0),
+        y_ptr=y, ids_ptr=ids, out_ptr=out, norm_w_ptr=out if norm is None else norm[0], T=T, D=D, E=E,
+        scaling=float(scaling), eps=0.0 if norm is None else float(norm[1]), stride_yn=y.stride(0),
         stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_ot=out.stride(0), TOP_K=k, GPU=_GPU,
-        BLOCK_T=block_t, BLOCK_D=block_d, **pdl.launch_args(out.device), num_warps=8,
+        NORM=norm is not None, BLOCK_T=block_t, BLOCK_D=block_d, **pdl.launch_args(out.device), num_warps=warps,
+        enable_fp_fusion=norm_ops.FP_FUSION,
     )
     return out
 

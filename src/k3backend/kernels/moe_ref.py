@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from k3backend.kernels.norm_ref import acc_dtype
+from k3backend.kernels.norm_ref import acc_dtype, rms_norm
 
 
 @dataclass(frozen=True)
@@ -108,22 +108,26 @@ def moe_front(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-            act: Activation, scaling: float = 1.0) -> torch.Tensor:
+            act: Activation, scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
+            norm_eps: float = 0.0) -> torch.Tensor:
     """Routed experts with SGLang's rounding points (§7.4).
 
     x: [T, D] model dtype; weights, ids: [T, k]; w13: [E, 2I, D] = [w1; w3]; w2: [E, D, I];
     act: the GLU of [.., 2I]. Per expert e: y_e = bf(w_e·(act(bf(x·w13ᵀ))·w2ᵀ));
     returns bf(scaling·Σ_e fp32(y_e)) [T, D]. Expert ids outside [0, E) are skipped (another
-    rank's experts under expert parallelism).
+    rank's experts under expert parallelism). norm_weight: then `rms_norm` of that sum with it and
+    norm_eps, the latent norm (§7.2), for a caller that holds the whole sum (no reduction between).
     """
-    return _experts(x, weights, ids, w13.shape[0], lambda e: (w13[e], w2[e]), act, scaling)
+    out = _experts(x, weights, ids, w13.shape[0], lambda e: (w13[e], w2[e]), act, scaling)
+    return out if norm_weight is None else rms_norm(out, norm_weight, norm_eps)
 
 
 def experts_mxfp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, act: Activation,
-                  scaling: float = 1.0) -> torch.Tensor:
+                  scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
+                  norm_eps: float = 0.0) -> torch.Tensor:
     """`experts` on MXFP4 weights (§7.7): each expert's matrices dequantized exactly to x.dtype, then
-    the same op. The logical function of the real checkpoint's experts; the fused w4a16 kernel
+    the same op (the norm too). The logical function of the real checkpoint's experts; the fused w4a16 kernel
     expands the codes in registers instead of in memory.
 
     w13: [E, 2I, D/2] uint8 codes, w13_scale: [E, 2I, D/32] uint8 exponents ([w1; w3] rows);
@@ -132,7 +136,8 @@ def experts_mxfp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         return dequant_mxfp4(w13[e], w13_scale[e], x.dtype), dequant_mxfp4(w2[e], w2_scale[e], x.dtype)
 
-    return _experts(x, weights, ids, w13.shape[0], expert, act, scaling)
+    out = _experts(x, weights, ids, w13.shape[0], expert, act, scaling)
+    return out if norm_weight is None else rms_norm(out, norm_weight, norm_eps)
 
 
 def _experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,

@@ -117,17 +117,19 @@ class Experts(nn.Module):
         return (1 if w == "w2" else 0, r * n, (r + 1) * n)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act: kernels.Activation,
-                scaling: float) -> torch.Tensor:
-        """x [T, D], weights / local ids [T, k] -> this rank's Σ over its experts [T, D] (§7.4)."""
+                scaling: float, norm: RMSNorm | None = None) -> torch.Tensor:
+        """x [T, D], weights / local ids [T, k] -> this rank's Σ over its experts [T, D] (§7.4), then `norm` of it."""
+        how = (act, scaling, None, 0.0) if norm is None else (act, scaling, norm.weight, norm.eps)
         if self.quant is None:
-            return kernels.experts(x, weights, ids, self.w13, self.w2, act, scaling)
-        return kernels.experts_mxfp4(x, weights, ids, self.w13, self.w13_scale, self.w2, self.w2_scale, act, scaling)
+            return kernels.experts(x, weights, ids, self.w13, self.w2, *how)
+        return kernels.experts_mxfp4(x, weights, ids, self.w13, self.w13_scale, self.w2, self.w2_scale, *how)
 
 
 class MoE(nn.Module):
     """Sigmoid-routed MoE, optionally latent (§7.2–7.5). Returns bf(routed_up + shared), without the prefix add.
 
-    Latent (K3): zl = bf(h·W_downᵀ) → experts in the latent → bf(Σ) → RMSNorm → up-projection.
+    Latent (K3): zl = bf(h·W_downᵀ) → experts in the latent → bf(Σ) → RMSNorm → up-projection (on one rank
+    the norm runs in the experts' last kernel; under TP or host_ep after the all-reduce of the partial sums).
     Plain (Kimi-Linear): experts at the hidden size, output routed + shared.
     """
 
@@ -166,7 +168,9 @@ class MoE(nn.Module):
         else:
             (w, ids), zl = kernels.router(*route, *how), h
         local_ids = ids - self.experts.e0 if self.experts.e0 else ids
-        out = self.experts(zl, w, local_ids, self.act, self.scaling)
+        norm = self.routed_expert_norm if self.latent else None
+        late = norm if self.par.moe_reduces else None  # a rank's partial sum: the norm waits for the all-reduce
+        out = self.experts(zl, w, local_ids, self.act, self.scaling, None if late else norm)
         shared = None if shared is None else self.par.moe_share(shared.join())
         if not self.latent:
             return add_in_turn(self.par.all_reduce(out if shared is None else out + shared, moe=True), adds)
@@ -174,6 +178,6 @@ class MoE(nn.Module):
             out = self.par.all_reduce(out, moe=True)
         else:
             out, shared = self.par.all_reduce_pair(out, shared, moe=True)
-        if self.routed_expert_norm is not None:
-            out = self.routed_expert_norm(out)
+        if late is not None:
+            out = late(out)
         return self.routed_expert_up_proj(out, adds if shared is None else (shared, *adds))  # bf(bf(up + sh) + ...)

@@ -3,9 +3,10 @@ beside them. The MoE layer's shared experts read only the layer input, so they r
 the routed experts run on the current stream; a decode step's small kernels leave most SMs idle, and two
 lines of them fill more. Inside a CUDA graph capture the branch becomes parallel graph nodes.
 
-`K3_OVERLAP` (read once, here): `on`, the default, or `off`, which runs every branch inline, in order: the same
-kernels with the same inputs, so the outputs are bit-equal (bench/gpu_overlap.sh checks the decode graphs'
-logits; on an H100 at `small` the branch took the decode replays 5 % faster at batch 1 to 64).
+`K3_OVERLAP` (read once, here): `on`, the default, or `off`, which runs every branch inline, in order: the
+same kernels with the same inputs, so the outputs are bit-equal (`B_ENV=K3_OVERLAP=off SAME=1
+bench/gpu_ab.sh` checks the decode graphs' logits; on an H100 at `small` the branch took the decode
+replays 5 % faster at batch 1 to 64).
 """
 
 from __future__ import annotations

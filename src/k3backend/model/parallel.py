@@ -117,10 +117,15 @@ class Parallel:
             return proj(x, adds)
         return add_in_turn(self.all_reduce(proj(x)), adds)
 
+    @property
+    def moe_reduces(self) -> bool:
+        """Whether the MoE's all-reduce sums anything: more than one rank holds a share of its experts."""
+        return self.tp_size > 1 or self.hosts > 1
+
     def all_reduce_pair(self, a: torch.Tensor, b: torch.Tensor, *,
                         moe: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Both sums in ONE all-reduce of [a | b] (the MoE's routed latent and shared partials, §9.3 item 4)."""
-        if self.tp_size == 1 and not (moe and self.hosts > 1):
+        if not (self.moe_reduces if moe else self.tp_size > 1):
             return a, b
         both = self.all_reduce(torch.cat([a, b], dim=-1), moe=moe)
         return both[..., :a.shape[-1]], both[..., a.shape[-1]:]
