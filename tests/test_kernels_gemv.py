@@ -194,6 +194,7 @@ _PDL_ONLY_HERE = {
 }
 _PDL_BUILT_ELSEWHERE = {  # compiled with PDL on (tests/sm90.py turns it on) by these files' hopper tests
     ("gemv", "_linear_kernel"), ("norm", "_row_norm_kernel"), ("norm", "_attn_res_mix_kernel"),
+    ("norm", "_mla_latent_kernel"),
     ("routing", "_route_kernel"), ("routing", "_router_gemm_kernel"), ("moe", "_up_kernel"), ("moe", "_down_kernel"),
     ("moe", "_up_gemv_kernel"), ("mla", "_latent_attn_kernel")}
 

@@ -74,6 +74,38 @@ def check_attn_res_mix_and_mix_norm_match_reference() -> None:
     assert_matches(norm.attn_res_mix(rows, ns, wp, 1e-5), norm_ref.attn_res_mix(rows, ns, wp, 1e-5), "mixed strides")
 
 
+def check_mla_latent_matches_reference() -> None:
+    """mla_latent: the pool rows [rms_norm(c_kv) ; k_pe] at their slots (every other row untouched) and
+    rms_norm(q_a), from strided slices of one in-projection output as MLA takes them; without a q LoRA too."""
+    from k3backend.kernels import mla_ref, norm
+
+    Q, R, dr, G = 48, 40, 12, 20
+    for dtype in DTYPES:
+        for T, with_q in ((1, True), (5, True), (3, False)):
+            what = f"mla_latent {dtype} T={T} q={with_q}"
+            proj = randn(T, Q + R + dr + G, seed=20 + T, dtype=dtype)
+            q_a, lat = proj[:, :Q], proj[:, Q:Q + R + dr]
+            qw, kvw = randn(Q, seed=21, dtype=dtype, scale=0.1) + 1, randn(R, seed=22, dtype=dtype, scale=0.1) + 1
+            slots = torch.randperm(4 * 8, generator=torch.Generator().manual_seed(T))[:T]
+            args = (q_a, qw, 1e-5) if with_q else (None, None, 0.0)
+            pools = [torch.full((4, 8, R + dr), float("nan"), dtype=dtype) for _ in range(2)]
+            ok, why = norm.mla_latent_supports(*args, lat, kvw, 1e-6, pools[0], slots)
+            assert ok, why
+            with poisoned_empty():
+                got = norm.mla_latent(*args, lat, kvw, 1e-6, pools[0], slots)
+            want = mla_ref.mla_latent(*args, lat, kvw, 1e-6, pools[1], slots)
+            rows = pools[0].view(-1, R + dr)
+            assert_matches(rows[slots], pools[1].view(-1, R + dr)[slots], f"{what}: rows")
+            assert torch.equal(rows[slots][:, R:], lat[:, R:]), f"{what}: k_pe must be copied as it is"
+            others = torch.ones(rows.shape[0], dtype=torch.bool)
+            others[slots] = False
+            assert rows[others].isnan().all(), f"{what}: a row outside slot_mapping written"
+            if with_q:
+                assert_matches(got, want, f"{what}: q")
+            else:
+                assert got is None and want is None
+
+
 def check_tiny_model_through_the_switch_matches_reference() -> None:
     """A whole tiny K3 text model (AttnRes mixes, RMSNorms, SiTU MLP, KDA norms, MLA) with
     K3_KERNELS=triton (these kernels under the interpreter) equals K3_KERNELS=ref, fp32."""
@@ -98,7 +130,7 @@ def check_tiny_model_through_the_switch_matches_reference() -> None:
         return model(x, s.batch([9]), s.pools)
 
     fast, ref, seen = triton_and_reference(forward)
-    for op in ("rms_norm", "gated_rms_norm", "kda_prefill_inputs", "attn_res_mix_norm", "mla_prefill"):
+    for op in ("rms_norm", "gated_rms_norm", "kda_prefill_inputs", "attn_res_mix_norm", "mla_latent", "mla_prefill"):
         assert any(f"{op} runs its Triton kernel" in m for m in seen), (op, seen)
     assert torch.isfinite(ref).all()
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
@@ -114,6 +146,10 @@ def test_gated_rms_norm_matches_reference():
 
 def test_attn_res_mix_and_mix_norm_match_reference():
     CHECKS.assert_passed("attn_res_mix_and_mix_norm_match_reference")
+
+
+def test_mla_latent_matches_reference():
+    CHECKS.assert_passed("mla_latent_matches_reference")
 
 
 def test_tiny_model_through_the_switch_matches_reference():
@@ -151,6 +187,11 @@ def test_kernels_compile_for_hopper_without_spills():
                      dict(x_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n_rows=64, s_x=D, s_z=D, s_y=D,
                           eps=1e-5),
                      dict(D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, KIND=kind, INTERPRET=False)))
+    runs.append(("mla_latent", norm._mla_latent_kernel, 4,  # K3: q_lora 1536, r 512 + dr 64
+                 dict(q_ptr="*bf16", qw_ptr="*bf16", qo_ptr="*bf16", lat_ptr="*bf16", kvw_ptr="*bf16",
+                      pool_ptr="*bf16", slot_ptr="*i64", n_rows=64, s_q=3392, s_l=3392, s_qo=1536, q_eps=1e-6,
+                      kv_eps=1e-6),
+                 dict(Q=1536, R=512, W=576, BLOCK_Q=2048, BLOCK_W=1024, HAS_Q=True, INTERPRET=False)))
     for what, kernel, warps, args, constexprs in runs:
         c = compile_sm90(kernel, args, constexprs, num_warps=warps, num_stages=1, enable_fp_fusion=False)
         assert c.stack == 0, f"{what}: {c}"

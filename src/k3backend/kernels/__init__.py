@@ -30,7 +30,7 @@ from k3backend.kernels.kda_ref import (
     short_conv_seq,
 )
 from k3backend.kernels.linear_ref import linear
-from k3backend.kernels.mla_ref import mla_absorbed, mla_decode, mla_mha, mla_prefill, mla_write
+from k3backend.kernels.mla_ref import mla_absorbed, mla_decode, mla_latent, mla_mha, mla_prefill, mla_write
 from k3backend.kernels.moe_ref import (
     Activation,
     dequant_mxfp4,
@@ -76,6 +76,7 @@ FAST_OPS: dict[str, str] = {
     "gated_rms_norm": "k3backend.kernels.norm",
     "attn_res_mix": "k3backend.kernels.norm",
     "attn_res_mix_norm": "k3backend.kernels.norm",
+    "mla_latent": "k3backend.kernels.norm",
     **dict.fromkeys(("race_draw", "softmax_rows", "top_k_top_p"), "k3backend.kernels.sample"),
 }
 
@@ -139,7 +140,7 @@ __all__ = [
     "Activation", "acc_dtype", "attn_res_mix", "attn_res_mix_norm", "dequant_mxfp4", "experts", "experts_mxfp4",
     "gated_rms_norm", "glu", "kda_chunked",
     "kda_decode", "kda_gate", "kda_prefill", "kda_prefill_inputs", "kda_recurrent", "l2_norm", "linear",
-    "mla_absorbed", "mla_decode", "mla_mha", "mla_prefill", "moe_front",
+    "mla_absorbed", "mla_decode", "mla_latent", "mla_mha", "mla_prefill", "moe_front",
     "mla_write", "race_draw", "rms_norm", "route", "router", "short_conv", "short_conv_decode", "short_conv_seq",
     "silu_and_mul", "softmax_rows",
     "situ_and_mul", "glu_linear", "kda_decode_fused", "top_k_top_p", "VarlenLayout", "varlen_layout",

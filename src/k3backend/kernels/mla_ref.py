@@ -3,10 +3,10 @@
 `mla_mha` and `mla_absorbed` are the two forms on one sequence's latent rows. The ops the model
 calls work on the paged latent pool [num_blocks, block_size, r + dr] (one block table per
 sequence, shared by every MLA layer): `mla_write` stores this step's rows in place at
-`slot_mapping`; `mla_decode` (absorbed form, one query per sequence) and `mla_prefill` (a chunk
-per sequence; the expanded MHA form when the chunk is the whole context so far, as SGLang does
-for a fresh prefill, else the absorbed form over the cached prefix) read the pool through the
-block tables.
+`slot_mapping` (`mla_latent`: after the in-projection's norms); `mla_decode` (absorbed form, one
+query per sequence) and `mla_prefill` (a chunk per sequence; the expanded MHA form when the chunk
+is the whole context so far, as SGLang does for a fresh prefill, else the absorbed form over the
+cached prefix) read the pool through the block tables.
 
 Shapes: T new query tokens, S cached+new key tokens (the last T keys are the new tokens),
 N heads, dn/dr/dv head dims, r = kv_lora_rank.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from k3backend.kernels.norm_ref import acc_dtype
+from k3backend.kernels.norm_ref import acc_dtype, rms_norm
 from k3backend.kernels.varlen import VarlenLayout
 
 
@@ -86,6 +86,17 @@ def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k
 def mla_write(rows: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """pool.view(-1, r+dr)[slot_mapping] = rows, in place. rows: [T, r+dr]; slot_mapping: [T] int64."""
     pool.view(-1, pool.shape[-1])[slot_mapping] = rows.to(pool.dtype)
+
+
+def mla_latent(q_a: torch.Tensor | None, q_norm_weight: torch.Tensor | None, q_eps: float, lat: torch.Tensor,
+               kv_norm_weight: torch.Tensor, kv_eps: float, pool: torch.Tensor,
+               slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """The in-projection's latent outputs (§6.1, §6.2): this step's rows [rms_norm(c_kv) ; k_pe] written to the
+    pool (`mla_write`; lat [T, r + dr] = [c_kv ; k_pe]) and rms_norm(q_a) returned (None without a q LoRA).
+    One op because both norms read the one GEMM's output (the kernel: one launch for four)."""
+    r = kv_norm_weight.shape[0]
+    mla_write(torch.cat([rms_norm(lat[:, :r], kv_norm_weight, kv_eps), lat[:, r:]], dim=-1), pool, slot_mapping)
+    return None if q_a is None else rms_norm(q_a, q_norm_weight, q_eps)
 
 
 def _gather(pool: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:

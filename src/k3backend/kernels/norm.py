@@ -1,5 +1,5 @@
-"""Triton normalisations and small fusions (K3_LM §2.2-§2.7, §4.2): the fast `rms_norm`, `gated_rms_norm`,
-`attn_res_mix` and `attn_res_mix_norm`, with the references' signatures (KDA's q/k L2 norm is fused
+"""Triton normalisations and small fusions (K3_LM §2.2-§2.7, §4.2, §6.2): the fast `rms_norm`, `gated_rms_norm`,
+`attn_res_mix`, `attn_res_mix_norm` and MLA's `mla_latent`, with the references' signatures (KDA's q/k L2 norm is fused
 into `kda_prefill_inputs`, kernels/kda_chunk.py). (The MLP's
 act-and-mul is fused into its GEMM: `glu_linear` in kernels/moe.py.)
 
@@ -112,6 +112,33 @@ def _attn_res_mix_kernel(
     tl.store(out_ptr + t * s_o + cols, y, mask=cmask)
 
 
+@triton.jit(do_not_specialize=["n_rows", "s_q", "s_l", "s_qo"])
+def _mla_latent_kernel(
+    q_ptr, qw_ptr, qo_ptr, lat_ptr, kvw_ptr, pool_ptr, slot_ptr, n_rows, s_q, s_l, s_qo, q_eps, kv_eps,
+    Q: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_Q: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+):
+    """Token t: pool row slot[t] = [rms_norm(lat[t, :R]) ; lat[t, R:W]], rounded to lat's dtype then the pool's;
+    HAS_Q: qo[t] = rms_norm(q[t]). Each norm in `_row_norm_kernel`'s arithmetic, one rounding."""
+    pdl.enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_W)
+    raw = tl.load(lat_ptr + t * s_l + c, mask=c < W, other=0.0)
+    x = tl.where(c < R, raw.to(tl.float32), 0.0)
+    w = tl.load(kvw_ptr + c, mask=c < R, other=0.0).to(tl.float32)
+    normed = to_dtype(x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / R + kv_eps)) * w, lat_ptr.dtype.element_ty,
+                      INTERPRET)
+    row = to_dtype(tl.where(c < R, normed, raw).to(tl.float32), pool_ptr.dtype.element_ty, INTERPRET)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    tl.store(pool_ptr + slot * W + c, row, mask=c < W)
+    if HAS_Q:
+        cq = tl.arange(0, BLOCK_Q)
+        xq = tl.load(q_ptr + t * s_q + cq, mask=cq < Q, other=0.0).to(tl.float32)
+        wq = tl.load(qw_ptr + cq, mask=cq < Q, other=0.0).to(tl.float32)
+        yq = xq * (1.0 / tl.sqrt_rn(tl.sum(xq * xq, axis=0) / Q + q_eps)) * wq
+        tl.store(qo_ptr + t * s_qo + cq, to_dtype(yq, qo_ptr.dtype.element_ty, INTERPRET), mask=cq < Q)
+
+
 # ---- launchers and the ops (norm_ref signatures) --------------------------------------
 
 def row_config(D: int) -> tuple[int, int, int]:
@@ -198,6 +225,26 @@ def _mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, e
     return out.view(first.shape)
 
 
+def mla_latent(q_a: torch.Tensor | None, q_norm_weight: torch.Tensor | None, q_eps: float, lat: torch.Tensor,
+               kv_norm_weight: torch.Tensor, kv_eps: float, pool: torch.Tensor,
+               slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """`mla_ref.mla_latent`: the pool rows and the q norm in one kernel, a program per token."""
+    T, W = lat.shape
+    R = kv_norm_weight.shape[0]
+    q_out = None if q_a is None else torch.empty(q_a.shape, dtype=q_a.dtype, device=q_a.device)
+    if T:
+        Q = 1 if q_a is None else q_a.shape[1]
+        block = max(triton.next_power_of_2(W), triton.next_power_of_2(Q))
+        _mla_latent_kernel[(T,)](
+            lat if q_a is None else q_a, kv_norm_weight if q_a is None else q_norm_weight,
+            lat if q_out is None else q_out, lat, kv_norm_weight, pool, slot_mapping, n_rows=T,
+            s_q=0 if q_a is None else q_a.stride(0), s_l=lat.stride(0), s_qo=0 if q_out is None else q_out.stride(0),
+            q_eps=float(q_eps), kv_eps=float(kv_eps), Q=Q, R=R, W=W, BLOCK_Q=triton.next_power_of_2(Q),
+            BLOCK_W=triton.next_power_of_2(W), HAS_Q=q_a is not None, INTERPRET=interpreting(),
+            **pdl.launch_args(lat.device), num_warps=max(4, min(16, block // 256)), enable_fp_fusion=FP_FUSION)
+    return q_out
+
+
 # ---- verifiers: (ok, reason); a decline runs the torch reference -----------------------------------
 
 def _supports(*tensors: torch.Tensor, width: int, out_dtype: torch.dtype | None = None) -> tuple[bool, str]:
@@ -230,3 +277,22 @@ def attn_res_mix_norm_supports(rows: list[torch.Tensor], norm_w: torch.Tensor, p
                                out_w: torch.Tensor, out_eps: float) -> tuple[bool, str]:
     ok, why = attn_res_mix_supports(rows, norm_w, proj_w, eps)
     return _supports(out_w, width=0) if ok else (ok, why)
+
+
+def mla_latent_supports(q_a: torch.Tensor | None, q_norm_weight: torch.Tensor | None, q_eps: float,
+                        lat: torch.Tensor, kv_norm_weight: torch.Tensor, kv_eps: float, pool: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> tuple[bool, str]:
+    """Rows with a unit last stride, a contiguous pool of lat's width, int32/int64 slots, one per row."""
+    W = lat.shape[-1]
+    qs = () if q_a is None else (q_a, q_norm_weight)
+    if lat.dim() != 2 or any(t.dim() != 2 for t in qs[:1]) or pool.shape[-1] != W or not pool.is_contiguous():
+        return False, f"expected lat [T, r + dr] and a contiguous pool [.., {W}], got {list(lat.shape)}, " \
+                      f"{list(pool.shape)}"
+    if any(t.stride(-1) != 1 for t in (lat, kv_norm_weight, *qs)) or kv_norm_weight.shape[0] > W:
+        return False, "lat, q_a and the norm weights: expected unit last strides, r <= r + dr"
+    if slot_mapping.dtype not in (torch.int32, torch.int64) or slot_mapping.shape != (lat.shape[0],):
+        return False, f"slot_mapping: expected int32/int64 [{lat.shape[0]}], got {slot_mapping.dtype} " \
+                      f"{list(slot_mapping.shape)}"
+    if q_a is not None and (q_a.shape[0] != lat.shape[0] or q_norm_weight.shape != (q_a.shape[1],)):
+        return False, f"q_a {list(q_a.shape)} and its norm weight {list(q_norm_weight.shape)} do not match lat's rows"
+    return _supports(lat, kv_norm_weight, pool, *qs, width=max(W, 0 if q_a is None else q_a.shape[1]))

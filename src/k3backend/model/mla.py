@@ -78,10 +78,11 @@ class MLA(nn.Module):
         the output plus `adds` (the residual, added in turn)."""
         T = x.shape[0]
         q, lat, *z = self.in_proj(x).split(self.in_sizes, dim=-1)  # lat [T, r + dr]; z: the gate's logits
-        q = (self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora else q).view(T, self.N, self.dn + self.dr)
+        q_a = (q, self.q_a_layernorm.weight, self.q_a_layernorm.eps) if self.q_lora else (None, None, 0.0)
+        kv = (lat, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+        q_a = kernels.mla_latent(*q_a, *kv, cache.latent, batch.slot_mapping)  # rows [c_kv ; k_pe raw] appended first
+        q = (self.q_b_proj(q_a) if self.q_lora else q).view(T, self.N, self.dn + self.dr)
         q_nope, q_pe = q[..., :self.dn], q[..., self.dn:]  # [T, N, dn], [T, N, dr]
-        rows = torch.cat([self.kv_a_layernorm(lat[:, :self.r]), lat[:, self.r:]], dim=-1)  # [c_kv ; k_pe raw]
-        kernels.mla_write(rows, cache.latent, batch.slot_mapping)  # append first, then attend
         w_kc, w_vc = self.absorbed_weights()
         nd = batch.num_decode
         o = cat_parts(  # [T, N·dv]
