@@ -129,8 +129,9 @@ def _mla_latent_kernel(
     normed = to_dtype(x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / R + kv_eps)) * w, lat_ptr.dtype.element_ty,
                       INTERPRET)
     row = to_dtype(tl.where(c < R, normed, raw).to(tl.float32), pool_ptr.dtype.element_ty, INTERPRET)
-    slot = tl.load(slot_ptr + t).to(tl.int64)  # never negative; if one were, nothing is written before the pool
-    tl.store(pool_ptr + slot * W + c, row, mask=(c < W) & (slot >= 0))
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # never negative; if one were, nothing is written before the pool
+        tl.store(pool_ptr + slot * W + c, row, mask=c < W)
     if HAS_Q:
         cq = tl.arange(0, BLOCK_Q)
         xq = tl.load(q_ptr + t * s_q + cq, mask=cq < Q, other=0.0).to(tl.float32)
