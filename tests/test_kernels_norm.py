@@ -189,7 +189,7 @@ def test_kernels_compile_for_hopper_without_spills():
                      dict(D=D, BLOCK_D=block_d, BLOCK_ROWS=block_rows, KIND=kind, INTERPRET=False)))
     runs.append(("mla_latent", norm._mla_latent_kernel, 4,  # K3: q_lora 1536, r 512 + dr 64
                  dict(q_ptr="*bf16", qw_ptr="*bf16", qo_ptr="*bf16", lat_ptr="*bf16", kvw_ptr="*bf16",
-                      pool_ptr="*bf16", slot_ptr="*i64", n_rows=64, s_q=3392, s_l=3392, s_qo=1536, q_eps=1e-6,
+                      pool_ptr="*bf16", slot_ptr="*i64", s_q=3392, s_l=3392, s_qo=1536, q_eps=1e-6,
                       kv_eps=1e-6),
                  dict(Q=1536, R=512, W=576, BLOCK_Q=2048, BLOCK_W=1024, HAS_Q=True, INTERPRET=False)))
     for what, kernel, warps, args, constexprs in runs:

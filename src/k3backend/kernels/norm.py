@@ -112,9 +112,9 @@ def _attn_res_mix_kernel(
     tl.store(out_ptr + t * s_o + cols, y, mask=cmask)
 
 
-@triton.jit(do_not_specialize=["n_rows", "s_q", "s_l", "s_qo"])
+@triton.jit(do_not_specialize=["s_q", "s_l", "s_qo"])
 def _mla_latent_kernel(
-    q_ptr, qw_ptr, qo_ptr, lat_ptr, kvw_ptr, pool_ptr, slot_ptr, n_rows, s_q, s_l, s_qo, q_eps, kv_eps,
+    q_ptr, qw_ptr, qo_ptr, lat_ptr, kvw_ptr, pool_ptr, slot_ptr, s_q, s_l, s_qo, q_eps, kv_eps,
     Q: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr,
     HAS_Q: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -238,7 +238,7 @@ def mla_latent(q_a: torch.Tensor | None, q_norm_weight: torch.Tensor | None, q_e
         block = max(triton.next_power_of_2(W), triton.next_power_of_2(Q))
         _mla_latent_kernel[(T,)](
             lat if q_a is None else q_a, kv_norm_weight if q_a is None else q_norm_weight,
-            lat if q_out is None else q_out, lat, kv_norm_weight, pool, slot_mapping, n_rows=T,
+            lat if q_out is None else q_out, lat, kv_norm_weight, pool, slot_mapping,
             s_q=0 if q_a is None else q_a.stride(0), s_l=lat.stride(0), s_qo=0 if q_out is None else q_out.stride(0),
             q_eps=float(q_eps), kv_eps=float(kv_eps), Q=Q, R=R, W=W, BLOCK_Q=triton.next_power_of_2(Q),
             BLOCK_W=triton.next_power_of_2(W), HAS_Q=q_a is not None, INTERPRET=interpreting(),
