@@ -89,6 +89,42 @@ def check_linear_adds_are_torch_adds() -> None:
             assert torch.equal(ref, (linear_ref.linear(x, w) + a0) + a1)
 
 
+def check_linear_gate_is_the_rounded_product() -> None:
+    """gate: the GEMV reads bf(x · bf(σ(g))) (MLA's output gate). Through an identity weight y is that input
+    itself, so it must be torch's x * torch.sigmoid(g) bit for bit (up to a last-bit difference of the two
+    sigmoids in rare elements); through a random weight, within the fp64 bound of that input."""
+    from k3backend.kernels import gemv, linear_ref
+
+    g = torch.Generator().manual_seed(9)
+    for dtype in (torch.bfloat16, torch.float32):
+        for M, K in ((1, 300), (3, 96), (8, 130)):
+            x = torch.randn(M, K + 7, generator=g).to(dtype)[:, 7:]  # strided, as the in-projection's slices
+            z = (torch.randn(M, K + 3, generator=g) * 4).to(dtype)[:, 3:]
+            ok, why = gemv.linear_supports(x, torch.eye(K, dtype=dtype), (), z)
+            assert ok, why
+            with poisoned_empty():
+                y = gemv.linear(x, torch.eye(K, dtype=dtype), (), z)
+            want = x * torch.sigmoid(z)
+            ulp = EPS[dtype] * 2 or 2.0 ** -22  # a bf16 / fp32 sigmoid's last bit (fp32: Triton's and torch's differ)
+            if dtype == torch.bfloat16:  # the roundings: bit-equal but where the two sigmoids round apart
+                assert (y != want).float().mean() <= 0.01, f"{dtype} M{M}: {(y != want).float().mean():.1%} differ"
+            assert ((y.double() - want.double()).abs() <= ulp * want.double().abs() + 1e-30).all(), f"{dtype} M{M}"
+            w = torch.randn(40, K, generator=g).to(dtype)
+            y = gemv.linear(x, w, (), z)
+            ref = want.double() @ w.double().T
+            bound = 2 * EPS[dtype] * (want.double().abs() @ w.double().abs().T) + K * 2.0 ** -23 * \
+                (want.double().abs() @ w.double().abs().T) + EPS[dtype] * ref.abs() + 1e-30
+            assert ((y.double() - ref).abs() <= bound).all(), f"{dtype} M{M} K{K}: gated product"
+            assert torch.equal(linear_ref.linear(x, w, (), z), linear_ref.linear(want, w))
+    x, z = torch.zeros(2, 16, dtype=torch.bfloat16, device="meta"), torch.zeros(2, 16, device="meta")
+    ok, why = gemv.linear_supports(x, torch.zeros(8, 16, dtype=torch.bfloat16, device="meta"), (), z)
+    assert not ok and "gate" in why, why
+
+
+def test_linear_gate_is_the_rounded_product():
+    CHECKS.assert_passed("linear_gate_is_the_rounded_product")
+
+
 def test_linear_matches_fp64():
     CHECKS.assert_passed("linear_matches_fp64")
 
@@ -151,13 +187,14 @@ def test_linear_compiles_for_hopper_without_spills():
             cfg = gemv.linear_config(M, N, K)
             if cfg is None:
                 continue
-            for adds in (0, 2):
+            for adds, gate in ((0, False), (2, False), (2, True)):
                 c = compile_sm90(gemv._linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", a0_ptr="*bf16",
-                                                           a1_ptr="*bf16", N=N, K=K, stride_xm=K, stride_wn=K,
-                                                           stride_ym=N, stride_a0=N, stride_a1=N),
-                                 dict(M=M, BLOCK_M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ADDS=adds,
+                                                           a1_ptr="*bf16", g_ptr="*bf16", N=N, K=K, stride_xm=K,
+                                                           stride_wn=K, stride_ym=N, stride_a0=N, stride_a1=N,
+                                                           stride_gm=K),
+                                 dict(M=M, BLOCK_M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ADDS=adds, GATE=gate,
                                       INTERPRET=False), num_warps=cfg.warps, num_stages=1)
-                assert c.stack == 0, f"M{M} N{N} K{K} {cfg} adds {adds}: {c}"
+                assert c.stack == 0, f"M{M} N{N} K{K} {cfg} adds {adds} gate {gate}: {c}"
 
 
 # The PDL kernels no other compile test builds: (module, kernel) -> (args, constexprs, warps).
@@ -230,9 +267,10 @@ def test_the_wait_check_catches_an_early_load():
     ptx_like = "\n".join(["ld.param.u64 %rd1, [p];", "@%p1 ld.global.v4.b32 {%r1}, [%rd1];",
                           "griddepcontrol.wait;", "st.global.b16 [%rd2], %rs1;"])
     assert sm90.accesses_before_wait(ptx_like) == ["@%p1 ld.global"]
-    args = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", a0_ptr="*bf16", a1_ptr="*bf16", N=2048, K=2048,
-                stride_xm=2048, stride_wn=2048, stride_ym=2048, stride_a0=2048, stride_a1=2048)
-    constexprs = dict(M=1, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, ADDS=1, INTERPRET=False)
+    args = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", a0_ptr="*bf16", a1_ptr="*bf16", g_ptr="*bf16", N=2048,
+                K=2048, stride_xm=2048, stride_wn=2048, stride_ym=2048, stride_a0=2048, stride_a1=2048,
+                stride_gm=2048)
+    constexprs = dict(M=1, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, ADDS=1, GATE=False, INTERPRET=False)
     saved = set(sm90.PREFETCH_BEFORE_WAIT)
     sm90.PREFETCH_BEFORE_WAIT.clear()
     try:

@@ -3,7 +3,8 @@ weight once, a whole K step of it in flight, and loads its first step before wai
 kernel (kernels/pdl.py). cuBLAS's kernels for these shapes run at 0.3-3 TB/s on the H200; where they
 are faster (`linear_config`), and for larger batches, the reference (cuBLAS) runs. fp32 accumulation,
 one rounding; the residual adds a layer ends with ride in the epilogue, each rounded as torch's add
-rounds, so the sum is the reference's bit for bit and a decode step saves a kernel per add.
+rounds, so the sum is the reference's bit for bit and a decode step saves a kernel per add, and
+MLA's output gate rides in the x loads (two elementwise kernels fewer).
 """
 
 from __future__ import annotations
@@ -25,19 +26,22 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit(do_not_specialize=["N"])
-def _linear_kernel(x_ptr, w_ptr, y_ptr, a0_ptr, a1_ptr, N, K, stride_xm, stride_wn, stride_ym, stride_a0, stride_a1,
-                   M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ADDS: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, y_ptr, a0_ptr, a1_ptr, g_ptr, N, K, stride_xm, stride_wn, stride_ym, stride_a0,
+                   stride_a1, stride_gm, M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, ADDS: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr,
+                   INTERPRET: tl.constexpr):
     """y[:, n-block] = bf(Σ_k fp32(x[m, k])·fp32(w[n, k])) for the M rows: products accumulate in an
     [M, BLOCK_N, BLOCK_K] fp32 tile, reduced once at the end (no reduction inside the K loop). Rows
     past N wrap (loads stay unmasked); the store masks them. With PDL the first weight step is loaded
     before waiting for the previous kernel, overlapping that kernel's tail. ADDS: then y = bf(y + a0),
-    y = bf(y + a1) in fp32, as torch adds two tensors of y's dtype."""
+    y = bf(y + a1) in fp32, as torch adds two tensors of y's dtype. GATE: x is bf(x · bf(σ(g))) first, as
+    torch's sigmoid and product of two tensors of x's dtype round."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
     w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[None, :, None] * stride_wn + offs_k[None, None, :]  # [1, BN, BK]
     x_ptrs = x_ptr + rows[:, None, None] * stride_xm + offs_k[None, None, :]  # [BM, 1, BK]
+    g_ptrs = g_ptr + rows[:, None, None] * stride_gm + offs_k[None, None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     w = tl.load(w_ptrs, mask=(offs_k < K)[None, None, :], other=0.0)
     pdl.enter(PDL)
@@ -45,7 +49,13 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, a0_ptr, a1_ptr, N, K, stride_xm, stride_
         wf = w.to(tl.float32)
         w_ptrs += BLOCK_K
         w = tl.load(w_ptrs, mask=(offs_k < K - k0 - BLOCK_K)[None, None, :], other=0.0)  # the next step's, in flight
-        x = tl.load(x_ptrs, mask=(rows < M)[:, None, None] & (offs_k < K - k0)[None, None, :], other=0.0)
+        x_mask = (rows < M)[:, None, None] & (offs_k < K - k0)[None, None, :]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if GATE:
+            dt = x_ptr.dtype.element_ty
+            sg = to_dtype(tl.sigmoid(tl.load(g_ptrs, mask=x_mask, other=0.0).to(tl.float32)), dt, INTERPRET)
+            x = to_dtype(x.to(tl.float32) * sg.to(tl.float32), dt, INTERPRET)
+            g_ptrs += BLOCK_K
         acc += wf * x.to(tl.float32)
         x_ptrs += BLOCK_K
     y = to_dtype(tl.sum(acc, axis=2), y_ptr.dtype.element_ty, INTERPRET)
@@ -78,7 +88,8 @@ def linear_config(M: int, N: int, K: int) -> LinearConfig | None:
     return LinearConfig(4, min(bk, max(16, triton.next_power_of_2(K))), 4)
 
 
-def linear_supports(x: torch.Tensor, w: torch.Tensor, adds: Sequence[torch.Tensor] = ()) -> tuple[bool, str]:
+def linear_supports(x: torch.Tensor, w: torch.Tensor, adds: Sequence[torch.Tensor] = (),
+                    gate: torch.Tensor | None = None) -> tuple[bool, str]:
     """Whether the kernel takes this call (the reference runs it otherwise)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         return False, "x [M, K] and w [N, K] expected"
@@ -94,25 +105,33 @@ def linear_supports(x: torch.Tensor, w: torch.Tensor, adds: Sequence[torch.Tenso
         if a.shape != (x.shape[0], w.shape[0]) or a.dtype != x.dtype or a.stride(-1) != 1 or a.device != x.device:
             return False, f"an add must be an [M, N] tensor of x's dtype and device with unit column stride, got " \
                           f"{a.dtype} {list(a.shape)}"
+    if gate is not None and (gate.shape != x.shape or gate.dtype != x.dtype or gate.stride(-1) != 1
+                             or gate.device != x.device):
+        return False, f"the gate must be like x, {x.dtype} {list(x.shape)} with unit stride along K, got " \
+                      f"{gate.dtype} {list(gate.shape)}"
     return True, ""
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, adds: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-    """x [M, K] · w [N, K]ᵀ -> [M, N] in x's dtype, then each of adds in turn, with `linear_config`'s tiles."""
+def linear(x: torch.Tensor, w: torch.Tensor, adds: Sequence[torch.Tensor] = (),
+           gate: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (⊙ σ(gate)) · w [N, K]ᵀ -> [M, N] in x's dtype, then each of adds in turn, with
+    `linear_config`'s tiles."""
     cfg = linear_config(x.shape[0], w.shape[0], w.shape[1])
     if cfg is None:
         raise ValueError(f"linear: {x.shape[0]} rows of a {list(w.shape)} weight are cuBLAS's (see linear_supports)")
-    return linear_with(x, w, dataclasses.replace(cfg, pdl=pdl.enabled(x.device)), adds)
+    return linear_with(x, w, dataclasses.replace(cfg, pdl=pdl.enabled(x.device)), adds, gate)
 
 
-def linear_with(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig, adds: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+def linear_with(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig, adds: Sequence[torch.Tensor] = (),
+                gate: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` with explicit tiles (the tests and sweeps)."""
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     a0, a1 = (*adds, y, y)[:2]  # unused pointers: y, never read
+    g = x if gate is None else gate
     _linear_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, w, y, a0, a1, N, K, x.stride(0), w.stride(0), y.stride(0), a0.stride(0), a1.stride(0), M=M,
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ADDS=len(adds), PDL=cfg.pdl,
-        INTERPRET=interpreting(), num_warps=cfg.warps, launch_pdl=cfg.pdl)
+        x, w, y, a0, a1, g, N, K, x.stride(0), w.stride(0), y.stride(0), a0.stride(0), a1.stride(0), g.stride(0),
+        M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ADDS=len(adds),
+        GATE=gate is not None, PDL=cfg.pdl, INTERPRET=interpreting(), num_warps=cfg.warps, launch_pdl=cfg.pdl)
     return y

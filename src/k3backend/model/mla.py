@@ -92,6 +92,5 @@ class MLA(nn.Module):
                                                       batch.block_tables[nd:], batch.context_lens[nd:],
                                                       self.kv_b_proj.weight, w_kc, w_vc, self.scale,
                                                       layout=batch.prefill_layout))
-        if self.gated:
-            o = o * torch.sigmoid(z[0])  # bf(O ⊙ bf(σ(z))) (§6.4)
-        return self.par.row_parallel(self.o_proj, o, adds)  # §9.3 item 2
+        gate = z[0] if self.gated else None  # o_proj reads bf(O ⊙ bf(σ(z))) (§6.4)
+        return self.par.row_parallel(self.o_proj, o, adds, gate)  # §9.3 item 2

@@ -110,12 +110,14 @@ class Parallel:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def row_parallel(self, proj: torch.nn.Module, x: torch.Tensor, adds: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """A row-parallel projection summed over the ranks, then `adds` in turn (the layer's residual).
-        With one rank there is nothing to sum, and the adds ride in the projection (`Linear`'s epilogue)."""
+    def row_parallel(self, proj: torch.nn.Module, x: torch.Tensor, adds: Sequence[torch.Tensor] = (),
+                     gate: torch.Tensor | None = None) -> torch.Tensor:
+        """A row-parallel projection (of x ⊙ σ(gate) with a gate) summed over the ranks, then `adds` in turn
+        (the layer's residual). With one rank there is nothing to sum, and the adds ride in the projection
+        (`Linear`'s epilogue)."""
         if self.tp_size == 1:
-            return proj(x, adds)
-        return add_in_turn(self.all_reduce(proj(x)), adds)
+            return proj(x, adds, gate)
+        return add_in_turn(self.all_reduce(proj(x, (), gate)), adds)
 
     @property
     def moe_reduces(self) -> bool:
