@@ -78,9 +78,9 @@ class MLA(nn.Module):
         the output plus `adds` (the residual, added in turn)."""
         T = x.shape[0]
         q, lat, *z = self.in_proj(x).split(self.in_sizes, dim=-1)  # lat [T, r + dr]; z: the gate's logits
-        q_a = (q, self.q_a_layernorm.weight, self.q_a_layernorm.eps) if self.q_lora else (None, None, 0.0)
-        kv = (lat, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
-        q_a = kernels.mla_latent(*q_a, *kv, cache.latent, batch.slot_mapping)  # rows [c_kv ; k_pe raw] appended first
+        q_norm = (q, self.q_a_layernorm.weight, self.q_a_layernorm.eps) if self.q_lora else (None, None, 0.0)
+        kv_norm = (lat, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+        q_a = kernels.mla_latent(*q_norm, *kv_norm, cache.latent, batch.slot_mapping)  # rows appended first
         q = (self.q_b_proj(q_a) if self.q_lora else q).view(T, self.N, self.dn + self.dr)
         q_nope, q_pe = q[..., :self.dn], q[..., self.dn:]  # [T, N, dn], [T, N, dr]
         w_kc, w_vc = self.absorbed_weights()
