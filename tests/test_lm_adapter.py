@@ -494,18 +494,22 @@ def test_the_http_endpoint_stays_held_while_the_prepare_thread_answers_what_was_
     thread has ended; the held connection waits for those sends too. Here the prepare thread is busy
     with one request while the shutdown ends the response thread, and the queued one's send blocks."""
     server = start(lm_ckpt)
-    busy, gate = threading.Event(), threading.Event()
+    entered, busy, gate = threading.Event(), threading.Event(), threading.Event()
     released = []
     server.server.release = lambda last_send: released.append(gate.is_set())
     admit = server._admit
 
     def slow_admit(stream):
+        entered.set()
         busy.wait(30)
         admit(stream)
 
     server._admit = slow_admit
     first = ask(server, "a", max_tokens=4)
     queued = ask(server, "b", sender=FakeSender(gate=gate), max_tokens=4)
+    # the prepare thread holds the first request before the shutdown: had it not dequeued it yet, both would
+    # be answered as refused arrivals, the queued one by the response thread (CI saw that on a loaded machine)
+    assert entered.wait(30), "the prepare thread did not take the first request"
     closing = threading.Thread(target=server.close, daemon=True)
     closing.start()
     assert server.responder.join(timeout=30), "the response thread did not end"
