@@ -618,7 +618,7 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, norm_w_ptr, T, D, E, scaling, eps, stri
                 BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t] = bf(scaling · Σ_j fp32(y[t·k + j])) in slot order; a skipped slot adds +0 as in the reference.
     NORM (whole rows, BLOCK_D ≥ D): then the RMSNorm of that rounded row, in the tile, warps and arithmetic of
-    norm.py's `_row_norm_kernel` (the same `row_config`, no fma contraction): one launch where there were two."""
+    norm.py's `_row_norm_kernel` (the same `row_config`, `rms_normed`, no fma contraction): one launch for two."""
     pdl.enter(PDL)
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -632,8 +632,7 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, norm_w_ptr, T, D, E, scaling, eps, stri
     if NORM:
         x = tl.where(ok, out.to(tl.float32), 0.0)
         w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-        out = _round(x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))[:, None] * w[None, :],
-                     out_ptr.dtype.element_ty, GPU)
+        out = _round(norm_ops.rms_normed(x, w, D, eps, 1), out_ptr.dtype.element_ty, GPU)
     tl.store(out_ptr + t[:, None] * stride_ot + d[None, :], out, mask=ok)
 
 

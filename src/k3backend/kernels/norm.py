@@ -51,6 +51,18 @@ def _tanh(x):
     return tl.where(ax < 0.125, small, tl.where(x < 0.0, -large, large))
 
 
+@triton.jit
+def rms_normed(x, w, n, eps, AXIS: tl.constexpr):
+    """x·(1/√(mean x² + eps))·w in fp32 (§2.2) over the n values along AXIS of x (1: rows of a [rows, D] tile,
+    0: one row): the one expression of every norm kernel, so a norm fused into another kernel keeps its bits."""
+    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=AXIS) / n + eps)
+    if AXIS == 1:
+        y = x * r[:, None] * w[None, :]
+    else:
+        y = x * r * w
+    return y
+
+
 # ---- kernels: one program per BLOCK_ROWS rows of D values ----------------------------------------
 
 @triton.jit(do_not_specialize=["n_rows", "s_x", "s_z"])
@@ -67,9 +79,8 @@ def _row_norm_kernel(
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + r64 * s_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    ss = tl.sum(x * x, axis=1)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    y = x * (1.0 / tl.sqrt_rn(ss / D + eps))[:, None] * w[None, :]
+    y = rms_normed(x, w, D, eps, 1)
     if KIND == 1:
         z = tl.load(z_ptr + r64 * s_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = y * tl.sigmoid(z)
@@ -107,8 +118,7 @@ def _attn_res_mix_kernel(
     if NORM:
         m = y.to(tl.float32)
         w = tl.load(out_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        y = to_dtype(m * (1.0 / tl.sqrt_rn(tl.sum(m * m, axis=0) / H + out_eps)) * w, out_ptr.dtype.element_ty,
-                     INTERPRET)
+        y = to_dtype(rms_normed(m, w, H, out_eps, 0), out_ptr.dtype.element_ty, INTERPRET)
     tl.store(out_ptr + t * s_o + cols, y, mask=cmask)
 
 
@@ -119,15 +129,14 @@ def _mla_latent_kernel(
     HAS_Q: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """Token t: pool row slot[t] = [rms_norm(lat[t, :R]) ; lat[t, R:W]], rounded to lat's dtype then the pool's;
-    HAS_Q: qo[t] = rms_norm(q[t]). Each norm in `_row_norm_kernel`'s arithmetic, one rounding."""
+    HAS_Q: qo[t] = rms_norm(q[t]). Each norm `rms_normed`, one rounding."""
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_W)
     raw = tl.load(lat_ptr + t * s_l + c, mask=c < W, other=0.0)
     x = tl.where(c < R, raw.to(tl.float32), 0.0)
     w = tl.load(kvw_ptr + c, mask=c < R, other=0.0).to(tl.float32)
-    normed = to_dtype(x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / R + kv_eps)) * w, lat_ptr.dtype.element_ty,
-                      INTERPRET)
+    normed = to_dtype(rms_normed(x, w, R, kv_eps, 0), lat_ptr.dtype.element_ty, INTERPRET)
     row = to_dtype(tl.where(c < R, normed, raw).to(tl.float32), pool_ptr.dtype.element_ty, INTERPRET)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # never negative; if one were, nothing is written before the pool
@@ -136,8 +145,8 @@ def _mla_latent_kernel(
         cq = tl.arange(0, BLOCK_Q)
         xq = tl.load(q_ptr + t * s_q + cq, mask=cq < Q, other=0.0).to(tl.float32)
         wq = tl.load(qw_ptr + cq, mask=cq < Q, other=0.0).to(tl.float32)
-        yq = xq * (1.0 / tl.sqrt_rn(tl.sum(xq * xq, axis=0) / Q + q_eps)) * wq
-        tl.store(qo_ptr + t * s_qo + cq, to_dtype(yq, qo_ptr.dtype.element_ty, INTERPRET), mask=cq < Q)
+        yq = to_dtype(rms_normed(xq, wq, Q, q_eps, 0), qo_ptr.dtype.element_ty, INTERPRET)
+        tl.store(qo_ptr + t * s_qo + cq, yq, mask=cq < Q)
 
 
 # ---- launchers and the ops (norm_ref signatures) --------------------------------------
@@ -286,7 +295,7 @@ def mla_latent_supports(q_a: torch.Tensor | None, q_norm_weight: torch.Tensor | 
     """Rows with a unit last stride, a contiguous pool of lat's width, int32/int64 slots, one per row."""
     W = lat.shape[-1]
     qs = () if q_a is None else (q_a, q_norm_weight)
-    if lat.dim() != 2 or any(t.dim() != 2 for t in qs[:1]) or pool.shape[-1] != W or not pool.is_contiguous():
+    if lat.dim() != 2 or (q_a is not None and q_a.dim() != 2) or pool.shape[-1] != W or not pool.is_contiguous():
         return False, f"expected lat [T, r + dr] and a contiguous pool [.., {W}], got {list(lat.shape)}, " \
                       f"{list(pool.shape)}"
     if any(t.stride(-1) != 1 for t in (lat, kv_norm_weight, *qs)) or kv_norm_weight.shape[0] > W:

@@ -356,10 +356,10 @@ def moe_front(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch
     from k3backend import kernels  # the linear op's own choice of kernel (a cycle at import time)
 
     (T, D), E, L = h.shape, gate_weight.shape[0], down_weight.shape[0]
-    args = (h, gate_weight, correction_bias, down_weight, top_k, n_group, topk_group, renormalize, scaling)
+    how = (top_k, n_group, topk_group, renormalize, scaling)
     if not front_fused(T):
-        return *router(*args[:3], *args[4:]), kernels.linear(h, down_weight)
-    return moe_front_with(*args, router_config(T, E, D, L))
+        return *router(h, gate_weight, correction_bias, *how), kernels.linear(h, down_weight)
+    return moe_front_with(h, gate_weight, correction_bias, down_weight, *how, router_config(T, E, D, L))
 
 
 def moe_front_with(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None,

@@ -170,7 +170,7 @@ class MoE(nn.Module):
         local_ids = ids - self.experts.e0 if self.experts.e0 else ids
         norm = self.routed_expert_norm if self.latent else None
         late = norm if self.par.moe_reduces else None  # a rank's partial sum: the norm waits for the all-reduce
-        out = self.experts(zl, w, local_ids, self.act, self.scaling, None if late else norm)
+        out = self.experts(zl, w, local_ids, self.act, self.scaling, norm if late is None else None)
         shared = None if shared is None else self.par.moe_share(shared.join())
         if not self.latent:
             return add_in_turn(self.par.all_reduce(out if shared is None else out + shared, moe=True), adds)
