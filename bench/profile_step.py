@@ -69,16 +69,21 @@ def table(prof, rows: int) -> str:
     return "\n".join(lines)
 
 
-def profiled(fn, rows: int, label: str, base: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+def profiled(fn, rows: int, label: str, base: dict[str, list[float]] | None = None,
+             trace: str | None = None) -> dict[str, list[float]]:
     """Print the top kernels of one call of fn (and, given a base kind's stats, the difference to it);
-    returns its kernel stats."""
+    returns its kernel stats. trace: write the call's timeline there (a Chrome trace: each stream's kernels
+    with their start and end, for overlap the table cannot show)."""
     from torch.profiler import ProfilerActivity, profile
 
+    gpu = torch.cuda.is_available()
     fn()  # warm (compilation, autotuning)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    gpu and torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
         fn()
-        torch.cuda.synchronize()
+        gpu and torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     try:
         text, stats = table(prof, rows), kernel_stats(prof)
     except Exception as e:  # noqa: BLE001 - another torch's event API: its own table then
@@ -242,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="prefill steps of NEW tokens continuing a cached prefix of CACHED tokens")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--trace", metavar="DIR", help="write each decode step's Chrome trace there (decode_B<b>.json)")
     ap.add_argument("--max-model-len", type=int, help="the engine's max_model_len (its block-table width); default: what the steps need")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4", "mxfp4-as-bf16"],
@@ -282,10 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batch:  # sequence i: slot i + 1, its own blocks
             chunks = decode_rows(b, args.context, bs, runner.pools.num_slots, runner.pools.num_blocks)
             if runner.graphs is not None:
-                profiled(lambda: runner.graphs.run(chunks), args.rows, f"decode B{b} context {args.context} (graph)")
+                profiled(lambda: runner.graphs.run(chunks), args.rows, f"decode B{b} context {args.context} (graph)",
+                         trace=args.trace and f"{args.trace}/decode_B{b}.json")
             else:
                 batch = build_forward_batch(chunks, b, bs, device)
-                profiled(lambda: model(batch, runner.pools), args.rows, f"decode B{b} context {args.context} (eager)")
+                profiled(lambda: model(batch, runner.pools), args.rows, f"decode B{b} context {args.context} (eager)",
+                         trace=args.trace and f"{args.trace}/decode_B{b}.json")
         for cached, n in ([(0, args.prefill)] if args.prefill else []) + after:
             table_ = list(range(1, blocks_for(cached + n, bs) + 1))
             chunk = SeqChunk([1 + i % 1000 for i in range(n)], cached, 1, cached > 0, table_)
