@@ -74,10 +74,12 @@ def row_slots(pad: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- checks (run in the child)
 def check_kda_decode_fused(dtype: str, lower_bound: float | None, seed: int, v_blocks: int | None = None,
-                           kv: int | None = None, heads: int = H) -> None:
+                           kv: int | None = None, heads: int = H, rank: int | None = None, pad: int = 2) -> None:
     """The op with `v_blocks` (None: the rule's choice; > 1: the V-split and its norm launch) against the
     reference. kv: K = V = kv (the model's 128: the split's real block width) instead of the odd 12, 10.
-    Rows on slot 0 (padding) must leave slot 0 of both pools as it was."""
+    rank: f is f_a's rows [B, rank] (a slice of the input GEMM's) with f_b_weight [H·K, rank], the gate's GEMV
+    in the kernel (B ≤ F_B_MAX_ROWS) or before it (pad rows past that). Rows on slot 0 (padding) must leave
+    slot 0 of both pools as it was."""
     from k3backend.kernels import kda, kda_ref
 
     dt = DTYPES[dtype]
@@ -85,20 +87,24 @@ def check_kda_decode_fused(dtype: str, lower_bound: float | None, seed: int, v_b
     Kd, Vd = (kv, kv) if kv else (K, V)
     gen = torch.Generator().manual_seed(seed)
     C = 2 * heads * Kd + heads * Vd
-    si = row_slots(pad=2)  # two padding rows on the null slot
+    si = row_slots(pad=pad)  # padding rows on the null slot
     B = si.shape[0]
     args = [rand(gen, B, C).to(dt), rand(gen, C, W, scale=0.5).to(a), pool(gen, (N, W - 1, C), dt, fresh=[5]),
             rand(gen, B, heads, Kd, scale=3).to(dt), rand(gen, heads * Kd, scale=0.5).to(a),
             torch.log(1 + 15 * torch.rand(heads, generator=gen, dtype=torch.float64)).to(a), lower_bound,
             rand(gen, B, heads).to(dt), rand(gen, B, heads, Vd).to(dt), (1 + 0.1 * rand(gen, Vd)).to(dt),
             pool(gen, (N, heads, Kd, Vd), a, fresh=[5]), si, 1e-5]
-    for i in (0, 7, 8):  # xqkv, b, z: slices of the input GEMM's rows
+    low = {}
+    if rank:
+        args[3] = rand(gen, B, rank).to(dt)
+        low = {"f_b_weight": rand(gen, heads * Kd, rank, scale=3 * rank ** -0.5).to(dt)}
+    for i in (0, 7, 8) + ((3,) if rank else ()):  # xqkv, b, z (f_a): slices of the input GEMM's rows
         args[i] = row_slice(args[i])
     ref = clone_all(args)
     before_conv, before_S = args[2].clone(), args[10].clone()
     with poisoned_empty():
-        y = kda.decode_fused_split(*args, v_blocks=v_blocks)
-    y_ref = kda_ref.kda_decode_fused(*ref)
+        y = kda.decode_fused_split(*args, v_blocks=v_blocks, **low)
+    y_ref = kda_ref.kda_decode_fused(*ref, **low)
     torch.testing.assert_close(y, y_ref, **KERNEL[dt], msg=lambda m: f"y (every row, padding rows too): {m}")
     assert_slots(args[10], ref[10], before_S, SLOTS, KERNEL[a], "S_pool")
     assert_slots(args[2], ref[2], before_conv, SLOTS, {"rtol": 0.0, "atol": 0.0}, "conv_pool")
@@ -290,6 +296,12 @@ CASES: Cases = {
                                                                    "v_blocks": nv, "kv": 128, "heads": 2})
        for i, (d, nv) in enumerate((d, nv) for d in ("fp32", "bf16")
                                    for nv in (1, RULE_V_BLOCKS, 4, 8))},
+    # f_b_proj in the kernel: an odd rank (a ragged 32-column step), the model's 128 at K = V = 128, and rows
+    # past F_B_MAX_ROWS (the GEMM first)
+    **{f"decode_fused-fb-{d}-r{r}-b{4 + pad}": ("check_kda_decode_fused",
+                                               {"dtype": d, "lower_bound": -5.0, "seed": 70 + i, "rank": r, "pad": pad,
+                                                **({"kv": 128, "heads": 2} if r == 128 else {})})
+       for i, (d, r, pad) in enumerate((("fp64", 37, 2), ("bf16", 37, 2), ("bf16", 128, 2), ("bf16", 37, 6)))},
     **{f"decode-{d}": ("check_kda_decode", {"dtype": d, "seed": 20 + i}) for i, d in enumerate(("fp64", "fp32"))},
     **{f"short_conv-{d}": ("check_short_conv", {"dtype": d, "seed": 30 + i}) for i, d in enumerate(DTYPES)},
     **{f"prefill-{d}-{gate}": ("check_kda_prefill", {"dtype": d, "gate": gate, "seed": 40 + i})

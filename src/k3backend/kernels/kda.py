@@ -22,12 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from k3backend.kernels import pdl
+from k3backend.kernels import gemv, pdl
 from k3backend.kernels.varlen import VarlenLayout, layout_problem, varlen_layout
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton itself does
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_TILE = 128 * 128  # K·V elements of one head's state held in registers by one program
+_MAX_RANK = 256  # f_a's width R that kda_decode_fused takes with f_b_weight
+F_B_MAX_ROWS = gemv.MAX_ROWS  # kda_decode_fused computes bf(f_a·f_bᵀ) itself up to here; more rows: one GEMM first
 
 
 @functools.cache
@@ -162,10 +164,25 @@ def _gated_norm_store(p_y, o, z_row, o_norm_weight, o_v, m_v, V: tl.constexpr, E
 
 
 @triton.jit
-def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b, z, o_norm_weight, S_pool,
-                             state_indices, y, s_x, s_b, s_z, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                             W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
-                             NV: tl.constexpr, SPLIT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+def _low_rank_rows(a_row, w, o_k, m_k, R: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
+    """Σ_r w[k, r]·a[r] over the rows o_k of w [·, R] (row-major), in ACC, 32 columns at a time (registers)."""
+    CH: tl.constexpr = 32 if BR > 32 else BR
+    acc = tl.zeros([BK], dtype=ACC)
+    for r0 in tl.static_range(0, BR, CH):
+        o_r = r0 + tl.arange(0, CH)
+        m_r = o_r < R
+        a = tl.load(a_row + o_r, mask=m_r, other=0).to(ACC)
+        wt = tl.load(w + o_k[:, None] * R + o_r[None, :], mask=m_k[:, None] & m_r[None, :], other=0).to(ACC)
+        acc += tl.sum(wt * a[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, f_b, dt_bias, A_log, b, z, o_norm_weight, S_pool,
+                             state_indices, y, s_x, s_b, s_z, s_f, H: tl.constexpr, K: tl.constexpr,
+                             V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                             BW: tl.constexpr, NV: tl.constexpr, SPLIT: tl.constexpr, F_B: tl.constexpr,
+                             R: tl.constexpr, BR: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                              LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
                              BITS: tl.constexpr, PDL: tl.constexpr):
     """Program (b, h, V-block i_v of NV): columns i_v·BV.. of one head's K×V state (only its own columns,
@@ -173,7 +190,8 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b,
     over V and the head's conv-history update stay inside the program. SPLIT: the program writes
     bf(o) of its columns into y and reads the conv pool only; `_kda_decode_norm_kernel`, launched
     after it, does the norm and the history. s_x, s_b, s_z: the row strides of xqkv, b and z
-    (slices of the layer's one input GEMM)."""
+    (slices of the layer's one input GEMM). F_B: f holds f_a's rows [B, R] (row stride s_f) and the program
+    forms its head's gate pre-activation bf(f_a·f_bᵀ) [K] from f_b [H·K, R], a GEMV launch fewer a layer."""
     pdl.enter(PDL)
     pid = tl.program_id(0).to(tl.int64)  # one axis (a 2-D grid caps B·H at 65535): a head's blocks adjacent
     i_v, i_b, i_h = pid % NV, pid // NV // H, pid // NV % H
@@ -194,7 +212,11 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, b,
     # §5.5 q = l2(q̃)·K^-½, k = l2(k̃) (kept unrounded); §5.3 gate; §5.4 beta
     q = _l2(q, 1e-6, ACC) * tl.full([], SCALE, ACC)
     k = _l2(k, 1e-6, ACC)
-    f_row = tl.load(f + (i_b * H + i_h) * K + o_k, mask=m_k, other=0)
+    if F_B:
+        f_row = _round(_low_rank_rows(f + i_b * s_f, f_b + i_h * K * R, o_k, m_k, R, BR, BK, ACC),
+                       xqkv.dtype.element_ty, BITS)
+    else:
+        f_row = tl.load(f + (i_b * H + i_h) * K + o_k, mask=m_k, other=0)
     bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0)
     g = _kda_gate(f_row, bias, tl.load(A_log + i_h), USE_LOWER_BOUND, LOWER_BOUND, ACC)
     beta = tl.sigmoid(tl.load(b + i_b * s_b + i_h).to(ACC))
@@ -257,12 +279,17 @@ def _kda_decode_norm_kernel(xqkv, conv_pool, z, o_norm_weight, state_indices, y,
 
 
 def _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z, o_norm_weight,
-                          S_pool, state_indices, eps) -> str:
-    if f.dim() != 3 or z.dim() != 3 or xqkv.dim() != 2 or conv_weight.dim() != 2:
-        return (f"expected f [B, H, K], z [B, H, V], xqkv [B, C], conv_weight [C, W]; got f {list(f.shape)}, "
-                f"z {list(z.shape)}, xqkv {list(xqkv.shape)}, conv_weight {list(conv_weight.shape)}")
-    B, H, K = f.shape
-    V, C, W = z.shape[-1], 2 * f.shape[1] * f.shape[2] + f.shape[1] * z.shape[-1], conv_weight.shape[1]
+                          S_pool, state_indices, eps, f_b_weight=None) -> str:
+    low = f_b_weight is not None
+    if f.dim() != 2 + (not low) or z.dim() != 3 or xqkv.dim() != 2 or conv_weight.dim() != 2 or dt_bias.dim() != 1 \
+            or (low and f_b_weight.dim() != 2):
+        return (f"expected f {'[B, R]' if low else '[B, H, K]'}, z [B, H, V], xqkv [B, C], conv_weight [C, W], "
+                f"dt_bias [H·K]{', f_b_weight [H·K, R]' if low else ''}; got f {list(f.shape)}, z {list(z.shape)}, "
+                f"xqkv {list(xqkv.shape)}, conv_weight {list(conv_weight.shape)}, dt_bias {list(dt_bias.shape)}"
+                + (f", f_b_weight {list(f_b_weight.shape)}" if low else ""))
+    B, H, V = z.shape
+    K = dt_bias.shape[0] // H if low else f.shape[2]
+    C, W = 2 * H * K + H * V, conv_weight.shape[1]
     dt = xqkv.dtype
     acc = _acc_torch(dt)
     N = S_pool.shape[0]
@@ -271,7 +298,9 @@ def _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower
         _shape_problem("xqkv", xqkv, (B, C), (dt,)),
         _shape_problem("conv_weight", conv_weight, (C, W), (acc,)),
         _shape_problem("conv_pool", conv_pool, (N, W - 1, C), (dt,)),
-        _shape_problem("f", f, (B, H, K), (dt,)),
+        _shape_problem("f", f, (B, f.shape[-1]) if low else (B, H, K), (dt,)),
+        _shape_problem("f_b_weight", f_b_weight, (H * K, f.shape[-1]), (dt,)) if low else "",
+        "" if not low or f.shape[-1] <= _MAX_RANK else f"f_a's width {f.shape[-1]} > {_MAX_RANK}",
         _shape_problem("dt_bias", dt_bias, (H * K,), (acc,)),
         _shape_problem("A_log", A_log, (H,), (acc,)),
         _shape_problem("b", b, (B, H), (dt,)),
@@ -282,10 +311,11 @@ def _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower
         "" if W >= 2 else f"conv width {W} < 2",
         "" if triton.next_power_of_2(K) * triton.next_power_of_2(V) <= _MAX_TILE
         else f"state tile K×V = {K}×{V} is larger than one program holds ({_MAX_TILE} elements)",
-        _rows_problem(xqkv=xqkv, b=b, z=z),
+        _rows_problem(xqkv=xqkv, b=b, z=z, **({"f": f} if low else {})),
         _device_problem(xqkv, b, z, conv_weight, conv_pool, f, dt_bias, A_log, o_norm_weight, S_pool, state_indices,
-                        contiguous=False),
-        _device_problem(conv_weight, conv_pool, f, dt_bias, A_log, o_norm_weight, S_pool, state_indices),
+                        *([f_b_weight] if low else []), contiguous=False),
+        _device_problem(conv_weight, conv_pool, dt_bias, A_log, o_norm_weight, S_pool, state_indices,
+                        *([f_b_weight] if low else [f])),
     )
 
 
@@ -319,45 +349,51 @@ def kda_decode_fused_supports(xqkv: torch.Tensor, conv_weight: torch.Tensor, con
                               f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
                               lower_bound: float | None, b: torch.Tensor, z: torch.Tensor,
                               o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
-                              eps: float = 1e-5) -> tuple[bool, str]:
+                              eps: float = 1e-5, f_b_weight: torch.Tensor | None = None) -> tuple[bool, str]:
     return decode_fused_split_supports(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z,
-                                       o_norm_weight, S_pool, state_indices, eps)
+                                       o_norm_weight, S_pool, state_indices, eps, f_b_weight=f_b_weight)
 
 
 def kda_decode_fused(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
                      dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None, b: torch.Tensor,
                      z: torch.Tensor, o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
-                     eps: float = 1e-5) -> torch.Tensor:
+                     eps: float = 1e-5, f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """`kda_ref.kda_decode_fused` (the op's signature), split as `decode_fused_plan` says."""
     return decode_fused_split(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z, o_norm_weight,
-                              S_pool, state_indices, eps)
+                              S_pool, state_indices, eps, f_b_weight=f_b_weight)
 
 
 def decode_fused_split_supports(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor,
                                 f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
                                 lower_bound: float | None, b: torch.Tensor, z: torch.Tensor,
                                 o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
-                                eps: float = 1e-5, *, v_blocks: int | None = None,
-                                num_warps: int | None = None) -> tuple[bool, str]:
+                                eps: float = 1e-5, *, v_blocks: int | None = None, num_warps: int | None = None,
+                                f_b_weight: torch.Tensor | None = None) -> tuple[bool, str]:
     problem = _first(_plan_problem(z.shape[-1], v_blocks, num_warps),
                      _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z,
-                                           o_norm_weight, S_pool, state_indices, eps))
+                                           o_norm_weight, S_pool, state_indices, eps, f_b_weight))
     return not problem, problem
 
 
 def decode_fused_split(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
                        dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None, b: torch.Tensor,
                        z: torch.Tensor, o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
-                       eps: float = 1e-5, *, v_blocks: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                       eps: float = 1e-5, *, v_blocks: int | None = None, num_warps: int | None = None,
+                       f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """`kda_decode_fused` with its split chosen by the caller (the bench and tests). v_blocks 1: one launch, one program per (sequence, head) holding the
     head's K×V state tile (read once, written once in place). v_blocks > 1: the state's V columns in
     that many blocks, one program each, writing bf(o); then a launch of B·H programs for the gated norm
-    and the conv history. None (the model's calls): `decode_fused_plan` and `decode_fused_warps` choose."""
+    and the conv history. None (the model's calls): `decode_fused_plan` and `decode_fused_warps` choose.
+    f_b_weight: f is f_a's rows; up to F_B_MAX_ROWS rows each program forms its head's bf(f_a·f_bᵀ), more rows
+    take one GEMM first (cuBLAS, as `linear` would: the weight read once, not once a row)."""
     _raise_if(_first(_plan_problem(z.shape[-1], v_blocks, num_warps),
                      _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z,
-                                           o_norm_weight, S_pool, state_indices, eps)), "kda_decode_fused")
-    B, H, K = f.shape
-    V, W = z.shape[-1], conv_weight.shape[1]
+                                           o_norm_weight, S_pool, state_indices, eps, f_b_weight)), "kda_decode_fused")
+    B, H, V = z.shape
+    K, W = dt_bias.shape[0] // H, conv_weight.shape[1]
+    if f_b_weight is not None and B > F_B_MAX_ROWS:
+        f, f_b_weight = torch.nn.functional.linear(f, f_b_weight).view(B, H, K), None
+    R = f.shape[-1] if f_b_weight is not None else 1
     y = torch.empty(B, H, V, dtype=xqkv.dtype, device=xqkv.device)
     if B == 0:
         return y
@@ -366,9 +402,11 @@ def decode_fused_split(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool:
     BK, BV, BW = triton.next_power_of_2(K), triton.next_power_of_2(V) // v_blocks, triton.next_power_of_2(W)
     NV = triton.cdiv(V, BV)
     _kda_decode_fused_kernel[(B * H * NV,)](
-        xqkv=xqkv, conv_weight=conv_weight, conv_pool=conv_pool, f=f, dt_bias=dt_bias, A_log=A_log, b=b, z=z,
-        o_norm_weight=o_norm_weight, S_pool=S_pool, state_indices=state_indices, y=y, s_x=xqkv.stride(0),
-        s_b=b.stride(0), s_z=z.stride(0), H=H, K=K, V=V, W=W, BK=BK, BV=BV, BW=BW, NV=NV, SPLIT=NV > 1,
+        xqkv=xqkv, conv_weight=conv_weight, conv_pool=conv_pool, f=f, f_b=f if f_b_weight is None else f_b_weight,
+        dt_bias=dt_bias, A_log=A_log, b=b, z=z, o_norm_weight=o_norm_weight, S_pool=S_pool,
+        state_indices=state_indices, y=y, s_x=xqkv.stride(0), s_b=b.stride(0), s_z=z.stride(0), s_f=f.stride(0), H=H,
+        K=K, V=V, W=W, BK=BK, BV=BV, BW=BW, NV=NV, SPLIT=NV > 1, F_B=f_b_weight is not None, R=R,
+        BR=triton.next_power_of_2(R),
         USE_LOWER_BOUND=lower_bound is not None, LOWER_BOUND=float(lower_bound or 0.0), SCALE=K ** -0.5,
         EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, **pdl.launch_args(xqkv.device), num_warps=num_warps)
     if NV > 1:  # stream order: every V-block has read the old conv history before this launch shifts it

@@ -204,7 +204,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 def kda_decode_fused(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
                      dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None, b: torch.Tensor,
                      z: torch.Tensor, o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
-                     eps: float = 1e-5) -> torch.Tensor:
+                     eps: float = 1e-5, f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """A KDA layer's decode rows from the raw projections to the gated-norm output (K3_LM §5.2-§5.7).
 
     The composition of the unfused chain, with its rounding points: q̃k̃ṽ = bf(silu(conv)) (§5.2,
@@ -213,8 +213,11 @@ def kda_decode_fused(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: t
     sigmoid-gated RMSNorm (§5.7). xqkv: [B, C] raw conv input, C = 2·H·K + H·V ([q ; k ; v], head-major);
     conv_weight: [C, W]; conv_pool: [N, W-1, C]; f: [B, H, K] gate pre-activation; dt_bias: [H·K];
     A_log: [H]; b: [B, H] beta logits; z: [B, H, V] output gate; o_norm_weight: [V]; S_pool: [N, H, K, V];
-    state_indices: [B]. Returns y [B, H, V] in the model dtype (xqkv's).
+    state_indices: [B]. Returns y [B, H, V] in the model dtype (xqkv's). With f_b_weight [H·K, R] (f_b_proj's,
+    the gate's second low-rank factor), f is f_a's rows [B, R] and the gate pre-activation is bf(f·f_b_weightᵀ).
     """
+    if f_b_weight is not None:
+        f = F.linear(f, f_b_weight).view(f.shape[0], z.shape[1], -1)
     B, H, K = f.shape
     V = z.shape[-1]
     g = kda_gate(f, dt_bias, A_log, lower_bound)  # [B, H, K], acc dtype

@@ -89,15 +89,15 @@ class KDA(nn.Module):
         T = x.shape[0]
         H, K, V = self.H, self.K, self.V
         nd, si = batch.num_decode, batch.state_indices
-        xqkv, z, f, b = self.in_proj(x).split(self.in_sizes, dim=-1)  # raw q/k/v rows [T, 2P+PV]; b: beta logits
+        xqkv, z, f_a, b = self.in_proj(x).split(self.in_sizes, dim=-1)  # raw q/k/v rows [T, 2P+PV]; b: beta logits
         z = (z if self.full_rank_gate else self.g_b_proj(z)).view(T, H, V)  # [T, H, V] output-gate logits
-        f = self.f_b_proj(f).view(T, H, K)  # [T, H, K]
         w = self.conv1d_weight.squeeze(1)  # [C, W]
-        y = cat_parts(  # [T, H, V]: decode rows, then prefill chunks
-            nd and kernels.kda_decode_fused(xqkv[:nd], w, cache.conv, f[:nd], self.dt_bias, self.A_log,
+        y = cat_parts(  # [T, H, V]: decode rows (f = f_b(f_a) inside the op), then prefill chunks
+            nd and kernels.kda_decode_fused(xqkv[:nd], w, cache.conv, f_a[:nd], self.dt_bias, self.A_log,
                                             self.lower_bound, b[:nd], z[:nd], self.o_norm.weight, cache.state,
-                                            si[:nd], O_NORM_EPS),
-            batch.has_prefill and self._prefill(xqkv[nd:], w, f[nd:], b[nd:], z[nd:], batch, cache))
+                                            si[:nd], O_NORM_EPS, f_b_weight=self.f_b_proj.weight),
+            batch.has_prefill and self._prefill(xqkv[nd:], w, self.f_b_proj(f_a[nd:]).view(-1, H, K), b[nd:],
+                                                z[nd:], batch, cache))
         return self.par.row_parallel(self.o_proj, y.reshape(T, H * V), adds)  # §9.3 item 2
 
     def _prefill(self, xqkv: torch.Tensor, w: torch.Tensor, f: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
