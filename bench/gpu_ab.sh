@@ -7,9 +7,10 @@
 #                  git archive <commit> src | tar -x -C /tmp/old   ->   B_SRC=/tmp/old/src
 #   SAME=1         exit 1 unless every decode graph's logits are bit-equal: for a switch that moves work (where a
 #                  kernel runs, when it starts), never what it computes
-#   EXPERTS        the routed experts' storages (mxfp4); ROUNDS (1) a, b alternations (noise: ITL p99 at 64
-#                  streams varied 8-19 ms between identical runs on an H100); T each run's limit (s; 300: a fresh
-#                  machine compiles every kernel in its first run); ENGINE_ARGS appended to bench/engine.py's
+#   EXPERTS        the routed experts' storages (mxfp4); ROUNDS (1) rounds, a then b in odd rounds and b then a
+#                  in even ones, so neither arm always runs first (noise: ITL p99 at 64 streams varied 8-19 ms
+#                  between identical runs on an H100); T each run's limit (s; 300: a fresh machine compiles every
+#                  kernel in its first run); ENGINE_ARGS appended to bench/engine.py's
 # Writes ab.txt under $OUT (or /tmp/k3out). The switches measured so far (docs/operations.md has the figures):
 #   B_ENV=K3_PDL=off SAME=1 bash bench/gpu_ab.sh
 #   B_ENV=K3_OVERLAP=off SAME=1 EXPERTS="mxfp4 bf16" bash bench/gpu_ab.sh
@@ -51,7 +52,9 @@ PY
 run_all() {
   local status=0
   for e in ${EXPERTS:-mxfp4}; do
-    for r in $(seq "${ROUNDS:-1}"); do arm a "$e" "$r"; arm b "$e" "$r"; done
+    for r in $(seq "${ROUNDS:-1}"); do
+      if [ $((r % 2)) = 1 ]; then arm a "$e" "$r"; arm b "$e" "$r"; else arm b "$e" "$r"; arm a "$e" "$r"; fi
+    done
     compare || status=1
     rm -f "$OUT/logits_a.pt" "$OUT/logits_b.pt"
   done
