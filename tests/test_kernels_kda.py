@@ -383,6 +383,28 @@ def test_kda_decode_fused_declines_what_it_cannot_run_and_says_why(args, reason)
         kda.kda_decode_fused(*args)
 
 
+@pytest.mark.parametrize("f, f_b_weight, reason", [
+    ((2, 12), (H * 12, 11), "f_b_weight: expected bfloat16 [36, 12], got"),
+    ((2, 300), (H * 12, 300), "f_a's width 300 > 256"),
+    ((2, H, 12), (H * 12, 12), "expected f [B, R]"),
+    ((2, 12), (H * 12, 12, 1), "f_b_weight [H·K, R]"),
+], ids=["rank_mismatch", "rank_too_wide", "f_not_rows", "weight_3d"])
+def test_kda_decode_fused_with_f_b_declines_what_it_cannot_run_and_says_why(f, f_b_weight, reason):
+    """With f_b_weight, f is f_a's rows [B, R] and the weight [H·K, R] of the model dtype, R at most 256."""
+    from k3backend.kernels import kda
+
+    args = _decode_fused_args()
+    args[3] = torch.zeros(*f, dtype=torch.bfloat16)
+    w = torch.zeros(*f_b_weight, dtype=torch.bfloat16)
+    ok, why = kda.kda_decode_fused_supports(*args, f_b_weight=w)
+    assert not ok and reason in why, why
+    with pytest.raises(ValueError, match="kda_decode_fused: "):
+        kda.kda_decode_fused(*args, f_b_weight=w)
+    args[3] = torch.zeros(2, 12, dtype=torch.bfloat16)
+    ok, why = kda.kda_decode_fused_supports(*args, f_b_weight=torch.zeros(H * 12, 12, dtype=torch.bfloat16))
+    assert ok or why.startswith("tensors on cpu"), why  # the shapes themselves pass (only the device may not)
+
+
 def test_kda_decode_fused_rule_splits_v_in_blocks_of_64():
     """The model's calls take the rule's v_blocks and warps; the interpreter cases above check those at K = V = 128."""
     from k3backend.kernels import kda

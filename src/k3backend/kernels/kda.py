@@ -282,7 +282,7 @@ def _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower
                           S_pool, state_indices, eps, f_b_weight=None) -> str:
     low = f_b_weight is not None
     if f.dim() != 2 + (not low) or z.dim() != 3 or xqkv.dim() != 2 or conv_weight.dim() != 2 or dt_bias.dim() != 1 \
-            or (low and f_b_weight.dim() != 2):
+            or (low and f_b_weight.dim() != 2) or not z.shape[1]:
         return (f"expected f {'[B, R]' if low else '[B, H, K]'}, z [B, H, V], xqkv [B, C], conv_weight [C, W], "
                 f"dt_bias [H·K]{', f_b_weight [H·K, R]' if low else ''}; got f {list(f.shape)}, z {list(z.shape)}, "
                 f"xqkv {list(xqkv.shape)}, conv_weight {list(conv_weight.shape)}, dt_bias {list(dt_bias.shape)}"
