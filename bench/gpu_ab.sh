@@ -11,7 +11,7 @@
 #                  in even ones, so neither arm always runs first (noise: ITL p99 at 64 streams varied 8-19 ms
 #                  between identical runs on an H100); T each run's limit (s; 300: a fresh machine compiles every
 #                  kernel in its first run); ENGINE_ARGS appended to bench/engine.py's
-# Writes ab.txt under $OUT (or /tmp/k3out). The switches measured so far (docs/operations.md has the figures):
+# Writes ab.txt under $OUT (or /tmp/k3out), ending with each graph's replay in both arms and their ratio. The switches measured so far (docs/operations.md has the figures):
 #   B_ENV=K3_PDL=off SAME=1 bash bench/gpu_ab.sh
 #   B_ENV=K3_OVERLAP=off SAME=1 EXPERTS="mxfp4 bf16" bash bench/gpu_ab.sh
 set -uo pipefail
@@ -60,7 +60,27 @@ run_all() {
   done
   return $status
 }
+summary() {  # each decode graph's replay (the fastest round of each arm) and b / a, per expert storage
+  python3 - "$OUT/ab.txt" <<'PY'
+import re, sys
+best = {}  # (experts, arm) -> {batch: ms}
+arm = None
+for line in open(sys.argv[1]):
+    m = re.match(r"== arm (\w): .*experts (\S+), round", line)
+    if m:
+        arm = (m.group(2), m.group(1))
+    elif arm and "device ms per step:" in line:
+        for b, ms in re.findall(r"B(\d+) ([0-9.]+)", line.split("device ms per step:")[1]):
+            d = best.setdefault(arm, {})
+            d[int(b)] = min(d.get(int(b), float("inf")), float(ms))
+for e in dict.fromkeys(k[0] for k in best):
+    a, b = best.get((e, "a"), {}), best.get((e, "b"), {})
+    print(f"replays, experts {e} (ms, the fastest round):  " + "  ".join(
+        f"B{n} a {a[n]:.3f} b {b[n]:.3f} b/a {b[n] / a[n]:.3f}" for n in sorted(a.keys() & b.keys())))
+PY
+}
 run_all 2>&1 | tee "$OUT/ab.txt"
 rc=${PIPESTATUS[0]}
+summary | tee -a "$OUT/ab.txt"
 echo "rc=$rc" | tee -a "$OUT/ab.txt"
 exit "$rc"
