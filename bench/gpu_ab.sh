@@ -20,7 +20,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd); cd "$ROOT"
 export PYTHONUNBUFFERED=1
 B="python3 -X faulthandler bench/engine.py --random-weights small --dtype bfloat16 --max-model-len 4096
    --max-num-seqs 64 --concurrency 1,64 --num-requests 6,128 --output-len 256,128 --warmup 8 --prompt-len 256"
-KEEP="requests, concurrency|output tok/s|^ +[0-9]|decode graph|decode logits|Error|error|Traceback"
+KEEP="requests, concurrency|output tok/s|^ +[0-9]|decode graph|decode logits|WARNING|Error|error|Traceback"
 
 arm() {  # arm (a / b), expert storage, round
   local src=${A_SRC:-$ROOT/src} vars=${A_ENV:-}
