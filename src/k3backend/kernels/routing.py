@@ -322,7 +322,7 @@ def _router_logits(h: torch.Tensor, weight: torch.Tensor, cfg: RouterConfig,
 
 
 # ----------------------------------------------------------------------------- the latent MoE's front
-FRONT_MAX_ROWS = 32  # moe_front's two kernels up to here (but see `front_fused`)
+FRONT_MAX_ROWS = 32  # moe_front's two kernels at most up to here
 
 
 def front_fused(T: int) -> bool:
@@ -331,7 +331,9 @@ def front_fused(T: int) -> bool:
     took B1 1.991 -> 1.956, B16 3.749 -> 3.650, B32 4.212 -> 4.082, but B4 2.727 -> 3.217, B8 3.270 -> 3.637
     and B64 4.735 -> 4.769, where the router and `linear` stay. Without the side stream it was faster at
     every batch (B4 2.799 -> 2.757, B64 4.982 -> 4.933), so there it loses to an interplay with the shared
-    experts' kernels (the front's alone: 8.4 against 9.2 µs at 4 tokens, bench/kernels_moe.py)."""
+    experts' kernels (the front's alone: 8.4 against 9.2 µs at 4 tokens, bench/kernels_moe.py): a trace of the
+    B4 replay (bench/trace_kernels.py) shows the shared down-projection's 512 programs, launched early by PDL,
+    waiting on the SMs while the routed experts' GEMV cannot start."""
     return T <= 2 or 16 <= T <= FRONT_MAX_ROWS
 
 
