@@ -74,11 +74,13 @@ def row_slots(pad: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- checks (run in the child)
 def check_kda_decode_fused(dtype: str, lower_bound: float | None, seed: int, v_blocks: int | None = None,
-                           kv: int | None = None, heads: int = H, rank: int | None = None, pad: int = 2) -> None:
+                           kv: int | None = None, heads: int = H, rank: int | None = None, pad: int = 2,
+                           fb_rows: int = 8) -> None:
     """The op with `v_blocks` (None: the rule's choice; > 1: the V-split and its norm launch) against the
     reference. kv: K = V = kv (the model's 128: the split's real block width) instead of the odd 12, 10.
     rank: f is f_a's rows [B, rank] (a slice of the input GEMM's) with f_b_weight [H·K, rank], the gate's GEMV
-    in the kernel (B ≤ F_B_MAX_ROWS) or before it (pad rows past that). Rows on slot 0 (padding) must leave
+    in the kernel (B ≤ fb_rows, the limit for this call: the kernel's path at more rows than the
+    rule's) or before it. Rows on slot 0 (padding) must leave
     slot 0 of both pools as it was."""
     from k3backend.kernels import kda, kda_ref
 
@@ -102,8 +104,12 @@ def check_kda_decode_fused(dtype: str, lower_bound: float | None, seed: int, v_b
         args[i] = row_slice(args[i])
     ref = clone_all(args)
     before_conv, before_S = args[2].clone(), args[10].clone()
-    with poisoned_empty():
-        y = kda.decode_fused_split(*args, v_blocks=v_blocks, **low)
+    limit, kda.F_B_MAX_ROWS = kda.F_B_MAX_ROWS, fb_rows
+    try:
+        with poisoned_empty():
+            y = kda.decode_fused_split(*args, v_blocks=v_blocks, **low)
+    finally:
+        kda.F_B_MAX_ROWS = limit
     y_ref = kda_ref.kda_decode_fused(*ref, **low)
     torch.testing.assert_close(y, y_ref, **KERNEL[dt], msg=lambda m: f"y (every row, padding rows too): {m}")
     assert_slots(args[10], ref[10], before_S, SLOTS, KERNEL[a], "S_pool")
@@ -296,8 +302,8 @@ CASES: Cases = {
                                                                    "v_blocks": nv, "kv": 128, "heads": 2})
        for i, (d, nv) in enumerate((d, nv) for d in ("fp32", "bf16")
                                    for nv in (1, RULE_V_BLOCKS, 4, 8))},
-    # f_b_proj in the kernel: an odd rank (a ragged 32-column step), the model's 128 at K = V = 128, and rows
-    # past F_B_MAX_ROWS (the GEMM first)
+    # f_b_proj in the kernel (6 rows under a limit of 8): an odd rank (a ragged 32-column step), the model's 128
+    # at K = V = 128; and 10 rows past the limit (the GEMM first)
     **{f"decode_fused-fb-{d}-r{r}-b{4 + pad}": ("check_kda_decode_fused",
                                                {"dtype": d, "lower_bound": -5.0, "seed": 70 + i, "rank": r, "pad": pad,
                                                 **({"kv": 128, "heads": 2} if r == 128 else {})})

@@ -22,14 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from k3backend.kernels import gemv, pdl
+from k3backend.kernels import pdl
 from k3backend.kernels.varlen import VarlenLayout, layout_problem, varlen_layout
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton itself does
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_TILE = 128 * 128  # K·V elements of one head's state held in registers by one program
 _MAX_RANK = 256  # f_a's width R that kda_decode_fused takes with f_b_weight
-F_B_MAX_ROWS = gemv.MAX_ROWS  # kda_decode_fused computes bf(f_a·f_bᵀ) itself up to here; more rows: one GEMM first
+# kda_decode_fused computes bf(f_a·f_bᵀ) itself up to here; more rows: one GEMM first. On an H100 (`small`, MXFP4,
+# decode replays, ms, the GEMV before -> in the kernel): B1 1.918 -> 1.912, B2 2.117 -> 2.095, but B4 2.661 -> 2.676
+# and B8 3.211 -> 3.230 (each program reads its head's 32 KB of f_b; the GEMV reads it once).
+F_B_MAX_ROWS = 2
 
 
 @functools.cache
