@@ -4,6 +4,12 @@ kernels overlap and which waited (with PDL a kernel's time includes its wait for
 
     python bench/trace_kernels.py decode_B4.json --after _sum_kernel 9 --count 22   # the 10th MoE layer
     python bench/trace_kernels.py decode_B1.json.gz --summary                        # totals by kernel name
+    python bench/trace_kernels.py decode_B1.json.gz --critical                       # what lengthens the step
+
+--critical charges each moment of the step's span to the kernel that extended it: in start order, a kernel adds
+the part of its interval past every earlier kernel's end (its work after the one it waited for, under PDL), and
+moments with no kernel running are `(idle)`. The figures add up to the span, so, unlike durations, they show
+where removing or shortening a kernel can shorten the step.
 """
 
 from __future__ import annotations
@@ -26,20 +32,30 @@ def main() -> None:
     ap.add_argument("--after", nargs=2, metavar=("NAME", "N"), help="start at the N-th (from 0) kernel named NAME")
     ap.add_argument("--count", type=int, default=30, help="kernels to print")
     ap.add_argument("--summary", action="store_true", help="calls, summed and mean time by name, and the span")
+    ap.add_argument("--critical", action="store_true", help="the span charged to the kernels that extended it")
     a = ap.parse_args()
     ks = kernels(a.trace)
     if not ks:
         raise SystemExit(f"{a.trace}: no kernels (a CPU trace?)")
     t0 = ks[0]["ts"]
-    if a.summary:
+    if a.summary or a.critical:
         by = defaultdict(lambda: [0, 0.0])
+        reach = t0  # the latest end so far
         for e in ks:
+            end = e["ts"] + e["dur"]
             by[e["name"]][0] += 1
-            by[e["name"]][1] += e["dur"]
+            if not a.critical:
+                by[e["name"]][1] += e["dur"]
+                continue
+            if e["ts"] > reach:
+                by["(idle)"][1] += e["ts"] - reach
+            by[e["name"]][1] += max(0.0, end - max(reach, e["ts"]))
+            reach = max(reach, end)
         span = max(e["ts"] + e["dur"] for e in ks) - t0
-        print(f"{len(ks)} kernels over {span:.1f} us, {sum(v[1] for v in by.values()):.1f} us summed")
+        what = "charged" if a.critical else "summed"
+        print(f"{len(ks)} kernels over {span:.1f} us, {sum(v[1] for v in by.values()):.1f} us {what}")
         for name, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):
-            print(f"{t:9.1f} us {n:5d}x {t / n:7.1f} us  {name[:90]}")
+            print(f"{t:9.1f} us {n:5d}x {t / max(n, 1):7.1f} us  {name[:90]}")
         return
     start = 0
     if a.after:

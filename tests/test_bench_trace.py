@@ -31,6 +31,11 @@ def test_trace_kernels_orders_by_start_and_sums_by_name(tmp_path):
     assert summary[0] == "4 kernels over 52.0 us, 47.0 us summed", summary
     assert summary[1].split()[:3] == ["30.0", "us", "1x"] and summary[1].endswith("c"), summary
     assert summary[2].split()[:5] == ["12.0", "us", "2x", "6.0", "us"] and summary[2].endswith("a"), summary
+    # a 100-110, c 112-142 (2 idle before it), b 130-135 inside c (adds 0), a 150-152 (8 idle before it)
+    critical = run(str(path), "--critical").stdout.splitlines()
+    assert critical[0] == "4 kernels over 52.0 us, 52.0 us charged", critical
+    charged = {r.split()[-1]: float(r.split()[0]) for r in critical[1:]}
+    assert charged == {"c": 30.0, "a": 12.0, "(idle)": 10.0, "b": 0.0}, charged
     (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": events[2:3]}))
     refused = run(str(tmp_path / "cpu.json"))
     assert refused.returncode != 0 and "no kernels" in refused.stderr, refused.stderr
