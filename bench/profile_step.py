@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -83,6 +84,7 @@ def profiled(fn, rows: int, label: str, base: dict[str, list[float]] | None = No
         fn()
         gpu and torch.cuda.synchronize()
     if trace:
+        os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
         prof.export_chrome_trace(trace)
     try:
         text, stats = table(prof, rows), kernel_stats(prof)
