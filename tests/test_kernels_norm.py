@@ -60,7 +60,7 @@ def check_attn_res_mix_and_mix_norm_match_reference() -> None:
     from k3backend.kernels import norm, norm_ref
 
     for dtype in DTYPES:
-        for n, T, H in ((1, 3, 300), (2, 1, 300), (5, 37, 300), (9, 4, 2048)):
+        for n, T, H in ((1, 3, 300), (2, 1, 300), (5, 37, 300), (9, 4, 2048), (3, 70, 300)):  # 70: row by row
             rows = [randn(T, H, seed=10 + j, dtype=dtype, scale=1 + j) for j in range(n)]
             ns, wp = randn(H, seed=8, dtype=dtype, scale=0.1) + 1, randn(1, H, seed=9, dtype=dtype, scale=H ** -0.5)
             ow = randn(H, seed=10, dtype=dtype, scale=0.1) + 1
@@ -180,7 +180,8 @@ def test_kernels_compile_for_hopper_without_spills():
     runs = [("attn_res_mix_norm", norm._attn_res_mix_kernel, norm.mix_warps(block_h),
              dict(rows=("*bf16",) * n, norm_w_ptr="*bf16", proj_w_ptr="*bf16", out_w_ptr="*bf16", out_ptr="*bf16",
                   n_rows=64, s_r=H, s_o=H, eps=1e-5, out_eps=1e-5),
-             dict(H=H, BLOCK_H=block_h, NUM=n, BLOCK_J=16, NORM=True, INTERPRET=False))]
+             dict(H=H, BLOCK_H=block_h, NUM=n, BLOCK_J=16, CHUNK=norm.mix_chunk(tokens, block_h, 16), NORM=True,
+                  INTERPRET=False)) for tokens in (1, 1024)]
     for D, kind in ((H, 0), (128, 1)):
         block_d, block_rows, warps = norm.row_config(D)
         runs.append((f"row norm {kind}", norm._row_norm_kernel, warps,

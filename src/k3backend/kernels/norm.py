@@ -90,24 +90,43 @@ def _row_norm_kernel(
 @triton.jit(do_not_specialize=["n_rows"])
 def _attn_res_mix_kernel(
     rows, norm_w_ptr, proj_w_ptr, out_w_ptr, out_ptr, n_rows, s_r, s_o, eps, out_eps,
-    H: tl.constexpr, BLOCK_H: tl.constexpr, NUM: tl.constexpr, BLOCK_J: tl.constexpr, NORM: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, NUM: tl.constexpr, BLOCK_J: tl.constexpr, CHUNK: tl.constexpr,
+    NORM: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """§4.2 for one token: s_j = (r_j·cw)·rsqrt(mean r_j² + eps), p = softmax_j(s), bf(Σ_j p_j r_j) in order;
     NORM: then the RMSNorm of that bf16 mixture with out_w, out_eps (a second rounding, §4.9).
-    `rows` is a tuple of NUM candidate pointers; each row is read twice (scores, then the mix)."""
+    `rows` is a tuple of NUM candidate pointers; each row is read twice (scores, then the mix). CHUNK > 0: the
+    scores' sums run over [BLOCK_J, CHUNK] tiles of all rows at once, two reductions across the threads in all
+    (a decode step's short chain of latencies); CHUNK 0: row by row, two each (fewer registers: many tokens)."""
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    cw = tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * \
-        tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     jj = tl.arange(0, BLOCK_J)
-    s = tl.full([BLOCK_J], float("-inf"), tl.float32)
-    for j in tl.static_range(NUM):
-        r = tl.load(rows[j] + t * s_r + cols, mask=cmask, other=0.0).to(tl.float32)
-        s_j = tl.sum(r * cw, axis=0) * (1.0 / tl.sqrt_rn(tl.sum(r * r, axis=0) / H + eps))
-        s = tl.where(jj == j, s_j, s)
+    if CHUNK > 0:
+        base = rows[0] + t * s_r + tl.zeros([BLOCK_J], tl.int64)  # row j's pointer in lane j (padding: masked)
+        for j in tl.static_range(1, NUM):
+            base = tl.where(jj == j, rows[j] + t * s_r, base)
+        dots = tl.zeros([BLOCK_J, CHUNK], tl.float32)
+        squares = tl.zeros([BLOCK_J, CHUNK], tl.float32)
+        for c0 in tl.static_range(0, BLOCK_H, CHUNK):
+            c = c0 + tl.arange(0, CHUNK)
+            cw = tl.load(norm_w_ptr + c, mask=c < H, other=0.0).to(tl.float32) * \
+                tl.load(proj_w_ptr + c, mask=c < H, other=0.0).to(tl.float32)
+            r = tl.load(base[:, None] + c[None, :], mask=(jj[:, None] < NUM) & (c < H)[None, :],
+                        other=0.0).to(tl.float32)
+            dots += r * cw[None, :]
+            squares += r * r
+        s = tl.sum(dots, axis=1) * (1.0 / tl.sqrt_rn(tl.sum(squares, axis=1) / H + eps))
+        s = tl.where(jj < NUM, s, float("-inf"))
+    else:
+        cw = tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * \
+            tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        s = tl.full([BLOCK_J], float("-inf"), tl.float32)
+        for j in tl.static_range(NUM):
+            r = tl.load(rows[j] + t * s_r + cols, mask=cmask, other=0.0).to(tl.float32)
+            s_j = tl.sum(r * cw, axis=0) * (1.0 / tl.sqrt_rn(tl.sum(r * r, axis=0) / H + eps))
+            s = tl.where(jj == j, s_j, s)
     e = tl.exp(s - tl.max(s, axis=0))
     p = e / tl.sum(e, axis=0)
     mix = tl.zeros([BLOCK_H], tl.float32)
@@ -161,6 +180,17 @@ def row_config(D: int) -> tuple[int, int, int]:
 def mix_warps(block_h: int) -> int:
     """num_warps of the AttnRes mix: 32 values of a row per thread (H 7168 -> 8 warps)."""
     return max(4, min(16, block_h // 1024))
+
+
+MIX_TILED_ROWS = 64  # the AttnRes mix's scores in tiles up to this many tokens, row by row above
+
+
+def mix_chunk(tokens: int, block_h: int, block_j: int) -> int:
+    """Columns of the AttnRes scores' [block_j, chunk] tiles (32 values of each tile a thread), 0 for row by row.
+    On an H100 (bench/kernels.py --families norm --match mix, µs, rows -> tiles): `small` (H 2048, 5 rows) 1 token
+    5 -> 4, 64 tokens 5 -> 5, 1,024 tokens 10 -> 12; K3 (H 7168, 9 rows) 1 and 64 tokens equal, 1,024 tokens
+    74 -> 104, 16,384 1,165 -> 1,482; decode replays (`small`, MXFP4, gpu_ab) 1.0-1.5 % faster at batch 1-64."""
+    return min(block_h, 32 * 32 * mix_warps(block_h) // block_j) if tokens <= MIX_TILED_ROWS else 0
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -225,13 +255,13 @@ def _mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, e
         flat = [r.contiguous() for r in flat]
     out = torch.empty(flat[0].shape, dtype=first.dtype, device=first.device)
     if out.numel():
-        block_h = triton.next_power_of_2(H)
+        block_h, block_j = triton.next_power_of_2(H), max(2, triton.next_power_of_2(len(rows)))
         _attn_res_mix_kernel[(flat[0].shape[0],)](
             tuple(flat), norm_w, proj_w.reshape(-1), norm_w if out_w is None else out_w, out,
             n_rows=flat[0].shape[0], s_r=flat[0].stride(0), s_o=out.stride(0), eps=eps, out_eps=out_eps, H=H,
-            BLOCK_H=block_h, NUM=len(rows), BLOCK_J=max(2, triton.next_power_of_2(len(rows))), NORM=out_w is not None,
-            INTERPRET=interpreting(), **pdl.launch_args(out.device), num_warps=mix_warps(block_h),
-            enable_fp_fusion=FP_FUSION)
+            BLOCK_H=block_h, NUM=len(rows), BLOCK_J=block_j, CHUNK=mix_chunk(flat[0].shape[0], block_h, block_j),
+            NORM=out_w is not None, INTERPRET=interpreting(), **pdl.launch_args(out.device),
+            num_warps=mix_warps(block_h), enable_fp_fusion=FP_FUSION)
     return out.view(first.shape)
 
 
