@@ -438,12 +438,12 @@ def compile_sm90() -> None:
 
     from k3backend.kernels import kda, kda_chunk
 
-    def build(name: str, fn, sig: dict, const: dict, num_warps: int, num_stages: int = 3, **options) -> None:
+    def build(name: str, fn, sig: dict, const: dict, num_warps: int, num_stages: int = 3) -> None:
         const = {"PDL": True, **const} if "PDL" in fn.arg_names else const  # compiled as launched on Hopper
         signature = {a: "constexpr" if a in const else sig[a] for a in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig.get(a, "").startswith("*")}
         k = triton.compile(ASTSource(fn, signature, const, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": num_warps, "num_stages": num_stages, **options})
+                           options={"num_warps": num_warps, "num_stages": num_stages})
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
             f.write(k.asm["ptx"])
             f.flush()
@@ -458,14 +458,15 @@ def compile_sm90() -> None:
     bf = dict(ACC=tl.float32, DOT=tl.bfloat16, PREC="tf32", BITS=False)
     p = lambda names, t: dict.fromkeys(names.split(), t)  # noqa: E731
     fused = {**p("xqkv conv_pool f f_b b z o_norm_weight y", "*bf16"),
-             **p("conv_weight dt_bias A_log S_pool", "*fp32"), **p("state_indices arrived", "*i32"),
-             **p("s_x s_b s_z s_f", "i32")}
+             **p("conv_weight dt_bias A_log S_pool", "*fp32"), "state_indices": "*i32", **p("s_x s_b s_z s_f", "i32")}
     for nv, warps in DECODE_FUSED_VARIANTS:
         for fb in (False, True):  # f_b_proj's GEMV before the kernel, or in it (rank K: K3's f_a width)
             build(f"kda_decode_fused v{nv}" + " f_b" * fb, kda._kda_decode_fused_kernel, fused,
-                  dict(H=H, K=K, V=K, W=W, BK=K, BV=K // nv, BVF=K, BW=W, NV=nv, SPLIT=nv > 1, F_B=fb, R=K, BR=K,
+                  dict(H=H, K=K, V=K, W=W, BK=K, BV=K // nv, BW=W, NV=nv, SPLIT=nv > 1, F_B=fb, R=K, BR=K,
                        USE_LOWER_BOUND=True, LOWER_BOUND=LB, SCALE=K ** -0.5, EPS=1e-5, ACC=tl.float32, BITS=False),
-                  warps, **({"maxnreg": kda.SPLIT_MAX_REGISTERS} if nv > 1 else {}))
+                  warps)
+    build("kda_decode_fused norm", kda._kda_decode_norm_kernel, fused,
+          dict(H=H, K=K, V=K, W=W, BK=K, BV=K, BW=W, EPS=1e-5, ACC=tl.float32, BITS=False), 4)
     build("kda_decode", kda._kda_decode_kernel, {**p("q k g beta S_pool o", "*fp32"), "v": "*bf16",
                                                  "state_indices": "*i32"},
           dict(H=H, K=K, V=K, BK=K, BV=32, ACC=tl.float32), 4)

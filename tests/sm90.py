@@ -54,9 +54,8 @@ class Compiled:
 
 
 def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], *, num_warps: int,
-                 num_stages: int, enable_fp_fusion: bool = True, maxnreg: int | None = None) -> Compiled:
-    """Compile `kernel` (a triton JITFunction) for sm_90a with `args` (every non-constexpr parameter); maxnreg: the
-    registers a thread the launch allows."""
+                 num_stages: int, enable_fp_fusion: bool = True) -> Compiled:
+    """Compile `kernel` (a triton JITFunction) for sm_90a with `args` (every non-constexpr parameter)."""
     names = kernel.arg_names
     if "PDL" in names:  # the kernels that take part in programmatic dependent launch compile as launched
         constexprs = {"PDL": True, **constexprs}
@@ -84,8 +83,7 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
             if v % 16 == 0 and name not in dns:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": enable_fp_fusion,
-               **({"maxnreg": maxnreg} if maxnreg else {})}
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": enable_fp_fusion}
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     if constexprs.get("PDL"):
         assert "griddepcontrol.wait" in ck.asm["ptx"], f"{kernel.fn.__name__}: PDL on but no griddepcontrol.wait"

@@ -182,8 +182,8 @@ def _low_rank_rows(a_row, w, o_k, m_k, R: tl.constexpr, BR: tl.constexpr, BK: tl
 
 @triton.jit
 def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, f_b, dt_bias, A_log, b, z, o_norm_weight, S_pool,
-                             state_indices, y, arrived, s_x, s_b, s_z, s_f, H: tl.constexpr, K: tl.constexpr,
-                             V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
+                             state_indices, y, s_x, s_b, s_z, s_f, H: tl.constexpr, K: tl.constexpr,
+                             V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              BW: tl.constexpr, NV: tl.constexpr, SPLIT: tl.constexpr, F_B: tl.constexpr,
                              R: tl.constexpr, BR: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                              LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
@@ -191,9 +191,8 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, f_b, dt_bias, A_lo
     """Program (b, h, V-block i_v of NV): columns i_v·BV.. of one head's K×V state (only its own columns,
     so no other program reads or writes them). Not SPLIT (one block holds all of V): the gated norm
     over V and the head's conv-history update stay inside the program. SPLIT: the program writes
-    bf(o) of its columns into y and reads the conv pool only; the head's last block to finish (a count
-    in `arrived` [B·H], back to 0 after) does the norm over y's row and the history (`_head_finish`), where
-    a second launch did before. s_x, s_b, s_z: the row strides of xqkv, b and z
+    bf(o) of its columns into y and reads the conv pool only; `_kda_decode_norm_kernel`, launched
+    after it, does the norm and the history. s_x, s_b, s_z: the row strides of xqkv, b and z
     (slices of the layer's one input GEMM). F_B: f holds f_a's rows [B, R] (row stride s_f) and the program
     forms its head's gate pre-activation bf(f_a·f_bᵀ) [K] from f_b [H·K, R], a GEMV launch fewer a layer."""
     pdl.enter(PDL)
@@ -241,11 +240,6 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, f_b, dt_bias, A_lo
     o = _round(o, p_y.dtype.element_ty, BITS)
     if SPLIT:
         tl.store(p_y, o, mask=m_v)
-        tl.debug_barrier()  # every thread's columns stored before the count below releases them
-        if tl.atomic_add(arrived + i_b * H + i_h, 1) == NV - 1:  # acq_rel: the last block sees the others' columns
-            tl.store(arrived + i_b * H + i_h, 0)  # the next launch counts from 0 (it starts after this one ends)
-            _head_finish(xqkv + i_b * s_x, hist, z + i_b * s_z + i_h * V, o_norm_weight, y + (i_b * H + i_h) * V,
-                         live, i_h, H, K, V, W, BK, BVF, BW, EPS, ACC, BITS)
     else:
         _gated_norm_store(p_y, o.to(ACC), z + i_b * s_z + i_h * V, o_norm_weight, o_v, m_v, V, EPS, ACC, BITS)
         # the new conv history, once every thread has read the old one (the rows shift within the slot)
@@ -257,23 +251,31 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, f_b, dt_bias, A_lo
 
 
 @triton.jit
-def _head_finish(x_row, hist, z_row, o_norm_weight, y_row, live, i_h, H: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
-                 EPS: tl.constexpr, ACC: tl.constexpr, BITS: tl.constexpr):
-    """A split head's end, once all its V-blocks have stored bf(o) in y's row and read the old conv history:
-    the gated norm of the row, in place, and the head's q/k/v conv-history shift (one program owns the head's
-    channels of the slot here)."""
+def _kda_decode_norm_kernel(xqkv, conv_pool, z, o_norm_weight, state_indices, y, s_x, s_z, H: tl.constexpr,
+                            K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, BW: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
+                            BITS: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, h) after the SPLIT launch: the gated norm of the head's row bf(o) in y, in place, and
+    the head's q/k/v conv-history shift (every V-block of the first launch read the old q/k rows, so
+    none of them may write; here one program owns the head's channels of the slot)."""
+    pdl.enter(PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    i_b, i_h = pid // H, pid % H
     C: tl.constexpr = 2 * H * K + H * V
+    slot = tl.load(state_indices + i_b).to(tl.int64)
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
-    o = tl.load(y_row + o_v, mask=m_v, other=0, cache_modifier=".cg").to(ACC)  # other SMs' columns: from L2
-    _gated_norm_store(y_row + o_v, o, z_row, o_norm_weight, o_v, m_v, V, EPS, ACC, BITS)
+    p_y = y + (i_b * H + i_h) * V + o_v
+    o = tl.load(p_y, mask=m_v, other=0).to(ACC)
+    _gated_norm_store(p_y, o, z + i_b * s_z + i_h * V, o_norm_weight, o_v, m_v, V, EPS, ACC, BITS)
+
+    x_row, hist = xqkv + i_b * s_x, conv_pool + slot * ((W - 1) * C)
     c_q, c_k, c_v = i_h * K + o_k, H * K + i_h * K + o_k, 2 * H * K + i_h * V + o_v
     win_q = _history_window(x_row, hist, c_q, m_k, C, W, BW)
     win_k = _history_window(x_row, hist, c_k, m_k, C, W, BW)
     win_v = _history_window(x_row, hist, c_v, m_v, C, W, BW)
     tl.debug_barrier()  # rows shift within the slot: every old row is read before any is written
-    if live:
+    if slot != 0:
         _store_history(hist, win_q, c_q, m_k, C, W, BW)
         _store_history(hist, win_k, c_k, m_k, C, W, BW)
         _store_history(hist, win_v, c_v, m_v, C, W, BW)
@@ -376,20 +378,6 @@ def decode_fused_split_supports(xqkv: torch.Tensor, conv_weight: torch.Tensor, c
     return not problem, problem
 
 
-SPLIT_MAX_REGISTERS = 128  # a split launch's registers a thread (sm_90a): the head's finish took 128 to 153 (4 warps)
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}  # per device: every counter buffer a launch (or graph) used
-
-
-def _arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """n counters at 0 for the split heads' last-block election; each launch leaves them at 0 again. Kernels on
-    one device run one at a time here (the engine's one forward; PDL's next kernel waits for this one's end). A
-    larger buffer replaces the newest, and the older ones stay allocated: captured graphs hold their addresses."""
-    bufs = _ARRIVALS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def decode_fused_split(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
                        dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None, b: torch.Tensor,
                        z: torch.Tensor, o_norm_weight: torch.Tensor, S_pool: torch.Tensor, state_indices: torch.Tensor,
@@ -397,8 +385,8 @@ def decode_fused_split(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool:
                        f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """`kda_decode_fused` with its split chosen by the caller (the bench and tests). v_blocks 1: one launch, one program per (sequence, head) holding the
     head's K×V state tile (read once, written once in place). v_blocks > 1: the state's V columns in
-    that many blocks, one program each, writing bf(o); each head's last block to finish then does the gated
-    norm and the conv history. None (the model's calls): `decode_fused_plan` and `decode_fused_warps` choose.
+    that many blocks, one program each, writing bf(o); then a launch of B·H programs for the gated norm
+    and the conv history. None (the model's calls): `decode_fused_plan` and `decode_fused_warps` choose.
     f_b_weight: f is f_a's rows; up to F_B_MAX_ROWS rows each program forms its head's bf(f_a·f_bᵀ), more rows
     take one GEMM first (cuBLAS, as `linear` would: the weight read once, not once a row)."""
     _raise_if(_first(_plan_problem(z.shape[-1], v_blocks, num_warps),
@@ -419,13 +407,16 @@ def decode_fused_split(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool:
     _kda_decode_fused_kernel[(B * H * NV,)](
         xqkv=xqkv, conv_weight=conv_weight, conv_pool=conv_pool, f=f, f_b=f if f_b_weight is None else f_b_weight,
         dt_bias=dt_bias, A_log=A_log, b=b, z=z, o_norm_weight=o_norm_weight, S_pool=S_pool,
-        state_indices=state_indices, y=y, arrived=_arrivals(xqkv.device, B * H) if NV > 1 else y,
-        s_x=xqkv.stride(0), s_b=b.stride(0), s_z=z.stride(0), s_f=f.stride(0), H=H, K=K, V=V, W=W, BK=BK, BV=BV,
-        BVF=triton.next_power_of_2(V), BW=BW, NV=NV, SPLIT=NV > 1, F_B=f_b_weight is not None, R=R,
+        state_indices=state_indices, y=y, s_x=xqkv.stride(0), s_b=b.stride(0), s_z=z.stride(0), s_f=f.stride(0), H=H,
+        K=K, V=V, W=W, BK=BK, BV=BV, BW=BW, NV=NV, SPLIT=NV > 1, F_B=f_b_weight is not None, R=R,
         BR=triton.next_power_of_2(R),
         USE_LOWER_BOUND=lower_bound is not None, LOWER_BOUND=float(lower_bound or 0.0), SCALE=K ** -0.5,
-        EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, **pdl.launch_args(xqkv.device), num_warps=num_warps,
-        maxnreg=SPLIT_MAX_REGISTERS if NV > 1 else None)
+        EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, **pdl.launch_args(xqkv.device), num_warps=num_warps)
+    if NV > 1:  # stream order: every V-block has read the old conv history before this launch shifts it
+        _kda_decode_norm_kernel[(B * H,)](
+            xqkv=xqkv, conv_pool=conv_pool, z=z, o_norm_weight=o_norm_weight, state_indices=state_indices, y=y,
+            s_x=xqkv.stride(0), s_z=z.stride(0), H=H, K=K, V=V, W=W, BK=BK, BV=triton.next_power_of_2(V), BW=BW,
+            EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, **pdl.launch_args(xqkv.device), num_warps=4)
     return y
 
 
