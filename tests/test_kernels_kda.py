@@ -79,9 +79,8 @@ def check_kda_decode_fused(dtype: str, lower_bound: float | None, seed: int, v_b
     """The op with `v_blocks` (None: the rule's choice; > 1: the V-split and its norm launch) against the
     reference. kv: K = V = kv (the model's 128: the split's real block width) instead of the odd 12, 10.
     rank: f is f_a's rows [B, rank] (a slice of the input GEMM's) with f_b_weight [H·K, rank], the gate's GEMV
-    in the kernel (B ≤ fb_rows, the limit for this call: the kernel's path at more rows than the
-    rule's) or before it. Rows on slot 0 (padding) must leave
-    slot 0 of both pools as it was."""
+    in the kernel (B ≤ fb_rows, this call's limit: the kernel's path at more rows than the rule's) or before it.
+    Rows on slot 0 (padding) must leave slot 0 of both pools as it was."""
     from k3backend.kernels import kda, kda_ref
 
     dt = DTYPES[dtype]
