@@ -53,6 +53,12 @@ MIXED_TOKENS = 1024  # prefill tokens of the largest mixed graph (decode rows an
 MIXED_SEQS = 4  # chunk places of a mixed graph: arrivals beside decoding requests come one or two a step
 
 
+def _ranks() -> int:
+    """The process group's size (1 without one): ranks replay graphs in step, so they must all have them."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """The captured batch sizes: every size below max_num_seqs and the first one at or above it."""
     sizes = [b for b in CAPTURE_SIZES if b < max_num_seqs]
@@ -145,7 +151,11 @@ class _Graphs:
             self.graphs.clear()
             self.outputs.clear()
             torch.cuda.synchronize(device)
-            log.warning("CUDA graphs off for %s steps, they run eagerly: capture failed: %s", self.what, e)
+            if _ranks() > 1:  # the others may have captured, or wait in a warm-up collective: fail the load
+                raise RuntimeError(f"CUDA graph capture of {self.what} steps failed on this rank: {e}; the ranks "
+                                   "would run different steps (enforce_eager=true serves without graphs)") from e
+            log.error("CUDA graphs off for %s steps, they run eagerly (many times slower): capture failed: %s "
+                      "(enforce_eager=true skips the capture)", self.what, e)
             return
         log.log(logging.DEBUG if self.quiet else logging.INFO, "CUDA graphs: captured %s sizes %s in %.1f s, %.0f MiB",
                 self.what, list(self.sizes),
