@@ -35,6 +35,7 @@ fla baselines, converted to fla's conventions and never changing ours:
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -69,6 +70,18 @@ TILE_VARIANTS = {
 SMOKE_TILE_VARIANTS = {"intra": [dict(BKC=32)], "solve": [dict(BC=32)], "state": [dict(BV=16)]}  # the interpreter
 # ignores warps and stages
 TILES_REL = 1e-2  # a variant against the rule's launch: summation order and a few flipped bf16 roundings
+
+
+def _fla(what: str, device: str, module: str, name: str) -> Callable | None:
+    """fla-core's `name` from `module` on a GPU, or None where fla-core is not installed (said once per case):
+    ours are timed without the baseline."""
+    if device != "cuda":
+        return None
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        print(f"  kda/{what}: fla baseline left out ({e})")
+        return None
 
 
 def _tried(what: str, fn: Callable[[], object] | None) -> Callable[[], object] | None:
@@ -214,9 +227,8 @@ def _decode_case(B: int, H: int, device: str) -> Case:
         return ", ".join((_assert_rel("o", o, o_ref, 1e-5), _assert_rel("S", a[si.long()], b[si.long()], 1e-5)))
 
     fla = None
-    if device == "cuda":
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-
+    fused_recurrent_kda_fwd = _fla("decode", device, "fla.ops.kda.fused_recurrent", "fused_recurrent_kda_fwd")
+    if fused_recurrent_kda_fwd is not None:
         q, k, v, g, beta = (t[None] for t in prep)
         cu = torch.arange(B + 1, device=device, dtype=torch.long)
         fla = lambda: fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, initial_state=theirs,  # noqa: E731
@@ -251,9 +263,8 @@ def _short_conv_case(T: int, H: int, device: str) -> Case:
         return _assert_rel("out", out, out_ref, REL_BF16)
 
     fla = None
-    if device == "cuda":
-        from fla.modules.causal_conv1d import causal_conv1d
-
+    causal_conv1d = _fla("short_conv", device, "fla.modules.causal_conv1d", "causal_conv1d")
+    if causal_conv1d is not None:
         h0 = torch.zeros(2, C, W, device=device, dtype=torch.bfloat16)  # fla's state: the last W inputs
         h0[0, :, 1:] = pool[3].T
         cu_long = cu.long()
@@ -288,9 +299,8 @@ def _prefill_case(T: int, H: int, device: str) -> Case:
                           _assert_rel("S", a[slots.long()], b[slots.long()], REL_PREFILL)))
 
     fla = None
-    if device == "cuda":
-        from fla.ops.kda import chunk_kda
-
+    chunk_kda = _fla("prefill", device, "fla.ops.kda", "chunk_kda")
+    if chunk_kda is not None:
         qb, kb, vb = q.bfloat16()[None], k.bfloat16()[None], v.contiguous()[None]  # fla's layer feeds bf16 q, k
         h0 = torch.stack([pool[3], torch.zeros_like(pool[3])])
         fla = lambda: chunk_kda(qb, kb, vb, g[None], beta[None], scale=1.0, initial_state=h0,  # noqa: E731
