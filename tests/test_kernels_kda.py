@@ -307,6 +307,9 @@ CASES: Cases = {
                                                {"dtype": d, "lower_bound": -5.0, "seed": 70 + i, "rank": r, "pad": pad,
                                                 **({"kv": 128, "heads": 2} if r == 128 else {})})
        for i, (d, r, pad) in enumerate((("fp64", 37, 2), ("bf16", 37, 2), ("bf16", 128, 2), ("bf16", 37, 6)))},
+    # 6 rows past a limit of 2: the `linear` op (its GEMV) first, as the rule runs 3-8 rows
+    "decode_fused-fb-bf16-r37-b6-linear": ("check_kda_decode_fused", {"dtype": "bf16", "lower_bound": -5.0, "seed": 74,
+                                                                      "rank": 37, "pad": 2, "fb_rows": 2}),
     **{f"decode-{d}": ("check_kda_decode", {"dtype": d, "seed": 20 + i}) for i, d in enumerate(("fp64", "fp32"))},
     **{f"short_conv-{d}": ("check_short_conv", {"dtype": d, "seed": 30 + i}) for i, d in enumerate(DTYPES)},
     **{f"prefill-{d}-{gate}": ("check_kda_prefill", {"dtype": d, "gate": gate, "seed": 40 + i})

@@ -388,14 +388,16 @@ def decode_fused_split(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool:
     that many blocks, one program each, writing bf(o); then a launch of B·H programs for the gated norm
     and the conv history. None (the model's calls): `decode_fused_plan` and `decode_fused_warps` choose.
     f_b_weight: f is f_a's rows; up to F_B_MAX_ROWS rows each program forms its head's bf(f_a·f_bᵀ), more rows
-    take one GEMM first (cuBLAS, as `linear` would: the weight read once, not once a row)."""
+    take the `linear` op first (the GEMV or cuBLAS, as f_b_proj would: the weight read once, not once a row)."""
     _raise_if(_first(_plan_problem(z.shape[-1], v_blocks, num_warps),
                      _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z,
                                            o_norm_weight, S_pool, state_indices, eps, f_b_weight)), "kda_decode_fused")
     B, H, V = z.shape
     K, W = dt_bias.shape[0] // H, conv_weight.shape[1]
     if f_b_weight is not None and B > F_B_MAX_ROWS:
-        f, f_b_weight = torch.nn.functional.linear(f, f_b_weight).view(B, H, K), None
+        from k3backend import kernels  # the linear op's own choice of kernel (a cycle at import time)
+
+        f, f_b_weight = kernels.linear(f, f_b_weight).view(B, H, K), None
     R = f.shape[-1] if f_b_weight is not None else 1
     y = torch.empty(B, H, V, dtype=xqkv.dtype, device=xqkv.device)
     if B == 0:
