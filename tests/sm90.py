@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-PREFETCH_BEFORE_WAIT = {"_linear_kernel"}
+PREFETCH_BEFORE_WAIT = {"_linear_kernel", "_linear_dot_kernel"}
 _GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld\.global|st\.global|atom\.global|red\.global|cp\.async|"
                             r"cp\.reduce|ld\.volatile\.global)", re.M)
 

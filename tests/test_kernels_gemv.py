@@ -121,6 +121,45 @@ def check_linear_gate_is_the_rounded_product() -> None:
     assert not ok and "gate" in why, why
 
 
+def check_linear_dot_matches_fp64() -> None:
+    """The tensor-core kernel (9-64 rows): every element within the fp64 bound, for 9 to 64 rows (a
+    BLOCK_M of 16, 32 or 64 with masked rows), masked K tails, N not a multiple of the tile, a strided x,
+    several pipelined K steps, every dtype; its adds are torch's on its own product bit for bit, and its
+    gate reads bf(x · bf(σ(g))) as the GEMV's does (through a random weight, within the bound of that input)."""
+    from k3backend.kernels import gemv
+
+    g = torch.Generator().manual_seed(13)
+    cases = [(9, 37, 300, 16, 64, 2), (16, 64, 128, 32, 64, 3), (33, 20, 70, 16, 32, 2), (64, 50, 256, 64, 64, 4),
+             (17, 130, 520, 32, 128, 3), (40, 16, 16, 16, 16, 1)]  # (M, N, K, BN, BK, stages)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for M, N, K, bn, bk, st in cases:
+            x = torch.randn(M, K + 5, generator=g).to(dtype)[:, 5:]
+            w = torch.randn(N, K, generator=g).to(dtype)
+            cfg = gemv.LinearConfig(bn, bk, 4, stages=st)
+            with poisoned_empty():
+                y = gemv.linear_with(x, w, cfg)
+            ref = x.double() @ w.double().T
+            bound = EPS[dtype] * ref.abs() + K * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+            worst = ((y.double() - ref).abs() / bound).max().item()
+            assert y.shape == (M, N) and worst <= 1, f"{dtype} M{M} N{N} K{K} {cfg}: {worst:.2f}x the bound"
+            a0 = (torch.randn(M, N + 3, generator=g) * 30).to(dtype)[:, 3:]
+            a1 = torch.randn(M, N, generator=g).to(dtype)
+            with poisoned_empty():
+                one, two = gemv.linear_with(x, w, cfg, (a0,)), gemv.linear_with(x, w, cfg, (a0, a1))
+            assert torch.equal(one, y + a0) and torch.equal(two, (y + a0) + a1), f"{dtype} M{M}: adds"
+            z = (torch.randn(M, K, generator=g) * 4).to(dtype)
+            with poisoned_empty():
+                yg = gemv.linear_with(x, w, cfg, (), z)
+            xg = (x * torch.sigmoid(z)).double()
+            mag = xg.abs() @ w.double().abs().T
+            bound = (3 * EPS[dtype] + K * 2.0 ** -23) * mag + EPS[dtype] * (xg @ w.double().T).abs() + 1e-30
+            assert ((yg.double() - xg @ w.double().T).abs() <= bound).all(), f"{dtype} M{M}: gated"
+
+
+def test_linear_dot_matches_fp64():
+    CHECKS.assert_passed("linear_dot_matches_fp64")
+
+
 def test_linear_gate_is_the_rounded_product():
     CHECKS.assert_passed("linear_gate_is_the_rounded_product")
 
@@ -143,11 +182,16 @@ def test_linear_declines_what_it_does_not_take():
     def case(m: int, n: int, k: int, dtype=torch.bfloat16, wdtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty(m, k, dtype=dtype, device="meta"), torch.empty(n, k, dtype=wdtype or dtype, device="meta")
 
-    for m, n, k in ((1, 8336, 2048), (2, 3392, 2048), (4, 2048, 8192), (8, 2048, 2048)):
+    for m, n, k in ((1, 8336, 2048), (2, 3392, 2048), (4, 2048, 8192), (8, 2048, 2048), (9, 16, 16),
+                    (16, 3392, 2048), (32, 2048, 2048)):
         assert gemv.linear_supports(*case(m, n, k)) == (True, ""), (m, n, k)
     declined = {
         "no rows": case(0, 16, 16),
-        "9 rows": case(9, 16, 16),
+        "65 rows": case(65, 16, 16),
+        "16 rows of 8,336 x 2,048": case(16, 8336, 2048),
+        "32 rows of 3,392 x 2,048": case(32, 3392, 2048),
+        "64 rows without adds": case(64, 2048, 1024),
+        "fp32 at 16 rows": case(16, 64, 64, torch.float32),
         "2 rows of 8,336": case(2, 8336, 2048),
         "3 rows of 3,392": case(3, 3392, 2048),
         "5 rows, K 8,192": case(5, 2048, 8192),
@@ -164,6 +208,9 @@ def test_linear_declines_what_it_does_not_take():
     x, w = case(2, 16, 16)
     add = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
     assert gemv.linear_supports(x, w, (add(2, 16), add(2, 16))) == (True, "")
+    assert gemv.linear_supports(*case(64, 2048, 1024), (add(64, 2048),)) == (True, "")  # 33-64 rows: with adds
+    assert gemv.linear_supports(*case(16, 64, 64), (), add(16, 64)) == (True, "")  # a gate: up to 16 rows
+    assert not gemv.linear_supports(*case(17, 64, 64), (), add(17, 64))[0]
     bad_adds = {"3 adds": (add(2, 16),) * 3, "an add of 1 row": (add(1, 16),),
                 "an fp32 add": (add(2, 16, dtype=torch.float32),), "an add strided along N": (add(2, 32)[:, ::2],),
                 "an add on another device": (torch.empty(2, 16, dtype=torch.bfloat16),)}
@@ -177,7 +224,7 @@ SMALL_SHAPES = ((8336, 2048), (2048, 128), (2048, 2048), (3392, 2048), (3072, 76
 
 
 def test_linear_compiles_for_hopper_without_spills():
-    """The rule's launches at the `small` projections, 1-8 rows, compile for sm_90a without spills."""
+    """The rule's launches at the `small` projections, 1-64 rows, compile for sm_90a without spills."""
     from sm90 import compile_sm90
 
     from k3backend.kernels import gemv
@@ -194,6 +241,18 @@ def test_linear_compiles_for_hopper_without_spills():
                                                            stride_gm=K),
                                  dict(M=M, BLOCK_M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ADDS=adds, GATE=gate,
                                       INTERPRET=False), num_warps=cfg.warps, num_stages=1)
+                assert c.stack == 0, f"M{M} N{N} K{K} {cfg} adds {adds} gate {gate}: {c}"
+    for M in (16, 32, 64):  # the tensor-core kernel at its three row tiles
+        for N, K in SMALL_SHAPES:
+            for adds, gate in ((0, False), (2, False), (1, True)):
+                cfg = gemv.linear_config(M, N, K, gate, adds)
+                if cfg is None:
+                    continue
+                c = compile_sm90(gemv._linear_dot_kernel, dict(
+                    x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", a0_ptr="*bf16", a1_ptr="*bf16", g_ptr="*bf16", M=M,
+                    N=N, K=K, stride_xm=K, stride_wn=K, stride_ym=N, stride_a0=N, stride_a1=N, stride_gm=K),
+                    dict(BLOCK_M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, ADDS=adds, GATE=gate,
+                         PREFETCH=cfg.prefetch, INTERPRET=False), num_warps=cfg.warps, num_stages=1)
                 assert c.stack == 0, f"M{M} N{N} K{K} {cfg} adds {adds} gate {gate}: {c}"
 
 
@@ -230,7 +289,8 @@ _PDL_ONLY_HERE = {
         dict(TOP_K=6, GPU=True, NORM=True, BLOCK_T=4, BLOCK_D=1024), 4),
 }
 _PDL_BUILT_ELSEWHERE = {  # compiled with PDL on (tests/sm90.py turns it on) by these files' hopper tests
-    ("gemv", "_linear_kernel"), ("norm", "_row_norm_kernel"), ("norm", "_attn_res_mix_kernel"),
+    ("gemv", "_linear_kernel"), ("gemv", "_linear_dot_kernel"), ("norm", "_row_norm_kernel"),
+    ("norm", "_attn_res_mix_kernel"),
     ("norm", "_mla_latent_kernel"),
     ("routing", "_route_kernel"), ("routing", "_router_gemm_kernel"), ("moe", "_up_kernel"), ("moe", "_down_kernel"),
     ("moe", "_up_gemv_kernel"), ("mla", "_latent_attn_kernel")}
