@@ -28,6 +28,32 @@ MAX_ADDS = 2  # the MoE layer's end, bf(bf(up + shared) + Q), has two
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+@triton.jit
+def _x_tile(x_ptrs, g_ptrs, mask, GATE: tl.constexpr, INTERPRET: tl.constexpr):
+    """A tile of x, times bf(σ(g)) and rounded where GATE (MLA's output gate, as torch rounds it)."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    if GATE:
+        dt = x_ptrs.dtype.element_ty
+        sg = to_dtype(tl.sigmoid(tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)), dt, INTERPRET)
+        x = to_dtype(x.to(tl.float32) * sg.to(tl.float32), dt, INTERPRET)
+    return x
+
+
+@triton.jit
+def _store(y, rows, offs_n, M, N, y_ptr, a0_ptr, a1_ptr, stride_ym, stride_a0, stride_a1, ADDS: tl.constexpr,
+           INTERPRET: tl.constexpr):
+    """y [rows, n-block] (rounded) + a0, then + a1, each add in fp32 rounded as torch's add of two tensors
+    of y's dtype rounds; stored where the rows and columns exist."""
+    out = (rows < M)[:, None] & (offs_n < N)[None, :]
+    if ADDS >= 1:
+        a = tl.load(a0_ptr + rows[:, None] * stride_a0 + offs_n[None, :], mask=out, other=0.0)
+        y = to_dtype(y.to(tl.float32) + a.to(tl.float32), y_ptr.dtype.element_ty, INTERPRET)
+    if ADDS >= 2:
+        a = tl.load(a1_ptr + rows[:, None] * stride_a1 + offs_n[None, :], mask=out, other=0.0)
+        y = to_dtype(y.to(tl.float32) + a.to(tl.float32), y_ptr.dtype.element_ty, INTERPRET)
+    tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], y, mask=out)
+
+
 @triton.jit(do_not_specialize=["N"])
 def _linear_kernel(x_ptr, w_ptr, y_ptr, a0_ptr, a1_ptr, g_ptr, N, K, stride_xm, stride_wn, stride_ym, stride_a0,
                    stride_a1, stride_gm, M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -52,35 +78,12 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, a0_ptr, a1_ptr, g_ptr, N, K, stride_xm, 
         wf = w.to(tl.float32)
         w_ptrs += BLOCK_K
         w = tl.load(w_ptrs, mask=(offs_k < K - k0 - BLOCK_K)[None, None, :], other=0.0)  # the next step's, in flight
-        x_mask = (rows < M)[:, None, None] & (offs_k < K - k0)[None, None, :]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if GATE:
-            dt = x_ptr.dtype.element_ty
-            sg = to_dtype(tl.sigmoid(tl.load(g_ptrs, mask=x_mask, other=0.0).to(tl.float32)), dt, INTERPRET)
-            x = to_dtype(x.to(tl.float32) * sg.to(tl.float32), dt, INTERPRET)
-            g_ptrs += BLOCK_K
+        x = _x_tile(x_ptrs, g_ptrs, (rows < M)[:, None, None] & (offs_k < K - k0)[None, None, :], GATE, INTERPRET)
         acc += wf * x.to(tl.float32)
         x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
     y = to_dtype(tl.sum(acc, axis=2), y_ptr.dtype.element_ty, INTERPRET)
-    out = (rows < M)[:, None] & (offs_n < N)[None, :]
-    if ADDS >= 1:
-        a = tl.load(a0_ptr + rows[:, None] * stride_a0 + offs_n[None, :], mask=out, other=0.0)
-        y = to_dtype(y.to(tl.float32) + a.to(tl.float32), y_ptr.dtype.element_ty, INTERPRET)
-    if ADDS >= 2:
-        a = tl.load(a1_ptr + rows[:, None] * stride_a1 + offs_n[None, :], mask=out, other=0.0)
-        y = to_dtype(y.to(tl.float32) + a.to(tl.float32), y_ptr.dtype.element_ty, INTERPRET)
-    tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], y, mask=out)
-
-
-@triton.jit
-def _x_tile(x_ptrs, g_ptrs, mask, GATE: tl.constexpr, INTERPRET: tl.constexpr):
-    """A [rows, K step] tile of x, times bf(σ(g)) and rounded where GATE (as the GEMV's loads)."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    if GATE:
-        dt = x_ptrs.dtype.element_ty
-        sg = to_dtype(tl.sigmoid(tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)), dt, INTERPRET)
-        x = to_dtype(x.to(tl.float32) * sg.to(tl.float32), dt, INTERPRET)
-    return x
+    _store(y, rows, offs_n, M, N, y_ptr, a0_ptr, a1_ptr, stride_ym, stride_a0, stride_a1, ADDS, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["M", "N"])
@@ -121,14 +124,7 @@ def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, a0_ptr, a1_ptr, g_ptr, M, N, K, stri
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
     y = to_dtype(tl.trans(acc), y_ptr.dtype.element_ty, INTERPRET)
-    out = (rows < M)[:, None] & (offs_n < N)[None, :]
-    if ADDS >= 1:
-        a = tl.load(a0_ptr + rows[:, None] * stride_a0 + offs_n[None, :], mask=out, other=0.0)
-        y = to_dtype(y.to(tl.float32) + a.to(tl.float32), y_ptr.dtype.element_ty, INTERPRET)
-    if ADDS >= 2:
-        a = tl.load(a1_ptr + rows[:, None] * stride_a1 + offs_n[None, :], mask=out, other=0.0)
-        y = to_dtype(y.to(tl.float32) + a.to(tl.float32), y_ptr.dtype.element_ty, INTERPRET)
-    tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], y, mask=out)
+    _store(y, rows, offs_n, M, N, y_ptr, a0_ptr, a1_ptr, stride_ym, stride_a0, stride_a1, ADDS, INTERPRET)
 
 
 @dataclass(frozen=True)
