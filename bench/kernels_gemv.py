@@ -1,8 +1,8 @@
 """GEMV cases for bench/kernels.py: kernels/gemv.py's `linear` against cuBLAS (linear_ref) at the `small`
 preset's projections (KDA in / f_b / o, MLA in / q_b / o with its gate, latent down / up, the dense MLP's
 down), each with the residual adds the model gives it, and 1-64 rows (the GEMV to 8, the tensor-core
-kernel above), where `linear_config` takes them; the reference's adds and gate are kernels of their own. A case runs the op over enough distinct weights (at
-least 256 MB) that none is read from L2; bytes are those weights. `--check` compares every element with
+kernel above), where `linear_config` takes them; the reference's adds and gate are kernels of their own.
+A case runs the op over enough distinct weights (at least 256 MB) that none is read from L2; bytes are those weights. `--check` compares every element with
 cuBLAS at tolerances.KERNEL and replays a CUDA graph (bit-equal to eager).
 """
 

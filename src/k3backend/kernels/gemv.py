@@ -171,7 +171,8 @@ def linear_supports(x: torch.Tensor, w: torch.Tensor, adds: Sequence[torch.Tenso
     if x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
         return False, f"dtypes {x.dtype}/{w.dtype}: bf16, fp16 or fp32, the same for both"
     if M > MAX_ROWS and x.dtype == torch.float32:
-        return False, "fp32 above 8 rows: cuBLAS (tensor cores have no fp32 products; the kernel's ieee form is for tests)"
+        return False, "fp32 above 8 rows: cuBLAS (tensor cores have no fp32 products; the kernel's ieee form " \
+                      "is for tests)"
     if x.stride(1) != 1 or w.stride(1) != 1:
         return False, "x and w must be contiguous along K"
     if len(adds) > MAX_ADDS:
