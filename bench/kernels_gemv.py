@@ -2,8 +2,9 @@
 preset's projections (KDA in / f_b / o, MLA in / q_b / o with its gate, latent down / up, the dense MLP's
 down), each with the residual adds the model gives it, and 1-64 rows (the GEMV to 8, the tensor-core
 kernel above), where `linear_config` takes them; the reference's adds and gate are kernels of their own.
-A case runs the op over enough distinct weights (at least 256 MB) that none is read from L2; bytes are those weights. `--check` compares every element with
-cuBLAS at tolerances.KERNEL and replays a CUDA graph (bit-equal to eager).
+A case runs the op over enough distinct weights (at least 256 MB) that none is read from L2; bytes are
+those weights. `--check` compares every element with cuBLAS at tolerances.KERNEL and replays a CUDA graph
+(bit-equal to eager).
 """
 
 from __future__ import annotations
