@@ -252,7 +252,7 @@ def test_linear_compiles_for_hopper_without_spills():
                     x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", a0_ptr="*bf16", a1_ptr="*bf16", g_ptr="*bf16", M=M,
                     N=N, K=K, stride_xm=K, stride_wn=K, stride_ym=N, stride_a0=N, stride_a1=N, stride_gm=K),
                     dict(BLOCK_M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, ADDS=adds, GATE=gate,
-                         PREFETCH=cfg.prefetch, INTERPRET=False), num_warps=cfg.warps, num_stages=1)
+                         INTERPRET=False), num_warps=cfg.warps, num_stages=1)
                 assert c.stack == 0, f"M{M} N{N} K{K} {cfg} adds {adds} gate {gate}: {c}"
 
 

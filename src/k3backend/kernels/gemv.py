@@ -90,12 +90,12 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, a0_ptr, a1_ptr, g_ptr, N, K, stride_xm, 
 def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, a0_ptr, a1_ptr, g_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                        stride_a0, stride_a1, stride_gm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ADDS: tl.constexpr, GATE: tl.constexpr,
-                       PREFETCH: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
+                       PDL: tl.constexpr, INTERPRET: tl.constexpr):
     """`_linear_kernel` for 9-64 rows on the tensor cores: a program owns BLOCK_N weight rows and all M
     input rows (one [BLOCK_N, BLOCK_M] fp32 tile, the weight as the MMA's wide operand), so the epilogue's
     adds and the gate's rounding are the GEMV's; fp32 operands (and the interpreter's) multiply in ieee
-    fp32. The K loop is software-pipelined STAGES deep; PREFETCH loads the first weight step before
-    waiting for the previous kernel."""
+    fp32. The first weight step is loaded before waiting for the previous kernel (as the GEMV's), the
+    rest in a loop software-pipelined STAGES deep."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
@@ -104,19 +104,14 @@ def _linear_dot_kernel(x_ptr, w_ptr, y_ptr, a0_ptr, a1_ptr, g_ptr, M, N, K, stri
     g_ptrs = g_ptr + rows[:, None] * stride_gm + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     F32 = INTERPRET or w_ptr.dtype.element_ty == tl.float32
-    if PREFETCH:
-        k_in = (offs_k < K)[None, :]
-        w = tl.load(w_ptrs, mask=k_in, other=0.0)
-        pdl.enter(PDL)
-        acc = _dot(w, tl.trans(_x_tile(x_ptrs, g_ptrs, (rows < M)[:, None] & k_in, GATE, INTERPRET)), acc, F32)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        k_first = BLOCK_K
-    else:
-        pdl.enter(PDL)
-        k_first = 0
-    for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
+    k_in = (offs_k < K)[None, :]
+    w = tl.load(w_ptrs, mask=k_in, other=0.0)  # the first step's weights: before the wait
+    pdl.enter(PDL)
+    acc = _dot(w, tl.trans(_x_tile(x_ptrs, g_ptrs, (rows < M)[:, None] & k_in, GATE, INTERPRET)), acc, F32)
+    w_ptrs += BLOCK_K
+    x_ptrs += BLOCK_K
+    g_ptrs += BLOCK_K
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         k_in = (offs_k < K - k0)[None, :]
         w = tl.load(w_ptrs, mask=k_in, other=0.0)
         acc = _dot(w, tl.trans(_x_tile(x_ptrs, g_ptrs, (rows < M)[:, None] & k_in, GATE, INTERPRET)), acc, F32)
@@ -134,7 +129,6 @@ class LinearConfig:
     warps: int
     pdl: bool = False
     stages: int = 0  # > 0: the tensor-core kernel (9-64 rows), its K loop this many stages deep
-    prefetch: bool = False  # the tensor-core kernel: its first weight step before the PDL wait
 
 
 def linear_config(M: int, N: int, K: int, gated: bool = False, adds: int = 0) -> LinearConfig | None:
@@ -157,7 +151,7 @@ def linear_config(M: int, N: int, K: int, gated: bool = False, adds: int = 0) ->
         return None
     if not (N * K <= 8 << 20 if M <= 16 else N * K <= 4 << 20 if M <= 32 else N <= 2048 and K <= 1024 and adds):
         return None
-    return LinearConfig(16, min(128, max(16, triton.next_power_of_2(K))), 4, stages=4, prefetch=True)
+    return LinearConfig(16, min(128, max(16, triton.next_power_of_2(K))), 4, stages=4)
 
 
 def linear_supports(x: torch.Tensor, w: torch.Tensor, adds: Sequence[torch.Tensor] = (),
@@ -210,7 +204,7 @@ def linear_with(x: torch.Tensor, w: torch.Tensor, cfg: LinearConfig, adds: Seque
         _linear_dot_kernel[(triton.cdiv(N, cfg.block_n),)](
             x, w, y, a0, a1, g, M, N, K, x.stride(0), w.stride(0), y.stride(0), a0.stride(0), a1.stride(0),
             g.stride(0), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            STAGES=cfg.stages, ADDS=len(adds), GATE=gate is not None, PREFETCH=cfg.prefetch, PDL=cfg.pdl,
+            STAGES=cfg.stages, ADDS=len(adds), GATE=gate is not None, PDL=cfg.pdl,
             INTERPRET=interpreting(), num_warps=cfg.warps, launch_pdl=cfg.pdl)
         return y
     _linear_kernel[(triton.cdiv(N, cfg.block_n),)](
