@@ -48,9 +48,25 @@ class Compiled:
     stack: int  # bytes of stack frame per thread: spills live there
     smem: int  # dynamic shared memory bytes per program
     mma: tuple[int, ...]  # MMA versions used (2: mma.sync, 3: wgmma)
+    loop_loads: int = 0  # global loads inside loops that were not made async copies: a round trip each
 
     def __str__(self) -> str:
-        return f"regs {self.regs}, stack {self.stack} B, smem {self.smem} B, mma v{self.mma}"
+        return (f"regs {self.regs}, stack {self.stack} B, smem {self.smem} B, mma v{self.mma}, "
+                f"{self.loop_loads} synchronous loads in loops")
+
+
+def loop_loads(ttgir: str) -> int:
+    """How many `tt.load`s of `ttgir` sit inside an scf.for body (indentation marks the nesting)."""
+    count, loops = 0, []  # the indentation of each open loop
+    for line in ttgir.splitlines():
+        indent = len(line) - len(line.lstrip())
+        while loops and indent <= loops[-1] and line.strip().startswith("}"):
+            loops.pop()
+        if loops and "= tt.load " in line:
+            count += 1
+        if "scf.for " in line and line.rstrip().endswith("{"):
+            loops.append(indent)
+    return count
 
 
 def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], *, num_warps: int,
@@ -97,4 +113,4 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
                                text=True, check=True).stdout
     field = lambda key: int(re.search(rf"{key}:(\d+)", usage).group(1))  # noqa: E731
     mma = tuple(sorted({int(v) for v in re.findall(r"nvidia_mma<\{versionMajor = (\d)", ck.asm["ttgir"])}))
-    return Compiled(field("REG"), field("STACK"), ck.metadata.shared, mma)
+    return Compiled(field("REG"), field("STACK"), ck.metadata.shared, mma, loop_loads(ck.asm["ttgir"]))

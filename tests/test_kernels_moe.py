@@ -401,7 +401,7 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
     D = I = 1024
     cfg = moe.experts_config(4096, 6, 64, D, I)
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds), bm = cfg.up, cfg.down, cfg.block_m
-    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m)
+    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, SW=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m)
     up = compile_sm90(moe._up_kernel, dict(
         x_ptr="*bf16", w13_ptr="*bf16", s13_ptr="*bf16", w_desc=f"tensordesc<bf16[{ubn}, {ubk}]>", h_ptr="*bf16",
         sorted_ptr="*i32", block_expert_ptr="*i32", table_ptr="*bf16", n=24576, D=D, I=I, num_blocks=300,
@@ -423,7 +423,9 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
 def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
     """DECODE 2's and 3's inline PTX is accepted by ptxas for sm_90a in the MMA tiles (16 and 512 tokens of
     `small`: BM 16, and BM 64 in 8 warps) and the GEMV kernels (1 token), with no spills: the interpreter cannot
-    run it, so this and test_e2m1_ptx_decodes_every_code_and_exponent are what CI checks of it."""
+    run it, so this and test_e2m1_ptx_decodes_every_code_and_exponent are what CI checks of it. Where the
+    exponents come as int32 words (BM 16's K steps of 128 and 256), the MMA loops load nothing synchronously: the
+    pipeliner copies every operand ahead (byte exponents were a memory round trip a K step)."""
     from sm90 import compile_sm90
 
     from k3backend.kernels import moe
@@ -433,26 +435,32 @@ def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
     mx = dict(GPU=True, EVEN_K=True, MX=True, DECODE=decode, TOP_K=6)
     act = dict(inv_beta=0.25, beta=4.0, inv_lam=0.04, lam=25.0)
+    s13, usw = moe._exponent_words(torch.empty(64, 2 * I, D // 32, dtype=torch.uint8), ubk)
+    s2, dsw = moe._exponent_words(torch.empty(64, D, I // 32, dtype=torch.uint8), dbk)
+    assert (usw > 0, dsw > 0) == ((True, True) if tokens == 16 else (False, False)), (usw, dsw)
+    sty = {torch.uint8: "*u8", torch.int32: "*i32"}
     up = compile_sm90(moe._up_kernel, dict(
-        x_ptr="*bf16", w13_ptr="*u8", s13_ptr="*u8", w_desc="*u8", h_ptr="*bf16", sorted_ptr="*i32",
+        x_ptr="*bf16", w13_ptr="*u8", s13_ptr=sty[s13.dtype], w_desc="*u8", h_ptr="*bf16", sorted_ptr="*i32",
         block_expert_ptr="*i32", table_ptr="*fp32", n=96, D=D, I=I, num_blocks=100, stride_xt=D, stride_we=I * D,
-        stride_wn=D // 2, stride_se=I * D // 16, stride_sn=D // 32, stride_hm=I, **act),
-        dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, TMA=False, BLOCK_M=cfg.block_m,
-             BLOCK_N=ubn, BLOCK_K=ubk, GROUP_M=cfg.group_m), num_warps=uw, num_stages=us)
+        stride_wn=D // 2, stride_se=s13.stride(0), stride_sn=s13.stride(1), stride_hm=I, **act),
+        dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, SW=usw, TMA=False,
+             BLOCK_M=cfg.block_m, BLOCK_N=ubn, BLOCK_K=ubk, GROUP_M=cfg.group_m), num_warps=uw, num_stages=us)
     down = compile_sm90(moe._down_kernel, dict(
-        h_ptr="*bf16", w2_ptr="*u8", s2_ptr="*u8", h_desc="*bf16", w_desc="*u8", y_ptr="*bf16",
+        h_ptr="*bf16", w2_ptr="*u8", s2_ptr=sty[s2.dtype], h_desc="*bf16", w_desc="*u8", y_ptr="*bf16",
         weights_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32", n=96, D=D, I=I, num_blocks=100,
-        stride_hm=I, stride_we=D * I // 2, stride_wn=I // 2, stride_se=D * I // 32, stride_sn=I // 32, stride_yn=D,
-        stride_pt=6, stride_pk=1), dict(mx, TMA=False, BLOCK_M=cfg.block_m, BLOCK_N=dbn, BLOCK_K=dbk,
-                                         GROUP_M=cfg.group_m), num_warps=dw, num_stages=ds)
+        stride_hm=I, stride_we=D * I // 2, stride_wn=I // 2, stride_se=s2.stride(0), stride_sn=s2.stride(1),
+        stride_yn=D, stride_pt=6, stride_pk=1), dict(mx, SW=dsw, TMA=False, BLOCK_M=cfg.block_m, BLOCK_N=dbn,
+                                                       BLOCK_K=dbk, GROUP_M=cfg.group_m), num_warps=dw, num_stages=ds)
+    if usw:
+        assert up.loop_loads == 0 and down.loop_loads == 0, f"up: {up}; down: {down}"
     bn, bk, warps, stages = moe.experts_config(1, 6, 64, D, I, mxfp4=True).gemv
-    gemv = compile_sm90(moe._up_gemv_kernel, dict(
+    gemv = {ahead: compile_sm90(moe._up_gemv_kernel, dict(
         x_ptr="*bf16", w13_ptr="*u8", s13_ptr="*u8", h_ptr="*bf16", ids_ptr="*i32", table_ptr="*fp32", n=6, D=D,
         I=I, E=64, stride_xt=D, stride_we=I * D, stride_wn=D // 2, stride_se=I * D // 16, stride_sn=D // 32,
         stride_it=6, stride_ik=1, stride_hm=I, **act),
-        dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, BLOCK_N=bn, BLOCK_K=bk),
-        num_warps=warps, num_stages=stages)
-    for what, c in (("up", up), ("down", down), ("up gemv", gemv)):
+        dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, AHEAD=ahead, BLOCK_N=bn, BLOCK_K=bk),
+        num_warps=warps, num_stages=stages) for ahead in (False, True)}
+    for what, c in (("up", up), ("down", down), ("up gemv", gemv[False]), ("up gemv ahead", gemv[True])):
         assert c.stack == 0 and c.smem <= 227 * 1024, f"{what}: {c}"
 
 
@@ -676,6 +684,71 @@ def check_experts_mxfp4_fold_the_bias_into_scales_up_to_exponent_128():
         moe.experts_with = real
     assert moe.experts_config(5, 3, 7, 96, 64, mxfp4=True).decode == 2
     assert seen == [3, 2], seen
+
+
+def check_experts_mxfp4_exponent_words_equal_exponent_bytes():
+    """Widths in whole 128s hand the MMA tiles their exponents as int32 words (`_exponent_words`, SW > 0): the
+    outputs equal the reference, and bit for bit those of the byte loads (SW 0) on the same tiles: BM 16
+    (decode 2, the bytes' order into the PTX operands) and BM 32 (tl.dot_scaled), and a K step of 256 over
+    K = 384 (two words a step, the last step masked). Shapes that cannot take words keep the bytes."""
+    import dataclasses
+
+    from k3backend.kernels import moe, moe_ref
+    from k3backend.kernels.moe_ref import Activation
+
+    act = Activation(**SITU)
+    s = torch.zeros(3, 8, 12, dtype=torch.uint8)
+    assert moe._exponent_words(s, 256)[1] == 2 and moe._exponent_words(s, 64)[1] == 0
+    assert moe._exponent_words(s[..., :6], 128)[1] == 0 and moe._exponent_words(s[..., 1:5], 128)[1] == 0
+    real = moe._exponent_words
+    for T, D, I, up_bk in [(5, 256, 128, None), (61, 128, 256, None), (5, 384, 128, 256)]:
+        x, weights, ids, w13, s13, w2, s2 = mxfp4_case(T, 7, 3, D, I, seed=960 + T)
+        cfg = moe.experts_config(T, 3, 7, D, I, mxfp4=True)
+        assert cfg.gemv is None and cfg.up[1] >= 128 and cfg.down[1] >= 128, cfg
+        if up_bk:
+            cfg = dataclasses.replace(cfg, up=(cfg.up[0], up_bk, *cfg.up[2:]))
+        seen = []
+        moe._exponent_words = lambda s, bk: seen.append(real(s, bk)[1]) or real(s, bk)
+        try:
+            with poisoned_empty():
+                words = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, cfg, (s13, s2))
+            moe._exponent_words = lambda s, bk: (s, 0)
+            with poisoned_empty():
+                nbytes = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, cfg, (s13, s2))
+        finally:
+            moe._exponent_words = real
+        assert seen == [(up_bk or 128) // 128, 1], seen
+        want = moe_ref.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, act)
+        assert_bf16_close(words, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), f"words T={T}")
+        assert torch.equal(words, nbytes), f"T={T}: words and bytes differ in {(words != nbytes).sum()} elements"
+
+
+def check_experts_gemv_loads_ahead_or_not_alike():
+    """The GEMV kernels with and without AHEAD (stages > 1: a K step's loads before the previous step's FMAs) give
+    the same bits and equal the reference: bf16 and MXFP4 weights, two K steps of 256 with a masked tail in up
+    (D 384) and in down (I 320)."""
+    import dataclasses
+
+    from k3backend.kernels import moe, moe_ref
+    from k3backend.kernels.moe_ref import Activation
+
+    act = Activation(**SITU)
+    T, E, k, D, I = 1, 7, 3, 384, 320
+    base = moe.experts_config(T, k, E, D, I, mxfp4=True)
+    assert base.gemv is not None, base
+    x, weights, ids, w13, s13, w2, s2 = mxfp4_case(T, E, k, D, I, seed=990)
+    _, _, _, b13, b2 = experts_case(T, E, k, D, I, seed=991)
+    for what, w_up, w_down, scales, ref in (
+            ("mxfp4", w13, w2, (s13, s2), lambda: moe_ref.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, act)),
+            ("bf16", b13, b2, None, lambda: moe_ref.experts(x, weights, ids, b13, b2, act))):
+        got = {}
+        for stages in (1, 2):
+            cfg = dataclasses.replace(base, gemv=(16, 256, 4, stages), decode=3 if scales else 0)
+            with poisoned_empty():
+                got[stages] = moe.experts_with(x, weights, ids, w_up, w_down, act, 1.0, cfg, scales)
+        want = ref()
+        assert_bf16_close(got[2], want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), what)
+        assert torch.equal(got[1], got[2]), f"{what}: ahead and not differ in {(got[1] != got[2]).sum()} elements"
 
 
 def run_ptx(text: str, regs: dict) -> dict:

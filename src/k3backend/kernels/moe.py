@@ -65,6 +65,7 @@ _GPU = not triton.knobs.runtime.interpret
 GEMV_ROWS = 24
 GEMV_PER_MATRIX = 2
 TWO_WAVES = 2 * 132  # programs that fill the H200's 132 SMs twice: the tile rules' bound
+GEMV_AHEAD_PROGRAMS = 3 * 132  # one wave of the GEMV kernels that load ahead (3 programs an SM)
 
 
 # ----------------------------------------------------------------------------- scalar math
@@ -340,22 +341,40 @@ def _mx_rows(wt, s, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _exponents(s_ptrs, k_left, EVEN_K: tl.constexpr, SW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step's E8M0 exponents [BN, BK/32] (int32 or uint8). SW > 0: s_ptrs [BN, SW] int32 words of 4
+    exponents: 4-byte loads, which the pipeliner issues as async copies steps ahead (it leaves 1-2-byte loads
+    synchronous, a memory round trip a K step); the bytes come apart by uniform shifts and joins, through which
+    the dot operand's layout still reaches the code loads. SW 0: the bytes. Past K: 127 (scale 1, code 0)."""
+    if SW > 0:
+        if EVEN_K:
+            w = tl.load(s_ptrs)
+        else:
+            w = tl.load(s_ptrs, mask=(tl.arange(0, SW) < k_left // 128)[None, :], other=0x7F7F7F7F)
+        even, odd = tl.join(w & 0xFF, (w >> 16) & 0xFF), tl.join((w >> 8) & 0xFF, (w >> 24) & 0xFF)
+        return tl.join(even, odd).reshape(w.shape[0], 4 * SW)  # [..., j, i]: byte 2j + i
+    elif EVEN_K:
+        return tl.load(s_ptrs)
+    else:
+        return tl.load(s_ptrs, mask=(tl.arange(0, BLOCK_K // 32) < k_left // 32)[None, :], other=127)
+
+
+@triton.jit
 def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-           DECODE: tl.constexpr, BLOCK_K: tl.constexpr):
+           DECODE: tl.constexpr, SW: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + a · (one K step of a weight tile): w_ptrs [BK, BN] in a's dtype, or MXFP4 (w_ptrs [BK/2, BN]
-    codes, s_ptrs [BN, BK/32] exponents) expanded to bf16 in registers: by tl.dot_scaled (DECODE 0,
-    Triton's own e2m1 upcast on Hopper; fast_math: no NaN select, the loader refuses the NaN
+    codes, s_ptrs the exponents as `_exponents` reads them) expanded to bf16 in registers: by tl.dot_scaled
+    (DECODE 0, Triton's own e2m1 upcast on Hopper; fast_math: no NaN select, the loader refuses the NaN
     exponent 255; its bf16 scale flushes exponent byte 0, 2^-127, to zero, which leaves out weights
-    below 2^-124) or by `_mx_expand` (DECODE 1, 2). k_left: K elements left from this step on."""
+    below 2^-124) or by `_mx_expand` (DECODE 1, 2, 3). k_left: K elements left from this step on."""
     if MX:
         if EVEN_K:
             w = tl.load(w_ptrs)
-            s = tl.load(s_ptrs)
         else:
             w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[:, None], other=0)
-            s = tl.load(s_ptrs, mask=(tl.arange(0, BLOCK_K // 32) < k_left // 32)[None, :], other=127)
+        s = _exponents(s_ptrs, k_left, EVEN_K, SW, BLOCK_K)
         if DECODE == 0:
-            return tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc, fast_math=True)
+            return tl.dot_scaled(a, None, "bf16", w, s.to(tl.uint8), "e2m1", acc, fast_math=True)
         else:
             return _mma(a, _mx_expand(w, s, BLOCK_K, DECODE, GPU), acc, GPU)
     else:
@@ -367,16 +386,25 @@ def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constex
 
 
 @triton.jit
-def _w_ptrs(w_ptr, s_ptr, rows, stride_wn, stride_sn, MX: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w_ptrs(w_ptr, s_ptr, rows, stride_wn, stride_sn, MX: tl.constexpr, SW: tl.constexpr, BLOCK_K: tl.constexpr):
     """Pointers of the first K step of weight rows `rows` [BN] (int64): w [BK, BN] (MXFP4: codes
-    [BK/2, BN] and exponents [BN, BK/32]), views of wᵀ; step them by BK (BK/2, BK/32)."""
+    [BK/2, BN] and exponents, `_s_ptrs`), views of wᵀ; step them by BK (BK/2, and SW or BK/32)."""
     if MX:
         w = w_ptr + rows[None, :] * stride_wn + tl.arange(0, BLOCK_K // 2)[:, None]
-        s = s_ptr + rows[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
     else:
         w = w_ptr + rows[None, :] * stride_wn + tl.arange(0, BLOCK_K)[:, None]
-        s = s_ptr
-    return w, s
+    return w, _s_ptrs(s_ptr, rows, stride_sn, MX, SW, BLOCK_K)
+
+
+@triton.jit
+def _s_ptrs(s_ptr, rows, stride_sn, MX: tl.constexpr, SW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first K step's exponents of `rows` [BN, BK/32]: the int32 words that hold them (SW > 0) or bytes."""
+    if not MX:
+        return s_ptr
+    elif SW > 0:
+        return s_ptr + rows[:, None] * stride_sn + tl.arange(0, SW)[None, :]
+    else:
+        return s_ptr + rows[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
 
 
 @triton.jit(do_not_specialize=["n", "num_blocks"])
@@ -384,14 +412,14 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
                stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm, inv_beta, beta, inv_lam, lam,
                TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
                ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-               DECODE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               DECODE: tl.constexpr, SW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
 
     DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
     activation reads the fp32 accumulator (the fused MoE front, §7.6). TABLE (with ROUND_GU, bf16): the
     activation by lookup in `table_ptr` (`_act_table`). MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13
-    their exponents [E, 2I, D/32]. TMA: weight tiles [BN, BK] come through w_desc, w13 viewed [E·2I, D]
+    their exponents [E, 2I, D/32] (SW > 0: as int32 words [E, 2I, D/128], SW a K step). TMA: weight tiles [BN, BK] come through w_desc, w13 viewed [E·2I, D]
     (BN divides I, so a tile never crosses into the next matrix).
     """
     pdl.enter(PDL)
@@ -412,10 +440,10 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    g_ptrs, gs_ptrs = _w_ptrs(w_ptr, s_ptr, (offs_n % I).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)  # w1ᵀ;
+    g_ptrs, gs_ptrs = _w_ptrs(w_ptr, s_ptr, (offs_n % I).to(tl.int64), stride_wn, stride_sn, MX, SW, BLOCK_K)  # w1ᵀ;
     u_ptrs, us_ptrs = g_ptrs + I * stride_wn, gs_ptrs + I * stride_sn  # % I keeps the edge block in bounds
     step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
-    step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
+    step_s: tl.constexpr = (SW if SW > 0 else BLOCK_K // 32) if MX else 0
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
@@ -428,8 +456,8 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
             acc_g = _mma(xa, w_desc.load([w_row, k0 * BLOCK_K]).T, acc_g, GPU)
             acc_u = _mma(xa, w_desc.load([w_row + I, k0 * BLOCK_K]).T, acc_u, GPU)
         else:
-            acc_g = _w_dot(xa, acc_g, g_ptrs, gs_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
-            acc_u = _w_dot(xa, acc_u, u_ptrs, us_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
+            acc_g = _w_dot(xa, acc_g, g_ptrs, gs_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SW, BLOCK_K)
+            acc_u = _w_dot(xa, acc_u, u_ptrs, us_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SW, BLOCK_K)
         x_ptrs += BLOCK_K
         g_ptrs += step_w
         u_ptrs += step_w
@@ -445,10 +473,10 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, n, D, I,
                  num_blocks, stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_yn, stride_pt, stride_pk,
                  TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-                 DECODE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
+                 DECODE: tl.constexpr, SW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[row]·w2ᵀ)) for the rows of one expert block (MX: w2 codes
-    [E, D, I/2], s2 exponents [E, D, I/32]). TMA: h tiles [BM, BK] through h_desc and weight tiles
+    [E, D, I/2], s2 exponents [E, D, I/32], or as int32 words with SW > 0). TMA: h tiles [BM, BK] through h_desc and weight tiles
     [BN, BK] through w_desc, w2 viewed [E·D, I] (BN divides D). A padding row's h was never written:
     its product row is garbage, and never stored."""
     pdl.enter(PDL)
@@ -463,9 +491,9 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
     w_ptrs, s_ptrs = _w_ptrs(w2_ptr + e.to(tl.int64) * stride_we, s2_ptr + e.to(tl.int64) * stride_se,
-                             (offs_n % D).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)  # w2ᵀ
+                             (offs_n % D).to(tl.int64), stride_wn, stride_sn, MX, SW, BLOCK_K)  # w2ᵀ
     step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
-    step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
+    step_s: tl.constexpr = (SW if SW > 0 else BLOCK_K // 32) if MX else 0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         k_left = I - k0 * BLOCK_K
@@ -477,7 +505,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
                 ha = tl.load(h_ptrs, mask=real[:, None], other=0.0)
             else:
                 ha = tl.load(h_ptrs, mask=real[:, None] & (offs_k < k_left)[None, :], other=0.0)
-            acc = _w_dot(ha, acc, w_ptrs, s_ptrs, k_left, GPU, EVEN_K, MX, DECODE, BLOCK_K)
+            acc = _w_dot(ha, acc, w_ptrs, s_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SW, BLOCK_K)
         h_ptrs += BLOCK_K
         w_ptrs += step_w
         s_ptrs += step_s
@@ -498,25 +526,35 @@ def _vec(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv(acc, w_ptrs, s_ptrs, v, k_left, EVEN_K: tl.constexpr, MX: tl.constexpr, DECODE: tl.constexpr,
-          GPU: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BN, BK] + w [BN, BK] · v [BK] elementwise in fp32 (bf16 products, and those of MXFP4 values
-    expanded by `_mx_rows` or `_mx_bf16`, are exact in fp32). MX: w_ptrs [BN, BK/2] codes, s_ptrs [BN, BK/32];
-    DECODE 2 expands through `_mx_bf16`, else `_mx_rows`."""
+def _row_load(w_ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, MX: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of weight rows as stored, for `_gemv`: MXFP4 codes [BN, BK/2] and their exponents
+    (`_exponents`), or w [BN, BK] (twice: no exponents)."""
     if MX:
         if EVEN_K:
-            c, s = tl.load(w_ptrs), tl.load(s_ptrs)
+            c = tl.load(w_ptrs)
         else:
             c = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[None, :], other=0)
-            s = tl.load(s_ptrs, mask=(tl.arange(0, BLOCK_K // 32) < k_left // 32)[None, :], other=127)
+        return c, _exponents(s_ptrs, k_left, EVEN_K, 0, BLOCK_K)
+    else:
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[None, :], other=0.0)
+        return w, w
+
+
+@triton.jit
+def _gemv(acc, c, s, v, MX: tl.constexpr, DECODE: tl.constexpr, GPU: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BN, BK] + w [BN, BK] · v [BK] elementwise in fp32 (bf16 products, and those of MXFP4 values
+    expanded by `_mx_rows` or `_mx_bf16`, are exact in fp32); c, s: `_row_load`'s. DECODE 2 and 3 expand
+    through `_mx_bf16`, else `_mx_rows`."""
+    if MX:
         if DECODE >= 2:
             w = _mx_bf16(c, s, BLOCK_K, DECODE, GPU).to(tl.float32)
         else:
             w = _mx_rows(c, s, BLOCK_K)
-    elif EVEN_K:
-        w = tl.load(w_ptrs).to(tl.float32)
     else:
-        w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[None, :], other=0.0).to(tl.float32)
+        w = c.to(tl.float32)
     return acc + w * v[None, :]
 
 
@@ -526,11 +564,9 @@ def _row_ptrs(w_ptr, s_ptr, rows, stride_wn, stride_sn, MX: tl.constexpr, BLOCK_
     (MXFP4: codes [BN, BK/2] and exponents [BN, BK/32]); step them by BK (BK/2, BK/32)."""
     if MX:
         w = w_ptr + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
-        s = s_ptr + rows[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
     else:
         w = w_ptr + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
-        s = s_ptr
-    return w, s
+    return w, _s_ptrs(s_ptr, rows, stride_sn, MX, 0, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -538,12 +574,13 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
                     stride_se, stride_sn, stride_it, stride_ik, stride_hm, inv_beta, beta, inv_lam, lam,
                     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
                     ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr,
-                    MX: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr):
+                    MX: tl.constexpr, DECODE: tl.constexpr, AHEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """`_up_kernel` for a handful of rows (ExpertsConfig.gemv): one program per (assignment, N block),
     h[a] in assignment order; the weights stream through vector loads and fp32 FMAs instead of MMA
     tiles padded to 16 rows, and no align step runs. Assignments to other ranks' experts do nothing.
-    MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13 their exponents [E, 2I, D/32]."""
+    MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13 their exponents [E, 2I, D/32]. AHEAD: each K step's loads
+    issue before the previous step's FMAs (nothing pipelines loads without a dot), which costs registers."""
     pdl.enter(PDL)
     a = tl.program_id(0)
     if DENSE:
@@ -563,18 +600,28 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
     x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(D, BLOCK_K)):
+    xv = _vec(x_ptrs, D, EVEN_K, BLOCK_K)
+    cg, sg = _row_load(g_ptrs, gs_ptrs, D, EVEN_K, MX, BLOCK_K)
+    cu, su = _row_load(u_ptrs, us_ptrs, D, EVEN_K, MX, BLOCK_K)
+    for k0 in range(1, tl.cdiv(D, BLOCK_K)):
+        if not AHEAD:
+            acc_g = _gemv(acc_g, cg, sg, xv, MX, DECODE, GPU, BLOCK_K)
+            acc_u = _gemv(acc_u, cu, su, xv, MX, DECODE, GPU, BLOCK_K)
         k_left = D - k0 * BLOCK_K
-        xv = _vec(x_ptrs, k_left, EVEN_K, BLOCK_K)
-        acc_g = _gemv(acc_g, g_ptrs, gs_ptrs, xv, k_left, EVEN_K, MX, DECODE, GPU, BLOCK_K)
-        acc_u = _gemv(acc_u, u_ptrs, us_ptrs, xv, k_left, EVEN_K, MX, DECODE, GPU, BLOCK_K)
         x_ptrs += BLOCK_K
         g_ptrs += step_w
         u_ptrs += step_w
         gs_ptrs += step_s
         us_ptrs += step_s
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
+        xn = _vec(x_ptrs, k_left, EVEN_K, BLOCK_K)
+        cgn, sgn = _row_load(g_ptrs, gs_ptrs, k_left, EVEN_K, MX, BLOCK_K)
+        cun, sun = _row_load(u_ptrs, us_ptrs, k_left, EVEN_K, MX, BLOCK_K)
+        if AHEAD:
+            acc_g = _gemv(acc_g, cg, sg, xv, MX, DECODE, GPU, BLOCK_K)
+            acc_u = _gemv(acc_u, cu, su, xv, MX, DECODE, GPU, BLOCK_K)
+        xv, cg, sg, cu, su = xn, cgn, sgn, cun, sun
+    g = tl.sum(_gemv(acc_g, cg, sg, xv, MX, DECODE, GPU, BLOCK_K), axis=1)
+    u = tl.sum(_gemv(acc_u, cu, su, xv, MX, DECODE, GPU, BLOCK_K), axis=1)
     h = _up_epilogue(g, u, table_ptr, inv_beta, beta, inv_lam, lam, h_ptr.dtype.element_ty, ACT, HAS_LAMBDA, ROUND_GU,
                      TABLE, GPU)
     tl.store(h_ptr + a.to(tl.int64) * stride_hm + offs_n, h, mask=offs_n < I)
@@ -584,9 +631,10 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
 def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, I, E, stride_hm, stride_we,
                       stride_wn, stride_se, stride_sn, stride_yn, stride_it, stride_ik, stride_pt, stride_pk,
                       TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-                      DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                      DECODE: tl.constexpr, AHEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[a]·w2ᵀ)) for one assignment (ExpertsConfig.gemv; MX: w2 codes
-    [E, D, I/2], s2 exponents [E, D, I/32])."""
+    [E, D, I/2], s2 exponents [E, D, I/32]); AHEAD as in `_up_gemv_kernel`."""
     pdl.enter(PDL)
     a = tl.program_id(0)
     t, j = a // TOP_K, a % TOP_K
@@ -600,15 +648,22 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, 
     step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
     h_ptrs = h_ptr + a.to(tl.int64) * stride_hm + tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(I, BLOCK_K)):
+    hv = _vec(h_ptrs, I, EVEN_K, BLOCK_K)
+    c, s = _row_load(w_ptrs, s_ptrs, I, EVEN_K, MX, BLOCK_K)
+    for k0 in range(1, tl.cdiv(I, BLOCK_K)):
+        if not AHEAD:
+            acc = _gemv(acc, c, s, hv, MX, DECODE, GPU, BLOCK_K)
         k_left = I - k0 * BLOCK_K
-        acc = _gemv(acc, w_ptrs, s_ptrs, _vec(h_ptrs, k_left, EVEN_K, BLOCK_K), k_left, EVEN_K, MX, DECODE, GPU,
-                    BLOCK_K)
         h_ptrs += BLOCK_K
         w_ptrs += step_w
         s_ptrs += step_s
+        hn = _vec(h_ptrs, k_left, EVEN_K, BLOCK_K)
+        cn, sn = _row_load(w_ptrs, s_ptrs, k_left, EVEN_K, MX, BLOCK_K)
+        if AHEAD:
+            acc = _gemv(acc, c, s, hv, MX, DECODE, GPU, BLOCK_K)
+        hv, c, s = hn, cn, sn
     wt = tl.load(weights_ptr + t * stride_pt + j * stride_pk)
-    y = _round(tl.sum(acc, axis=1) * wt, y_ptr.dtype.element_ty, GPU)
+    y = _round(tl.sum(_gemv(acc, c, s, hv, MX, DECODE, GPU, BLOCK_K), axis=1) * wt, y_ptr.dtype.element_ty, GPU)
     tl.store(y_ptr + a.to(tl.int64) * stride_yn + offs_n, y, mask=offs_n < D)
 
 
@@ -650,7 +705,7 @@ class ExpertsConfig:
     group_m: int = 8
     decode: int = 0
     table: bool = True
-    gemv: tuple[int, int, int, int] | None = None  # BLOCK_N, BLOCK_K, num_warps, num_stages
+    gemv: tuple[int, int, int, int] | None = None  # BLOCK_N, BLOCK_K, num_warps, stages (> 1: AHEAD)
     tma: bool = False  # bf16 weight (and down's h) tiles through TMA descriptors where the shapes allow (`_desc`)
 
 
@@ -661,6 +716,9 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     - m ≤ 16 (decode): weight-streaming. BM 16 (the smallest tl.dot); N split fine (BN 64, or 32 / 16
       when the touched experts alone would not fill 2 waves of 132 SMs) instead of split-K, so the
       activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
+      MXFP4 below 2 rows an expert takes up's K in steps of 256, and down's below 1 row (one H100, `small`,
+      8 layers' weights a graph, µs: 8 / 12 / 16 tokens 51.5 / 57.1 / 59.4 -> 47.1 / 54.2 / 55.7; from 24 on
+      no gain).
     - a few rows (GEMV_ROWS, GEMV_PER_MATRIX): the GEMV kernels, one program per assignment and N block,
       BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens), BN 8 / 4 / 2 where the rows
       alone would give fewer than 2 waves of programs: the shared experts' glu at 1 row had 64 programs
@@ -668,7 +726,11 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       (`small`, MXFP4 experts, graph replays, `_up_gemv_kernel` 10.0 -> 7.3 µs a call), batch 2 2.690 -> 2.566.
       K steps of 1,024 where a program holds at most 4 rows: more of its weights in flight (the shared experts'
       glu at 1 / 2 rows 6.2 / 7.0 -> 4.6 / 5.3 µs, graphs of 48 calls with PDL; 16-row programs would spill).
-      MXFP4 weights take them too (expanded in registers).
+      MXFP4 weights take them too (expanded in registers). Stages 2 (AHEAD): each K step's loads issue
+      before the previous step's FMAs, at 167 registers against 128 (3 programs an SM, not 4): where the grid
+      fits one wave of those or the K loop runs 8 steps or more (one H100, `small`, 8-16 layers' weights a
+      graph, µs: the dense MLP's glu at 1 / 2 rows 26.8 / 29.7 -> 26.5 / 29.1; the routed experts at 2 / 4
+      tokens 21.7 / 35.7 -> 21.9 / 36.3, so stages 1 there); the decode replay at batch 1 took 1.5 % less.
     - many experts (`wide`), m ≤ 40: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages); at 192 /
       320 tokens of `small` 7 / 10 % faster than BN 64, and BM 64 wins from m = 48 (512 tokens: −25 %;
       bench/kernels_moe.py's sweep on the H200).
@@ -713,7 +775,9 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         def bn(N: int) -> int:  # the widest N tile that still gives >= 2 waves of programs
             return next((b for b in (64, 32) if blocks * triton.cdiv(N, b) >= TWO_WAVES), 16)
 
-        bm, up, down = 16, (bn(I), 128, 4, 4), (bn(D), 128, 4, 4)
+        # MXFP4 below 2 rows an expert: up in K steps of 256 (two exponent words), down too below 1 row
+        up_bk, down_bk = (256 if mxfp4 and m <= 2 else 128), (256 if mxfp4 and m < 1 else 128)
+        bm, up, down = 16, (bn(I), up_bk, 4, 4), (bn(D), down_bk, 4, 4)
     elif wide and m <= 40:
         bm, up, down = 32, (128, 64, 4, 4), (128, 128, 4, 3)
     elif m <= (40 if mxfp4 else 64) and not wide:
@@ -727,7 +791,11 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     gemv = None
     if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX:  # rows a program: fewer where 16 would not fill 2 waves
         bn = next((b for b in (16, 8, 4) if T * k * triton.cdiv(I, b) >= TWO_WAVES), 2)
-        gemv = (bn, min(1024 if bn <= 4 else 256, max(16, triton.next_power_of_2(D))), 4, 3)
+        bk = min(1024 if bn <= 4 else 256, max(16, triton.next_power_of_2(D)))
+        # loads a K step ahead (stages 2) where the grid fits one wave at the 3 programs an SM that its registers
+        # allow, or the K loop is long (the dense MLP's 2,048 in steps of 256); else 1 (GEMV_AHEAD_PROGRAMS)
+        ahead = T * k * triton.cdiv(I, bn) <= GEMV_AHEAD_PROGRAMS or triton.cdiv(D, bk) >= 8
+        gemv = (bn, bk, 4, 2 if ahead else 1)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
         bn, bk, warps, stages = tiles  # tiny test sizes: no tile wider than the (padded) matrix
@@ -763,6 +831,16 @@ def _act_table(act: Activation, device: torch.device) -> torch.Tensor | None:
     return _TABLES[key]
 
 
+def _exponent_words(s: torch.Tensor | None, bk: int) -> tuple[torch.Tensor | None, int]:
+    """(exponents to pass, SW): s viewed as int32 words of 4 exponents, SW = BK/128 of them a K step, where
+    K steps hold whole words and the view is legal (K a multiple of 128, strides and offset in whole words:
+    `small`'s and K3's widths, and K3's TP shards of I); else s as bytes, SW 0."""
+    if s is None or bk < 128 or s.shape[-1] % 4 or s.stride(-1) != 1 or s.storage_offset() % 4 \
+            or any(st % 4 for st in s.stride()[:-1]):
+        return s, 0
+    return s.view(torch.int32), bk // 128
+
+
 def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torch.Tensor,
                sorted_ids: torch.Tensor | None, block_expert: torch.Tensor | None, n: int, k: int, act: Activation,
                cfg: ExpertsConfig, *, dense: bool, round_gu: bool, ids: torch.Tensor | None = None) -> None:
@@ -783,7 +861,7 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
             inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
             inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
             HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
-            EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, BLOCK_N=bn, BLOCK_K=bk,
+            EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, AHEAD=stages > 1, BLOCK_N=bn, BLOCK_K=bk,
             **pdl.launch_args(x.device), num_warps=warps,
             num_stages=stages,
         )
@@ -791,6 +869,7 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
     nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
     bn, bk, warps, stages = cfg.up
     w_desc = _desc(w, bn, bk) if cfg.tma and s is None and I % bn == 0 else None
+    s, sw = _exponent_words(s, bk)
     _up_kernel[(nb * triton.cdiv(I, bn),)](
         x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, w_desc=w if w_desc is None else w_desc, h_ptr=h,
         sorted_ptr=x if dense else sorted_ids, block_expert_ptr=x if dense else block_expert,
@@ -800,7 +879,7 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
         inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
         inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
         HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
-        EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, TMA=w_desc is not None, BLOCK_M=cfg.block_m,
+        EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, SW=sw, TMA=w_desc is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
     )
 
@@ -961,7 +1040,8 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
             stride_se=0 if s2 is None else s2.stride(0), stride_sn=0 if s2 is None else s2.stride(1),
             stride_yn=y.stride(0), stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_pt=weights.stride(0),
             stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None,
-            DECODE=cfg.decode, BLOCK_N=bn, BLOCK_K=bk, **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
+            DECODE=cfg.decode, AHEAD=stages > 1, BLOCK_N=bn, BLOCK_K=bk, **pdl.launch_args(x.device),
+            num_warps=warps, num_stages=stages,
         )
         return _sum(y, ids, out, E, scaling, norm)
     sorted_ids, block_expert = _align(ids, E, cfg.block_m)
@@ -971,6 +1051,7 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     _launch_up(x, w13, s13, h, sorted_ids, block_expert, T * k, k, act, cfg, dense=False, round_gu=True)
     bn, bk, warps, stages = cfg.down
     tma = cfg.tma and s2 is None and D % bn == 0
+    s2, sw = _exponent_words(s2, bk)
     h_desc, w_desc = (_desc(h, cfg.block_m, bk), _desc(w2, bn, bk)) if tma else (None, None)
     tma = h_desc is not None and w_desc is not None
     _down_kernel[(nb * triton.cdiv(D, bn),)](
@@ -980,7 +1061,7 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=0 if s2 is None else s2.stride(0),
         stride_sn=0 if s2 is None else s2.stride(1), stride_yn=y.stride(0), stride_pt=weights.stride(0),
         stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
-        TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, **pdl.launch_args(x.device),
+        SW=sw, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, **pdl.launch_args(x.device),
         num_warps=warps, num_stages=stages,
     )
     return _sum(y, ids, out, E, scaling, norm)
