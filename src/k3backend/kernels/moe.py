@@ -730,7 +730,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       before the previous step's FMAs, at 167 registers against 128 (3 programs an SM, not 4): where the grid
       fits one wave of those or the K loop runs 8 steps or more (one H100, `small`, 8-16 layers' weights a
       graph, µs: the dense MLP's glu at 1 / 2 rows 26.8 / 29.7 -> 26.5 / 29.1; the routed experts at 2 / 4
-      tokens 21.7 / 35.7 -> 21.9 / 36.3, so stages 1 there); the decode replay at batch 1 took 1.5 % less.
+      tokens 21.7 / 35.7 -> 21.9 / 36.3, so stages 1 there). With every GEMV loading ahead, decode replays took
+      batch 1 1.895 -> 1.866 ms and batch 4 2.669 -> 2.708 (the engine with this rule is not measured yet).
     - many experts (`wide`), m ≤ 40: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages); at 192 /
       320 tokens of `small` 7 / 10 % faster than BN 64, and BM 64 wins from m = 48 (512 tokens: −25 %;
       bench/kernels_moe.py's sweep on the H200).
