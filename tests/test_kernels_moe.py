@@ -689,8 +689,9 @@ def check_experts_mxfp4_fold_the_bias_into_scales_up_to_exponent_128():
 def check_experts_mxfp4_exponent_words_equal_exponent_bytes():
     """Widths in whole 128s hand the MMA tiles their exponents as int32 words (`_exponent_words`, SW > 0): the
     outputs equal the reference, and bit for bit those of the byte loads (SW 0) on the same tiles: BM 16
-    (decode 2, the bytes' order into the PTX operands) and BM 32 (tl.dot_scaled), and a K step of 256 over
-    K = 384 (two words a step, the last step masked). Shapes that cannot take words keep the bytes."""
+    (decode 2, which the interpreter runs as `_mx_rows`: this checks the words' byte order, not the PTX) and
+    BM 32 (tl.dot_scaled), and a K step of 256 over K = 384 (two words a step, the last step masked). Shapes
+    that cannot take words keep the bytes."""
     import dataclasses
 
     from k3backend.kernels import moe, moe_ref

@@ -398,7 +398,7 @@ def _w_ptrs(w_ptr, s_ptr, rows, stride_wn, stride_sn, MX: tl.constexpr, SW: tl.c
 
 @triton.jit
 def _s_ptrs(s_ptr, rows, stride_sn, MX: tl.constexpr, SW: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The first K step's exponents of `rows` [BN, BK/32]: the int32 words that hold them (SW > 0) or bytes."""
+    """Pointers to the first K step's exponents of `rows`: [BN, SW] int32 words (SW > 0) or [BN, BK/32] bytes."""
     if not MX:
         return s_ptr
     elif SW > 0:
