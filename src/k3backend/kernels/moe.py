@@ -419,8 +419,9 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
     DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
     activation reads the fp32 accumulator (the fused MoE front, §7.6). TABLE (with ROUND_GU, bf16): the
     activation by lookup in `table_ptr` (`_act_table`). MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13
-    their exponents [E, 2I, D/32] (SW > 0: as int32 words [E, 2I, D/128], SW a K step). TMA: weight tiles [BN, BK] come through w_desc, w13 viewed [E·2I, D]
-    (BN divides I, so a tile never crosses into the next matrix).
+    their exponents [E, 2I, D/32] (SW > 0: as int32 words [E, 2I, D/128], SW a K step). TMA: weight tiles
+    [BN, BK] come through w_desc, w13 viewed [E·2I, D] (BN divides I, so a tile never crosses into the next
+    matrix).
     """
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
@@ -476,9 +477,9 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
                  DECODE: tl.constexpr, SW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[row]·w2ᵀ)) for the rows of one expert block (MX: w2 codes
-    [E, D, I/2], s2 exponents [E, D, I/32], or as int32 words with SW > 0). TMA: h tiles [BM, BK] through h_desc and weight tiles
-    [BN, BK] through w_desc, w2 viewed [E·D, I] (BN divides D). A padding row's h was never written:
-    its product row is garbage, and never stored."""
+    [E, D, I/2], s2 exponents [E, D, I/32], or as int32 words with SW > 0). TMA: h tiles [BM, BK] through
+    h_desc and weight tiles [BN, BK] through w_desc, w2 viewed [E·D, I] (BN divides D). A padding row's h was
+    never written: its product row is garbage, and never stored."""
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(D, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
