@@ -1,5 +1,6 @@
 """Compile a @triton.jit kernel for an H100/H200 (sm_90a) on a machine without a GPU, and read what the
-GPU run would get: registers, spill bytes, shared memory, which MMA (v2 mma.sync or v3 wgmma).
+GPU run would get: registers, spill bytes, shared memory, which MMA (v2 mma.sync or v3 wgmma), synchronous loads in
+loops, and the instructions of the largest loop (a GEMM's K step).
 
 `triton.compile` needs no driver for this; ptxas and cuobjdump ship in the triton wheel. The args
 are given as a launch would give them, so the compile sees the same specialisation: a pointer is
@@ -49,10 +50,11 @@ class Compiled:
     smem: int  # dynamic shared memory bytes per program
     mma: tuple[int, ...]  # MMA versions used (2: mma.sync, 3: wgmma)
     loop_loads: int = 0  # global loads inside loops that were not made async copies: a round trip each
+    loop_sass: int = 0  # SASS instructions in the largest loop body: a GEMM's K step, what its warps issue
 
     def __str__(self) -> str:
         return (f"regs {self.regs}, stack {self.stack} B, smem {self.smem} B, mma v{self.mma}, "
-                f"{self.loop_loads} synchronous loads in loops")
+                f"{self.loop_loads} synchronous loads in loops, largest loop {self.loop_sass} SASS instructions")
 
 
 def loop_loads(ttgir: str) -> int:
@@ -67,6 +69,17 @@ def loop_loads(ttgir: str) -> int:
         if "scf.for " in line and line.rstrip().endswith("{"):
             loops.append(indent)
     return count
+
+
+def largest_loop(sass: str) -> int:
+    """Instructions between the target and the source of the longest backward branch of `cuobjdump -sass`."""
+    addrs = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = 0
+    for addr, ins in addrs:
+        t = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", ins)
+        if t and int(t.group(1), 16) < addr:
+            best = max(best, sum(int(t.group(1), 16) <= a <= addr for a, _ in addrs))
+    return best
 
 
 def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], *, num_warps: int,
@@ -111,6 +124,8 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
         cubin.write_bytes(ck.asm["cubin"])
         usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(cubin)], capture_output=True,
                                text=True, check=True).stdout
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     field = lambda key: int(re.search(rf"{key}:(\d+)", usage).group(1))  # noqa: E731
     mma = tuple(sorted({int(v) for v in re.findall(r"nvidia_mma<\{versionMajor = (\d)", ck.asm["ttgir"])}))
-    return Compiled(field("REG"), field("STACK"), ck.metadata.shared, mma, loop_loads(ck.asm["ttgir"]))
+    return Compiled(field("REG"), field("STACK"), ck.metadata.shared, mma, loop_loads(ck.asm["ttgir"]),
+                    largest_loop(sass))

@@ -425,7 +425,8 @@ def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
     `small`: BM 16, and BM 64 in 8 warps) and the GEMV kernels (1 token), with no spills: the interpreter cannot
     run it, so this and test_e2m1_ptx_decodes_every_code_and_exponent are what CI checks of it. Where the
     exponents come as int32 words (BM 16's K steps of 128 and 256), the MMA loops load nothing synchronously: the
-    pipeliner copies every operand ahead (byte exponents were a memory round trip a K step)."""
+    pipeliner copies every operand ahead (byte exponents were a memory round trip a K step), and a K step issues
+    at most 4.6 (up) and 5.3 (down) instructions a weight value and thread."""
     from sm90 import compile_sm90
 
     from k3backend.kernels import moe
@@ -453,6 +454,10 @@ def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
                                                        BLOCK_K=dbk, GROUP_M=cfg.group_m), num_warps=dw, num_stages=ds)
     if usw:
         assert up.loop_loads == 0 and down.loop_loads == 0, f"up: {up}; down: {down}"
+        # the K step's issue cost a weight value a thread: the kernels are issue-bound at BM 16, and the `_halves`
+        # order took it from 5.0 / 5.5 (up / down, decode 3) to 3.9 / 4.6 (decode 2: 4.4 / 5.1)
+        per_value = up.loop_sass * uw * 32 / (2 * ubn * ubk), down.loop_sass * dw * 32 / (dbn * dbk)
+        assert per_value[0] < 4.6 and per_value[1] < 5.3, f"SASS a weight value {per_value}; up: {up}; down: {down}"
     bn, bk, warps, stages = moe.experts_config(1, 6, 64, D, I, mxfp4=True).gemv
     gemv = {ahead: compile_sm90(moe._up_gemv_kernel, dict(
         x_ptr="*bf16", w13_ptr="*u8", s13_ptr="*u8", h_ptr="*bf16", ids_ptr="*i32", table_ptr="*fp32", n=6, D=D,
