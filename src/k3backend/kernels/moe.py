@@ -303,6 +303,22 @@ _E2M1_PTX = tl.constexpr(_e2m1_ptx(True))
 _E2M1_PTX_FOLDED = tl.constexpr(_e2m1_ptx(False))
 
 
+def _e2m1_word_ptx(bias: bool) -> str:
+    """The GEMV kernels' expansion: $9 one int32 word of 8 codes (nibble n = k n; one exponent group), $8 its
+    scale as bf16x2, -> 8 fp32 $0-$7 in the order of `WORD_ORDER`: the same pairs as `_e2m1_ptx` without its
+    byte reorder and scale packing, each bf16x2 then widened (a bf16 is the top half of its fp32)."""
+    out = "{\n.reg .b32 a, b, k, nz, r;\n" + ("mov.b32 k, 0x7E807E80; " if bias else "") + "mov.b32 nz, 0x80008000;\n"
+    for i, (mag, sign) in enumerate((("shl.b32 a, $9, 6;", "shl.b32 b, $9, 12;"), ("shl.b32 a, $9, 2;", "shl.b32 b, $9, 8;"),
+                                     ("shr.u32 a, $9, 2;", "shl.b32 b, $9, 4;"), ("shr.u32 a, $9, 6;", "mov.b32 b, $9;"))):
+        out += _e2m1_pair("r", mag, sign, "$8", bias) + f"shl.b32 ${2 * i}, r, 16;\nand.b32 ${2 * i + 1}, r, 0xFFFF0000;\n"
+    return out + "}"
+
+
+WORD_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # the k (nibble) of each output of `_e2m1_word_ptx`: pairs (n, n + 4)
+_E2M1_WORD_PTX = tl.constexpr(_e2m1_word_ptx(True))
+_E2M1_WORD_PTX_FOLDED = tl.constexpr(_e2m1_word_ptx(False))
+
+
 @triton.jit
 def _halves(v, BLOCK_K: tl.constexpr):
     """[R, BK] -> the same values with each 8 k in the order (0, 2, 4, 6, 1, 3, 5, 7). The MMA tiles expand
@@ -566,13 +582,13 @@ def _vec(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _row_load(w_ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, MX: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K step of weight rows as stored, for `_gemv`: MXFP4 codes [BN, BK/2] and their exponents
-    (`_exponents`), or w [BN, BK] (twice: no exponents)."""
+    """One K step of weight rows as stored, for `_gemv`: MXFP4 codes as int32 words [BN, BK/8] and their
+    exponents (`_exponents`), or w [BN, BK] (twice: no exponents)."""
     if MX:
         if EVEN_K:
             c = tl.load(w_ptrs)
-        else:
-            c = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[None, :], other=0)
+        else:  # K is whole exponent groups, so k_left is whole words
+            c = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 8) < k_left // 8)[None, :], other=0)
         return c, _exponents(s_ptrs, k_left, EVEN_K, 0, BLOCK_K)
     else:
         if EVEN_K:
@@ -584,25 +600,63 @@ def _row_load(w_ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, MX: tl.constexpr, BL
 
 @triton.jit
 def _gemv(acc, c, s, v, MX: tl.constexpr, DECODE: tl.constexpr, GPU: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BN, BK] + w [BN, BK] · v [BK] elementwise in fp32 (bf16 products, and those of MXFP4 values
-    expanded by `_mx_rows` or `_mx_bf16`, are exact in fp32); c, s: `_row_load`'s. DECODE 2 and 3 expand
-    through `_mx_bf16`, else `_mx_rows`."""
+    """acc + w [BN, BK] · v [BK] elementwise in fp32 (bf16 products, and those of MXFP4 values, are exact in
+    fp32); c, s: `_row_load`'s. bf16: acc [BN, BK]. MXFP4: acc [BN, BK/8], each code word's 8 products added
+    to its column (`_mx_words`)."""
     if MX:
-        if DECODE >= 2:
-            w = _mx_bf16(c, s, BLOCK_K, DECODE, GPU, False).to(tl.float32)
-        else:
-            w = _mx_rows(c, s, BLOCK_K)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _mx_words(c, s, BLOCK_K, DECODE, GPU)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _word_split(v, BLOCK_K)
+        acc += w0 * v0[None, :] + w1 * v1[None, :] + w2 * v2[None, :] + w3 * v3[None, :]
+        return acc + (w4 * v4[None, :] + w5 * v5[None, :] + w6 * v6[None, :] + w7 * v7[None, :])
     else:
-        w = c.to(tl.float32)
-    return acc + w * v[None, :]
+        return acc + c.to(tl.float32) * v[None, :]
+
+
+@triton.jit
+def _word_split(v, BLOCK_K: tl.constexpr):
+    """v [BK] -> 8 vectors [BK/8]: v[8j + n] for n in `WORD_ORDER`."""
+    e, o = tl.split(v.reshape(BLOCK_K // 8, 2, 2, 2))  # k = 8j + 4·b2 + 2·b1 + b0: split b0, then b1, then b2
+    e0, e1 = tl.split(e)
+    o0, o1 = tl.split(o)
+    v0, v4 = tl.split(e0)
+    v2, v6 = tl.split(e1)
+    v1, v5 = tl.split(o0)
+    v3, v7 = tl.split(o1)
+    return v0, v4, v1, v5, v2, v6, v3, v7
+
+
+@triton.jit
+def _nibble(c, n: tl.constexpr, sc):
+    """Code n of each word of c, times its scale sc, in fp32 (`_mx_rows`' arithmetic)."""
+    q = ((c >> (4 * n)) & 0xF).to(tl.uint16)
+    bits = (((q & 8) << 12) | ((q & 7) << 9)).to(tl.uint16)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0 * sc
+
+
+@triton.jit
+def _mx_words(c, s, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, GPU: tl.constexpr):
+    """MXFP4 code words c [BN, BK/8] (8 codes each), exponents s [BN, BK/32] -> 8 fp32 [BN, BK/8], the codes of
+    `WORD_ORDER`: by `_E2M1_WORD_PTX` (decode 2, `_FOLDED` 3) on a GPU, else as `_mx_rows` does."""
+    BN: tl.constexpr = c.shape[0]
+    if DECODE >= 2 and GPU:
+        sx2 = (s.to(tl.int32) + (126 if DECODE == 3 else 0)) * 0x800080
+        sw = tl.broadcast_to(sx2[:, :, None], (BN, BLOCK_K // 32, 4)).reshape(BN, BLOCK_K // 8)
+        asm: tl.constexpr = _E2M1_WORD_PTX_FOLDED if DECODE == 3 else _E2M1_WORD_PTX
+        return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [sw, c], dtype=(tl.float32,) * 8,
+                                         is_pure=True, pack=1)
+    else:
+        sc = tl.where(s == 0, 0x00400000, s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s-127)
+        sc = tl.broadcast_to(sc[:, :, None], (BN, BLOCK_K // 32, 4)).reshape(BN, BLOCK_K // 8)
+        return (_nibble(c, 0, sc), _nibble(c, 4, sc), _nibble(c, 1, sc), _nibble(c, 5, sc), _nibble(c, 2, sc),
+                _nibble(c, 6, sc), _nibble(c, 3, sc), _nibble(c, 7, sc))
 
 
 @triton.jit
 def _row_ptrs(w_ptr, s_ptr, rows, stride_wn, stride_sn, MX: tl.constexpr, BLOCK_K: tl.constexpr):
     """Pointers of the first K step of weight rows `rows` [BN] (int64) for the GEMV kernels: w [BN, BK]
-    (MXFP4: codes [BN, BK/2] and exponents [BN, BK/32]); step them by BK (BK/2, BK/32)."""
+    (MXFP4: int32 code words [BN, BK/8] and exponent bytes [BN, BK/32]); step them by BK (BK/8, BK/32)."""
     if MX:
-        w = w_ptr + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
+        w = w_ptr + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
     else:
         w = w_ptr + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     return w, _s_ptrs(s_ptr, rows, stride_sn, MX, 0, BLOCK_K)
@@ -618,8 +672,9 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
     """`_up_kernel` for a handful of rows (ExpertsConfig.gemv): one program per (assignment, N block),
     h[a] in assignment order; the weights stream through vector loads and fp32 FMAs instead of MMA
     tiles padded to 16 rows, and no align step runs. Assignments to other ranks' experts do nothing.
-    MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13 their exponents [E, 2I, D/32]. AHEAD: each K step's loads
-    issue before the previous step's FMAs (nothing pipelines loads without a dot), which costs registers."""
+    MX: w13 holds MXFP4 codes as int32 words [E, 2I, D/8] and s13 their exponents [E, 2I, D/32]. AHEAD: each K
+    step's loads issue before the previous step's FMAs (nothing pipelines loads without a dot), which costs
+    registers."""
     pdl.enter(PDL)
     a = tl.program_id(0)
     if DENSE:
@@ -634,11 +689,12 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     g_ptrs, gs_ptrs = _row_ptrs(w_ptr, s_ptr, (offs_n % I).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)
     u_ptrs, us_ptrs = g_ptrs + I * stride_wn, gs_ptrs + I * stride_sn
-    step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
+    step_w: tl.constexpr = BLOCK_K // 8 if MX else BLOCK_K
     step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
+    ACC_K: tl.constexpr = BLOCK_K // 8 if MX else BLOCK_K  # `_gemv`'s accumulator columns
     x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
     xv = _vec(x_ptrs, D, EVEN_K, BLOCK_K)
     cg, sg = _row_load(g_ptrs, gs_ptrs, D, EVEN_K, MX, BLOCK_K)
     cu, su = _row_load(u_ptrs, us_ptrs, D, EVEN_K, MX, BLOCK_K)
@@ -672,8 +728,8 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, 
                       TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
                       DECODE: tl.constexpr, AHEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       PDL: tl.constexpr):
-    """y[a, n-block] = bf(w_a · fp32(h[a]·w2ᵀ)) for one assignment (ExpertsConfig.gemv; MX: w2 codes
-    [E, D, I/2], s2 exponents [E, D, I/32]); AHEAD as in `_up_gemv_kernel`."""
+    """y[a, n-block] = bf(w_a · fp32(h[a]·w2ᵀ)) for one assignment (ExpertsConfig.gemv; MX: w2 codes as int32
+    words [E, D, I/8], s2 exponents [E, D, I/32]); AHEAD as in `_up_gemv_kernel`."""
     pdl.enter(PDL)
     a = tl.program_id(0)
     t, j = a // TOP_K, a % TOP_K
@@ -683,10 +739,11 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, 
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_ptrs, s_ptrs = _row_ptrs(w2_ptr + e.to(tl.int64) * stride_we, s2_ptr + e.to(tl.int64) * stride_se,
                                (offs_n % D).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)
-    step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
+    step_w: tl.constexpr = BLOCK_K // 8 if MX else BLOCK_K
     step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
+    ACC_K: tl.constexpr = BLOCK_K // 8 if MX else BLOCK_K  # `_gemv`'s accumulator columns
     h_ptrs = h_ptr + a.to(tl.int64) * stride_hm + tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
     hv = _vec(h_ptrs, I, EVEN_K, BLOCK_K)
     c, s = _row_load(w_ptrs, s_ptrs, I, EVEN_K, MX, BLOCK_K)
     for k0 in range(1, tl.cdiv(I, BLOCK_K)):
@@ -871,6 +928,14 @@ def _act_table(act: Activation, device: torch.device) -> torch.Tensor | None:
     return _TABLES[key]
 
 
+def _code_words(w: torch.Tensor) -> torch.Tensor | None:
+    """MXFP4 codes viewed as int32 words of 8 codes for the GEMV kernels, or None where the view is not legal
+    (a row of whole exponent groups is whole words; an odd view's strides or offset may not be)."""
+    if w.shape[-1] % 4 or w.stride(-1) != 1 or w.storage_offset() % 4 or any(st % 4 for st in w.stride()[:-1]):
+        return None
+    return w.view(torch.int32)
+
+
 def _exponent_words(s: torch.Tensor | None, bk: int) -> tuple[torch.Tensor | None, int]:
     """(exponents to pass, SW): s viewed as int32 words of 4 exponents, SW = BK/128 of them a K step, where
     K steps hold whole words and the view is legal (K a multiple of 128, strides and offset in whole words:
@@ -892,6 +957,7 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
     table = _act_table(act, x.device) if cfg.table and round_gu and h.dtype == torch.bfloat16 else None
     if cfg.gemv is not None:
         bn, bk, warps, stages = cfg.gemv
+        w = w if s is None else _code_words(w)
         _up_gemv_kernel[(n, triton.cdiv(I, bn))](
             x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, h_ptr=h, ids_ptr=x if dense else ids,
             table_ptr=h if table is None else table, n=n, D=D, I=I, E=1 if dense else w.shape[0],
@@ -1069,8 +1135,11 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0 or k == 0:
         return out.zero_()  # the norm of a zero row is zero
+    if cfg.gemv is not None and s13 is not None and (_code_words(w13) is None or _code_words(w2) is None):
+        cfg = replace(cfg, gemv=None)  # the GEMV kernels read MXFP4 codes as words
     if cfg.gemv is not None:  # a few rows: assignment order, no align step
         h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+        w2 = w2 if s2 is None else _code_words(w2)
         y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
         _launch_up(x, w13, s13, h, None, None, T * k, k, act, cfg, dense=False, round_gu=True, ids=ids)
         bn, bk, warps, stages = cfg.gemv
