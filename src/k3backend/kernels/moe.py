@@ -360,16 +360,26 @@ def _mx_bf16(wt, s, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, GPU: tl.constex
 
 
 @triton.jit
+def _e2m1(q):
+    """E2M1 codes (0..15) -> fp32 values: fp16 bit patterns (value · 2^-14; the 0.5 code is an fp16 subnormal,
+    which conversions keep), then · 2^14: exact."""
+    q = q.to(tl.uint16)
+    bits = (((q & 8) << 12) | ((q & 7) << 9)).to(tl.uint16)  # (the shifts may have promoted q to int32)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _e8m0(s):
+    """E8M0 exponents -> fp32 scales 2^(s-127), exactly (s = 0 is the subnormal 2^-127)."""
+    return tl.where(s == 0, 0x00400000, s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mx_rows(wt, s, BLOCK_K: tl.constexpr):
-    """MXFP4 rows -> fp32 [BN, BK] in k order: wt [BN, BK/2] codes, s [BN, BK/32] exponents. E2M1 codes become
-    fp16 bit patterns (value · 2^-14; the 0.5 code is an fp16 subnormal, which conversions keep), then
-    fp32 · 2^14 · 2^(s-127): exact."""
+    """MXFP4 rows -> fp32 [BN, BK] in k order, exactly: wt [BN, BK/2] codes, s [BN, BK/32] exponents."""
     BN: tl.constexpr = wt.shape[0]
-    c = tl.join(wt & 0xF, wt >> 4).reshape(BN, BLOCK_K).to(tl.uint16)  # [BN, BK], k interleaved
-    bits = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.uint16)  # (the shifts may have promoted c to int32)
-    v = bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
-    sc = tl.where(s == 0, 0x00400000, s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s-127)
-    return (v.reshape(BN, BLOCK_K // 32, 32) * sc[:, :, None]).reshape(BN, BLOCK_K)
+    v = _e2m1(tl.join(wt & 0xF, wt >> 4).reshape(BN, BLOCK_K))  # [BN, BK], k interleaved
+    return (v.reshape(BN, BLOCK_K // 32, 32) * _e8m0(s)[:, :, None]).reshape(BN, BLOCK_K)
 
 
 @triton.jit
@@ -627,16 +637,14 @@ def _word_split(v, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _nibble(c, n: tl.constexpr, sc):
-    """Code n of each word of c, times its scale sc, in fp32 (`_mx_rows`' arithmetic)."""
-    q = ((c >> (4 * n)) & 0xF).to(tl.uint16)
-    bits = (((q & 8) << 12) | ((q & 7) << 9)).to(tl.uint16)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0 * sc
+    """Code n of each word of c, times its scale sc, in fp32."""
+    return _e2m1((c >> (4 * n)) & 0xF) * sc
 
 
 @triton.jit
 def _mx_words(c, s, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, GPU: tl.constexpr):
     """MXFP4 code words c [BN, BK/8] (8 codes each), exponents s [BN, BK/32] -> 8 fp32 [BN, BK/8], the codes of
-    `WORD_ORDER`: by `_E2M1_WORD_PTX` (decode 2, `_FOLDED` 3) on a GPU, else as `_mx_rows` does."""
+    `WORD_ORDER`: by `_E2M1_WORD_PTX` (decode 2, `_FOLDED` 3) on a GPU, else by `_e2m1` and `_e8m0`."""
     BN: tl.constexpr = c.shape[0]
     if DECODE >= 2 and GPU:
         sx2 = (s.to(tl.int32) + (126 if DECODE == 3 else 0)) * 0x800080
@@ -645,8 +653,7 @@ def _mx_words(c, s, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, GPU: tl.constex
         return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [sw, c], dtype=(tl.float32,) * 8,
                                          is_pure=True, pack=1)
     else:
-        sc = tl.where(s == 0, 0x00400000, s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s-127)
-        sc = tl.broadcast_to(sc[:, :, None], (BN, BLOCK_K // 32, 4)).reshape(BN, BLOCK_K // 8)
+        sc = tl.broadcast_to(_e8m0(s)[:, :, None], (BN, BLOCK_K // 32, 4)).reshape(BN, BLOCK_K // 8)
         return (_nibble(c, 0, sc), _nibble(c, 4, sc), _nibble(c, 1, sc), _nibble(c, 5, sc), _nibble(c, 2, sc),
                 _nibble(c, 6, sc), _nibble(c, 3, sc), _nibble(c, 7, sc))
 
