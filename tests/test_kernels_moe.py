@@ -674,6 +674,29 @@ def check_experts_mxfp4_ptx_expansion_equals_reference():
         assert_bf16_close(got, want, scale, f"mxfp4 PTX expansion T={T}")
 
 
+def check_experts_mxfp4_codes_off_word_boundaries_take_the_mma_tiles():
+    """The GEMV kernels read codes as int32 words (`_code_words`); codes that cannot be viewed so (here views 2
+    bytes into a wider buffer) run the MMA tiles instead, at a token count that takes the GEMV, and equal the
+    reference."""
+    from k3backend.kernels import moe
+    from k3backend.kernels.moe_ref import Activation
+
+    x, weights, ids, w13, s13, w2, s2 = mxfp4_case(1, 7, 3, 96, 64, seed=960)
+    assert moe.experts_mxfp4_config(1, 3, 7, 96, 64, s13, s2).gemv is not None
+    odd13 = torch.zeros(*w13.shape[:-1], w13.shape[-1] + 4, dtype=torch.uint8)[..., 2:-2]
+    odd2 = torch.zeros(*w2.shape[:-1], w2.shape[-1] + 4, dtype=torch.uint8)[..., 2:-2]
+    odd13.copy_(w13), odd2.copy_(w2)
+    assert moe._code_words(w13) is not None and moe._code_words(odd13) is None and moe._code_words(odd2) is None
+    seen, real = [], moe._up_kernel.run
+    moe._up_kernel.run = lambda *a, **kw: seen.append(kw.get("BLOCK_M")) or real(*a, **kw)
+    try:
+        got, want, scale = experts_mxfp4_both(x, weights, ids, odd13, s13, odd2, s2, Activation(**SITU))
+    finally:
+        moe._up_kernel.run = real
+    assert seen == [16], seen  # the MMA tiles ran
+    assert_bf16_close(got, want, scale, "codes off word boundaries")
+
+
 def check_experts_mxfp4_fold_the_bias_into_scales_up_to_exponent_128():
     """experts_mxfp4 runs decode 3 (`_E2M1_PTX_FOLDED`) where experts_config picks 2 and every exponent is
     <= 128, and decode 2 once an in-place change puts one above (`_max_exponent` keeps the maximum with the

@@ -308,9 +308,11 @@ def _e2m1_word_ptx(bias: bool) -> str:
     scale as bf16x2, -> 8 fp32 $0-$7 in the order of `WORD_ORDER`: the same pairs as `_e2m1_ptx` without its
     byte reorder and scale packing, each bf16x2 then widened (a bf16 is the top half of its fp32)."""
     out = "{\n.reg .b32 a, b, k, nz, r;\n" + ("mov.b32 k, 0x7E807E80; " if bias else "") + "mov.b32 nz, 0x80008000;\n"
-    for i, (mag, sign) in enumerate((("shl.b32 a, $9, 6;", "shl.b32 b, $9, 12;"), ("shl.b32 a, $9, 2;", "shl.b32 b, $9, 8;"),
-                                     ("shr.u32 a, $9, 2;", "shl.b32 b, $9, 4;"), ("shr.u32 a, $9, 6;", "mov.b32 b, $9;"))):
-        out += _e2m1_pair("r", mag, sign, "$8", bias) + f"shl.b32 ${2 * i}, r, 16;\nand.b32 ${2 * i + 1}, r, 0xFFFF0000;\n"
+    pairs = (("shl.b32 a, $9, 6;", "shl.b32 b, $9, 12;"), ("shl.b32 a, $9, 2;", "shl.b32 b, $9, 8;"),
+             ("shr.u32 a, $9, 2;", "shl.b32 b, $9, 4;"), ("shr.u32 a, $9, 6;", "mov.b32 b, $9;"))  # nibbles (n, n + 4)
+    for i, (mag, sign) in enumerate(pairs):
+        out += _e2m1_pair("r", mag, sign, "$8", bias)
+        out += f"shl.b32 ${2 * i}, r, 16;\nand.b32 ${2 * i + 1}, r, 0xFFFF0000;\n"  # widen: low half, high half
     return out + "}"
 
 
