@@ -328,8 +328,8 @@ def _halves(v, BLOCK_K: tl.constexpr):
     nibbles) and give the activations the same order, so the dot's sum is unchanged; in this order each
     expanded bf16x2 register of the PTX is one operand register of the MMA as it stands (k order makes
     PRMTs repack them), and the activation's fragments come out of the permute as the MMA's register quads
-    (k order copies them by IMAD.MOVs before each MMA). sm_90a, BM 16, decode 3: a K step of the up loop
-    664 -> 514 SASS instructions, down 355 -> 297 (BK 128)."""
+    (k order copies them by IMAD.MOVs before each MMA). sm_90a, decode 3, BK 128: a K step of the up loop
+    664 -> 514 SASS instructions at BM 16 and 771 -> 596 at BM 32, down 355 -> 297 and 460 -> 370."""
     R: tl.constexpr = v.shape[0]
     return tl.permute(v.reshape(R, BLOCK_K // 8, 4, 2), (0, 1, 3, 2)).reshape(R, BLOCK_K)
 
@@ -405,10 +405,13 @@ def _exponents(s_ptrs, k_left, EVEN_K: tl.constexpr, SW: tl.constexpr, BLOCK_K: 
 
 @triton.constexpr_function
 def _halves_for(MX: tl.constexpr, DECODE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Whether a K step runs in `_halves` order: MXFP4 expanded by hand into mma.sync tiles (BM < 64). The
-    wgmma tiles take their weight operand from shared memory, where the order saves nothing, and their
-    activations would have to leave it (sm_90a, BM 64: 2-byte loads, 125 -> 161 registers)."""
-    return MX and DECODE > 0 and BLOCK_M < 64
+    """Whether a K step runs in `_halves` order: MXFP4 expanded by hand in the BM 32 tiles. One H100, `small`
+    (bench/kernels_mxfp4.py, µs, k order -> halves, 2026-12-06): BM 32 at 256 tokens 117 -> 111 (decode 3), ahead
+    of tl.dot_scaled's 116; BM 16, with 23 % fewer instructions a K step, not faster (decode 3: 16 tokens 59 ->
+    61, 64 tokens 70 -> 70), as those tiles wait on memory rather than issue. The wgmma tiles (BM >= 64) take
+    their weight operand from shared memory, where the order saves nothing, and their activations would have
+    to leave it (sm_90a, BM 64: 2-byte loads, 125 -> 161 registers)."""
+    return MX and DECODE > 0 and BLOCK_M == 32
 
 
 @triton.jit
@@ -831,12 +834,13 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       (`small`, MXFP4 experts, graph replays, `_up_gemv_kernel` 10.0 -> 7.3 µs a call), batch 2 2.690 -> 2.566.
       K steps of 1,024 where a program holds at most 4 rows: more of its weights in flight (the shared experts'
       glu at 1 / 2 rows 6.2 / 7.0 -> 4.6 / 5.3 µs, graphs of 48 calls with PDL; 16-row programs would spill).
-      MXFP4 weights take them too (expanded in registers). Stages 2 (AHEAD): each K step's loads issue
-      before the previous step's FMAs, at 167 registers against 128 (3 programs an SM, not 4): where the grid
-      fits one wave of those or the K loop runs 8 steps or more (one H100, `small`, 8-16 layers' weights a
-      graph, µs: the dense MLP's glu at 1 / 2 rows 26.8 / 29.7 -> 26.5 / 29.1; the routed experts at 2 / 4
-      tokens 21.7 / 35.7 -> 21.9 / 36.3, so stages 1 there). With every GEMV loading ahead, decode replays took
-      batch 1 1.895 -> 1.866 ms and batch 4 2.669 -> 2.708 (the engine with this rule is not measured yet).
+      MXFP4 weights take them too, their codes read as int32 words of 8 and expanded in registers (`_mx_words`; one
+      H100, `small`: 1 / 4 tokens 15 / 36 -> 12 / 27 µs against byte tiles). Stages 2 (AHEAD): each K step's loads issue
+      before the previous step's FMAs, at 167 registers against 128 (3 programs an SM, not 4): where the grid fits one
+      wave of those or the K loop runs 8 steps or more (one H100, `small`, 8-16 layers' weights a graph, µs: the dense
+      MLP's glu at 1 / 2 rows 26.8 / 29.7 -> 26.5 / 29.1; the routed experts at 2 / 4 tokens 21.7 / 35.7 -> 21.9 / 36.3,
+      so stages 1 there). With every GEMV loading ahead, decode replays took batch 1 1.895 -> 1.866 ms and batch 4 2.669
+      -> 2.708 (the engine with this rule is not measured yet).
     - many experts (`wide`), m ≤ 40: BM 32 with BN 128 (up BK 64, down BK 128 in 3 stages); at 192 /
       320 tokens of `small` 7 / 10 % faster than BN 64, and BM 64 wins from m = 48 (512 tokens: −25 %;
       bench/kernels_moe.py's sweep on the H200).
@@ -853,20 +857,20 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       1.415 ms against 0.448 / 0.807 / 1.510 with pointer loads (363 / 406 / 437 TFLOP/s), and the same at
       512-1,024 tokens; a 4,096-token prefill graph 0.5 ms less.
     Shared memory per stage (bf16): up (BM + 2·BN)·BK·2, down (BM + BN)·BK·2, all ≤ 192 KB of 228.
-    mxfp4: the same tiles but never `wide` (a weight tile is a quarter of the bytes), BK at least 64 (two
-    exponent groups), 3 stages up to BM 32. Expansion (`decode`): the PTX bit placement (2), except
-    tl.dot_scaled (0) at BM 32. H200, `small`, µs, d2 against d0 (bench/kernels_mxfp4.py, 2026-12-04): GEMV 1
-    token 15 (d1 18), 2 tokens 21 (d1 28); BM 16 at 4 / 16 / 64 tokens 39 / 71 / 78 against 45 / 85 / 91; BM 32
-    at 256 tokens 130 against 116; BM 64 at 1,024 229 against 266; BM 128 at 8,192 1,161 against 1,270. (The
-    byte-table expansion that decode 2 was before: 41 / 78 / 87 at 4 / 16 / 64 tokens, 239 and 1,218 at
-    1,024 and 8,192, same run.) experts_mxfp4_config takes decode 3 for 2 where the exponents allow (2026-12-05,
-    µs, d2 against d3: GEMV 1 token 15.7 / 15.0; BM 16 at 4 / 32 / 64 / 128 tokens 34.3 / 75.6 / 75.7 / 88.8
-    against 33.7 / 73.3 / 72.0 / 84.5, 16 tokens 62.8 / 63.5; at BM 32 d3 is 9 % slower than d0). MXFP4 leaves
-    BM 32 above m = 40, as bf16 does where it is `wide`: on an H100 (2026-12-05), 512 tokens (m = 48) took 181 µs
-    in BM 32 with d0 and 158 in BM 64 with d3 (bf16: 177), while at 256 BM 32 with d0 stayed the fastest (113
-    against 137 in BM 64 with d3). Its BM 64 tiles run 8 warps: 448 / 512 tokens 147 / 146 µs against 157 / 160
-    with 4 (H100, bench/kernels_mxfp4.py --sweep, 2026-12-05; BM 32 with d0 stayed ahead at 320 / 384, 129 / 147
-    against 133 / 152).
+    mxfp4: the same tiles but never `wide` (a weight tile is a quarter of the bytes), BK at least 64 (two exponent
+    groups), 3 stages up to BM 32. Expansion (`decode`): the PTX bit placement (2). Until 2026-12-06 BM 32 took
+    tl.dot_scaled (0), 9 % faster than the PTX in k order; in `_halves` order (`_halves_for`) the PTX took 111 µs at 256
+    tokens against tl.dot_scaled's 116 (one H100, `small`). H200, `small`, µs, d2 against d0 (bench/kernels_mxfp4.py,
+    2026-12-04): GEMV 1 token 15 (d1 18), 2 tokens 21 (d1 28); BM 16 at 4 / 16 / 64 tokens 39 / 71 / 78 against 45 / 85
+    / 91; BM 32 at 256 tokens 130 against 116; BM 64 at 1,024 229 against 266; BM 128 at 8,192 1,161 against 1,270. (The
+    byte-table expansion that decode 2 was before: 41 / 78 / 87 at 4 / 16 / 64 tokens, 239 and 1,218 at 1,024 and 8,192,
+    same run.) experts_mxfp4_config takes decode 3 for 2 where the exponents allow (2026-12-05, µs, d2 against d3: GEMV
+    1 token 15.7 / 15.0; BM 16 at 4 / 32 / 64 / 128 tokens 34.3 / 75.6 / 75.7 / 88.8 against 33.7 / 73.3 / 72.0 / 84.5,
+    16 tokens 62.8 / 63.5; at BM 32 d3 is 9 % slower than d0). MXFP4 leaves BM 32 above m = 40, as bf16 does where it is
+    `wide`: on an H100 (2026-12-05), 512 tokens (m = 48) took 181 µs in BM 32 with d0 and 158 in BM 64 with d3 (bf16:
+    177), while at 256 BM 32 with d0 stayed the fastest (113 against 137 in BM 64 with d3). Its BM 64 tiles run 8 warps:
+    448 / 512 tokens 147 / 146 µs against 157 / 160 with 4 (H100, bench/kernels_mxfp4.py --sweep, 2026-12-05; BM 32 with
+    d0 stayed ahead at 320 / 384, 129 / 147 against 133 / 152).
     """
     m = T * k / max(E, 1)
     # the experts hit fill 2 waves of BN-128 tiles (bf16: MXFP4 was not measured with them)
@@ -910,7 +914,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
             stages = 3  # 86 vs 89 us at 16 tokens, 91 vs 95 at 64, 130 vs 142 at 320)
         return min(bn, max(16, triton.next_power_of_2(N))), max(64, bk) if mxfp4 else bk, warps, stages
 
-    decode = (0 if bm == 32 else 2) if mxfp4 else 0
+    decode = 2 if mxfp4 else 0
     return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=decode, gemv=gemv,
                          tma=bm >= 64 and not mxfp4)
 
