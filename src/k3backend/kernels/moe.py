@@ -323,9 +323,9 @@ _E2M1_WORD_PTX_FOLDED = tl.constexpr(_e2m1_word_ptx(False))
 
 @triton.jit
 def _halves(v, BLOCK_K: tl.constexpr):
-    """[R, BK] -> the same values with each 8 k in the order (0, 2, 4, 6, 1, 3, 5, 7). The MMA tiles expand
-    MXFP4 codes in this order (`_mx_bf16` with HALVES: the low nibbles of 4 code bytes, then their high
-    nibbles) and give the activations the same order, so the dot's sum is unchanged; in this order each
+    """[R, BK] -> the same values with each 8 k in the order (0, 2, 4, 6, 1, 3, 5, 7). The tiles `_halves_for`
+    names expand MXFP4 codes in this order (`_mx_bf16` with HALVES: the low nibbles of 4 code bytes, then their
+    high nibbles) and give the activations the same order, so the dot's sum is unchanged; in this order each
     expanded bf16x2 register of the PTX is one operand register of the MMA as it stands (k order makes
     PRMTs repack them), and the activation's fragments come out of the permute as the MMA's register quads
     (k order copies them by IMAD.MOVs before each MMA). sm_90a, decode 3, BK 128: a K step of the up loop
