@@ -657,8 +657,9 @@ def check_experts_mxfp4_hand_expansion_equals_reference():
     from k3backend.kernels.moe_ref import Activation
 
     for T, D, I, act in [(5, 96, 64, Activation(**SITU)), (61, 64, 96, Activation("silu"))]:
+        case = mxfp4_case(T, 7, 3, D, I, seed=900 + T)
         for decode in (1, 0):
-            got, want, scale = experts_mxfp4_both(*mxfp4_case(T, 7, 3, D, I, seed=900 + T), act, decode=decode)
+            got, want, scale = experts_mxfp4_both(*case, act, decode=decode)
             assert_bf16_close(got, want, scale, f"mxfp4 expansion {decode} T={T}")
 
 
@@ -683,7 +684,8 @@ def check_experts_mxfp4_codes_off_word_boundaries_take_the_mma_tiles():
     assert moe.experts_mxfp4_config(1, 3, 7, 96, 64, s13, s2).gemv is not None
     odd13 = torch.zeros(*w13.shape[:-1], w13.shape[-1] + 4, dtype=torch.uint8)[..., 2:-2]
     odd2 = torch.zeros(*w2.shape[:-1], w2.shape[-1] + 4, dtype=torch.uint8)[..., 2:-2]
-    odd13.copy_(w13), odd2.copy_(w2)
+    odd13.copy_(w13)
+    odd2.copy_(w2)
     assert moe._code_words(w13) is not None and moe._code_words(odd13) is None and moe._code_words(odd2) is None
     seen, real = [], moe._up_kernel.run
     moe._up_kernel.run = lambda *a, **kw: seen.append(kw.get("BLOCK_M")) or real(*a, **kw)
@@ -720,8 +722,8 @@ def check_experts_mxfp4_exponent_words_equal_exponent_bytes():
     """Widths in whole 128s hand the MMA tiles their exponents as int32 words (`_exponent_words`, SW > 0): the
     outputs equal the reference, and bit for bit those of the byte loads (SW 0) on the same tiles: BM 16
     (decode 2, which the interpreter runs as `_mx_rows`: this checks the words' byte order, not the PTX) and
-    BM 32 (decode 2 in `_halves` order), and a K step of 256 over K = 384 (two words a step, the last step masked). Shapes
-    that cannot take words keep the bytes."""
+    BM 32 (decode 2 in `_halves` order), and a K step of 256 over K = 384 (two words a step, the last step
+    masked). Shapes that cannot take words keep the bytes."""
     import dataclasses
 
     from k3backend.kernels import moe, moe_ref

@@ -963,14 +963,13 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
                sorted_ids: torch.Tensor | None, block_expert: torch.Tensor | None, n: int, k: int, act: Activation,
                cfg: ExpertsConfig, *, dense: bool, round_gu: bool, ids: torch.Tensor | None = None) -> None:
     """The gate-up GEMM + activation over n rows: sorted expert blocks, or (dense) x's rows against one w,
-    or (cfg.gemv) the n assignments of `ids` in order. s: the MXFP4 exponents of w (then w holds codes),
-    or None for weights in x's dtype."""
+    or (cfg.gemv) the n assignments of `ids` in order. s: the MXFP4 exponents of w (then w holds codes, as
+    `_code_words` for the GEMV kernels), or None for weights in x's dtype."""
     D, I = x.shape[1], w.shape[-2] // 2
     situ, lam = act.kind == "situ", act.linear_beta
     table = _act_table(act, x.device) if cfg.table and round_gu and h.dtype == torch.bfloat16 else None
     if cfg.gemv is not None:
         bn, bk, warps, stages = cfg.gemv
-        w = w if s is None else _code_words(w)
         _up_gemv_kernel[(n, triton.cdiv(I, bn))](
             x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, h_ptr=h, ids_ptr=x if dense else ids,
             table_ptr=h if table is None else table, n=n, D=D, I=I, E=1 if dense else w.shape[0],
@@ -1148,11 +1147,14 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0 or k == 0:
         return out.zero_()  # the norm of a zero row is zero
-    if cfg.gemv is not None and s13 is not None and (_code_words(w13) is None or _code_words(w2) is None):
-        cfg = replace(cfg, gemv=None)  # the GEMV kernels read MXFP4 codes as words
+    if cfg.gemv is not None and s13 is not None:  # the GEMV kernels read MXFP4 codes as int32 words
+        words = _code_words(w13), _code_words(w2)
+        if None in words:
+            cfg = replace(cfg, gemv=None)
+        else:
+            w13, w2 = words
     if cfg.gemv is not None:  # a few rows: assignment order, no align step
         h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
-        w2 = w2 if s2 is None else _code_words(w2)
         y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
         _launch_up(x, w13, s13, h, None, None, T * k, k, act, cfg, dense=False, round_gu=True, ids=ids)
         bn, bk, warps, stages = cfg.gemv
