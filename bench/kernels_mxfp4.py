@@ -131,9 +131,10 @@ def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list
         gemv = chosen.gemv or moe.experts_config(T, s.k, s.E, s.D, s.I).gemv  # where either rule takes them
         variants = [dataclasses.replace(chosen, gemv=None, decode=d) for d in (0, 1, 2, 3)]
         variants += [dataclasses.replace(chosen, gemv=gemv, decode=d) for d in (1, 2, 3)] if gemv else []
+        variants += [dataclasses.replace(chosen, fragments=False)] if chosen.fragments else []  # moe.py's tiles
         for cfg in [chosen] + [v for v in variants if _math(v) != _math(chosen)]:
             shape = f"T{T} hit{hit}/{s.E} " + (f"gemv{cfg.gemv[:2]}" if cfg.gemv else f"BM{cfg.block_m}") + \
-                f" d{cfg.decode}"
+                (" frag" if cfg.fragments and not cfg.gemv and cfg.decode >= 2 else "") + f" d{cfg.decode}"
             try:
                 status = check(layer, (x, w, ids), cfg) if do_check else ""
             except AssertionError as e:

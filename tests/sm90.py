@@ -111,7 +111,12 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
             signature[name] = "i32" if -2**31 <= v < 2**31 else "i64"
             if v % 16 == 0 and name not in dns:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    if getattr(kernel, "is_gluon", lambda: False)():  # a Gluon kernel (kernels/moe_fragments.py)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    else:
+        src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": enable_fp_fusion}
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     if constexprs.get("PDL"):

@@ -894,6 +894,113 @@ def test_e2m1_word_ptx_decodes_every_code_and_exponent(folded):
                                f"exponent {e[bad[0]].item()}: {got[bad[0]]:#010x} != {want[bad[0]]:#010x}")
 
 
+@pytest.mark.parametrize("folded", [False, True])
+def test_fragment_ptx_decodes_every_code_and_exponent(folded):
+    """moe_fragments' PTX, run in the model: output register j of a word holds the bf16 of nibbles j (low half) and
+    j + 4 (high half), E2M1 times 2^(s-127) bit for bit: every code in every nibble with every exponent (0..128
+    folded), the other nibbles random. The kernels' k map (`test_fragment_k_map_...`) relies on this pairing."""
+    import numpy as np
+
+    from k3backend.kernels import moe_fragments
+    from k3backend.kernels.moe_ref import E2M1, e8m0_scale
+
+    rng = np.random.default_rng(2)
+    top = 129 if folded else 255
+    code, exp, pos = (a.ravel() for a in np.meshgrid(np.arange(16), np.arange(top), np.arange(8), indexing="ij"))
+    codes = rng.integers(0, 16, (code.size, 8))
+    codes[np.arange(code.size), pos] = code
+    word = (codes.astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))).sum(1).astype(np.uint32)
+    scale_bits = ((exp + (126 if folded else 0)) * 0x800080).astype(np.uint32)
+    regs = run_ptx(moe_fragments._pairs_ptx(not folded), {"$4": word, "$5": word, "$6": scale_bits,
+                                                         "$7": scale_bits})
+    for j in range(4):
+        for half, nib in ((0, j), (1, j + 4)):
+            got = (regs[f"${j}"] >> (16 * half)) & 0xFFFF
+            c, e = torch.from_numpy(codes[:, nib]), torch.from_numpy(exp)
+            mag = torch.tensor(E2M1, dtype=torch.float64)[c & 7]
+            scale = e8m0_scale(e, torch.float64)
+            want = torch.where(c & 8 != 0, -mag, mag) * (scale if folded else torch.where(e == 0, 0.0, scale))
+            want = want.to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)
+            bad = np.flatnonzero(got != want)
+            assert bad.size == 0, f"register {j} nibble {nib}: {bad.size} wrong, e.g. code {c[bad[0]].item():#x}"
+
+
+def test_fragment_k_map_sums_the_models_products():
+    """The fragment kernels' k map, applied to values as the kernels apply it to registers (`KAPPA_A` on a lane's
+    32 activations, the PTX's nibble pairs joined and permuted by `KAPPA_B`), makes the MMA's 128-k dot of each
+    row and column the model's: fp64, random rows and columns. The kernels' permutes are these constants."""
+    import inspect
+
+    from k3backend.kernels import moe_fragments as F
+
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(16, 128, generator=g, dtype=torch.float64)
+    w = torch.randn(24, 128, generator=g, dtype=torch.float64)  # w[n, k]
+    a = h.reshape(16, 4, 4, 2, 2, 2).permute(F.KAPPA_A).reshape(16, 128)
+    words = w.reshape(24, 4, 4, 8)  # [n, q, c, nibble]: word c of lane q holds k = 32q + 8c + nibble
+    pairs = [torch.stack([words[..., j], words[..., j + 4]], -1).permute(2, 1, 0, 3) for j in range(4)]  # c q n b
+    join = lambda u, v: torch.stack([u, v], -1)  # noqa: E731 - gl.join: a new last axis of 2
+    b = join(join(pairs[0], pairs[1]), join(pairs[2], pairs[3])).permute(F.KAPPA_B).reshape(128, 24)
+    torch.testing.assert_close(a @ b, h @ w.T, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(a, h), "the map moves activations"
+    if F.available():
+        src = inspect.getsource(F._acts.fn) + inspect.getsource(F._weights.fn)
+        assert f".permute{F.KAPPA_A}" in src and f".permute{F.KAPPA_B}" in src, "the kernels permute otherwise"
+
+
+@pytest.mark.parametrize("decode", [2, 3])
+def test_mxfp4_fragment_kernels_compile_for_hopper_without_shared_memory(decode):
+    """moe_fragments' Gluon kernels compile for sm_90a at `small` with their tiles: every layout conversion
+    between the loads and the MMAs is a renaming of registers (the kernels assert it: a change that needs a
+    shuffle fails to compile), no shared memory, no spills, and a K step under 3.6 SASS instructions a weight
+    value and thread with decode 3 (4.1 with decode 2's extra fma a pair; moe.py's BM 16 loop: 5.2)."""
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import moe_fragments as F
+
+    if not F.available():
+        pytest.skip("this triton has no Gluon")
+    D = I = 1024
+    (ubn, uw), (dbn, dw) = F.UP_TILES, F.DOWN_TILES
+    up = compile_sm90(F._up_kernel, dict(
+        x_ptr="*bf16", w13_ptr="*i32", s13_ptr="*u8", h_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
+        table_ptr="*fp32", n=96, D=D, I=I, stride_xt=D, stride_we=2 * I * D // 8, stride_wn=D // 8,
+        stride_se=2 * I * D // 32, stride_sn=D // 32, stride_hm=I),
+        dict(TOP_K=6, DECODE=decode, BLOCK_N=ubn, WARPS=uw), num_warps=uw, num_stages=1)
+    down = compile_sm90(F._down_kernel, dict(
+        h_ptr="*bf16", w2_ptr="*i32", s2_ptr="*u8", y_ptr="*bf16", weights_ptr="*fp32", sorted_ptr="*i32",
+        block_expert_ptr="*i32", n=96, D=D, I=I, stride_hm=I, stride_we=D * I // 8, stride_wn=I // 8,
+        stride_se=D * I // 32, stride_sn=I // 32, stride_yn=D, stride_pt=6, stride_pk=1),
+        dict(TOP_K=6, DECODE=decode, BLOCK_N=dbn, WARPS=dw), num_warps=dw, num_stages=1)
+    bound = 3.6 if decode == 3 else 4.1
+    for what, c, values in (("up", up, 2 * ubn * 128 // (32 * uw)), ("down", down, dbn * 128 // (32 * dw))):
+        assert c.stack == 0 and c.smem == 0 and c.regs <= 128 and c.mma == (2,), f"{what}: {c}"
+        assert c.loop_sass / values < bound, f"{what}: {c.loop_sass / values:.2f} SASS a weight value: {c}"
+
+
+def check_experts_mxfp4_takes_the_fragment_kernels_only_where_they_run():
+    """experts_config gives MXFP4's BM 16 tier above 2 rows an expert the fragment kernels; moe_fragments.supports
+    declines the interpreter and the shapes and expansions the kernels cannot take: moe.py's kernels run those."""
+    from k3backend.kernels import moe, moe_fragments
+    from k3backend.kernels.moe_ref import Activation
+
+    assert moe.experts_config(64, 6, 64, 1024, 1024, mxfp4=True).fragments
+    assert not moe.experts_config(16, 6, 64, 1024, 1024, mxfp4=True).fragments, "K steps of 256 win there"
+    assert not moe.experts_config(64, 6, 64, 1024, 1024).fragments, "bf16 weights"
+    assert not moe.experts_config(512, 6, 64, 1024, 1024, mxfp4=True).fragments, "BM 64"
+    x, weights, ids, w13, s13, w2, s2 = mxfp4_case(5, 8, 2, 256, 128, seed=960)
+    table = moe._act_table(Activation(**SITU), x.device)
+    assert moe_fragments.fits(x, w13, s13, w2, s2, 3, table)
+    assert not moe_fragments.supports(x, w13, s13, w2, s2, 3, table), "the interpreter (or a CPU tensor)"
+    odd = torch.empty(w13.numel() + 1, dtype=torch.uint8)[1:].view(w13.shape).copy_(w13)
+    declined = {"decode 1": (x, w13, s13, w2, s2, 1, table), "no table": (x, w13, s13, w2, s2, 3, None),
+                "fp16 activations": (x.half(), w13, s13, w2, s2, 3, table),
+                "I not whole K steps of 128": (x, w13[:, :192], s13[:, :192], w2[..., :48], s2[..., :3], 3, table),
+                "codes off word boundaries": (x, odd, s13, w2, s2, 3, table)}
+    for what, args in declined.items():
+        assert not moe_fragments.fits(*args), what
+
+
 def check_experts_mxfp4_supports_declines_what_it_cannot_do():
     from k3backend.kernels import moe
     from k3backend.kernels.moe_ref import Activation
