@@ -979,7 +979,7 @@ def test_mxfp4_fragment_kernels_compile_for_hopper_without_shared_memory(decode)
 
 
 def check_experts_mxfp4_takes_the_fragment_kernels_only_where_they_run():
-    """experts_config gives MXFP4's BM 16 tier above 2 rows an expert the fragment kernels; moe_fragments.supports
+    """experts_config gives MXFP4's BM 16 tier from 2 to 8 rows an expert the fragment kernels; moe_fragments.supports
     declines the interpreter and the shapes and expansions the kernels cannot take: moe.py's kernels run those."""
     from k3backend.kernels import moe, moe_fragments
     from k3backend.kernels.moe_ref import Activation
@@ -987,6 +987,7 @@ def check_experts_mxfp4_takes_the_fragment_kernels_only_where_they_run():
     assert moe.experts_config(64, 6, 64, 1024, 1024, mxfp4=True).fragments
     assert not moe.experts_config(16, 6, 64, 1024, 1024, mxfp4=True).fragments, "K steps of 256 win there"
     assert not moe.experts_config(64, 6, 64, 1024, 1024).fragments, "bf16 weights"
+    assert not moe.experts_config(128, 6, 64, 1024, 1024, mxfp4=True).fragments, "moe.py's tiles win there"
     assert not moe.experts_config(512, 6, 64, 1024, 1024, mxfp4=True).fragments, "BM 64"
     x, weights, ids, w13, s13, w2, s2 = mxfp4_case(5, 8, 2, 256, 128, seed=960)
     table = moe._act_table(Activation(**SITU), x.device)

@@ -815,7 +815,7 @@ class ExpertsConfig:
     table: bool = True
     gemv: tuple[int, int, int, int] | None = None  # BLOCK_N, BLOCK_K, num_warps, stages (> 1: AHEAD)
     tma: bool = False  # bf16 weight (and down's h) tiles through TMA descriptors where the shapes allow (`_desc`)
-    fragments: bool = False  # MXFP4 at BM 16: moe_fragments' Gluon kernels where they run (`moe_fragments.supports`)
+    fragments: bool = False  # MXFP4 BM 16, 2-8 rows an expert: moe_fragments' Gluon kernels where they run
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -827,8 +827,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
       activation reads the full-K accumulator; 4-stage pipelines keep ~100 KB of weights in flight per SM.
       MXFP4 below 2 rows an expert takes up's K in steps of 256, and down's below 1 row (one H100, `small`,
       8 layers' weights a graph, µs: 8 / 12 / 16 tokens 51.5 / 57.1 / 59.4 -> 47.1 / 54.2 / 55.7; from 24 on
-      no gain). MXFP4 above 2 rows an expert takes moe_fragments' kernels (`fragments`; its docstring has the
-      figures), which read K in steps of 128 and lose to the steps of 256 below.
+      no gain). MXFP4 from 2 to 8 rows an expert takes moe_fragments' kernels (`fragments`; its docstring has
+      the figures): below, they lose to the K steps of 256; above, to moe.py's pipelined tiles.
     - a few rows (GEMV_ROWS, GEMV_PER_MATRIX): the GEMV kernels, one program per assignment and N block,
       BN 16 and BK 256 (near the best of the tiles measured at 1-4 tokens), BN 8 / 4 / 2 where the rows
       alone would give fewer than 2 waves of programs: the shared experts' glu at 1 row had 64 programs
@@ -918,7 +918,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
 
     decode = 2 if mxfp4 else 0
     return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=decode, gemv=gemv,
-                         tma=bm >= 64 and not mxfp4, fragments=mxfp4 and bm == 16 and m > 2)
+                         tma=bm >= 64 and not mxfp4, fragments=mxfp4 and bm == 16 and 2 < m <= 8)
 
 
 _TABLES: dict[tuple[Activation, torch.device], torch.Tensor] = {}

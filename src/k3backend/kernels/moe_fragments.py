@@ -10,11 +10,11 @@ holding its nibbles (j, j + 4): model k = 32q + 8c + j + 4b. The activations tak
 sums the same products as the model's row times column (in another order). A lane's activations are 32
 consecutive k of a row (64 bytes), its codes 16 consecutive bytes a column: plain vector loads.
 
-`moe.experts_config` gives them MXFP4's BM 16 tier above 2 rows an expert (`ExpertsConfig.fragments`) and
+`moe.experts_config` gives them MXFP4's BM 16 tier from 2 to 8 rows an expert (`ExpertsConfig.fragments`) and
 `moe.experts_with` runs them where `supports` says (a GPU with Gluon, MXFP4 expanded by PTX, K widths a
 multiple of 128, the activation's table); elsewhere moe.py's Triton kernels run the same tier. Gluon has no
 interpreter: CI compiles both kernels for sm_90a (tests/test_kernels_moe.py) and checks the k map in torch
-(`KAPPA_A`, `KAPPA_B`); bench/kernels_mxfp4.py --check checks every element on a GPU.
+(`KAPPA_A`, `KAPPA_B`); bench/kernels_mxfp4.py checks every element on a GPU.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ except ImportError:  # pragma: no cover - an older triton
 # were each slower). No PDL: launched with it (wait, then release the next kernel, as moe.py's kernels do),
 # decode replays at batch 16 / 32 / 64 took 3.412 / 3.895 / 4.535 -> 3.601 / 4.102 / 4.780 ms; plainly, 3.415 /
 # 3.900 / 4.545 -> 3.374 / 3.828 / 4.472 (H100, `small`, MXFP4, bench/gpu_ab.sh against 2830414). The routed
-# experts of one layer (align, up, down, sum; bench/kernels_mxfp4.py, µs, against moe.py's BM 16 tiles): 64
-# tokens 66 against 69 (32 tokens, launched with PDL: 63 against 70), but 8 / 16 tokens 50 / 60 against 49 / 57,
-# where moe.py's tiles read K in steps of 256 (so `moe.experts_config` takes these kernels above 2 rows an
-# expert only).
+# experts of one layer (align, up, down, sum; bench/kernels_mxfp4.py, µs, against moe.py's BM 16 tiles), 24 /
+# 32 / 64 / 80 tokens: 63 / 64 / 66 / 66 against 69 / 70 / 71 / 73; but 8 / 16 tokens 50 / 60 against 49 / 57,
+# where moe.py's tiles read K in steps of 256, and 96 / 112 / 128 tokens 79 / 82 / 83 against 74 / 75 / 80. So
+# `moe.experts_config` takes these kernels from 2 to 8 rows an expert (`small`: 22-85 tokens). There, decode
+# replays at batch 32 / 64: 3.838 / 4.514 -> 3.804 / 4.439 ms (batch 1-16 unchanged, logits bit-equal).
 UP_TILES = (64, 4)
 DOWN_TILES = (64, 2)
 K_STEP = 128
