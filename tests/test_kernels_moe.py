@@ -864,6 +864,29 @@ def test_e2m1_ptx_decodes_every_code_and_exponent(folded):
                                    f"exponent {e[bad[0]].item()}: {got[bad[0]]:#06x} != {want[bad[0]]:#06x}")
 
 
+def word_cases(folded: bool, seed: int):
+    """(codes [N, 8], exponents [N], the int32 words of the codes, the exponents as the kernels' bf16x2 scale bits):
+    every code in every nibble with every exponent (1..254, or 0..128 folded, 0 included), other nibbles random."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    top = 129 if folded else 255
+    code, exp, pos = (a.ravel() for a in np.meshgrid(np.arange(16), np.arange(top), np.arange(8), indexing="ij"))
+    codes = rng.integers(0, 16, (code.size, 8))
+    codes[np.arange(code.size), pos] = code
+    word = (codes.astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))).sum(1).astype(np.uint32)
+    return codes, exp, word, ((exp + (126 if folded else 0)) * 0x800080).astype(np.uint32)
+
+
+def e2m1_bf16(c: torch.Tensor, e: torch.Tensor, folded: bool) -> torch.Tensor:
+    """The bf16 of E2M1 codes c times 2^(e-127) (decode 2 gives exponent 0 a zero; decode 3 keeps its 2^-127)."""
+    from k3backend.kernels.moe_ref import E2M1, e8m0_scale
+
+    mag = torch.tensor(E2M1, dtype=torch.float64)[c & 7]
+    scale = e8m0_scale(e, torch.float64)
+    return (torch.where(c & 8 != 0, -mag, mag) * (scale if folded else torch.where(e == 0, 0.0, scale))).to(BF16)
+
+
 @pytest.mark.parametrize("folded", [False, True])
 def test_e2m1_word_ptx_decodes_every_code_and_exponent(folded):
     """`_E2M1_WORD_PTX` (the GEMV kernels'), run in the model: each of the 8 codes of a word, in `WORD_ORDER`,
@@ -872,23 +895,13 @@ def test_e2m1_word_ptx_decodes_every_code_and_exponent(folded):
     import numpy as np
 
     from k3backend.kernels import moe
-    from k3backend.kernels.moe_ref import E2M1, e8m0_scale
 
-    rng = np.random.default_rng(1)
-    top = 129 if folded else 255
-    code, exp, pos = (a.ravel() for a in np.meshgrid(np.arange(16), np.arange(top), np.arange(8), indexing="ij"))
-    codes = rng.integers(0, 16, (code.size, 8))
-    codes[np.arange(code.size), pos] = code
-    word = (codes.astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))).sum(1).astype(np.uint32)
-    scale_bits = ((exp + (126 if folded else 0)) * 0x800080).astype(np.uint32)
+    codes, exp, word, scale_bits = word_cases(folded, seed=1)
     regs = run_ptx((moe._E2M1_WORD_PTX_FOLDED if folded else moe._E2M1_WORD_PTX).value, {"$9": word, "$8": scale_bits})
     for out, nib in enumerate(moe.WORD_ORDER):
         got = regs[f"${out}"]
         c, e = torch.from_numpy(codes[:, nib]), torch.from_numpy(exp)
-        mag = torch.tensor(E2M1, dtype=torch.float64)[c & 7]
-        scale = e8m0_scale(e, torch.float64)
-        want = torch.where(c & 8 != 0, -mag, mag) * (scale if folded else torch.where(e == 0, 0.0, scale))
-        want = want.to(torch.bfloat16).float().view(torch.int32).numpy().astype(np.uint32)
+        want = e2m1_bf16(c, e, folded).float().view(torch.int32).numpy().astype(np.uint32)
         bad = np.flatnonzero(got != want)
         assert bad.size == 0, (f"output {out} (nibble {nib}): {bad.size} wrong, e.g. code {c[bad[0]].item():#x} "
                                f"exponent {e[bad[0]].item()}: {got[bad[0]]:#010x} != {want[bad[0]]:#010x}")
@@ -902,25 +915,15 @@ def test_fragment_ptx_decodes_every_code_and_exponent(folded):
     import numpy as np
 
     from k3backend.kernels import moe_fragments
-    from k3backend.kernels.moe_ref import E2M1, e8m0_scale
 
-    rng = np.random.default_rng(2)
-    top = 129 if folded else 255
-    code, exp, pos = (a.ravel() for a in np.meshgrid(np.arange(16), np.arange(top), np.arange(8), indexing="ij"))
-    codes = rng.integers(0, 16, (code.size, 8))
-    codes[np.arange(code.size), pos] = code
-    word = (codes.astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))).sum(1).astype(np.uint32)
-    scale_bits = ((exp + (126 if folded else 0)) * 0x800080).astype(np.uint32)
+    codes, exp, word, scale_bits = word_cases(folded, seed=2)
     regs = run_ptx(moe_fragments._pairs_ptx(not folded), {"$4": word, "$5": word, "$6": scale_bits,
                                                          "$7": scale_bits})
     for j in range(4):
         for half, nib in ((0, j), (1, j + 4)):
             got = (regs[f"${j}"] >> (16 * half)) & 0xFFFF
             c, e = torch.from_numpy(codes[:, nib]), torch.from_numpy(exp)
-            mag = torch.tensor(E2M1, dtype=torch.float64)[c & 7]
-            scale = e8m0_scale(e, torch.float64)
-            want = torch.where(c & 8 != 0, -mag, mag) * (scale if folded else torch.where(e == 0, 0.0, scale))
-            want = want.to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)
+            want = e2m1_bf16(c, e, folded).view(torch.int16).numpy().astype(np.uint16)
             bad = np.flatnonzero(got != want)
             assert bad.size == 0, f"register {j} nibble {nib}: {bad.size} wrong, e.g. code {c[bad[0]].item():#x}"
 

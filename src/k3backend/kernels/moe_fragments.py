@@ -87,14 +87,16 @@ if gluon is not None:
         return mma, gl.DotOperandLayout(1, mma, 8), gl.DotOperandLayout(0, mma, 8), words, acts
 
     @gluon.jit
-    def _acts(ptrs, A_OP: gl.constexpr):
+    def _acts(ptrs, BN: gl.constexpr, WARPS: gl.constexpr):
         """One K step of activations [16, 4 q, 32] (k = 32q + 8c + 4b + 2j1 + j0) as the MMA's A operand."""
+        A_OP: gl.constexpr = _layouts(BN, WARPS)[2]
         a = gl.load(ptrs).reshape(16, 4, 4, 2, 2, 2).permute(0, 2, 1, 4, 5, 3).reshape(16, 128)
         return gl.convert_layout(a, A_OP, assert_trivial=True)
 
     @gluon.jit
-    def _weights(w_ptrs, s_ptrs, B_OP: gl.constexpr, BN: gl.constexpr, DECODE: gl.constexpr):
+    def _weights(w_ptrs, s_ptrs, BN: gl.constexpr, WARPS: gl.constexpr, DECODE: gl.constexpr):
         """One K step of MXFP4 rows (code words [4 c, 4 q, BN], exponent bytes [4 q, BN]) as the B operand."""
+        B_OP: gl.constexpr = _layouts(BN, WARPS)[1]
         words = gl.load(w_ptrs)
         sx2 = (gl.load(s_ptrs).to(gl.int32) + (126 if DECODE == 3 else 0)) * 0x800080  # 2^(s-127) (3: 2^(s-1))
         scale = gl.broadcast(gl.expand_dims(sx2, 0), words)[0]
@@ -107,10 +109,11 @@ if gluon is not None:
         return gl.convert_layout(w, B_OP, assert_trivial=True)
 
     @gluon.jit
-    def _word_ptrs(w_ptr, s_ptr, e, n0, stride_we, stride_wn, stride_se, stride_sn, WL: gl.constexpr,
-                   BN: gl.constexpr):
+    def _word_ptrs(w_ptr, s_ptr, e, n0, stride_we, stride_wn, stride_se, stride_sn, BN: gl.constexpr,
+                   WARPS: gl.constexpr):
         """Pointers of the first K step of rows n0 .. n0 + BN of expert e: words [4 c, 4 q, BN] (stride_* in
         words) and exponent bytes [4 q, BN]; step them by 16 and 4."""
+        WL: gl.constexpr = _layouts(BN, WARPS)[3]
         SL: gl.constexpr = gl.SliceLayout(0, WL)
         c = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL))), 1), 2)
         q = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL))), 0), 2)
@@ -119,6 +122,13 @@ if gluon is not None:
         qs = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, SL)), 1)
         ns = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, SL))).to(gl.int64)
         return w, s_ptr + e.to(gl.int64) * stride_se + gl.expand_dims(ns * stride_sn, 0) + qs
+
+    @gluon.jit
+    def _block(block_expert_ptr, N, BN: gl.constexpr):
+        """(row block, first column, expert; -1: an unused block) of this program: blocks sweep N."""
+        n_tiles = gl.cdiv(N, BN)
+        pid_m = gl.program_id(0) // n_tiles
+        return pid_m, (gl.program_id(0) % n_tiles) * BN, gl.load(block_expert_ptr + pid_m)
 
     @gluon.jit
     def _act_ptrs(ptr, rows, stride, AL: gl.constexpr):
@@ -134,32 +144,26 @@ if gluon is not None:
         """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)) by `moe._act_table` lookup, for one 16-row
         expert block (moe._up_kernel's MXFP4 tier): w13 int32 code words [E, 2I, D/8], s13 exponents [E, 2I, D/32]."""
         MMA: gl.constexpr = _layouts(BLOCK_N, WARPS)[0]
-        B_OP: gl.constexpr = _layouts(BLOCK_N, WARPS)[1]
-        A_OP: gl.constexpr = _layouts(BLOCK_N, WARPS)[2]
-        WL: gl.constexpr = _layouts(BLOCK_N, WARPS)[3]
         AL: gl.constexpr = _layouts(BLOCK_N, WARPS)[4]
-        n_tiles = gl.cdiv(I, BLOCK_N)
-        pid_m = gl.program_id(0) // n_tiles
-        n0 = (gl.program_id(0) % n_tiles) * BLOCK_N
-        e = gl.load(block_expert_ptr + pid_m)
+        pid_m, n0, e = _block(block_expert_ptr, I, BLOCK_N)
         if e < 0:
             return
         a_idx = gl.load(sorted_ptr + pid_m * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, AL))))
         tok = gl.where(a_idx < n, a_idx // TOP_K, 0).to(gl.int64)  # padding rows read token 0, never stored
         x_ptrs = _act_ptrs(x_ptr, tok, stride_xt, AL)
-        g_ptrs, gs_ptrs = _word_ptrs(w13_ptr, s13_ptr, e, n0, stride_we, stride_wn, stride_se, stride_sn, WL,
-                                     BLOCK_N)
+        g_ptrs, gs_ptrs = _word_ptrs(w13_ptr, s13_ptr, e, n0, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N,
+                                     WARPS)
         acc_g = gl.zeros([16, BLOCK_N], gl.float32, MMA)
         acc_u = gl.zeros([16, BLOCK_N], gl.float32, MMA)
         for k in range(D // 128):
-            a = _acts(x_ptrs + k * 128, A_OP)
-            acc_g = mma_v2(a, _weights(g_ptrs + k * 16, gs_ptrs + k * 4, B_OP, BLOCK_N, DECODE), acc_g)
-            acc_u = mma_v2(a, _weights(g_ptrs + (I * stride_wn + k * 16), gs_ptrs + (I * stride_sn + k * 4), B_OP,
-                                       BLOCK_N, DECODE), acc_u)
+            a = _acts(x_ptrs + k * 128, BLOCK_N, WARPS)
+            acc_g = mma_v2(a, _weights(g_ptrs + k * 16, gs_ptrs + k * 4, BLOCK_N, WARPS, DECODE), acc_g)
+            acc_u = mma_v2(a, _weights(g_ptrs + (I * stride_wn + k * 16), gs_ptrs + (I * stride_sn + k * 4), BLOCK_N,
+                                       WARPS, DECODE), acc_u)
         gi = acc_g.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.int32)  # the reference rounds gu first
         ui = acc_u.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.int32)
         h = (gl.load(table_ptr + gi) * gl.load(table_ptr + 65536 + ui)).to(h_ptr.dtype.element_ty)
-        rows = gl.program_id(0) // n_tiles * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+        rows = pid_m * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
         real = gl.load(sorted_ptr + rows) < n
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
         gl.store(h_ptr + gl.expand_dims(rows.to(gl.int64) * stride_hm, 1) + gl.expand_dims(cols, 0), h,
@@ -173,23 +177,18 @@ if gluon is not None:
         tier): w2 int32 code words [E, D, I/8], s2 exponents [E, D, I/32]. A padding row's h was never written:
         its product row is garbage, and never stored."""
         MMA: gl.constexpr = _layouts(BLOCK_N, WARPS)[0]
-        B_OP: gl.constexpr = _layouts(BLOCK_N, WARPS)[1]
-        A_OP: gl.constexpr = _layouts(BLOCK_N, WARPS)[2]
-        WL: gl.constexpr = _layouts(BLOCK_N, WARPS)[3]
         AL: gl.constexpr = _layouts(BLOCK_N, WARPS)[4]
-        n_tiles = gl.cdiv(D, BLOCK_N)
-        pid_m = gl.program_id(0) // n_tiles
-        n0 = (gl.program_id(0) % n_tiles) * BLOCK_N
-        e = gl.load(block_expert_ptr + pid_m)
+        pid_m, n0, e = _block(block_expert_ptr, D, BLOCK_N)
         if e < 0:
             return
         rows_a = (pid_m * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, AL)))).to(gl.int64)
         h_ptrs = _act_ptrs(h_ptr, rows_a, stride_hm, AL)
-        w_ptrs, s_ptrs = _word_ptrs(w2_ptr, s2_ptr, e, n0, stride_we, stride_wn, stride_se, stride_sn, WL, BLOCK_N)
+        w_ptrs, s_ptrs = _word_ptrs(w2_ptr, s2_ptr, e, n0, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N,
+                                     WARPS)
         acc = gl.zeros([16, BLOCK_N], gl.float32, MMA)
         for k in range(I // 128):
-            acc = mma_v2(_acts(h_ptrs + k * 128, A_OP),
-                         _weights(w_ptrs + k * 16, s_ptrs + k * 4, B_OP, BLOCK_N, DECODE), acc)
+            acc = mma_v2(_acts(h_ptrs + k * 128, BLOCK_N, WARPS),
+                         _weights(w_ptrs + k * 16, s_ptrs + k * 4, BLOCK_N, WARPS, DECODE), acc)
         a_idx = gl.load(sorted_ptr + pid_m * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, MMA)))
         real = a_idx < n
         a_safe = gl.where(real, a_idx, 0)
