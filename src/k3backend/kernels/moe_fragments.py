@@ -45,8 +45,9 @@ except ImportError:  # pragma: no cover - an older triton
 UP_TILES = (64, 4)
 DOWN_TILES = (64, 2)
 K_STEP = 128
-# The k maps, as the kernels apply them: activations [16, 4 q, 32] viewed [m, q, c, b, j1, j0] and permuted
-# to [m, c, q, j1, j0, b]; the PTX's outputs joined to [c, q, n, b, j0, j1] and permuted to [c, q, j1, j0, b, n].
+# The k maps, as the kernels write them (Gluon takes no tuple constant there; a test reads their source): the
+# activations [16, 4 q, 32] viewed [m, q, c, b, j1, j0] and permuted to [m, c, q, j1, j0, b]; the PTX's outputs
+# joined to [c, q, n, b, j0, j1] and permuted to [c, q, j1, j0, b, n].
 KAPPA_A = (0, 2, 1, 4, 5, 3)
 KAPPA_B = (0, 1, 5, 4, 3, 2)
 
@@ -65,8 +66,6 @@ def available() -> bool:
 
 
 if gluon is not None:
-    _KAPPA_A = gl.constexpr(KAPPA_A)
-    _KAPPA_B = gl.constexpr(KAPPA_B)
     _E2M1_PAIRS = gl.constexpr(_pairs_ptx(True))
     _E2M1_PAIRS_FOLDED = gl.constexpr(_pairs_ptx(False))
 
