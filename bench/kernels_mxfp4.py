@@ -131,7 +131,7 @@ def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list
         gemv = chosen.gemv or moe.experts_config(T, s.k, s.E, s.D, s.I).gemv  # where either rule takes them
         variants = [dataclasses.replace(chosen, gemv=None, decode=d) for d in (0, 1, 2, 3)]
         variants += [dataclasses.replace(chosen, gemv=gemv, decode=d) for d in (1, 2, 3)] if gemv else []
-        variants += [dataclasses.replace(chosen, fragments=False)] if chosen.fragments else []  # moe.py's tiles
+        variants += [dataclasses.replace(chosen, fragments=None)] if chosen.fragments else []  # moe.py's tiles
         for cfg in [chosen] + [v for v in variants if _math(v) != _math(chosen)]:
             shape = f"T{T} hit{hit}/{s.E} " + (f"gemv{cfg.gemv[:2]}" if cfg.gemv else f"BM{cfg.block_m}") + \
                 (" frag" if cfg.fragments and not cfg.gemv and cfg.decode >= 2 else "") + f" d{cfg.decode}"
@@ -162,12 +162,15 @@ def candidates(cfg) -> list:
     r = dataclasses.replace
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
     out = [cfg] + [r(cfg, decode=d) for d in (0, 1, 2, 3) if d != cfg.decode]
-    out += [r(cfg, up=(ubn, bk, uw, us), down=(dbn, bk, dw, ds)) for bk in (64, 128, 256) if bk != ubk]
-    out += [r(cfg, up=(ubn, ubk, uw, st), down=(dbn, dbk, dw, st)) for st in (2, 3, 5) if st != us]
-    out += [r(cfg, up=(bn, ubk, uw, us), down=(bn, dbk, dw, ds)) for bn in (32, 64, 128) if bn != ubn]
-    out += [r(cfg, up=(ubn, ubk, w, us), down=(dbn, dbk, w, ds)) for w in (4, 8) if w != uw]
+    t = r(cfg, fragments=None)  # moe.py's tiles: what the changes below vary
+    out += [r(t, up=(ubn, bk, uw, us), down=(dbn, bk, dw, ds)) for bk in (64, 128, 256) if bk != ubk]
+    out += [r(t, up=(ubn, ubk, uw, st), down=(dbn, dbk, dw, st)) for st in (2, 3, 5) if st != us]
+    out += [r(t, up=(bn, ubk, uw, us), down=(bn, dbk, dw, ds)) for bn in (32, 64, 128) if bn != ubn]
+    out += [r(t, up=(ubn, ubk, w, us), down=(dbn, dbk, w, ds)) for w in (4, 8) if w != uw]
     if cfg.block_m >= 64:
         out += [r(cfg, block_m=bm) for bm in (64, 128) if bm != cfg.block_m] + [r(cfg, group_m=16)]
+    if cfg.fragments:  # moe_fragments' tiles (up BN, warps, down BN, warps), and moe.py's
+        out += [r(cfg, fragments=f) for f in ((32, 2, 64, 2), (128, 4, 64, 2), (64, 4, 128, 4), (64, 4, 64, 4), None)]
     if cfg.block_m == 32:  # the next tier's tiles, with each expansion
         out += [r(cfg, block_m=64, up=(128, 64, 4, 4), down=(128, 64, 4, 4), decode=d) for d in (0, 2, 3)]
     return out
@@ -194,7 +197,7 @@ def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
         for t, cfg in timed:
             print(f"{'*' if t == best else ' '} {s.name} T{T:<6} {t * 1e3:9.3f} ms {nbytes / t / 1e12:5.2f} TB/s "
                   f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m} "
-                  f"decode{cfg.decode}", flush=True)
+                  f"decode{cfg.decode}" + (f" fragments{cfg.fragments}" if cfg.fragments else ""), flush=True)
 
 
 def cases(args: argparse.Namespace) -> list[Case]:

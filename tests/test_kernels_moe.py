@@ -959,12 +959,13 @@ def test_mxfp4_fragment_kernels_compile_for_hopper_without_shared_memory(decode)
     value and thread with decode 3 (4.1 with decode 2's extra fma a pair; moe.py's BM 16 loop: 5.2)."""
     from sm90 import compile_sm90
 
+    from k3backend.kernels import moe
     from k3backend.kernels import moe_fragments as F
 
     if not F.available():
         pytest.skip("this triton has no Gluon")
     D = I = 1024
-    (ubn, uw), (dbn, dw) = F.UP_TILES, F.DOWN_TILES
+    ubn, uw, dbn, dw = moe.experts_config(64, 6, 64, D, I, mxfp4=True).fragments
     up = compile_sm90(F._up_kernel, dict(
         x_ptr="*bf16", w13_ptr="*i32", s13_ptr="*u8", h_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
         table_ptr="*fp32", n=96, D=D, I=I, stride_xt=D, stride_we=2 * I * D // 8, stride_wn=D // 8,
@@ -994,13 +995,17 @@ def check_experts_mxfp4_takes_the_fragment_kernels_only_where_they_run():
     assert not moe.experts_config(512, 6, 64, 1024, 1024, mxfp4=True).fragments, "BM 64"
     x, weights, ids, w13, s13, w2, s2 = mxfp4_case(5, 8, 2, 256, 128, seed=960)
     table = moe._act_table(Activation(**SITU), x.device)
-    assert moe_fragments.fits(x, w13, s13, w2, s2, 3, table)
-    assert not moe_fragments.supports(x, w13, s13, w2, s2, 3, table), "the interpreter (or a CPU tensor)"
+    tiles = moe.experts_config(64, 6, 64, 1024, 1024, mxfp4=True).fragments
+    assert moe_fragments.fits(x, w13, s13, w2, s2, 3, table, tiles)
+    assert not moe_fragments.supports(x, w13, s13, w2, s2, 3, table, tiles), "the interpreter (or a CPU tensor)"
     odd = torch.empty(w13.numel() + 1, dtype=torch.uint8)[1:].view(w13.shape).copy_(w13)
-    declined = {"decode 1": (x, w13, s13, w2, s2, 1, table), "no table": (x, w13, s13, w2, s2, 3, None),
-                "fp16 activations": (x.half(), w13, s13, w2, s2, 3, table),
-                "I not whole K steps of 128": (x, w13[:, :192], s13[:, :192], w2[..., :48], s2[..., :3], 3, table),
-                "codes off word boundaries": (x, odd, s13, w2, s2, 3, table)}
+    declined = {"decode 1": (x, w13, s13, w2, s2, 1, table, tiles), "no table": (x, w13, s13, w2, s2, 3, None, tiles),
+                "fp16 activations": (x.half(), w13, s13, w2, s2, 3, table, tiles),
+                "I not whole K steps of 128": (x, w13[:, :192], s13[:, :192], w2[..., :48], s2[..., :3], 3, table,
+                                               tiles),
+                "codes off word boundaries": (x, odd, s13, w2, s2, 3, table, tiles),
+                "N tiles wider than the expert": (x, w13, s13, w2, s2, 3, table, (256, 4, 64, 2)),
+                "fewer than 8 columns a warp": (x, w13, s13, w2, s2, 3, table, (64, 4, 64, 16))}
     for what, args in declined.items():
         assert not moe_fragments.fits(*args), what
 

@@ -815,7 +815,9 @@ class ExpertsConfig:
     table: bool = True
     gemv: tuple[int, int, int, int] | None = None  # BLOCK_N, BLOCK_K, num_warps, stages (> 1: AHEAD)
     tma: bool = False  # bf16 weight (and down's h) tiles through TMA descriptors where the shapes allow (`_desc`)
-    fragments: bool = False  # MXFP4 BM 16, 2-8 rows an expert: moe_fragments' Gluon kernels where they run
+    # MXFP4 BM 16 at 2-8 rows an expert: moe_fragments' Gluon kernels where they run, with these tiles (up
+    # BLOCK_N, warps, down BLOCK_N, warps)
+    fragments: tuple[int, int, int, int] | None = None
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -917,8 +919,9 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         return min(bn, max(16, triton.next_power_of_2(N))), max(64, bk) if mxfp4 else bk, warps, stages
 
     decode = 2 if mxfp4 else 0
+    fragments = (64, 4, 64, 2) if mxfp4 and bm == 16 and 2 < m <= 8 else None  # moe_fragments' docstring
     return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=decode, gemv=gemv,
-                         tma=bm >= 64 and not mxfp4, fragments=mxfp4 and bm == 16 and 2 < m <= 8)
+                         tma=bm >= 64 and not mxfp4, fragments=fragments)
 
 
 _TABLES: dict[tuple[Activation, torch.device], torch.Tensor] = {}
@@ -1178,9 +1181,10 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         from k3backend.kernels import moe_fragments  # (it imports this module)
 
         table = _act_table(act, x.device) if cfg.table else None
-        if moe_fragments.supports(x, w13, s13, w2, s2, cfg.decode, table):
-            moe_fragments.up(x, w13, s13, h, sorted_ids, block_expert, table, T * k, k, cfg.decode)
-            moe_fragments.down(h, w2, s2, y, weights, sorted_ids, block_expert, T * k, k, cfg.decode)
+        if moe_fragments.supports(x, w13, s13, w2, s2, cfg.decode, table, cfg.fragments):
+            moe_fragments.up(x, w13, s13, h, sorted_ids, block_expert, table, T * k, k, cfg.decode, cfg.fragments[:2])
+            moe_fragments.down(h, w2, s2, y, weights, sorted_ids, block_expert, T * k, k, cfg.decode,
+                               cfg.fragments[2:])
             return _sum(y, ids, out, E, scaling, norm)
     _launch_up(x, w13, s13, h, sorted_ids, block_expert, T * k, k, act, cfg, dense=False, round_gu=True)
     bn, bk, warps, stages = cfg.down

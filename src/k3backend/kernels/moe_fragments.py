@@ -31,7 +31,8 @@ try:  # Gluon ships with triton >= 3.4; without it the Triton kernels run this t
 except ImportError:  # pragma: no cover - an older triton
     gluon = None
 
-# Tiles (BLOCK_N, warps), from .dev scratch timings of each kernel alone (one H100, `small`, 8-128 tokens:
+# The tiles `moe.experts_config` gives them, (BLOCK_N, warps) up and down: (64, 4) and (64, 2), from .dev scratch
+# timings of each kernel alone (one H100, `small`, 8-128 tokens:
 # (64, 4) and (32, 2) the best up, (64, 2) and (128, 4) the best down; staging the codes through shared memory
 # by cp.async in 3-6 stages, loading a K step ahead in registers, and an L2 bulk prefetch of a program's rows
 # were each slower). No PDL: launched with it (wait, then release the next kernel, as moe.py's kernels do),
@@ -42,8 +43,6 @@ except ImportError:  # pragma: no cover - an older triton
 # where moe.py's tiles read K in steps of 256, and 96 / 112 / 128 tokens 79 / 82 / 83 against 74 / 75 / 80. So
 # `moe.experts_config` takes these kernels from 2 to 8 rows an expert (`small`: 22-85 tokens). There, decode
 # replays at batch 32 / 64: 3.838 / 4.514 -> 3.804 / 4.439 ms (batch 1-16 unchanged, logits bit-equal).
-UP_TILES = (64, 4)
-DOWN_TILES = (64, 2)
 K_STEP = 128
 # The k maps, as the kernels write them (Gluon takes no tuple constant there; a test reads their source): the
 # activations [16, 4 q, 32] viewed [m, q, c, b, j1, j0] and permuted to [m, c, q, j1, j0, b]; the PTX's outputs
@@ -200,42 +199,47 @@ if gluon is not None:
 
 
 def supports(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-             decode: int, table: torch.Tensor | None) -> bool:
+             decode: int, table: torch.Tensor | None, tiles: tuple[int, int, int, int]) -> bool:
     """Whether these kernels run this call: compiled for a GPU (not interpreted), Gluon present, and `fits`."""
     return gluon is not None and x.is_cuda and not triton.knobs.runtime.interpret and fits(x, w13, s13, w2, s2,
-                                                                                            decode, table)
+                                                                                            decode, table, tiles)
 
 
 def fits(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, decode: int,
-         table: torch.Tensor | None) -> bool:
-    """Whether the call is one the kernels take: bf16 activations, the PTX expansion (decode 2 or 3), the
-    activation's table, K widths D and I whole K steps and N tiles, codes readable as int32 words, exponents
-    with unit inner stride."""
+         table: torch.Tensor | None, tiles: tuple[int, int, int, int]) -> bool:
+    """Whether the call is one the kernels take with these tiles (`ExpertsConfig.fragments`): bf16 activations,
+    the PTX expansion (decode 2 or 3), the activation's table, K widths D and I whole K steps, N tiles whole
+    (and at least 8 columns a warp), codes readable as int32 words, exponents with unit inner stride."""
     D, I = x.shape[1], w13.shape[1] // 2
+    up_bn, up_warps, down_bn, down_warps = tiles
     return (x.dtype == torch.bfloat16 and decode in (2, 3) and table is not None and D % K_STEP == 0
-            and I % K_STEP == 0 and I % UP_TILES[0] == 0 and D % DOWN_TILES[0] == 0 and x.stride(1) == 1
+            and I % K_STEP == 0 and I % up_bn == 0 and D % down_bn == 0 and up_bn % (8 * up_warps) == 0
+            and down_bn % (8 * down_warps) == 0 and x.stride(1) == 1
             and w13.shape[2] * 2 == D and w2.shape[2] * 2 == I
             and all(t.stride(-1) == 1 and t.storage_offset() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1])
                     for t in (w13, w2)) and s13.stride(-1) == 1 and s2.stride(-1) == 1)
 
 
 def up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, h: torch.Tensor, sorted_ids: torch.Tensor,
-       block_expert: torch.Tensor, table: torch.Tensor, n: int, k: int, decode: int) -> None:
-    """The up step of `moe.experts_with` over 16-row blocks: w13 MXFP4 codes (uint8, viewed here as words)."""
+       block_expert: torch.Tensor, table: torch.Tensor, n: int, k: int, decode: int, tiles: tuple[int, int]) -> None:
+    """The up step of `moe.experts_with` over 16-row blocks: w13 MXFP4 codes (uint8, viewed here as words);
+    tiles (BLOCK_N, warps)."""
     D, I = x.shape[1], w13.shape[1] // 2
     words = w13.view(torch.int32)
-    bn, warps = UP_TILES
+    bn, warps = tiles
     _up_kernel[(block_expert.numel() * triton.cdiv(I, bn),)](
         x, words, s13, h, sorted_ids, block_expert, table, n, D, I, x.stride(0), words.stride(0), words.stride(1),
         s13.stride(0), s13.stride(1), h.stride(0), TOP_K=k, DECODE=decode, BLOCK_N=bn, WARPS=warps, num_warps=warps)
 
 
 def down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, y: torch.Tensor, weights: torch.Tensor,
-         sorted_ids: torch.Tensor, block_expert: torch.Tensor, n: int, k: int, decode: int) -> None:
-    """The down step of `moe.experts_with` over 16-row blocks: w2 MXFP4 codes (uint8, viewed here as words)."""
+         sorted_ids: torch.Tensor, block_expert: torch.Tensor, n: int, k: int, decode: int,
+         tiles: tuple[int, int]) -> None:
+    """The down step of `moe.experts_with` over 16-row blocks: w2 MXFP4 codes (uint8, viewed here as words);
+    tiles (BLOCK_N, warps)."""
     D, I = w2.shape[1], h.shape[1]
     words = w2.view(torch.int32)
-    bn, warps = DOWN_TILES
+    bn, warps = tiles
     _down_kernel[(block_expert.numel() * triton.cdiv(D, bn),)](
         h, words, s2, y, weights, sorted_ids, block_expert, n, D, I, h.stride(0), words.stride(0), words.stride(1),
         s2.stride(0), s2.stride(1), y.stride(0), weights.stride(0), weights.stride(1), TOP_K=k, DECODE=decode,
