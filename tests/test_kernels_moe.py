@@ -840,7 +840,6 @@ def test_e2m1_ptx_decodes_every_code_and_exponent(folded):
     import numpy as np
 
     from k3backend.kernels import moe
-    from k3backend.kernels.moe_ref import E2M1, e8m0_scale
 
     rng = np.random.default_rng(0)
     top = 129 if folded else 255
@@ -855,10 +854,7 @@ def test_e2m1_ptx_decodes_every_code_and_exponent(folded):
         for nib, out in ((0, "$0" if byte < 2 else "$1"), (1, "$2" if byte < 2 else "$3")):
             got = (regs[out] >> (16 * (byte % 2))) & 0xFFFF
             c, e = torch.from_numpy((codes[:, byte] >> (4 * nib)) & 0xF), torch.from_numpy(exps[:, byte])
-            mag = torch.tensor(E2M1, dtype=torch.float64)[c & 7]
-            scale = e8m0_scale(e, torch.float64)
-            want = torch.where(c & 8 != 0, -mag, mag) * (scale if folded else torch.where(e == 0, 0.0, scale))
-            want = want.to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)
+            want = e2m1_bf16(c, e, folded).view(torch.int16).numpy().astype(np.uint16)
             bad = np.flatnonzero(got != want)
             assert bad.size == 0, (f"byte {byte} nibble {nib}: {bad.size} wrong, e.g. code {c[bad[0]].item():#x} "
                                    f"exponent {e[bad[0]].item()}: {got[bad[0]]:#06x} != {want[bad[0]]:#06x}")

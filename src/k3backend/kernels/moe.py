@@ -303,14 +303,24 @@ _E2M1_PTX = tl.constexpr(_e2m1_ptx(True))
 _E2M1_PTX_FOLDED = tl.constexpr(_e2m1_ptx(False))
 
 
+def _word_pairs(word: str) -> tuple[tuple[str, str], ...]:
+    """For register `word` (8 codes, nibble n = k n): the magnitude and sign shifts of `_e2m1_pair` for its
+    nibble pairs (n, n + 4), n = 0..3, which need no byte reorder (the word PTX here and in moe_fragments)."""
+    return ((f"shl.b32 a, {word}, 6;", f"shl.b32 b, {word}, 12;"), (f"shl.b32 a, {word}, 2;", f"shl.b32 b, {word}, 8;"),
+            (f"shr.u32 a, {word}, 2;", f"shl.b32 b, {word}, 4;"), (f"shr.u32 a, {word}, 6;", f"mov.b32 b, {word};"))
+
+
+def _word_ptx_head(bias: bool, regs: str) -> str:
+    """The opening of a word PTX: its registers, the 2^126 (bias) and the sign mask constants."""
+    return "{\n.reg .b32 " + regs + ";\n" + ("mov.b32 k, 0x7E807E80; " if bias else "") + "mov.b32 nz, 0x80008000;\n"
+
+
 def _e2m1_word_ptx(bias: bool) -> str:
     """The GEMV kernels' expansion: $9 one int32 word of 8 codes (nibble n = k n; one exponent group), $8 its
     scale as bf16x2, -> 8 fp32 $0-$7 in the order of `WORD_ORDER`: the same pairs as `_e2m1_ptx` without its
     byte reorder and scale packing, each bf16x2 then widened (a bf16 is the top half of its fp32)."""
-    out = "{\n.reg .b32 a, b, k, nz, r;\n" + ("mov.b32 k, 0x7E807E80; " if bias else "") + "mov.b32 nz, 0x80008000;\n"
-    pairs = (("shl.b32 a, $9, 6;", "shl.b32 b, $9, 12;"), ("shl.b32 a, $9, 2;", "shl.b32 b, $9, 8;"),
-             ("shr.u32 a, $9, 2;", "shl.b32 b, $9, 4;"), ("shr.u32 a, $9, 6;", "mov.b32 b, $9;"))  # nibbles (n, n + 4)
-    for i, (mag, sign) in enumerate(pairs):
+    out = _word_ptx_head(bias, "a, b, k, nz, r")
+    for i, (mag, sign) in enumerate(_word_pairs("$9")):
         out += _e2m1_pair("r", mag, sign, "$8", bias)
         out += f"shl.b32 ${2 * i}, r, 16;\nand.b32 ${2 * i + 1}, r, 0xFFFF0000;\n"  # widen: low half, high half
     return out + "}"

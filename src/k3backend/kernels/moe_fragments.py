@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from k3backend.kernels.moe import _e2m1_pair
+from k3backend.kernels.moe import _code_words, _e2m1_pair, _word_pairs, _word_ptx_head
 
 try:  # Gluon ships with triton >= 3.4; without it the Triton kernels run this tier
     from triton.experimental import gluon
@@ -54,10 +54,9 @@ KAPPA_B = (0, 1, 5, 4, 3, 2)
 def _pairs_ptx(bias: bool) -> str:
     """$4 (= $5): one int32 word of 8 codes, $6 (= $7) its scale as bf16x2 -> $0-$3: bf16x2 of nibbles (j, j + 4),
     by `moe._e2m1_pair` (bias: times 2^126 too, decode 2; else the scale carries it, decode 3)."""
-    out = "{\n.reg .b32 a, b, k, nz;\n" + ("mov.b32 k, 0x7E807E80; " if bias else "") + "mov.b32 nz, 0x80008000;\n"
-    pairs = (("shl.b32 a, $4, 6;", "shl.b32 b, $4, 12;"), ("shl.b32 a, $4, 2;", "shl.b32 b, $4, 8;"),
-             ("shr.u32 a, $4, 2;", "shl.b32 b, $4, 4;"), ("shr.u32 a, $4, 6;", "mov.b32 b, $4;"))
-    return out + "".join(_e2m1_pair(f"${j}", mag, sign, "$6", bias) for j, (mag, sign) in enumerate(pairs)) + "}"
+    pairs = _word_pairs("$4")
+    return _word_ptx_head(bias, "a, b, k, nz") + "".join(_e2m1_pair(f"${j}", mag, sign, "$6", bias)
+                                                         for j, (mag, sign) in enumerate(pairs)) + "}"
 
 
 def available() -> bool:
@@ -216,8 +215,8 @@ def fits(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor
             and I % K_STEP == 0 and I % up_bn == 0 and D % down_bn == 0 and up_bn % (8 * up_warps) == 0
             and down_bn % (8 * down_warps) == 0 and x.stride(1) == 1
             and w13.shape[2] * 2 == D and w2.shape[2] * 2 == I
-            and all(t.stride(-1) == 1 and t.storage_offset() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1])
-                    for t in (w13, w2)) and s13.stride(-1) == 1 and s2.stride(-1) == 1)
+            and _code_words(w13) is not None and _code_words(w2) is not None and s13.stride(-1) == 1
+            and s2.stride(-1) == 1)
 
 
 def up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, h: torch.Tensor, sorted_ids: torch.Tensor,
@@ -225,7 +224,7 @@ def up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, h: torch.Tensor, s
     """The up step of `moe.experts_with` over 16-row blocks: w13 MXFP4 codes (uint8, viewed here as words);
     tiles (BLOCK_N, warps)."""
     D, I = x.shape[1], w13.shape[1] // 2
-    words = w13.view(torch.int32)
+    words = _code_words(w13)  # `fits` saw it can
     bn, warps = tiles
     _up_kernel[(block_expert.numel() * triton.cdiv(I, bn),)](
         x, words, s13, h, sorted_ids, block_expert, table, n, D, I, x.stride(0), words.stride(0), words.stride(1),
@@ -238,7 +237,7 @@ def down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, y: torch.Tensor, w
     """The down step of `moe.experts_with` over 16-row blocks: w2 MXFP4 codes (uint8, viewed here as words);
     tiles (BLOCK_N, warps)."""
     D, I = w2.shape[1], h.shape[1]
-    words = w2.view(torch.int32)
+    words = _code_words(w2)
     bn, warps = tiles
     _down_kernel[(block_expert.numel() * triton.cdiv(D, bn),)](
         h, words, s2, y, weights, sorted_ids, block_expert, n, D, I, h.stride(0), words.stride(0), words.stride(1),
