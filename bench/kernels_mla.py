@@ -4,10 +4,9 @@ against their torch references (kernels/mla_ref.py).
 Shapes (K3_LM §6): dn 128, dr 64, dv 128, r 512, latent rows of 576 bf16 in pool blocks of 64.
 Heads: 16 (the `small` preset) and 12 (K3's 96 heads at TP = 8). Decode at batch 1, 16, 64, 256
 with every sequence at context 1000 (a partial last key tile), 1K, 4K, 16K (bytes = the latent rows
-read, B·ctx·576·2); prefill
-chunks of 2K and 8K tokens, fresh (expanded form) and after an 8K cached prefix (absorbed form),
-and one fresh 16K-token prompt (no reference: its [N, T, S] scores would take ~50 GB). Extra
-`decode[...]` rows at batch 64 / 16K time alternative tile configurations for tuning.
+read, B·ctx·576·2); prefill chunks of 2K and 8K tokens, fresh (expanded form) and after an 8K cached
+prefix (absorbed form), and one fresh 16K-token prompt (no reference: its [N, T, S] scores would take
+~50 GB). Extra `decode[...]` rows at batch 64 / 16K time alternative tile configurations for tuning.
 `--check` compares every case with the reference at tolerances.KERNEL[bf16], and on a GPU
 replays each decode case from a CUDA graph (bit-equal to eager, no host sync in the op).
 """

@@ -424,11 +424,9 @@ def decode_config(num_heads: int) -> dict[str, int]:
     """Tile sizes of the latent kernel for decode: all heads of a sequence in one tile where they fit."""
     if num_heads <= 16:
         # BLOCK_N 32 on 4 warps: 13-22 % faster than 64 on 8 at B64 ctx 384 / 1K / 4K and B256 ctx 384 (H200).
-        # Not "tma": with BLOCK_N 32 it spills ~340 B/thread under triton 3.6 (the GPU image's). BLOCK_N 64 on 4
-        # warps with TMA does not spill there and whole tiles run 8-35 % faster (H100, B1-256, ctx 384-16K), but
-        # where a split ends in a partial tile (a context not a multiple of 64) its outputs are wrong or the
-        # launch reads an illegal address (H100, triton 3.6; right in the interpreter); so are 64-key tiles at
-        # num_stages 1, with TMA or without. bench/kernels.py's ctx1000 rows check partial tails on a GPU.
+        # Not "tma": at BLOCK_N 32 it spills under triton 3.6; at 64 on 4 warps whole tiles run 8-35 % faster
+        # (H100), but a partial last tile gives wrong outputs or an illegal address on the GPU (not in the
+        # interpreter; bench/kernels.py's ctx1000 rows check partial tiles)
         return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "tma": False}
     return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "tma": False}
 
