@@ -25,13 +25,11 @@ from tolerances import KERNEL  # noqa: E402
 
 WIDTHS = {"small": 16, "k3tp8": 12}
 DN, DR, DV, R, BS = 128, 64, 128, 512, 64
-# (config, splits) alternatives to kernels/mla.py decode_config(16) and num_splits, at B64 ctx16K (whole key tiles
-# only: the 64-key TMA rows give wrong outputs where a split ends in a partial tile, decode_config says)
+# (config, splits) alternatives to kernels/mla.py's decode tiles (DECODE_TMA on a GPU) and split count, at B64 ctx16K
 TUNING = {
     "bn32-w4-ptr": ({"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "tma": False}, None),
     "bn64-w8-tma": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": True}, None),
     "bn64-w8-s3-tma": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "tma": True}, None),
-    "bn64-w4-tma": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "tma": True}, None),
     "bn64-w8-p8": ({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "tma": False, "p8": True}, None),
     "default-2splits": (None, 2),
     "default-8splits": (None, 8),
@@ -184,14 +182,15 @@ def prefix_forms(iters: int, smoke: bool) -> None:
 
 
 # (batch, context) of --decode-sweep: the engine's decode steps at short and mid contexts
-DECODE_SWEEP = [(64, 384), (64, 1024), (64, 4096), (256, 384), (1, 384), (1, 4096)]
+DECODE_SWEEP = [(64, 384), (64, 1000), (64, 4096), (64, 16384), (256, 384), (256, 4096), (16, 1024), (1, 384),
+                (1, 4096), (1, 16384)]
 
 
 def decode_sweep(iters: int, smoke: bool, table_blocks: int = 512) -> None:
     """mla_decode's tiles and split counts at the DECODE_SWEEP shapes, 16 heads, block tables
     `table_blocks` wide as the engine has them (512: max_model_len 32K), so the split count is the one
     the engine's graphs use: kernels/mla.py decode_config and num_splits first, then the split count
-    alone changed, then other tiles at the chosen split count and at half and twice it; the 8 fastest.
+    alone changed, then other tiles at the chosen split count and at half and twice it; the 10 fastest.
     Each row: µs (graph replays), latent bytes read per µs, largest error relative to the output's max."""
     from kernels import time_fn
 
@@ -208,13 +207,14 @@ def decode_sweep(iters: int, smoke: bool, table_blocks: int = 512) -> None:
         p["block_tables"] = torch.cat([bt, bt.new_zeros(B, pad)], 1)
         a = _decode_args(p)
         want = mla_ref.mla_decode(*a).float()
-        base = mla.decode_config(N)
-        chosen = mla.num_splits(B * -(-N // base["BLOCK_M"]), p["block_tables"].shape[1] * dims["bs"], a[0].device)
+        base = mla.decode_config(N, mla.tma_fits(p["pool"], dims["r"], mla.DECODE_TMA["BLOCK_N"]))
+        chosen = mla.decode_splits(base, B, N, p["block_tables"].shape[1] * dims["bs"], a[0].device)
         variants = [("chosen", None, None)] + [(f"splits{s}", None, s) for s in (1, 2, 3, 4, 6, 8, 16) if s != chosen]
-        for bn, w, st in [(32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3), (32, 4, 3)]:
-            cfg = dict(base, BLOCK_N=bn, num_warps=w, num_stages=st)
-            variants += [(f"bn{bn} w{w} st{st} splits{s}", cfg, s) for s in sorted({chosen, chosen * 2,
-                                                                                      max(1, chosen // 2)})]
+        for bn, w, st, tma in [(32, 4, 2, False), (32, 4, 3, False), (64, 4, 2, True), (64, 8, 2, True),
+                               (64, 8, 3, True)]:
+            cfg = dict(base, BLOCK_N=bn, num_warps=w, num_stages=st, tma=tma)
+            name = f"bn{bn} w{w} st{st}{' tma' if tma else ''}"
+            variants += [(f"{name} splits{s}", cfg, s) for s in sorted({chosen, chosen * 2, max(1, chosen // 2)})]
         rows = []
         for name, cfg, splits in variants:
             run = lambda cfg=cfg, splits=splits: mla.decode(*a, config=cfg, splits=splits)  # noqa: E731
@@ -226,7 +226,7 @@ def decode_sweep(iters: int, smoke: bool, table_blocks: int = 512) -> None:
         best = min(r[0] for r in rows)
         print(f"== B{B} ctx{ctx} N{N}, table {p['block_tables'].shape[1]} blocks, chosen {base} splits {chosen}")
         nbytes = B * ctx * (dims["r"] + dims["dr"]) * 2  # the latent rows read
-        for t, name, err in [rows[0]] + sorted(rows[1:])[:8]:
+        for t, name, err in [rows[0]] + sorted(rows[1:])[:10]:
             print(f"{'*' if t == best else ' '} {name:<26} {t * 1e6:8.1f} us {nbytes / t / 1e12:5.2f} TB/s  "
                   f"rel err {err:.1e}", flush=True)
 

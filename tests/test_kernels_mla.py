@@ -21,10 +21,11 @@ DIMS = {"N": 3, "dn": 5, "dr": 12, "r": 40, "dv": 7, "bs": 5}
 
 
 def paged_problem(prefix: list[int], chunk: list[int], dtype: torch.dtype, *, seed: int, N: int = DIMS["N"],
-                  pad_rows: int = 0, **dims: int) -> dict:
+                  pad_rows: int = 0, stale: float | None = None, **dims: int) -> dict:
     """Sequences with `prefix[b]` cached rows and `chunk[b]` new ones (already written), in permuted
-    blocks of a pool whose every row outside the sequences' contexts is NaN; `pad_rows` padding
-    sequences (block table of zeros, context 1) at the end. `dims` overrides DIMS."""
+    blocks of a pool whose every row outside the sequences' contexts is NaN, except (stale) the rows
+    of their blocks past the contexts: randn·stale there, finite as `mla_write` keeps a pool;
+    `pad_rows` padding sequences (block table of zeros, context 1) at the end. `dims` overrides DIMS."""
     g = torch.Generator().manual_seed(seed)
     dims = {**DIMS, **dims}
     dn, dr, r, dv, bs = dims["dn"], dims["dr"], dims["r"], dims["dv"], dims["bs"]
@@ -39,6 +40,8 @@ def paged_problem(prefix: list[int], chunk: list[int], dtype: torch.dtype, *, se
         tables.append(perm[k:k + nb])
         k += nb
         rows = torch.randn(n, r + dr, generator=g)
+        if stale is not None:
+            pool[tables[-1]] = torch.randn(nb, bs, r + dr, generator=g) * stale
         for p in range(n):
             pool[tables[-1][p // bs], p % bs] = rows[p]
     width = max(need) + 2
@@ -107,15 +110,16 @@ def check_decode_many_heads_uses_several_row_tiles() -> None:
     assert_matches(mla.mla_decode(*decode_args(p)), mla_ref.mla_decode(*decode_args(p)), "decode, 33 heads")
 
 
-def check_tma_tiles_and_masked_tail_match_reference() -> None:
-    """Block size 32, 16-key tiles: whole tiles through TMA descriptors, the partial tail masked
-    (rows past each context are NaN in the pool)."""
+def check_tma_tiles_match_reference() -> None:
+    """Block size 32, 16-key tiles through TMA descriptors, partial last tiles included: their rows past
+    each context (randn·1e4, finite as the pool always is) are read and must weigh nothing. NaN there
+    (which `mla_write` never stores) would reach the output: the check really reads them."""
     from k3backend.kernels import mla, mla_ref
 
     tma = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "tma": True}
     dims = {"bs": 32, "r": 40, "dr": 16}  # rows of 56 values: 16-byte aligned for TMA
     for dtype in (torch.float32, torch.bfloat16):
-        p = paged_problem([0, 15, 40, 70], [1, 1, 1, 1], dtype, seed=9, pad_rows=1, **dims)
+        p = paged_problem([0, 15, 40, 70], [1, 1, 1, 1], dtype, seed=9, pad_rows=1, stale=1e4, **dims)
         assert mla._descriptors(p["pool"], 40, 16, 16) is not None
         want = mla_ref.mla_decode(*decode_args(p))
         B, N = p["q_nope"].shape[:2]
@@ -124,13 +128,33 @@ def check_tma_tiles_and_masked_tail_match_reference() -> None:
             mla.latent_attention(mla._absorb(p["q_nope"], p["w_kc"]), p["q_pe"], p["pool"], p["block_tables"],
                                  p["context_lens"], p["scale"], o_hat, cu_seqlens=None, splits=splits, config=tma)
             assert_matches(mla._unabsorb(o_hat, p["w_vc"]), want, f"decode TMA {dtype} {splits} splits")
-    p = paged_problem([0, 20, 33], [9, 13, 4], torch.bfloat16, seed=10, **dims)
+    p = paged_problem([0, 20, 33], [9, 13, 4], torch.bfloat16, seed=10, stale=1e4, **dims)
     want = mla_ref.mla_prefill(*prefill_args(p))
     cached = torch.repeat_interleave(torch.tensor([False, True, True]), torch.tensor([9, 13, 4]))
     o_hat = mla.latent_attention(mla._absorb(p["q_nope"], p["w_kc"]), p["q_pe"], p["pool"], p["block_tables"],
                                  p["context_lens"], p["scale"], mla._empty_heads_major(26, N, 40, p["q_nope"]),
                                  cu_seqlens=p["cu_seqlens"], splits=1, config=tma, skip_fresh=True)
     assert_matches(mla._unabsorb(o_hat, p["w_vc"])[cached], want[cached], "prefill TMA")
+    p = paged_problem([14], [1], torch.float32, seed=11, **dims)  # 15 keys: one partial tile, NaN past it
+    o_hat = mla._empty_heads_major(1, N, 40, p["q_nope"])
+    mla.latent_attention(mla._absorb(p["q_nope"], p["w_kc"]), p["q_pe"], p["pool"], p["block_tables"],
+                         p["context_lens"], p["scale"], o_hat, cu_seqlens=None, splits=1, config=tma)
+    assert torch.isnan(o_hat).all(), "TMA tiles should read (and be poisoned by) NaN rows past the context"
+
+
+def check_decode_takes_tma_tiles_where_the_pool_allows() -> None:
+    """K3's decode layout (16 heads, block size 64): `mla_decode` picks DECODE_TMA (64-key tiles), contexts
+    ending inside a tile and on a tile's end, stale rows past them; other block sizes keep pointer tiles."""
+    from k3backend.kernels import mla, mla_ref
+
+    dims = {"bs": 64, "r": 40, "dr": 16}
+    p = paged_problem([0, 62, 63, 64, 100, 191], [1] * 6, torch.bfloat16, seed=12, N=16, pad_rows=1, stale=1e4,
+                      **dims)
+    assert mla.tma_fits(p["pool"], 40, 64) and mla.decode_config(16, True) == mla.DECODE_TMA
+    assert not mla.tma_fits(p["pool"][:, :32], 40, 64) and not mla.decode_config(16, False)["tma"]
+    with poisoned_empty():
+        out = mla.mla_decode(*decode_args(p))
+    assert_matches(out, mla_ref.mla_decode(*decode_args(p)), "decode, DECODE_TMA tiles")
 
 
 # fresh 9 (expanded form), prefix 6 + 4, prefix 11 + 1, fresh 1, prefix 3 + 7
@@ -270,8 +294,12 @@ def test_decode_many_heads_uses_several_row_tiles():
     CHECKS.assert_passed("decode_many_heads_uses_several_row_tiles")
 
 
-def test_tma_tiles_and_masked_tail_match_reference():
-    CHECKS.assert_passed("tma_tiles_and_masked_tail_match_reference")
+def test_tma_tiles_match_reference():
+    CHECKS.assert_passed("tma_tiles_match_reference")
+
+
+def test_decode_takes_tma_tiles_where_the_pool_allows():
+    CHECKS.assert_passed("decode_takes_tma_tiles_where_the_pool_allows")
 
 
 def test_prefill_matches_reference():
@@ -335,10 +363,10 @@ def test_configs_compile_for_hopper_without_spills():
     latent = {"BLOCK_SIZE": 64, "R": 512, "DR": 64, "BLOCK_R": 512, "BLOCK_DR": 64, "F32_DOT": False, "SPLIT_P": True,
               "INTERPRET": False, "SEARCH": mla.SEARCH, "PREFIX": False}
     runs = []
-    cfg = mla.decode_config(16)
-    runs.append(("decode", mla._latent_attn_kernel, _latent_args(cfg, 16, 64, True), cfg,
-                 {**latent, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "DECODE": True, "SKIP_FRESH": False,
-                  "SPLIT": True, "USE_TMA": cfg["tma"]}))
+    for cfg in (mla.decode_config(16, tma=True), mla.decode_config(16)):
+        runs.append((f"decode (tma {cfg['tma']})", mla._latent_attn_kernel, _latent_args(cfg, 16, 64, True), cfg,
+                     {**latent, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "DECODE": True,
+                      "SKIP_FRESH": False, "SPLIT": True, "USE_TMA": cfg["tma"]}))
     cfg = mla.PREFILL_LATENT  # also decode_config(N > 16)
     assert {k: v for k, v in mla.decode_config(32).items()} == cfg
     runs.append(("prefill latent", mla._latent_attn_kernel, _latent_args(cfg, 16, 4096, False), cfg,

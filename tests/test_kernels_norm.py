@@ -76,7 +76,8 @@ def check_attn_res_mix_and_mix_norm_match_reference() -> None:
 
 def check_mla_latent_matches_reference() -> None:
     """mla_latent: the pool rows [rms_norm(c_kv) ; k_pe] at their slots (every other row untouched) and
-    rms_norm(q_a), from strided slices of one in-projection output as MLA takes them; without a q LoRA too."""
+    rms_norm(q_a), from strided slices of one in-projection output as MLA takes them; without a q LoRA too;
+    NaN and Inf stored as 0."""
     from k3backend.kernels import mla_ref, norm
 
     Q, R, dr, G = 48, 40, 12, 20
@@ -104,6 +105,20 @@ def check_mla_latent_matches_reference() -> None:
                 assert_matches(got, want, f"{what}: q")
             else:
                 assert got is None and want is None
+        # NaN / Inf in the latent: stored as 0, so the pool stays finite (mla_write: TMA decode reads stale rows)
+        lat = randn(3, R + dr, seed=30, dtype=dtype)
+        lat[0, 3], lat[1, R + 2], lat[2, R + 5] = float("nan"), float("inf"), float("-inf")
+        pools = [torch.zeros(4, 8, R + dr, dtype=dtype) for _ in range(2)]
+        slots = torch.tensor([5, 17, 30])
+        with poisoned_empty():
+            norm.mla_latent(None, None, 0.0, lat, kvw, 1e-6, pools[0], slots)
+        mla_ref.mla_latent(None, None, 0.0, lat, kvw, 1e-6, pools[1], slots)
+        for pool, who in zip(pools, ("kernel", "reference")):
+            rows = pool.view(-1, R + dr)[slots]
+            assert torch.isfinite(pool).all(), f"mla_latent {dtype} {who}: a non-finite value stored"
+            assert (rows[0, :R] == 0).all() and torch.equal(rows[0, R:], lat[0, R:]), f"{who}: NaN c_kv row"
+            assert rows[1, R + 2] == 0 and rows[2, R + 5] == 0 and (rows[1:, :R] != 0).any(), f"{who}: Inf k_pe"
+        assert torch.equal(pools[0], pools[1]), f"mla_latent {dtype}: kernel and reference store different rows"
 
 
 def check_tiny_model_through_the_switch_matches_reference() -> None:

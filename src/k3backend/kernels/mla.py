@@ -150,10 +150,12 @@ def _latent_attn_kernel(
     sits at position ctx − L + i and sees keys j ≤ that position. SKIP_FRESH: chunks with no cached
     prefix, and (PREFIX) those whose prefix `pcu_ptr` expands, are left to the MHA kernel. SPLIT:
     write fp32 partials + lse at split = program_id(1).
-    USE_TMA (BLOCK_N divides the pool's block size): whole key tiles are one slice of one pool block,
-    loaded by TMA descriptors over the pool's [c_kv] and [k_pe] columns; the last, partial tile of a
-    split takes the masked pointer loads, so rows past the context are never read (they may hold
-    anything a block's previous owner left).
+    USE_TMA (BLOCK_N divides the pool's block size): key tiles are one slice of one pool block, loaded
+    by TMA descriptors over the pool's [c_kv] and [k_pe] columns, the partial last one whole: its rows
+    past the context get p = 0, which is exact only because the pool holds no NaN or Inf (`mla_write`).
+    (Masked pointer loads for that tile miscompute on the GPU, triton 3.6: a 64 x 512 tile stored from
+    registers to shared memory for wgmma gives wrong sums or an illegal address.) Without TMA no row
+    past the context is read.
     """
     pdl.enter(PDL)
     pid = tl.program_id(0)
@@ -197,18 +199,14 @@ def _latent_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     accT = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
-    if USE_TMA:
-        kv_mid = kv_lo + (kv_end - kv_lo) // BLOCK_N * BLOCK_N
-        for start in range(kv_lo, kv_mid, BLOCK_N):
+    if USE_TMA:  # every tile by TMA, a partial last one too: its rows past kv_end are read, then masked
+        for start in range(kv_lo, kv_end, BLOCK_N):
             row = (tl.load(bt_row + start // BLOCK_SIZE) * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)
             ckv = ckv_desc.load([row, 0])
             kpe = kpe_desc.load([row, 0])
-            j = start + tl.arange(0, BLOCK_N)
-            m_i, l_i, accT = _latent_step(ckv, kpe, qT, qpeT, j[:, None] < limit[None, :], m_i, l_i, accT, scale,
-                                          F32_DOT, SPLIT_P, INTERPRET)
-        if kv_mid < kv_end:  # the partial tail: masked loads, not pipelined
-            ckv, kpe, visible = _masked_tile(pool_ptr, bt_row, kv_mid, kv_end, limit, s_blk, s_row, BLOCK_SIZE, R, DR,
-                                             BLOCK_R, BLOCK_DR, BLOCK_N)
+            j = start + tl.arange(0, BLOCK_N)  # split ends are whole tiles or kv_hi, and limit <= kv_hi
+            # decode: limit = ctx for every row; one column mask (triton 3.6 spills 8 B with the [N, M] one)
+            visible = (j < kv_end)[:, None] if DECODE else j[:, None] < limit[None, :]
             m_i, l_i, accT = _latent_step(ckv, kpe, qT, qpeT, visible, m_i, l_i, accT, scale, F32_DOT, SPLIT_P,
                                           INTERPRET)
     else:
@@ -415,20 +413,28 @@ def has_tma(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-# Tile configurations: BLOCK_M query rows x BLOCK_N keys per step; "tma": load whole key tiles with
-# TMA descriptors where the pool's layout allows (Hopper; BLOCK_N divides the block size); "p8" (for
+# Tile configurations: BLOCK_M query rows x BLOCK_N keys per step; "tma": load key tiles with TMA
+# descriptors where the pool's layout allows (Hopper; BLOCK_N divides the block size); "ctas_per_sm":
+# programs an SM for the split count (default 2); "p8" (for
 # tuning only): p enters the value GEMM as one bf16 cast, not hi + lo (half the value MMAs). The shipped
 # ones compile for sm_90a without spills under triton 3.6 and 3.9
 # (tests/test_kernels_mla.py::test_configs_compile_for_hopper_without_spills).
-def decode_config(num_heads: int) -> dict[str, int]:
-    """Tile sizes of the latent kernel for decode: all heads of a sequence in one tile where they fit."""
+def decode_config(num_heads: int, tma: bool = False) -> dict[str, int]:
+    """Tile sizes of the latent kernel for decode: all heads of a sequence in one tile where they fit;
+    tma: the pool's layout allows DECODE_TMA's descriptors (`tma_fits`)."""
+    if num_heads <= 16 and tma:
+        return dict(DECODE_TMA)
     if num_heads <= 16:
         # BLOCK_N 32 on 4 warps: 13-22 % faster than 64 on 8 at B64 ctx 384 / 1K / 4K and B256 ctx 384 (H200).
-        # Not "tma": at BLOCK_N 32 it spills under triton 3.6; at 64 on 4 warps whole tiles run 8-35 % faster
-        # (H100), but a partial last tile gives wrong outputs or an illegal address on the GPU (not in the
-        # interpreter; bench/kernels.py's ctx1000 rows check partial tiles)
         return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "tma": False}
     return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "tma": False}
+
+
+# 64-key TMA tiles on 4 warps, one program an SM (254 registers, ~170 KB of shared memory), so `num_splits`
+# fills half the slots. Against the 32-key pointer tiles (H100, bench/kernels_mla.py --decode-sweep, each with
+# its splits): B1 ctx 4K / 16K 1.11x / 1.23x, B16 1K 1.26x, B64 4K / 16K 1.29x / 1.27x, B256 4K 1.22x.
+# The 32-key TMA tile spills under triton 3.6.
+DECODE_TMA = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "tma": True, "ctas_per_sm": 1}
 
 
 PREFILL_LATENT = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "tma": False}
@@ -446,13 +452,19 @@ PREFIX_TOKENS = 16384
 PREFIX_MIN_LEN = 128
 
 
+def tma_fits(pool: torch.Tensor, r: int, block_n: int) -> bool:
+    """Whether TMA descriptors can read the pool's c_kv and k_pe columns in tiles of block_n rows."""
+    bs, width, size = pool.shape[1], pool.shape[2], pool.element_size()
+    return not (bs % block_n or (width * size) % 16 or (r * size) % 16 or pool.data_ptr() % 16
+                or not pool.is_contiguous() or not has_tma(pool.device))
+
+
 def _descriptors(pool: torch.Tensor, r: int, dr: int, block_n: int) -> tuple | None:
     """TMA descriptors over the pool's c_kv and k_pe columns, viewed [num_blocks·block_size, r+dr]
     (tiles of BLOCK_N rows), or None where the layout does not allow them."""
-    bs, width, size = pool.shape[1], pool.shape[2], pool.element_size()
-    if (bs % block_n or (width * size) % 16 or (r * size) % 16 or pool.data_ptr() % 16 or not pool.is_contiguous()
-            or not has_tma(pool.device)):
+    if not tma_fits(pool, r, block_n):
         return None
+    width = pool.shape[2]
     flat = pool.view(-1, width)
     return (TensorDescriptor(flat, [flat.shape[0], r], [width, 1], [block_n, _block(r)]),
             TensorDescriptor(flat[:, r:], [flat.shape[0], dr], [width, 1], [block_n, _block(dr)]))
@@ -468,6 +480,11 @@ def num_splits(tiles: int, max_kv: int, device: torch.device, ctas_per_sm: int =
     eff = [(tiles * s / slots) / math.ceil(tiles * s / slots) for s in range(1, most + 1)]
     best = max(eff)
     return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+def decode_splits(config: dict, B: int, N: int, max_kv: int, device: torch.device) -> int:
+    """`num_splits` of a decode launch with `config`'s row tiles and programs an SM."""
+    return num_splits(B * -(-N // config["BLOCK_M"]), max_kv, device, config.get("ctas_per_sm", 2))
 
 
 def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
@@ -631,9 +648,9 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_t
         raise ValueError(f"context_lens: expected shape [{B}] (one per query row), got {list(context_lens.shape)}")
     if B == 0:
         return q_nope.new_empty(0, N * w_vc.shape[-1])
-    config = config or decode_config(N)
+    config = config or decode_config(N, tma_fits(pool, r, DECODE_TMA["BLOCK_N"]))
     if splits is None:
-        splits = num_splits(B * -(-N // config["BLOCK_M"]), block_tables.shape[1] * pool.shape[1], q_nope.device)
+        splits = decode_splits(config, B, N, block_tables.shape[1] * pool.shape[1], q_nope.device)
     o_hat = _empty_heads_major(B, N, r, q_nope)
     latent_attention(_absorb(q_nope, w_kc), q_pe, pool, block_tables, context_lens, scale, o_hat,
                      cu_seqlens=None, splits=splits, config=config)

@@ -84,8 +84,10 @@ def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k
 # ---- the ops the model calls: paged latent pool -------------------------------------------------
 
 def mla_write(rows: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """pool.view(-1, r+dr)[slot_mapping] = rows, in place. rows: [T, r+dr]; slot_mapping: [T] int64."""
-    pool.view(-1, pool.shape[-1])[slot_mapping] = rows.to(pool.dtype)
+    """pool.view(-1, r+dr)[slot_mapping] = rows, in place, NaN and Inf stored as 0. rows: [T, r+dr]; slot_mapping:
+    [T] int64. The pool (allocated zeroed) so never holds a non-finite value: the TMA decode tiles
+    (`kernels/mla.py`) read a partial block's rows past the context and weight them by p = 0."""
+    pool.view(-1, pool.shape[-1])[slot_mapping] = rows.to(pool.dtype).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def mla_latent(q_a: torch.Tensor | None, q_norm_weight: torch.Tensor | None, q_eps: float, lat: torch.Tensor,

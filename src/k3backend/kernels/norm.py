@@ -147,8 +147,9 @@ def _mla_latent_kernel(
     Q: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr,
     HAS_Q: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Token t: pool row slot[t] = [rms_norm(lat[t, :R]) ; lat[t, R:W]], rounded to lat's dtype then the pool's;
-    HAS_Q: qo[t] = rms_norm(q[t]). Each norm `rms_normed`, one rounding."""
+    """Token t: pool row slot[t] = [rms_norm(lat[t, :R]) ; lat[t, R:W]], rounded to lat's dtype then the pool's,
+    NaN and Inf stored as 0 (`mla_ref.mla_write`); HAS_Q: qo[t] = rms_norm(q[t]). Each norm `rms_normed`, one
+    rounding."""
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_W)
@@ -157,6 +158,7 @@ def _mla_latent_kernel(
     w = tl.load(kvw_ptr + c, mask=c < R, other=0.0).to(tl.float32)
     normed = to_dtype(rms_normed(x, w, R, kv_eps, 0), lat_ptr.dtype.element_ty, INTERPRET)
     row = to_dtype(tl.where(c < R, normed, raw).to(tl.float32), pool_ptr.dtype.element_ty, INTERPRET)
+    row = tl.where(tl.abs(row.to(tl.float32)) < float("inf"), row, 0.0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # never negative; if one were, nothing is written before the pool
         tl.store(pool_ptr + slot * W + c, row, mask=c < W)

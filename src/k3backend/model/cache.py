@@ -98,7 +98,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def layer_cache(attn: torch.nn.Module, num_slots: int, num_blocks: int, block_size: int, dtype: torch.dtype,
                 device: torch.device) -> LayerCache:
-    """Zeroed pools of one attention layer (KDA: `cache_shapes()`; MLA: `cache_width`)."""
+    """Zeroed pools of one attention layer (KDA: `cache_shapes()`; MLA: `cache_width`, finite from the start as
+    `mla_write` keeps it)."""
     if attn.is_kda:
         (H, K, V), (W1, C) = attn.cache_shapes()
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
