@@ -209,7 +209,8 @@ def decode_sweep(iters: int, smoke: bool, table_blocks: int = 512) -> None:
         want = mla_ref.mla_decode(*a).float()
         base = mla.decode_config(N, mla.tma_fits(p["pool"], dims["r"], mla.DECODE_TMA["BLOCK_N"]))
         chosen = mla.decode_splits(base, B, N, p["block_tables"].shape[1] * dims["bs"], a[0].device)
-        variants = [("chosen", None, None)] + [(f"splits{s}", None, s) for s in (1, 2, 3, 4, 6, 8, 16) if s != chosen]
+        variants = [("chosen", None, None)] + [(f"splits{s}", None, s) for s in (1, 2, 3, 4, 6, 8, 16, 32, 64)
+                                               if s != chosen]
         for bn, w, st, tma in [(32, 4, 2, False), (32, 4, 3, False), (64, 4, 2, True), (64, 8, 2, True),
                                (64, 8, 3, True)]:
             cfg = dict(base, BLOCK_N=bn, num_warps=w, num_stages=st, tma=tma)

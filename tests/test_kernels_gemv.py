@@ -268,10 +268,6 @@ _PDL_ONLY_HERE = {
         dict(xqkv="*bf16", conv_pool="*bf16", z="*bf16", o_norm_weight="*bf16", state_indices="*i32", y="*bf16",
              s_x=8336, s_z=8336),
         dict(H=16, K=128, V=128, W=4, BK=128, BV=128, BW=4, EPS=1e-5, ACC=tl.float32, BITS=False), 4),
-    ("mla", "_latent_reduce_kernel"): (
-        dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", N=16, num_splits=4, s_os=16 * 512 * 64,
-             s_ot=16 * 512, s_oh=512, s_ls=1024, s_lt=16, s_lh=1, s_t=16 * 512, s_h=512),
-        dict(R=512, BLOCK_R=512, INTERPRET=False), 4),
     ("moe", "_align_count_kernel"): (
         dict(ids_ptr="*i64", counts_ptr="*i32", n=384, E=64, stride_it=6, stride_ik=1), dict(TOP_K=6, BLOCK=256), 4),
     ("moe", "_align_place_kernel"): (
@@ -293,7 +289,7 @@ _PDL_BUILT_ELSEWHERE = {  # compiled with PDL on (tests/sm90.py turns it on) by 
     ("norm", "_attn_res_mix_kernel"),
     ("norm", "_mla_latent_kernel"),
     ("routing", "_route_kernel"), ("routing", "_router_gemm_kernel"), ("moe", "_up_kernel"), ("moe", "_down_kernel"),
-    ("moe", "_up_gemv_kernel"), ("mla", "_latent_attn_kernel")}
+    ("moe", "_up_gemv_kernel"), ("mla", "_latent_attn_kernel"), ("mla", "_latent_reduce_kernel")}
 
 
 def test_pdl_kernels_compile_for_hopper_and_wait_before_touching_memory():

@@ -392,3 +392,9 @@ def test_configs_compile_for_hopper_without_spills():
     for what, kernel, args, cfg, constexprs in runs:
         c = compile_sm90(kernel, args, constexprs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         assert c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what} {cfg}: {c}"
+    c = compile_sm90(mla._latent_reduce_kernel,
+                     dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", N=16, num_splits=4, s_os=64 * 16 * 512,
+                          s_ot=16 * 512, s_oh=512, s_ls=64 * 16, s_lt=16, s_lh=1, s_t=16 * 512, s_h=512),
+                     {"R": 512, "BLOCK_R": 512, "BLOCK_S": mla.REDUCE_SPLITS, "INTERPRET": False}, num_warps=4,
+                     num_stages=2)
+    assert c.stack == 0, f"split reduce: {c}"
