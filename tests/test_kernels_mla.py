@@ -355,7 +355,7 @@ def _latent_args(config: dict, N: int, T: int, split: bool) -> dict:
 
 def test_configs_compile_for_hopper_without_spills():
     """The shipped tile configurations at K3 sizes compile for sm_90a (no GPU needed) with no register
-    spills and within the 227 KB of shared memory a program may use."""
+    spills (but 8 B for DECODE_TMA) and within the 227 KB of shared memory a program may use."""
     from sm90 import compile_sm90
 
     from k3backend.kernels import mla
@@ -391,7 +391,8 @@ def test_configs_compile_for_hopper_without_spills():
                   "BLOCK_K": cfg["BLOCK_K"], "SEARCH": mla.SEARCH, "F32_DOT": False, "INTERPRET": False}))
     for what, kernel, args, cfg, constexprs in runs:
         c = compile_sm90(kernel, args, constexprs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        assert c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what} {cfg}: {c}"
+        spill = 8 if cfg.get("tma") else 0  # DECODE_TMA under triton 3.6: 8 B, measured faster than none (mla.py)
+        assert c.stack <= spill and c.smem <= 227 * 1024 and 3 in c.mma, f"{what} {cfg}: {c}"
     c = compile_sm90(mla._latent_reduce_kernel,
                      dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", N=16, num_splits=4, s_os=64 * 16 * 512,
                           s_ot=16 * 512, s_oh=512, s_ls=64 * 16, s_lt=16, s_lh=1, s_t=16 * 512, s_h=512),

@@ -205,10 +205,8 @@ def _latent_attn_kernel(
             ckv = ckv_desc.load([row, 0])
             kpe = kpe_desc.load([row, 0])
             j = start + tl.arange(0, BLOCK_N)  # split ends are whole tiles or kv_hi, and limit <= kv_hi
-            # decode: limit = ctx for every row; one column mask (triton 3.6 spills 8 B with the [N, M] one)
-            visible = (j < kv_end)[:, None] if DECODE else j[:, None] < limit[None, :]
-            m_i, l_i, accT = _latent_step(ckv, kpe, qT, qpeT, visible, m_i, l_i, accT, scale, F32_DOT, SPLIT_P,
-                                          INTERPRET)
+            m_i, l_i, accT = _latent_step(ckv, kpe, qT, qpeT, j[:, None] < limit[None, :], m_i, l_i, accT, scale,
+                                          F32_DOT, SPLIT_P, INTERPRET)
     else:
         for start in range(kv_lo, kv_end, BLOCK_N):
             ckv, kpe, visible = _masked_tile(pool_ptr, bt_row, start, kv_end, limit, s_blk, s_row, BLOCK_SIZE, R, DR,
@@ -434,7 +432,8 @@ def decode_config(num_heads: int, tma: bool = False) -> dict[str, int]:
 # 64-key TMA tiles on 4 warps, one program an SM (254 registers, ~170 KB of shared memory), so `num_splits`
 # fills half the slots. Against the 32-key pointer tiles (H100, bench/kernels_mla.py --decode-sweep, each with
 # its splits): B1 ctx 4K / 16K 1.11x / 1.23x, B16 1K 1.26x, B64 4K / 16K 1.29x / 1.27x, B256 4K 1.22x.
-# The 32-key TMA tile spills under triton 3.6.
+# The 32-key TMA tile spills under triton 3.6; this one 8 B there (0 under 3.9): decode's mask by column
+# (j < kv_end) avoids that and ran 4-7 % slower at B64 4K / 16K (H100, side by side).
 DECODE_TMA = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "tma": True, "ctas_per_sm": 1}
 
 
