@@ -416,7 +416,7 @@ def has_tma(device: torch.device) -> bool:
 # descriptors where the pool's layout allows (Hopper; BLOCK_N divides the block size); "ctas_per_sm":
 # programs an SM for the split count (default 2); "p8" (for
 # tuning only): p enters the value GEMM as one bf16 cast, not hi + lo (half the value MMAs). The shipped
-# ones compile for sm_90a without spills under triton 3.6 and 3.9
+# ones compile for sm_90a without spills under triton 3.6 and 3.9, but DECODE_TMA's 8 B under 3.6
 # (tests/test_kernels_mla.py::test_configs_compile_for_hopper_without_spills).
 def decode_config(num_heads: int, tma: bool = False) -> dict[str, int]:
     """Tile sizes of the latent kernel for decode: all heads of a sequence in one tile where they fit;
@@ -431,7 +431,8 @@ def decode_config(num_heads: int, tma: bool = False) -> dict[str, int]:
 
 # 64-key TMA tiles on 4 warps, one program an SM (254 registers, ~170 KB of shared memory), so `num_splits`
 # fills half the slots. Against the 32-key pointer tiles (H100, bench/kernels_mla.py --decode-sweep, each with
-# its splits): B1 ctx 4K / 16K 1.11x / 1.23x, B16 1K 1.26x, B64 4K / 16K 1.29x / 1.27x, B256 4K 1.22x.
+# its splits, the reduce of two passes): B1 ctx 4K / 16K 1.11x / 1.23x, B16 1K 1.26x, B64 4K / 16K 1.29x / 1.27x,
+# B256 4K 1.22x.
 # The 32-key TMA tile spills under triton 3.6; this one 8 B there (0 under 3.9): decode's mask by column
 # (j < kv_end) avoids that and ran 4-7 % slower at B64 4K / 16K (H100, side by side).
 DECODE_TMA = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "tma": True, "ctas_per_sm": 1}
@@ -541,8 +542,7 @@ def latent_attention(q_hat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor
             part, lse, out, N=N, num_splits=splits, s_os=part.stride(0), s_ot=part.stride(1), s_oh=part.stride(2),
             s_ls=lse.stride(0), s_lt=lse.stride(1), s_lh=lse.stride(2), s_t=out.stride(0), s_h=out.stride(1),
             R=r, BLOCK_R=_block(r), BLOCK_S=REDUCE_SPLITS, INTERPRET=interpreting(), **pdl.launch_args(q_hat.device),
-            num_warps=4,
-            enable_fp_fusion=FP_FUSION)
+            num_warps=4, enable_fp_fusion=FP_FUSION)
     return out
 
 
