@@ -157,6 +157,34 @@ def check_decode_takes_tma_tiles_where_the_pool_allows() -> None:
     assert_matches(out, mla_ref.mla_decode(*decode_args(p)), "decode, DECODE_TMA tiles")
 
 
+def check_decode_random_layouts_match_reference() -> None:
+    """Seeded random decode problems: block sizes 16 / 32 / 64, TMA tiles of 16-64 keys dividing them and
+    32-key pointer tiles, contexts on and beside tile ends, 1-40 splits, stale rows of 1e4·randn past each
+    context, fp32 and bf16."""
+    import random
+
+    from k3backend.kernels import mla, mla_ref
+
+    rng = random.Random(34)
+    for case in range(24):
+        bs = rng.choice([16, 32, 64])
+        bn = rng.choice([n for n in (16, 32, 64) if bs % n == 0] + [32])
+        tma = bs % bn == 0 and rng.random() < 0.7
+        cfg = {"BLOCK_M": 16, "BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "tma": tma}
+        ctx = [rng.choice([1, bn - 1, bn, bn + 1, 2 * bn - 1, 20 * bn + 3, rng.randint(1, 300)])
+               for _ in range(rng.randint(1, 5))]
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        splits = rng.choice([1, 2, 3, 5, 16, 24, 40])  # > mla.REDUCE_SPLITS: the reduce's later steps rescale
+        p = paged_problem([n - 1 for n in ctx], [1] * len(ctx), dtype, seed=100 + case, stale=1e4, bs=bs, r=40, dr=16)
+        assert not tma or mla._descriptors(p["pool"], 40, 16, bn) is not None
+        B, N = p["q_nope"].shape[:2]
+        o_hat = mla._empty_heads_major(B, N, 40, p["q_nope"]).fill_(float("nan"))
+        mla.latent_attention(mla._absorb(p["q_nope"], p["w_kc"]), p["q_pe"], p["pool"], p["block_tables"],
+                             p["context_lens"], p["scale"], o_hat, cu_seqlens=None, splits=splits, config=cfg)
+        assert_matches(mla._unabsorb(o_hat, p["w_vc"]), mla_ref.mla_decode(*decode_args(p)),
+                       f"case {case}: block {bs}, {cfg}, contexts {ctx}, {splits} splits, {dtype}")
+
+
 # fresh 9 (expanded form), prefix 6 + 4, prefix 11 + 1, fresh 1, prefix 3 + 7
 PREFIX, CHUNK = [0, 6, 11, 0, 3], [9, 4, 1, 1, 7]
 
@@ -296,6 +324,10 @@ def test_decode_many_heads_uses_several_row_tiles():
 
 def test_tma_tiles_match_reference():
     CHECKS.assert_passed("tma_tiles_match_reference")
+
+
+def test_decode_random_layouts_match_reference():
+    CHECKS.assert_passed("decode_random_layouts_match_reference")
 
 
 def test_decode_takes_tma_tiles_where_the_pool_allows():
