@@ -280,8 +280,10 @@ def check_prefill_kernels_write_exactly_their_rows() -> None:
 
 def check_mla_layer_steps_through_the_switch_match_reference() -> None:
     """model/mla.py through kernels/__init__ with K3_KERNELS=triton: prefill, a mixed step (decode rows
-    and a chunk over a cached prefix), decode; the same outputs as K3_KERNELS=ref."""
+    and a chunk over a cached prefix), decode; the same outputs as K3_KERNELS=ref. Blocks of 4 and of 64
+    (decode in DECODE_TMA's tiles, the pool's rows written by the fused mla_latent)."""
     from k3backend.config import K3Config
+    from k3backend.kernels import mla
     from k3backend.model.mla import MLA
     from k3backend.presets import preset_config
     from poolutil import Streams
@@ -295,15 +297,17 @@ def check_mla_layer_steps_through_the_switch_match_reference() -> None:
     batches = [([7, 5, 3], 0), ([1, 1, 4], 2), ([1, 1, 1], 3)]
     xs = [torch.randn(sum(lens), cfg.hidden_size, generator=g) for lens, _ in batches]
 
-    def steps() -> list[torch.Tensor]:
-        s = Streams([layer], 3, 16, dtype=torch.float32)
-        return [layer(x, s.batch(lens, num_decode=nd), s.cache) for x, (lens, nd) in zip(xs, batches)]
+    for bs in (4, 64):
+        def steps() -> list[torch.Tensor]:
+            s = Streams([layer], 3, 16, dtype=torch.float32, block_size=bs)
+            assert mla.tma_fits(s.cache.latent, cfg.kv_lora_rank, mla.DECODE_TMA["BLOCK_N"]) == (bs == 64)
+            return [layer(x, s.batch(lens, num_decode=nd), s.cache) for x, (lens, nd) in zip(xs, batches)]
 
-    fast, ref, seen = triton_and_reference(steps)
-    for op in ("mla_decode", "mla_prefill"):
-        assert any(f"{op} runs its Triton kernel" in m for m in seen), (op, seen)
-    for k, (a, b) in enumerate(zip(fast, ref)):
-        torch.testing.assert_close(a, b, **KERNEL[torch.float32], msg=lambda m: f"step {k}: {m}")
+        fast, ref, seen = triton_and_reference(steps)
+        for op in ("mla_decode", "mla_prefill"):
+            assert any(f"{op} runs its Triton kernel" in m for m in seen), (op, seen)
+        for k, (a, b) in enumerate(zip(fast, ref)):
+            torch.testing.assert_close(a, b, **KERNEL[torch.float32], msg=lambda m: f"block {bs}, step {k}: {m}")
 
 
 def test_mla_layer_steps_through_the_switch_match_reference():
