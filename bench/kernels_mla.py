@@ -189,7 +189,7 @@ DECODE_SWEEP = [(64, 384), (64, 1000), (64, 4096), (64, 16384), (256, 384), (256
 def decode_sweep(iters: int, smoke: bool, table_blocks: int = 512) -> None:
     """mla_decode's tiles and split counts at the DECODE_SWEEP shapes, 16 heads, block tables
     `table_blocks` wide as the engine has them (512: max_model_len 32K), so the split count is the one
-    the engine's graphs use: kernels/mla.py decode_config and num_splits first, then the split count
+    the engine's graphs use: kernels/mla.py decode_tiles and decode_splits first, then the split count
     alone changed, then other tiles at the chosen split count and at half and twice it; the 10 fastest.
     Each row: µs (graph replays), latent bytes read per µs, largest error relative to the output's max."""
     from kernels import time_fn
@@ -207,7 +207,7 @@ def decode_sweep(iters: int, smoke: bool, table_blocks: int = 512) -> None:
         p["block_tables"] = torch.cat([bt, bt.new_zeros(B, pad)], 1)
         a = _decode_args(p)
         want = mla_ref.mla_decode(*a).float()
-        base = mla.decode_config(N, mla.tma_fits(p["pool"], dims["r"], mla.DECODE_TMA["BLOCK_N"]))
+        base = mla.decode_tiles(N, p["pool"], dims["r"])
         chosen = mla.decode_splits(base, B, N, p["block_tables"].shape[1] * dims["bs"], a[0].device)
         variants = [("chosen", None, None)] + [(f"splits{s}", None, s) for s in (1, 2, 3, 4, 6, 8, 16, 32, 64)
                                                if s != chosen]

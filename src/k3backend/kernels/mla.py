@@ -461,6 +461,11 @@ def tma_fits(pool: torch.Tensor, r: int, block_n: int) -> bool:
                 or not pool.is_contiguous() or not has_tma(pool.device))
 
 
+def decode_tiles(num_heads: int, pool: torch.Tensor, r: int) -> dict[str, int]:
+    """`decode_config` for this pool: DECODE_TMA where its descriptors can read the pool."""
+    return decode_config(num_heads, tma_fits(pool, r, DECODE_TMA["BLOCK_N"]))
+
+
 def _descriptors(pool: torch.Tensor, r: int, dr: int, block_n: int) -> tuple | None:
     """TMA descriptors over the pool's c_kv and k_pe columns, viewed [num_blocks·block_size, r+dr]
     (tiles of BLOCK_N rows), or None where the layout does not allow them."""
@@ -651,7 +656,7 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, block_t
         raise ValueError(f"context_lens: expected shape [{B}] (one per query row), got {list(context_lens.shape)}")
     if B == 0:
         return q_nope.new_empty(0, N * w_vc.shape[-1])
-    config = config or decode_config(N, tma_fits(pool, r, DECODE_TMA["BLOCK_N"]))
+    config = config or decode_tiles(N, pool, r)
     if splits is None:
         splits = decode_splits(config, B, N, block_tables.shape[1] * pool.shape[1], q_nope.device)
     o_hat = _empty_heads_major(B, N, r, q_nope)
