@@ -54,6 +54,82 @@ def check_many_rows_and_ties() -> None:
                             torch.zeros(0, dtype=torch.int64)).shape == (0,)
 
 
+def screen_ratios(p: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draw's float32 screen ratio and float64 ratio of probabilities p [N] and uniform bits m [N] (int64)."""
+    global sample  # a module global: a jit function reads names from there, not from closures
+    import triton
+    import triton.language as tl
+
+    from k3backend.kernels import sample
+
+    @triton.jit
+    def both(p_ptr, m_ptr, r32_ptr, r64_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        p, m = tl.load(p_ptr + i), tl.load(m_ptr + i).to(tl.uint64, bitcast=True)
+        tl.store(r32_ptr + i, sample._ratio32(p, m))
+        tl.store(r64_ptr + i, sample._ratio(p, m))
+
+    k, n = len(p), triton.next_power_of_2(len(p))
+    r32, r64 = torch.empty(n), torch.empty(n, dtype=torch.float64)
+    both[(1,)](torch.nn.functional.pad(p, (0, n - k)), torch.nn.functional.pad(m, (0, n - k)), r32, r64, N=n)
+    return r32[:k], r64[:k]
+
+
+def check_draw_screen_within_its_bound() -> None:
+    """The draw's float32 ratio is within 2**-20 of the float64 one wherever that is at least
+    SCREEN_FLOOR: uniforms at both ends of (0, 1) (m near 0, near 2**52 where float64 starts rounding
+    m + 0.5, near 2**53 where -log u is down to 2**-53) and random ones; probabilities from 1 to subnormal."""
+    from k3backend.kernels import sample
+
+    g = torch.Generator().manual_seed(5)
+    edges = [0, 1, 2, 3, 2**20, 2**51, 2**52 - 2, 2**52 - 1, 2**52, 2**52 + 1, 2**52 + 2, 2**53 - 5, 2**53 - 4,
+             2**53 - 3, 2**53 - 2]
+    ms = torch.tensor(edges + torch.randint(0, 2**53, (1024 - len(edges),), generator=g).tolist(), dtype=torch.int64)
+    for p in (torch.ones(1024), torch.rand(1024, generator=g), torch.rand(1024, generator=g) * 1e-30,
+              torch.full((1024,), 1e-38)):
+        r32, r64 = screen_ratios(p, ms)
+        trusted = r64 >= sample.SCREEN_FLOOR.value
+        err = (r32.double() / r64 - 1).abs()[trusted]
+        assert trusted.any() and err.max() <= 2.0 ** -20, (err.max().item(), ms[trusted][err.argmax()].item())
+
+
+def check_draw_falls_back_where_the_screen_cannot_tell() -> None:
+    """Blocks whose two largest ratios float32 orders wrongly (found among probabilities made
+    proportional to -log u, so every ratio ties within float32's rounding), rows of such near ties,
+    rows of subnormal probabilities, blocks of zeros and a row of zeros: every winner the reference's,
+    with small blocks so one row spans many of them."""
+    import itertools
+
+    from k3backend.kernels import sample
+    from k3backend.kernels.sample_ref import counter_bits
+
+    g = torch.Generator().manual_seed(9)
+    V = 700
+    seeds = [int(x) for x in torch.randint(-2**63, 2**63 - 1, (6,), generator=g)]
+    steps = list(range(3, 9))
+    m = counter_bits(torch.tensor(seeds), torch.tensor(steps), V)
+    u = (m.double() + 0.5) * 2.0 ** -53
+    tied = (-torch.log(u) * (1 + 1e-9 * torch.randn(6, V, generator=g, dtype=torch.float64)) / 40).float()
+    flipped = torch.zeros(6, V)  # per row a pair in one block of 64 that float32 orders the wrong way round
+    for row in range(6):
+        r32, r64 = screen_ratios(tied[row], m[row])
+        order = torch.argsort(r64, descending=True).tolist()
+        blocks = [[i for i in order if i // 64 == blk] for blk in range(V // 64 + 1)]
+        pairs = [pair for ids in blocks for pair in itertools.pairwise(ids)]
+        a, b = next((a, b) for a, b in pairs if r32[a] < r32[b] and r64[a] > r64[b])
+        flipped[row, [a, b]] = tied[row, [a, b]]
+    sub = torch.rand(6, V, generator=g) * 1e-39
+    zeros = torch.zeros(6, V)
+    zeros[torch.arange(5), torch.randint(0, V, (5,), generator=g)] = torch.rand(5, generator=g)  # row 5: none
+    block = sample.BLOCK
+    sample.BLOCK = 64
+    try:
+        for probs in (flipped, tied, sub, zeros, torch.cat([flipped[:2], sub[:2], zeros[4:]])):
+            draw_both(probs, seeds, steps)
+    finally:
+        sample.BLOCK = block
+
+
 def cut_both(probs: torch.Tensor, ks: list[int], ps: list[float]) -> None:
     from k3backend.kernels import sample, sample_ref
 

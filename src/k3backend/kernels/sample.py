@@ -19,27 +19,73 @@ from k3backend.kernels.moe import _GPU, _div, _exp
 from k3backend.kernels.norm import interpreting
 
 BLOCK = 2048  # token ids per program: 80 programs per row at V = 163,840
+# The draw's float32 screen trusts a block's largest ratio where it beats the next by this factor
+# (its error is below 2**-20) and is at least SCREEN_FLOOR (2**-120: ratios that are normal float32)
+DRAW_WARPS = 4
+SCREEN_MARGIN = tl.constexpr(1.0000152587890625)  # 1 + 2**-16
+SCREEN_FLOOR = tl.constexpr(7.52316384526264e-37)
 SOFTMAX_BLOCK = 4096  # logits per program of the softmax's two passes
+
+
+@triton.jit
+def _uniform_bits(seed, step, col):
+    """m of `sample_ref.counter_uniform` (u = (m + 0.5) * 2**-53): the splitmix64 hash, uint64 bits as there."""
+    z = (seed + step * 0x632BE59BD9B4E019 + col.to(tl.uint64) * 0x9E3779B97F4A7C15) * 0x9E3779B97F4A7C15
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    return z >> 11
+
+
+@triton.jit
+def _ratio(p, m):
+    """p / -log u in float64, as the reference forms it."""
+    return p.to(tl.float64) / -tl.log((m.to(tl.float64) + 0.5) * 1.1102230246251565e-16)
+
+
+@triton.jit
+def _ratio32(p, m):
+    """_ratio in float32, within 2**-20 of it (relative) wherever it is a normal float32: -log u from u
+    below 1/2, and above from 1 - u as float64 rounds u (m + 0.5 rounds to even there), kept exact by
+    a Fast2Sum term, so u near 1 (-log u down to 2**-53) loses no digits."""
+    lo = m < (1 << 52)
+    w = ((1 << 53) - m - (m & 1)).to(tl.float32) * 1.1102230246251565e-16  # 1 - u, for m >= 2**52
+    v = tl.where(lo, (m.to(tl.float32) + 0.5) * 1.1102230246251565e-16, 1.0 - w)
+    d = tl.where(lo, 0.0, -w - (v - 1.0))  # (1 - w) - v, exact
+    return p / -(tl.log(v) + d / v)
 
 
 @triton.jit
 def _race_kernel(p_ptr, seed_ptr, step_ptr, val_ptr, idx_ptr, V, s_p, NB, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     blk = tl.program_id(1)
-    col = blk * BLOCK + tl.arange(0, BLOCK)
+    i = tl.arange(0, BLOCK)
+    col = blk * BLOCK + i
     ok = col < V
-    p = tl.load(p_ptr + r.to(tl.int64) * s_p + col, mask=ok, other=0.0).to(tl.float64)
+    row = p_ptr + r.to(tl.int64) * s_p
+    p = tl.load(row + col, mask=ok, other=0.0)
     seed = tl.load(seed_ptr + r).to(tl.uint64, bitcast=True)
     step = tl.load(step_ptr + r).to(tl.uint64, bitcast=True)
-    # sample_ref's STEP, GOLDEN, MIX1, MIX2 as the uint64 bits they stand for there
-    z = (seed + step * 0x632BE59BD9B4E019 + col.to(tl.uint64) * 0x9E3779B97F4A7C15) * 0x9E3779B97F4A7C15
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-    z = z ^ (z >> 31)
-    u = ((z >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
-    ratio = tl.where(ok, p / -tl.log(u), -1.0)
-    best = tl.argmax(ratio, axis=0, tie_break_left=True)
-    tl.store(val_ptr + r * NB + blk, tl.max(ratio, axis=0))
+    m = _uniform_bits(seed, step, col)
+    # Screen in float32 (half the instructions of float64's log and division): where the block's
+    # largest ratio beats every other by more than the screen's error, it is the float64 winner, and
+    # only its own ratio is formed in float64. Blocks without one (near ties, ratios below float32's
+    # normal range, NaN) take every ratio in float64; a block of zeros has its first id at 0.
+    r32 = tl.where(ok, _ratio32(p, m), -1.0)
+    best = tl.argmax(r32, axis=0, tie_break_left=True)
+    top = tl.max(r32, axis=0)
+    second = tl.max(tl.where(i == best, -1.0, r32), axis=0)
+    clear = (top > second * SCREEN_MARGIN) & (top >= SCREEN_FLOOR) & (tl.sum((r32 != r32).to(tl.int32), 0) == 0)
+    if tl.max(p, axis=0) == 0.0:
+        val = tl.full((), 0.0, tl.float64)
+        best = 0
+    elif clear:
+        val = _ratio(tl.load(row + blk * BLOCK + best), _uniform_bits(seed, step, blk * BLOCK + best))
+    else:
+        ratio = tl.where(ok, _ratio(p, m), -1.0)
+        best = tl.argmax(ratio, axis=0, tie_break_left=True)
+        val = tl.max(ratio, axis=0)
+    tl.store(val_ptr + r * NB + blk, val)
     tl.store(idx_ptr + r * NB + blk, (blk * BLOCK + best).to(tl.int64))
 
 
@@ -51,7 +97,7 @@ def race_draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> 
     nb = triton.cdiv(V, BLOCK)
     vals = torch.empty(S, nb, dtype=torch.float64, device=probs.device)
     idx = torch.empty(S, nb, dtype=torch.int64, device=probs.device)
-    _race_kernel[(S, nb)](probs, seeds, steps, vals, idx, V, probs.stride(0), nb, BLOCK=BLOCK, num_warps=4)
+    _race_kernel[(S, nb)](probs, seeds, steps, vals, idx, V, probs.stride(0), nb, BLOCK=BLOCK, num_warps=DRAW_WARPS)
     return idx.gather(1, vals.argmax(1, keepdim=True))[:, 0]
 
 
@@ -166,7 +212,7 @@ NBITS = 30  # a probability in [0, 1] has float32 bits below 2**30 (1.0 is 0x3f8
 # device time; schedules with 6-8 bit passes once the lists shrink took up to 4x that on flat rows.
 WIDTHS = (3,) * 10
 CUT_BLOCK = 4096  # ids per program of a pass
-CUT_TILE = 4096  # [ids, buckets] values a pass sums at a time
+CUT_TILE = 2048  # [buckets, ids] sums kept over a pass (16 a thread at 4 warps); 4096 spills
 CUT_WARPS = 4
 WRITE_CHUNK = 1024  # ids per step of the tie count and the write
 MASS_SCALE = tl.constexpr(4294967296.0)  # 2**sample_ref.MASS_BITS
@@ -240,8 +286,10 @@ def _cut_pass(src_ptr, s_src, len_ptr, dst_ptr, V, kp_ptr, tot, st, done_ptr, S,
     if FROM_LIST:
         n = tl.load(len_ptr + (PH * P + i - 1) * S + r)
     f = tl.arange(0, F)
-    acc_m = tl.zeros([F], tl.float64)
-    acc_c = tl.zeros([F], tl.int32)
+    # [buckets, ids] sums kept per thread and reduced once at the end: each thread tests its own ids
+    # against every bucket, with no exchange between threads per chunk (ids along the threads)
+    acc_m = tl.zeros([F, CHUNK], tl.float64)
+    acc_c = tl.zeros([F, CHUNK], tl.int32)
     row = src_ptr + r.to(tl.int64) * s_src
     for c0 in range(0, tl.minimum(BLOCK, n - blk * BLOCK), CHUNK):
         col = blk * BLOCK + c0 + tl.arange(0, CHUNK)
@@ -249,14 +297,16 @@ def _cut_pass(src_ptr, s_src, len_ptr, dst_ptr, V, kp_ptr, tot, st, done_ptr, S,
         p = tl.load(row + col, mask=ok, other=0.0)
         bits = p.to(tl.int32, bitcast=True)
         inside = ok & ((bits >> (shift + D)) == prefix)
-        count = tl.sum(inside.to(tl.int32), 0)
-        if count > 0:
-            hit = inside[:, None] & (((bits >> shift) & (F - 1))[:, None] == f[None, :])
-            acc_m += tl.sum(tl.where(hit, _units(bits)[:, None], 0.0), 0)
-            acc_c += tl.sum(hit.to(tl.int32), 0)
-            if TO_LIST:
+        hit = tl.where(inside, (bits >> shift) & (F - 1), F)[None, :] == f[:, None]
+        acc_m += tl.where(hit, _units(bits)[None, :], 0.0)
+        acc_c += hit.to(tl.int32)
+        if TO_LIST:
+            count = tl.sum(inside.to(tl.int32), 0)
+            if count > 0:
                 at = tl.atomic_add(len_ptr + (PH * P + i) * S + r, count)
                 tl.store(dst_ptr + r.to(tl.int64) * V + at + tl.cumsum(inside.to(tl.int32), 0) - 1, p, mask=inside)
+    acc_m = tl.sum(acc_m, 1)
+    acc_c = tl.sum(acc_c, 1)
     at = tot + ((PH * P + i) * S + r) * 2 * FMAX
     if tl.sum(acc_c, 0) > 0:
         tl.atomic_add(at + f, acc_m)

@@ -24,14 +24,19 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, n: int) -> torch.Tensor:
-    """u [S, n] float64 in (0, 1) for rows (seed, step) and columns 0..n-1: splitmix64 of the counter."""
+def counter_bits(seeds: torch.Tensor, steps: torch.Tensor, n: int) -> torch.Tensor:
+    """m [S, n] int64 in [0, 2**53) for rows (seed, step) and columns 0..n-1: splitmix64 of the counter."""
     col = torch.arange(n, dtype=torch.int64, device=seeds.device)
     z = (seeds[:, None] + steps[:, None] * STEP + col[None, :] * GOLDEN) * GOLDEN
     z = (z ^ _shr(z, 30)) * MIX1
     z = (z ^ _shr(z, 27)) * MIX2
     z = z ^ _shr(z, 31)
-    return (_shr(z, 11).to(torch.float64) + 0.5) * 2.0 ** -53
+    return _shr(z, 11)
+
+
+def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, n: int) -> torch.Tensor:
+    """u [S, n] float64 in (0, 1): (m + 0.5) * 2**-53 of `counter_bits` (m + 0.5 rounds to even from 2**52)."""
+    return (counter_bits(seeds, steps, n).to(torch.float64) + 0.5) * 2.0 ** -53
 
 
 def softmax_rows(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
