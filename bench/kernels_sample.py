@@ -5,8 +5,9 @@ of the probabilities; the reference materialises the float64 uniforms. softmax_r
 logits with a temperature (bytes: two bf16 reads and the fp32 write), within 32 float32 ulps of
 torch's softmax. `--check` wants the same ids
 as the reference, bit for bit. top_k_top_p: the sort-free cut against the sorted reference over the
-same probabilities (top-p 0.9 rows, and top-k 50 with top-p 0.9), every element equal. sampler/*:
-`Sampler()` over bf16 logits as the engine calls it, for temperature-only rows, top-p 0.9 rows,
+same probabilities (top-p 0.9 rows, and top-k 50 with top-p 0.9; `_flat`: rows of logits of scale
+0.5, where most ids stay in play for several passes), every element equal. sampler/*: `Sampler()`
+over bf16 logits as the engine calls it, for temperature-only rows, top-p 0.9 rows (peaky and flat),
 top-k 50 rows and greedy rows; none sorts the vocabulary. The reference column of the sampled rows
 is the always-sorted path with the reference draw, which must pick the same tokens. Timed eagerly:
 the sampler ends in the step's one host copy.
@@ -75,9 +76,11 @@ def cases(args) -> list[Case]:
         out.append(Case("sample", "softmax_rows", f"S{S} V{V}", run=run, ref=ref, bytes=S * V * 8,
                         check=_probs_close(run, ref)))
 
-    for S in sizes:
+    for S in sizes:  # peaky rows (logits of scale 3 at temperature 0.8), and flat ones (scale 0.5): most ids in play
         probs = torch.softmax(torch.randn(S, V, generator=g, device=device).bfloat16().float() * 3 / 0.8, dim=-1)
-        for tag, ks in (("top_p0.9", [V] * S), ("top_k50_top_p0.9", [50] * S)):
+        flat = torch.softmax(torch.randn(S, V, generator=g, device=device).bfloat16().float() * 0.5, dim=-1)
+        for tag, ks, probs in (("top_p0.9", [V] * S, probs), ("top_k50_top_p0.9", [50] * S, probs),
+                               ("top_p0.9_flat", [V] * S, flat)):
             a = (probs, ks, [0.9] * S)
             run, ref = (lambda a=a: sample.top_k_top_p(*a)), (lambda a=a: sample_ref.top_k_top_p(*a))
             out.append(Case("sample", f"top_k_top_p/{tag}", f"S{S} V{V}", run=run, ref=ref, bytes=S * V * 8,
@@ -99,12 +102,15 @@ def cases(args) -> list[Case]:
 
     modes = {"temperature": dict(temperature=1.0), "top_p0.9": dict(temperature=0.8, top_p=0.9),
              "top_k50": dict(temperature=0.8, top_k=50), "greedy": dict(temperature=0.0)}
+    modes["top_p0.9_flat"] = dict(temperature=0.8, top_p=0.9)
     for S in sizes:
         logits = (torch.randn(S, V, generator=g, device=device) * 3).bfloat16()
+        flat = (torch.randn(S, V, generator=g, device=device) * 0.5).bfloat16()
         for mode, kw in modes.items():
+            x = flat if mode.endswith("_flat") else logits
             rows = [SamplingRow(SamplingParams(max_tokens=64, seed=i, **kw), seed=i, step=17) for i in range(S)]
-            run = lambda x=logits, r=rows: sampler(x, r).token_ids  # noqa: E731
-            ref = (lambda x=logits, r=rows: before(x, r)) if mode != "greedy" else None
+            run = lambda x=x, r=rows: sampler(x, r).token_ids  # noqa: E731
+            ref = (lambda x=x, r=rows: before(x, r)) if mode != "greedy" else None
             out.append(Case("sample", f"sampler/{mode}", f"S{S} V{V}", run=run, ref=ref, graph=False,
                             check=_ids_equal(run, ref) if ref else None))
     return out
