@@ -19,9 +19,9 @@ from k3backend.kernels.moe import _GPU, _div, _exp
 from k3backend.kernels.norm import interpreting
 
 BLOCK = 2048  # token ids per program: 80 programs per row at V = 163,840
+DRAW_WARPS = 4
 # The draw's float32 screen trusts a block's largest ratio where it beats the next by this factor
 # (its error is below 2**-20) and is at least SCREEN_FLOOR (2**-120: ratios that are normal float32)
-DRAW_WARPS = 4
 SCREEN_MARGIN = tl.constexpr(1.0000152587890625)  # 1 + 2**-16
 SCREEN_FLOOR = tl.constexpr(7.52316384526264e-37)
 SOFTMAX_BLOCK = 4096  # logits per program of the softmax's two passes
@@ -212,7 +212,7 @@ NBITS = 30  # a probability in [0, 1] has float32 bits below 2**30 (1.0 is 0x3f8
 # device time; schedules with 6-8 bit passes once the lists shrink took up to 4x that on flat rows.
 WIDTHS = (3,) * 10
 CUT_BLOCK = 4096  # ids per program of a pass
-CUT_TILE = 2048  # [buckets, ids] sums kept over a pass (16 a thread at 4 warps); 4096 spills
+CUT_TILE = 4096  # [ids, buckets] values a pass sums at a time
 CUT_WARPS = 4
 WRITE_CHUNK = 1024  # ids per step of the tie count and the write
 MASS_SCALE = tl.constexpr(4294967296.0)  # 2**sample_ref.MASS_BITS
@@ -286,10 +286,8 @@ def _cut_pass(src_ptr, s_src, len_ptr, dst_ptr, V, kp_ptr, tot, st, done_ptr, S,
     if FROM_LIST:
         n = tl.load(len_ptr + (PH * P + i - 1) * S + r)
     f = tl.arange(0, F)
-    # [buckets, ids] sums kept per thread and reduced once at the end: each thread tests its own ids
-    # against every bucket, with no exchange between threads per chunk (ids along the threads)
-    acc_m = tl.zeros([F, CHUNK], tl.float64)
-    acc_c = tl.zeros([F, CHUNK], tl.int32)
+    acc_m = tl.zeros([F], tl.float64)
+    acc_c = tl.zeros([F], tl.int32)
     row = src_ptr + r.to(tl.int64) * s_src
     for c0 in range(0, tl.minimum(BLOCK, n - blk * BLOCK), CHUNK):
         col = blk * BLOCK + c0 + tl.arange(0, CHUNK)
@@ -297,16 +295,14 @@ def _cut_pass(src_ptr, s_src, len_ptr, dst_ptr, V, kp_ptr, tot, st, done_ptr, S,
         p = tl.load(row + col, mask=ok, other=0.0)
         bits = p.to(tl.int32, bitcast=True)
         inside = ok & ((bits >> (shift + D)) == prefix)
-        hit = tl.where(inside, (bits >> shift) & (F - 1), F)[None, :] == f[:, None]
-        acc_m += tl.where(hit, _units(bits)[None, :], 0.0)
-        acc_c += hit.to(tl.int32)
-        if TO_LIST:
-            count = tl.sum(inside.to(tl.int32), 0)
-            if count > 0:
+        count = tl.sum(inside.to(tl.int32), 0)
+        if count > 0:
+            hit = inside[:, None] & (((bits >> shift) & (F - 1))[:, None] == f[None, :])
+            acc_m += tl.sum(tl.where(hit, _units(bits)[:, None], 0.0), 0)
+            acc_c += tl.sum(hit.to(tl.int32), 0)
+            if TO_LIST:
                 at = tl.atomic_add(len_ptr + (PH * P + i) * S + r, count)
                 tl.store(dst_ptr + r.to(tl.int64) * V + at + tl.cumsum(inside.to(tl.int32), 0) - 1, p, mask=inside)
-    acc_m = tl.sum(acc_m, 1)
-    acc_c = tl.sum(acc_c, 1)
     at = tot + ((PH * P + i) * S + r) * 2 * FMAX
     if tl.sum(acc_c, 0) > 0:
         tl.atomic_add(at + f, acc_m)
