@@ -3,7 +3,8 @@
 Under TRITON_INTERPRET=1 in a subprocess (tests/interpret.py). The draw (sample_ref.race_draw):
 vocabularies of 1, 7, 2049 (one past a block) and 5000 ids; probabilities with zeros (filtered ids),
 uniform rows (the winner is the largest uniform, so any bit of the hash that differs shows), seeds at
-the int64 extremes and large output positions. The cut (sample_ref.top_k_top_p, every element
+the int64 extremes and large output positions; the float32 screen within its error bound, and blocks
+it cannot order (near ties, subnormal rows, zeros) left to float64. The cut (sample_ref.top_k_top_p, every element
 torch.equal): smooth, coarse-grid (many equal probabilities at every cut) and bf16-rounded logits,
 zeros, top-k from 1 to past the vocabulary, top-p from a few ids to nearly all and at the exact
 integer mass of a prefix, rows with both; with the shipped tiles and with small blocks, so rows span

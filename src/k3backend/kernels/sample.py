@@ -2,9 +2,10 @@
 
 The reference materialises the [S, V] float64 uniforms of the splitmix64 counter hash (a dozen
 int64 passes over the vocabulary) before its argmax; here each program hashes its block of token
-ids in registers (uint64 arithmetic, the same bits), forms p / -log u in float64 and keeps its
-block's maximum; a second, tiny argmax over the blocks picks the token. Ties go to the lowest id,
-as torch.argmax's do.
+ids in registers (uint64 arithmetic, the same bits), forms p / -log u in float32 to find its
+block's winner, and in float64 only for that id (or for every id of a block where float32 cannot
+tell: near ties, tiny ratios); a second, tiny argmax over the blocks' float64 maxima picks the
+token. Ties go to the lowest id, as torch.argmax's do.
 """
 
 from __future__ import annotations
