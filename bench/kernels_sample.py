@@ -77,9 +77,9 @@ def cases(args) -> list[Case]:
                         check=_probs_close(run, ref)))
 
     for S in sizes:  # peaky rows (logits of scale 3 at temperature 0.8), and flat ones (scale 0.5): most ids in play
-        probs = torch.softmax(torch.randn(S, V, generator=g, device=device).bfloat16().float() * 3 / 0.8, dim=-1)
+        peaky = torch.softmax(torch.randn(S, V, generator=g, device=device).bfloat16().float() * 3 / 0.8, dim=-1)
         flat = torch.softmax(torch.randn(S, V, generator=g, device=device).bfloat16().float() * 0.5, dim=-1)
-        for tag, ks, probs in (("top_p0.9", [V] * S, probs), ("top_k50_top_p0.9", [50] * S, probs),
+        for tag, ks, probs in (("top_p0.9", [V] * S, peaky), ("top_k50_top_p0.9", [50] * S, peaky),
                                ("top_p0.9_flat", [V] * S, flat)):
             a = (probs, ks, [0.9] * S)
             run, ref = (lambda a=a: sample.top_k_top_p(*a)), (lambda a=a: sample_ref.top_k_top_p(*a))
@@ -101,8 +101,8 @@ def cases(args) -> list[Case]:
         return ids.tolist()
 
     modes = {"temperature": dict(temperature=1.0), "top_p0.9": dict(temperature=0.8, top_p=0.9),
-             "top_k50": dict(temperature=0.8, top_k=50), "greedy": dict(temperature=0.0)}
-    modes["top_p0.9_flat"] = dict(temperature=0.8, top_p=0.9)
+             "top_k50": dict(temperature=0.8, top_k=50), "greedy": dict(temperature=0.0),
+             "top_p0.9_flat": dict(temperature=0.8, top_p=0.9)}
     for S in sizes:
         logits = (torch.randn(S, V, generator=g, device=device) * 3).bfloat16()
         flat = (torch.randn(S, V, generator=g, device=device) * 0.5).bfloat16()
