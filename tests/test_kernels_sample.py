@@ -102,14 +102,14 @@ def check_draw_falls_back_where_the_screen_cannot_tell() -> None:
     import itertools
 
     from k3backend.kernels import sample
-    from k3backend.kernels.sample_ref import counter_bits
+    from k3backend.kernels.sample_ref import counter_bits, counter_uniform
 
     g = torch.Generator().manual_seed(9)
     V = 700
     seeds = [int(x) for x in torch.randint(-2**63, 2**63 - 1, (6,), generator=g)]
     steps = list(range(3, 9))
     m = counter_bits(torch.tensor(seeds), torch.tensor(steps), V)
-    u = (m.double() + 0.5) * 2.0 ** -53
+    u = counter_uniform(torch.tensor(seeds), torch.tensor(steps), V)
     tied = (-torch.log(u) * (1 + 1e-9 * torch.randn(6, V, generator=g, dtype=torch.float64)) / 40).float()
     flipped = torch.zeros(6, V)  # per row a pair in one block of 64 that float32 orders the wrong way round
     for row in range(6):

@@ -21,6 +21,7 @@ from k3backend.kernels.norm import interpreting
 
 BLOCK = 2048  # token ids per program: 80 programs per row at V = 163,840
 DRAW_WARPS = 4
+U_SCALE = tl.constexpr(1.1102230246251565e-16)  # 2**-53: u = (m + 0.5) * U_SCALE
 # The draw's float32 screen trusts a block's largest ratio where it beats the next by this factor
 # (its error is below 2**-20) and is at least SCREEN_FLOOR (2**-120: ratios that are normal float32)
 SCREEN_MARGIN = tl.constexpr(1.0000152587890625)  # 1 + 2**-16
@@ -41,7 +42,7 @@ def _uniform_bits(seed, step, col):
 @triton.jit
 def _ratio(p, m):
     """p / -log u in float64, as the reference forms it."""
-    return p.to(tl.float64) / -tl.log((m.to(tl.float64) + 0.5) * 1.1102230246251565e-16)
+    return p.to(tl.float64) / -tl.log((m.to(tl.float64) + 0.5) * U_SCALE)
 
 
 @triton.jit
@@ -50,8 +51,8 @@ def _ratio32(p, m):
     below 1/2, and above from 1 - u as float64 rounds u (m + 0.5 rounds to even there), kept exact by
     a Fast2Sum term, so u near 1 (-log u down to 2**-53) loses no digits."""
     lo = m < (1 << 52)
-    w = ((1 << 53) - m - (m & 1)).to(tl.float32) * 1.1102230246251565e-16  # 1 - u, for m >= 2**52
-    v = tl.where(lo, (m.to(tl.float32) + 0.5) * 1.1102230246251565e-16, 1.0 - w)
+    w = ((1 << 53) - m - (m & 1)).to(tl.float32) * U_SCALE  # 1 - u, for m >= 2**52
+    v = tl.where(lo, (m.to(tl.float32) + 0.5) * U_SCALE, 1.0 - w)
     d = tl.where(lo, 0.0, -w - (v - 1.0))  # (1 - w) - v, exact
     return p / -(tl.log(v) + d / v)
 
