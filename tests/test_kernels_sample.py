@@ -222,12 +222,12 @@ def check_cut_random_rows() -> None:
 
     from k3backend.kernels import sample
 
-    saved = sample.CUT_BLOCK, sample.CUT_TILE, sample.WRITE_CHUNK, sample.WIDTHS
+    saved = sample.CUT_BLOCK, sample.CUT_TILE, sample.WRITE_CHUNK, sample.WIDTHS, sample.LIST_CHUNK
     rng, g = random.Random(11), torch.Generator().manual_seed(11)
     try:
         for kind in ("smooth", "tied", "zeros", "underflow", "subnormal", "smooth", "tied", "zeros"):
             sample.CUT_BLOCK, sample.CUT_TILE = rng.choice([64, 128]), rng.choice([256, 512])
-            sample.WRITE_CHUNK = rng.choice([16, 64])
+            sample.WRITE_CHUNK, sample.LIST_CHUNK = rng.choice([16, 64]), rng.choice([16, 1024])  # list steps
             sample.WIDTHS = rng.choice([(3,) * 10, (3, 3, 3, 7, 7, 7), (2, 4, 4, 4, 4, 4, 4, 4), (6,) * 5])
             S, V = rng.randint(2, 4), rng.choice([1, 7, 65, 300])
             x = torch.randn(S, V, generator=g) * rng.choice([0.3, 3.0])
@@ -239,7 +239,7 @@ def check_cut_random_rows() -> None:
             ks = [rng.choice([1, 2, rng.randint(1, V), V, V + 3]) for _ in range(S)]
             cut_both(probs, ks, [rng.choice([1.0, 0.9, rng.random(), 1e-7]) for _ in range(S)])
     finally:
-        sample.CUT_BLOCK, sample.CUT_TILE, sample.WRITE_CHUNK, sample.WIDTHS = saved
+        sample.CUT_BLOCK, sample.CUT_TILE, sample.WRITE_CHUNK, sample.WIDTHS, sample.LIST_CHUNK = saved
 
 
 def check_softmax_matches_torch() -> None:
@@ -314,7 +314,8 @@ def test_cut_kernels_compile_for_hopper():
         for ph, ran_a in ((0, True), (1, True), (1, False)):
             constexprs = dict(PH=ph, FIRST=first, LAST=last, RAN_A=ran_a, FROM_LIST=from_list, TO_LIST=to_list,
                               P=P, D=w, FMAX=1 << max(sample.WIDTHS), BLOCK=sample.CUT_BLOCK,
-                              CHUNK=min(sample.CUT_TILE >> w, sample.CUT_BLOCK))
+                              CHUNK=min(sample.CUT_TILE >> w, sample.CUT_BLOCK),
+                              LIST_CHUNK=min(sample.LIST_CHUNK, sample.CUT_BLOCK), STAGES=sample.CUT_STAGES)
             c = compile_sm90(sample._cut_pass, args, constexprs, num_warps=sample.CUT_WARPS, num_stages=1)
             assert c.stack == 0, (first, last, from_list, to_list, w, ph, ran_a, c)
     tiles = dict(BLOCK=sample.CUT_BLOCK, CHUNK=min(sample.WRITE_CHUNK, sample.CUT_BLOCK))

@@ -214,8 +214,13 @@ NBITS = 30  # a probability in [0, 1] has float32 bits below 2**30 (1.0 is 0x3f8
 # device time; schedules with 6-8 bit passes once the lists shrink took up to 4x that on flat rows.
 WIDTHS = (3,) * 10
 CUT_BLOCK = 4096  # ids per program of a pass
-CUT_TILE = 4096  # [ids, buckets] values a pass sums at a time
+CUT_TILE = 2048  # [buckets, ids] sums kept over a pass (16 a thread at 4 warps); 4096 spills
 CUT_WARPS = 4
+# The chunk loop's loads this many deep: a pass is bound by load latency, not by its instructions. On an
+# H100 at 64 rows, top-p 0.9, the whole cut: peaky 306 -> 308 (1 stage) -> 288 us, flat 537 -> 461 -> 409
+# (main's [ids, buckets] tiles at 3 stages: 342 / 578; blocks of 1,024 ids 549 / 661; 8 warps 367 / 503).
+CUT_STAGES = 3
+LIST_CHUNK = 1024  # ids per step of a pass's list write
 WRITE_CHUNK = 1024  # ids per step of the tie count and the write
 MASS_SCALE = tl.constexpr(4294967296.0)  # 2**sample_ref.MASS_BITS
 
@@ -272,11 +277,25 @@ def _choose(tot, st, kp_ptr, r, i, S, V, PH: tl.constexpr, FIRST: tl.constexpr, 
             tl.store(row + 7, kept.to(tl.float64))
 
 
+@triton.jit
+def _append(row, c_start, end, n, prefix, shift, dst, at, CHUNK: tl.constexpr):
+    """The values of row[c_start : c_start + end] whose bits above `shift` are `prefix`, in id order, to dst[at:]."""
+    for c0 in range(0, end, CHUNK):
+        col = c_start + c0 + tl.arange(0, CHUNK)
+        p = tl.load(row + col, mask=col < n, other=0.0)
+        inside = (col < n) & ((p.to(tl.int32, bitcast=True) >> shift) == prefix)
+        count = tl.sum(inside.to(tl.int32), 0)
+        if count > 0:
+            tl.store(dst + at + tl.cumsum(inside.to(tl.int32), 0) - 1, p, mask=inside)
+            at += count
+
+
 @triton.jit(do_not_specialize=["S", "i", "shift"])
 def _cut_pass(src_ptr, s_src, len_ptr, dst_ptr, V, kp_ptr, tot, st, done_ptr, S, i, shift,
               PH: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, RAN_A: tl.constexpr,
               FROM_LIST: tl.constexpr, TO_LIST: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-              FMAX: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+              FMAX: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, LIST_CHUNK: tl.constexpr,
+              STAGES: tl.constexpr):
     """Pass i of phase PH over a block of the row (or of the previous pass's list): per bucket of
     its D bits above `shift`, the mass and count of the ids that share the bits decided so far,
     added to the row's totals; with TO_LIST, those ids' values appended to this pass's list."""
@@ -288,27 +307,31 @@ def _cut_pass(src_ptr, s_src, len_ptr, dst_ptr, V, kp_ptr, tot, st, done_ptr, S,
     if FROM_LIST:
         n = tl.load(len_ptr + (PH * P + i - 1) * S + r)
     f = tl.arange(0, F)
-    acc_m = tl.zeros([F], tl.float64)
-    acc_c = tl.zeros([F], tl.int32)
     row = src_ptr + r.to(tl.int64) * s_src
-    for c0 in range(0, tl.minimum(BLOCK, n - blk * BLOCK), CHUNK):
-        col = blk * BLOCK + c0 + tl.arange(0, CHUNK)
-        ok = col < n
-        p = tl.load(row + col, mask=ok, other=0.0)
-        bits = p.to(tl.int32, bitcast=True)
-        inside = ok & ((bits >> (shift + D)) == prefix)
-        count = tl.sum(inside.to(tl.int32), 0)
-        if count > 0:
-            hit = inside[:, None] & (((bits >> shift) & (F - 1))[:, None] == f[None, :])
-            acc_m += tl.sum(tl.where(hit, _units(bits)[:, None], 0.0), 0)
-            acc_c += tl.sum(hit.to(tl.int32), 0)
-            if TO_LIST:
-                at = tl.atomic_add(len_ptr + (PH * P + i) * S + r, count)
-                tl.store(dst_ptr + r.to(tl.int64) * V + at + tl.cumsum(inside.to(tl.int32), 0) - 1, p, mask=inside)
-    at = tot + ((PH * P + i) * S + r) * 2 * FMAX
-    if tl.sum(acc_c, 0) > 0:
-        tl.atomic_add(at + f, acc_m)
-        tl.atomic_add(at + FMAX + f, acc_c.to(tl.float64))
+    end = tl.minimum(BLOCK, n - blk * BLOCK)
+    if end > 0:  # a block past the list's end skips the sums' setup and reduction (most blocks, late passes)
+        # [buckets, ids] sums kept per thread and reduced once at the end: each thread tests its own ids
+        # against every bucket, with no exchange between threads per chunk; the loads are pipelined
+        acc_m = tl.zeros([F, CHUNK], tl.float64)
+        acc_c = tl.zeros([F, CHUNK], tl.int32)
+        for c0 in tl.range(0, end, CHUNK, num_stages=STAGES):
+            col = blk * BLOCK + c0 + tl.arange(0, CHUNK)
+            ok = col < n
+            bits = tl.load(row + col, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+            inside = ok & ((bits >> (shift + D)) == prefix)
+            hit = tl.where(inside, (bits >> shift) & (F - 1), F)[None, :] == f[:, None]
+            acc_m += tl.where(hit, _units(bits)[None, :], 0.0)
+            acc_c += hit.to(tl.int32)
+        mass = tl.sum(acc_m, 1)
+        count = tl.sum(acc_c, 1)
+        total = tl.sum(count, 0)
+        if total > 0:
+            at = tot + ((PH * P + i) * S + r) * 2 * FMAX
+            tl.atomic_add(at + f, mass)
+            tl.atomic_add(at + FMAX + f, count.to(tl.float64))
+            if TO_LIST:  # the block's ids inside, at one reserved place (their second read hits L2)
+                _append(row, blk * BLOCK, end, n, prefix, shift + D, dst_ptr + r.to(tl.int64) * V,
+                        tl.atomic_add(len_ptr + (PH * P + i) * S + r, total), LIST_CHUNK)
     tl.debug_barrier()  # every thread's adds issued before the one count below releases them
     if tl.atomic_add(done_ptr + (PH * P + i) * S + r, 1) == tl.num_programs(1) - 1:  # acq_rel: sees every add
         _choose(tot, st, kp_ptr, r, i, S, V, PH, FIRST, LAST, RAN_A, P, D, FMAX)
@@ -378,7 +401,8 @@ def top_k_top_p(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float
             src, s_src = (lists[(i - 1) % 2], V) if i >= 2 else (probs, probs.stride(0))
             launch(src, s_src, lens, lists[i % 2], V, kp, tot, st, done, S, i, shift, PH=ph, FIRST=i == 0,
                    LAST=i == P - 1, RAN_A=ran_a, FROM_LIST=i >= 2, TO_LIST=1 <= i < P - 1, P=P, D=w, FMAX=FMAX,
-                   BLOCK=CUT_BLOCK, CHUNK=min(CUT_TILE >> w, CUT_BLOCK), num_warps=CUT_WARPS)
+                   BLOCK=CUT_BLOCK, CHUNK=min(CUT_TILE >> w, CUT_BLOCK), LIST_CHUNK=min(LIST_CHUNK, CUT_BLOCK),
+                   STAGES=CUT_STAGES, num_warps=CUT_WARPS)
     tiles = dict(BLOCK=CUT_BLOCK, CHUNK=min(WRITE_CHUNK, CUT_BLOCK))
     ties = torch.empty(S, nb, dtype=torch.int32, device=dev)
     _cut_ties[(S, nb)](probs, probs.stride(0), ties, V, st, S, nb, **tiles, num_warps=4)
