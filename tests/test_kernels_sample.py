@@ -117,7 +117,9 @@ def check_draw_falls_back_where_the_screen_cannot_tell() -> None:
         order = torch.argsort(r64, descending=True).tolist()
         blocks = [[i for i in order if i // 64 == blk] for blk in range(V // 64 + 1)]
         pairs = [pair for ids in blocks for pair in itertools.pairwise(ids)]
-        a, b = next((a, b) for a, b in pairs if r32[a] < r32[b] and r64[a] > r64[b])
+        wrong = [(a, b) for a, b in pairs if r32[a] < r32[b] and r64[a] > r64[b]]
+        assert wrong, f"row {row}: no pair that float32 orders wrongly; the test data no longer tests the fallback"
+        a, b = wrong[0]
         flipped[row, [a, b]] = tied[row, [a, b]]
     sub = torch.rand(6, V, generator=g) * 1e-39
     zeros = torch.zeros(6, V)
@@ -199,11 +201,12 @@ def check_cut_at_mass_boundaries_and_ties() -> None:
 
 
 def check_cut_small_blocks() -> None:
-    """Blocks of 256 ids in chunks of 64: a row spans 8 blocks and its lists several programs."""
+    """Blocks of 256 ids in chunks of 64: a row spans 8 blocks, its lists several programs, and a
+    block's list several steps of 64."""
     from k3backend.kernels import sample
 
-    block, tile = sample.CUT_BLOCK, sample.CUT_TILE
-    sample.CUT_BLOCK, sample.CUT_TILE = 256, 512
+    block, tile, step = sample.CUT_BLOCK, sample.CUT_TILE, sample.LIST_CHUNK
+    sample.CUT_BLOCK, sample.CUT_TILE, sample.LIST_CHUNK = 256, 512, 64  # a block's list in several steps
     try:
         V = 2000
         probs = cut_rows(V, 6)
@@ -212,7 +215,7 @@ def check_cut_small_blocks() -> None:
                                                                           0.9, 0.8, 0.999999, 0.6, 0.95])
         cut_both(flat, [V, V, 100, V], [0.9, 0.5, 0.9, 0.999])  # most ids in play for several passes
     finally:
-        sample.CUT_BLOCK, sample.CUT_TILE = block, tile
+        sample.CUT_BLOCK, sample.CUT_TILE, sample.LIST_CHUNK = block, tile, step
 
 
 def check_cut_random_rows() -> None:
