@@ -156,6 +156,44 @@ def check_linear_dot_matches_fp64() -> None:
             assert ((yg.double() - xg @ w.double().T).abs() <= bound).all(), f"{dtype} M{M}: gated"
 
 
+def check_tiles_sweep_checks_every_variant() -> None:
+    """bench/kernels_gemv.py --tiles (smoke sizes): the rule's launch first and every variant checked against
+    cuBLAS's op; a variant whose outputs are wrong is counted as a failure, and only those."""
+    import contextlib
+    import io
+    import sys
+    from pathlib import Path
+
+    from k3backend.kernels import gemv
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_kernels_gemv", Path(sys.path[0]) / "kernels_gemv.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert bench.tiles_sweep([1], 1, smoke=True) == 0, out.getvalue()
+    tables = out.getvalue().split("== ")[1:]
+    assert len(tables) == 2, out.getvalue()  # the plain shape with its add, and the gated one
+    for table in tables:
+        rows = table.splitlines()[1:]
+        assert rows[0].endswith("ok  (chosen)"), table
+        assert len(rows) == len(bench.tile_variants(1, 96, True)), table  # the rule's launch is one of them
+        assert all(row.endswith(" ok") for row in rows[1:]), table
+    right = gemv.linear_with
+    gemv.linear_with = lambda x, w, cfg, *a: right(x, w, cfg, *a) * (2 if cfg.block_n == 8 else 1)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            failed = bench.tiles_sweep([1], 1, smoke=True)
+    finally:
+        gemv.linear_with = right
+    assert failed == 2 * sum(v[0] == 8 for v in bench.tile_variants(1, 96, True)), failed
+
+
+def test_tiles_sweep_checks_every_variant():
+    CHECKS.assert_passed("tiles_sweep_checks_every_variant")
+
+
 def test_linear_dot_matches_fp64():
     CHECKS.assert_passed("linear_dot_matches_fp64")
 
