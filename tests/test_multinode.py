@@ -87,18 +87,28 @@ def finished(worker: subprocess.Popen, timeout: float) -> str:
 
 @pytest.fixture
 def workers():
-    """Started workers (`workers.append(start_worker(...))`), killed with their trees if the test fails."""
+    """Started workers (`workers.append(start_worker(...))`), stopped with their trees at the end: SIGTERM to the
+    worker's session first, which multiprocessing's resource tracker ignores, so it outlives the rest and unlinks
+    their semaphores (a SIGKILL of the whole tree left one in /dev/shm), then SIGKILL whatever is left."""
     started: list[subprocess.Popen] = []
     yield started
     for w in started:
         pids = tree(w.pid)
-        for pid in pids:
+        if pids:
+            try:
+                os.killpg(w.pid, signal.SIGTERM)  # its own session (start_worker): the tree's group
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 10
+            while tree(w.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        for pid in tree(w.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         w.wait(10)
-        if pids:  # it was still running: the test failed; show what it said
+        if pids:  # it was still running: show what it said (pytest prints it if the test failed)
             print(f"--- worker pid {w.pid} output (tail) ---\n{finished(w, 1)[-4000:]}")
         w.log_path.unlink(missing_ok=True)
 
