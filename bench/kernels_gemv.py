@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import Case, time_fn
+from kernels import HBM_TBS, Case, time_fn
 from kernels_mla import checker
 
 SHAPES = {"kda_in": (8336, 2048, 0, False), "kda_f_b": (2048, 128, 0, False), "o_proj": (2048, 2048, 1, False),
@@ -102,7 +102,8 @@ def tiles_sweep(rows: list[int], iters: int, smoke: bool) -> int:
                 out.append((t / len(ws), v, verdict))
             best = min((r[0] for r in out), default=float("nan"))
             for t, v, verdict in out[:1] + sorted(out[1:], key=lambda r: r[0]):
-                timed = "(not timed)" if smoke else f"{t * 1e6:8.2f} us  {N * K * 2 / t / 4.27e12:6.1%} of 4.27 TB/s"
+                timed = "(not timed)" if smoke else \
+                    f"{t * 1e6:8.2f} us  {N * K * 2 / t / (HBM_TBS * 1e12):6.1%} of {HBM_TBS} TB/s"
                 print(f"{'*' if t == best else ' '} {str(v):<16} {timed}  {verdict}"
                       f"{'  (chosen)' if v == chosen else ''}", flush=True)
     return failures
