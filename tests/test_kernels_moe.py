@@ -461,7 +461,16 @@ def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
         stride_it=6, stride_ik=1, stride_hm=I, **act),
         dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, AHEAD=ahead, BLOCK_N=bn, BLOCK_K=bk),
         num_warps=warps, num_stages=stages) for ahead in (False, True)}
-    for what, c in (("up", up), ("down", down), ("up gemv", gemv[False]), ("up gemv ahead", gemv[True])):
+    _, tail_d, _ = moe._sum_tiles(D, (torch.ones(D), 1e-5))
+    down_gemv = compile_sm90(moe._down_gemv_kernel, dict(  # with the sum and the latent norm in its tail
+        h_ptr="*bf16", w2_ptr="*i32", s2_ptr="*u8", y_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i32", n=6, D=D,
+        I=I, E=64, stride_hm=I, stride_we=D * I // 8, stride_wn=I // 8, stride_se=D * I // 32, stride_sn=I // 32,
+        stride_yn=D, stride_it=6, stride_ik=1, stride_pt=6, stride_pk=1, done_ptr="*i32", out_ptr="*bf16",
+        norm_w_ptr="*bf16", T=1, scaling=1.0, eps=1e-5, stride_ot=D),
+        dict(mx, AHEAD=stages > 1, BLOCK_N=bn, BLOCK_K=bk, TAIL=True, NORM=True, TAIL_T=1, TAIL_D=tail_d),
+        num_warps=warps, num_stages=stages)
+    for what, c in (("up", up), ("down", down), ("up gemv", gemv[False]), ("up gemv ahead", gemv[True]),
+                    ("down gemv", down_gemv)):
         assert c.stack == 0 and c.smem <= 227 * 1024, f"{what}: {c}"
     # the GEMV's K step a weight value and thread: code words, 8 fp32 straight from the PTX, took it from 7.6
     # (bytes unpacked and repacked for the pack-4 asm, then bf16 widened) to 5.3 (decode 3; decode 2: 5.8)
@@ -782,6 +791,50 @@ def check_experts_gemv_loads_ahead_or_not_alike():
         want = ref()
         assert_bf16_close(got[2], want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), what)
         assert torch.equal(got[1], got[2]), f"{what}: ahead and not differ in {(got[1] != got[2]).sum()} elements"
+
+
+def check_experts_gemv_sum_rides_in_the_down_kernel():
+    """Where the GEMV kernels run, step 4 (and the latent norm) is the down kernel's tail, run by its last program:
+    `_sum_kernel` never launches, the output has the bits of the down kernel then `_sum_kernel`, the count is back
+    to 0 after each call (the second call's tail runs too), and programs of other ranks' experts still count. bf16
+    and MXFP4; without the norm in tiles of 32 columns, so the tail loops over tokens and columns."""
+    from k3backend.kernels import moe, moe_ref
+    from k3backend.kernels.moe_ref import Activation
+
+    act = Activation(**SITU)
+
+    def no_sum_kernel(*args, **kwargs):
+        raise AssertionError("_sum_kernel launched where the down kernel's tail should sum")
+
+    real_sum, real_count, real_tiles = moe._sum_kernel, moe._done_count, moe._sum_tiles
+    for T, E, k, D, I, norm in [(1, 7, 3, 96, 64, True), (3, 7, 3, 96, 64, False)]:
+        nw = randn(D, seed=1400 + T, scale=0.3) + 1.0 if norm else None
+        bf = experts_case(T, E, k, D, I, seed=1410 + T)
+        mx = mxfp4_case(T, E, k, D, I, seed=1420 + T)
+        bf[2][0] = mx[2][0] = torch.tensor([-1, E, E + 3])  # token 0: every slot another rank's
+        for name, args, fast, ref in (("bf16", bf, moe.experts, moe_ref.experts),
+                                      ("mxfp4", mx, moe.experts_mxfp4, moe_ref.experts_mxfp4)):
+            what = f"{name} T={T} norm={norm}"
+            assert moe.experts_config(T, k, E, D, I, name == "mxfp4").gemv is not None, what
+            w2 = args[-1] if name == "bf16" else args[-2]  # the tensor the count is kept on
+            outs = []
+            try:
+                moe._sum_tiles = real_tiles if norm else lambda D, norm: (2, 32, 8)  # (tokens, columns, warps)
+                moe._sum_kernel = type("NoLaunch", (), {"__getitem__": lambda self, grid: no_sum_kernel})()
+                for _ in range(2):
+                    with poisoned_empty():
+                        outs.append(fast(*args, act, 1.5, nw, 1e-5))
+                    assert int(w2._k3_done) == 0, f"{what}: the count is {int(w2._k3_done)} after a call"
+                moe._sum_kernel, moe._done_count = real_sum, lambda w: None  # no count: the down kernel, then the sum
+                with poisoned_empty():
+                    two = fast(*args, act, 1.5, nw, 1e-5)
+            finally:
+                moe._sum_kernel, moe._done_count, moe._sum_tiles = real_sum, real_count, real_tiles
+            assert torch.equal(outs[0], outs[1]), f"{what}: two calls differ"
+            assert torch.equal(outs[0], two), f"{what}: {(outs[0] != two).sum()} elements differ from _sum_kernel's"
+            assert torch.equal(outs[0][0], torch.zeros_like(outs[0][0])), f"{what}: a remote-only token is not 0"
+            want = ref(*args, act, 1.5, nw, 1e-5)
+            assert_bf16_close(outs[0], want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), what)
 
 
 def run_ptx(text: str, regs: dict) -> dict:
