@@ -235,6 +235,45 @@ def check_moe_front_equals_router_and_down_projection():
         assert not ok and "down weight" in reason, (bad.dtype, bad.shape, reason)
 
 
+def check_router_tail_routes_where_the_route_kernel_did():
+    """Up to ROUTE_TAIL_MAX_ROWS tokens the router GEMM's last programs route (and add the front's latent columns):
+    `_route_kernel` never launches, the weights, ids and z have the bits of the GEMM then the route kernel, and the
+    counts are back to 0 after each call (the second call's tail runs too). K3's 896 experts top-16 (14 gate tiles),
+    grouped top-k, a ragged last down tile (L 100), one split and several."""
+    from k3backend.kernels import moe_ref, routing
+
+    def no_route_kernel(*args, **kwargs):
+        raise AssertionError("_route_kernel launched where the router GEMM's tail should route")
+
+    real_route, real_count = routing._route_kernel, routing._done_count
+    cases = [  # T, E, D, L, top_k, n_group, topk_group, splits (None: the rule's)
+        (1, 896, 300, 0, 16, 1, 1, None), (4, 64, 200, 100, 6, 8, 4, None), (2, 16, 200, 100, 3, 1, 1, 1)]
+    for i, (T, E, D, L, k, n_group, topk_group, splits) in enumerate(cases):
+        h, w, b = router_case(T, E, D, seed=3200 + 10 * i)
+        down = randn(L, D, seed=3201 + 10 * i, scale=D ** -0.5, dtype=BF16) if L else None
+        how = (k, n_group, topk_group, True, 2.5)
+        assert selection_margin(h.double() @ w.double().T, b, k, n_group, topk_group) > 1e-5, f"case {i}: a near tie"
+        one = routing.RouterConfig(64, 16, 64, 1, -(-D // 64) * 64)
+        cfg = routing.router_config(T, E, D, L) if splits is None else one
+        what = f"T{T} E{E} L{L} top{k} groups {n_group}/{topk_group} splits {cfg.splits}"
+        outs = []
+        try:
+            routing._route_kernel = type("NoLaunch", (), {"__getitem__": lambda self, grid: no_route_kernel})()
+            for _ in range(2):
+                with poisoned_empty(), interpret.poisoned_empty():
+                    outs.append(routing._router(h, w, b, how, cfg, down))
+                assert not w._k3_done.any(), f"{what}: counts {w._k3_done.tolist()} after a call"
+            routing._route_kernel, routing._done_count = real_route, lambda *a: None
+            with poisoned_empty(), interpret.poisoned_empty():
+                two = routing._router(h, w, b, how, cfg, down)
+        finally:
+            routing._route_kernel, routing._done_count = real_route, real_count
+        for got in (outs[0], outs[1]):
+            for name, x, y in zip(("weights", "ids", "z"), got, two):
+                assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f"{what}: {name} differ"
+        assert_route_equal(outs[0][:2], moe_ref.router(h, w, b, *how), what)
+
+
 def test_router_splits_fill_the_gpu_at_decode_and_stay_few_at_prefill():
     """router_config: `small` (hidden 2048, 64 experts) at 1-64 tokens splits K into 32 (about two waves
     of programs stream the weight), at thousands of tokens into at most 8; every split is non-empty."""
@@ -261,16 +300,20 @@ def test_router_kernels_compile_for_hopper_without_spills():
     from k3backend.kernels import routing
 
     for T, E, D, L in ((1, 64, 2048, 0), (4096, 64, 2048, 0), (64, 896, 7168, 0), (1, 64, 2048, 1024),
-                       (64, 384, 7168, 3584)):
+                       (64, 384, 7168, 3584), (1, 896, 7168, 3584)):
         cfg = routing.router_config(T, E, D, L)
+        k, block = (6, 64) if E == 64 else (16, 1024)
+        tail = T <= routing.ROUTE_TAIL_MAX_ROWS  # the route in the GEMM's last programs
         args = dict(h_ptr="*bf16", w_ptr="*fp32", d_ptr="*bf16", out_ptr="*fp32", T=T, E=E, L=L, D=D,
                     split_k=cfg.split_k, stride_ht=D, stride_we=D, stride_wd=D, stride_os=T * (E + L),
-                    stride_ot=E + L)
+                    stride_ot=E + L, done_ptr="*i32", bias_ptr="*fp32", rw_ptr="*fp32", ids_ptr="*i64", z_ptr="*bf16",
+                    stride_wt=k, stride_it=k, stride_zt=L, per_group=E, scaling=1.0)
         constexprs = dict(GPU=True, EVEN_K=D % cfg.block_k == 0, FRONT=L > 0, BLOCK_E=cfg.block_e,
-                          BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k)
+                          BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, TAIL=tail, SPLITS=cfg.splits, TOP_K=k, N_GROUP=1,
+                          TOPK_GROUP=1, HAS_BIAS=True, RENORMALIZE=True, BLOCK_G=1, BLOCK_P=block,
+                          BLOCK_TOPK=triton.next_power_of_2(k))
         c = compile_sm90(routing._router_gemm_kernel, args, constexprs, num_warps=cfg.warps, num_stages=cfg.stages)
-        assert c.stack == 0 and c.mma, f"router GEMM T{T} E{E} D{D}: {c}"
-        k, block = (6, 64) if E == 64 else (16, 1024)
+        assert c.stack == 0 and c.mma, f"router GEMM T{T} E{E} D{D} tail {tail}: {c}"
         warps = 4 if block >= 512 else 1
         args = dict(logits_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", z_ptr="*bf16",
                     stride_ls=T * (E + L), stride_lt=E + L, stride_wt=k, stride_it=k, stride_zt=L, E=E, L=L,

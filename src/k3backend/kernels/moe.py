@@ -1255,16 +1255,17 @@ def _sum_tiles(D: int, norm: tuple[torch.Tensor, float] | None) -> tuple[int, in
     return block_t, block_d, warps
 
 
-def _done_count(w: torch.Tensor) -> torch.Tensor | None:
-    """The int32 count of `_down_gemv_kernel`'s tail for calls on the expert weight w, kept on w (one per layer, so
-    the count is never shared by kernels in flight at once, unless one layer's experts ran on two streams at once,
-    which the model never does); 0 between calls. None while a CUDA graph is being captured and w has none yet
-    (then `_sum_kernel` runs; the engine's warm-up runs outside the capture first), as `_act_table`."""
+def _done_count(w: torch.Tensor, n: int = 1) -> torch.Tensor | None:
+    """n int32 counts of finished programs for a kernel's tail (`_down_gemv_kernel`'s, the router GEMM's) on calls
+    with the weight w, kept on w: one set per layer, so never shared by kernels in flight at once (unless one layer
+    ran on two streams at once, which the model never does); 0 between calls. None while a CUDA graph is being
+    captured and w has none yet (then the kernel without the tail runs; the engine's warm-up runs outside the
+    capture first), as `_act_table`."""
     done = getattr(w, "_k3_done", None)
-    if done is None or done.device != w.device:
+    if done is None or done.device != w.device or done.numel() < n:
         if w.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        done = w._k3_done = torch.zeros(1, dtype=torch.int32, device=w.device)
+        done = w._k3_done = torch.zeros(max(n, 1), dtype=torch.int32, device=w.device)
     return done
 
 
