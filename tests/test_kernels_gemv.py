@@ -299,8 +299,9 @@ _PDL_ONLY_HERE = {
     ("kda", "_kda_decode_fused_kernel"): (
         dict(xqkv="*bf16", conv_weight="*fp32", conv_pool="*bf16", f="*bf16", f_b="*bf16", dt_bias="*fp32",
              A_log="*fp32", b="*bf16", z="*bf16", o_norm_weight="*bf16", S_pool="*fp32", state_indices="*i32",
-             y="*bf16", s_x=8336, s_b=8336, s_z=8336, s_f=8336),  # f_b_proj in the kernel (1-2 rows)
-        dict(H=16, K=128, V=128, W=4, BK=128, BV=64, BW=4, NV=2, SPLIT=True, F_B=True, R=128, BR=128,
+             y="*bf16", done="*i32", s_x=8336, s_b=8336, s_z=8336, s_f=8336),  # f_b_proj in the kernel (1-2 rows)
+        dict(H=16, K=128, V=128, W=4, BK=128, BV=64, BW=4, NV=2, SPLIT=True, TAIL=True, BV_ROW=128, F_B=True, R=128,
+             BR=128,
              USE_LOWER_BOUND=True, LOWER_BOUND=-5.0, SCALE=128 ** -0.5, EPS=1e-5, ACC=tl.float32, BITS=False), 4),
     ("kda", "_kda_decode_norm_kernel"): (
         dict(xqkv="*bf16", conv_pool="*bf16", z="*bf16", o_norm_weight="*bf16", state_indices="*i32", y="*bf16",

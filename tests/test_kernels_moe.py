@@ -245,7 +245,7 @@ def check_router_tail_routes_where_the_route_kernel_did():
     def no_route_kernel(*args, **kwargs):
         raise AssertionError("_route_kernel launched where the router GEMM's tail should route")
 
-    real_route, real_count = routing._route_kernel, routing._done_count
+    real_route, real_count = routing._route_kernel, routing.tail.done_count
     cases = [  # T, E, D, L, top_k, n_group, topk_group, splits (None: the rule's)
         (1, 896, 300, 0, 16, 1, 1, None), (4, 64, 200, 100, 6, 8, 4, None), (2, 16, 200, 100, 3, 1, 1, 1)]
     for i, (T, E, D, L, k, n_group, topk_group, splits) in enumerate(cases):
@@ -263,11 +263,11 @@ def check_router_tail_routes_where_the_route_kernel_did():
                 with poisoned_empty(), interpret.poisoned_empty():
                     outs.append(routing._router(h, w, b, how, cfg, down))
                 assert not w._k3_done.any(), f"{what}: counts {w._k3_done.tolist()} after a call"
-            routing._route_kernel, routing._done_count = real_route, lambda *a: None
+            routing._route_kernel, routing.tail.done_count = real_route, lambda *a: None
             with poisoned_empty(), interpret.poisoned_empty():
                 two = routing._router(h, w, b, how, cfg, down)
         finally:
-            routing._route_kernel, routing._done_count = real_route, real_count
+            routing._route_kernel, routing.tail.done_count = real_route, real_count
         for got in (outs[0], outs[1]):
             for name, x, y in zip(("weights", "ids", "z"), got, two):
                 assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f"{what}: {name} differ"
@@ -849,7 +849,7 @@ def check_experts_gemv_sum_rides_in_the_down_kernel():
     def no_sum_kernel(*args, **kwargs):
         raise AssertionError("_sum_kernel launched where the down kernel's tail should sum")
 
-    real_sum, real_count, real_tiles = moe._sum_kernel, moe._done_count, moe._sum_tiles
+    real_sum, real_count, real_tiles = moe._sum_kernel, moe.tail.done_count, moe._sum_tiles
     for T, E, k, D, I, norm in [(1, 7, 3, 96, 64, True), (3, 7, 3, 96, 64, False)]:
         nw = randn(D, seed=1400 + T, scale=0.3) + 1.0 if norm else None
         bf = experts_case(T, E, k, D, I, seed=1410 + T)
@@ -868,11 +868,11 @@ def check_experts_gemv_sum_rides_in_the_down_kernel():
                     with poisoned_empty():
                         outs.append(fast(*args, act, 1.5, nw, 1e-5))
                     assert int(w2._k3_done) == 0, f"{what}: the count is {int(w2._k3_done)} after a call"
-                moe._sum_kernel, moe._done_count = real_sum, lambda w: None  # no count: the down kernel, then the sum
+                moe._sum_kernel, moe.tail.done_count = real_sum, lambda w: None  # no count: the down kernel, the sum
                 with poisoned_empty():
                     two = fast(*args, act, 1.5, nw, 1e-5)
             finally:
-                moe._sum_kernel, moe._done_count, moe._sum_tiles = real_sum, real_count, real_tiles
+                moe._sum_kernel, moe.tail.done_count, moe._sum_tiles = real_sum, real_count, real_tiles
             assert torch.equal(outs[0], outs[1]), f"{what}: two calls differ"
             assert torch.equal(outs[0], two), f"{what}: {(outs[0] != two).sum()} elements differ from _sum_kernel's"
             assert torch.equal(outs[0][0], torch.zeros_like(outs[0][0])), f"{what}: a remote-only token is not 0"

@@ -17,7 +17,7 @@ width (the latent), I expert width, BM the block of rows that share one expert.
   3. down    y [n, D] = bf(w_a · fp32(h·w2ᵀ)): the routed weight scales the fp32 accumulator (§7.4).
   4. sum     out [T, D] = bf(scaling · Σ_j fp32(y[t·k + j])), j in slot order; slots whose expert
              is outside [0, E) (another rank's, §9.4) are skipped. No atomics in the reduction. Under the
-             GEMV kernels (a few rows) the down kernel's last program to finish does it (`_done_count`).
+             GEMV kernels (a few rows) the down kernel's last program to finish does it (kernels/tail.py).
 glu_linear: the up step over x's rows against one weight (DENSE), optionally on the fp32 accumulator.
 
 experts_mxfp4 (w4a16, §7.7): the same four steps and tiles on MXFP4 weights, codes [.., K/2] uint8
@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3backend.kernels import norm as norm_ops
-from k3backend.kernels import pdl
+from k3backend.kernels import pdl, tail
 from k3backend.kernels.mla import has_tma
 from k3backend.kernels.moe_ref import Activation
 
@@ -1200,7 +1200,7 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         _launch_up(x, w13, s13, h, None, None, T * k, k, act, cfg, dense=False, round_gu=True, ids=ids)
         bn, bk, warps, stages = cfg.gemv
         _, tail_d, sum_warps = _sum_tiles(D, norm)  # a token at a time: the GEMV's registers suffice
-        done = _done_count(w2_given) if norm is None or sum_warps == warps else None  # same warps: same bits
+        done = tail.done_count(w2_given) if norm is None or sum_warps == warps else None  # same warps: same bits
         _down_gemv_kernel[(T * k, triton.cdiv(D, bn))](
             h_ptr=h, w2_ptr=w2, s2_ptr=w2 if s2 is None else s2, y_ptr=y, weights_ptr=weights, ids_ptr=ids, n=T * k,
             D=D, I=I, E=E, stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1),
@@ -1253,20 +1253,6 @@ def _sum_tiles(D: int, norm: tuple[torch.Tensor, float] | None) -> tuple[int, in
         return max(1, 2048 // block_d), block_d, 8
     block_d, block_t, warps = norm_ops.row_config(D)
     return block_t, block_d, warps
-
-
-def _done_count(w: torch.Tensor, n: int = 1) -> torch.Tensor | None:
-    """n int32 counts of finished programs for a kernel's tail (`_down_gemv_kernel`'s, the router GEMM's) on calls
-    with the weight w, kept on w: one set per layer, so never shared by kernels in flight at once (unless one layer
-    ran on two streams at once, which the model never does); 0 between calls. None while a CUDA graph is being
-    captured and w has none yet (then the kernel without the tail runs; the engine's warm-up runs outside the
-    capture first), as `_act_table`."""
-    done = getattr(w, "_k3_done", None)
-    if done is None or done.device != w.device or done.numel() < n:
-        if w.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        done = w._k3_done = torch.zeros(max(n, 1), dtype=torch.int32, device=w.device)
-    return done
 
 
 def _sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, scaling: float,

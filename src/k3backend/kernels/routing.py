@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3backend.kernels import pdl
-from k3backend.kernels.moe import _GPU, _div, _done_count, _mma, _round, _sigmoid
+from k3backend.kernels import pdl, tail
+from k3backend.kernels.moe import _GPU, _div, _mma, _round, _sigmoid
 
 _MAX_EXPERTS = 4096  # route: one program holds a token's E scores in registers
 # router_config: K splits until the GEMM has about two waves of programs on the H200's 132 SMs, none
@@ -353,14 +353,15 @@ ROUTE_TAIL_MAX_ROWS = 4  # up to here the router GEMM's last program routes the 
 def _router(h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, how: tuple,
             cfg: RouterConfig, down: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """(weights, ids, z): `_router_logits`, then the route kernel, which adds the partial sums in split order (and
-    with down [L, D] writes z [T, L]); up to ROUTE_TAIL_MAX_ROWS tokens the GEMM's tail does that instead."""
+    with down [L, D] writes z [T, L]); up to ROUTE_TAIL_MAX_ROWS tokens the GEMM's tail does that instead
+    (kernels/tail.py)."""
     top_k = how[0]
     (T, D), E = h.shape, weight.shape[0]
     L = 0 if down is None else down.shape[0]
     z = None if down is None else torch.empty(T, L, dtype=h.dtype, device=h.device)
     done = None
     if 0 < T <= min(ROUTE_TAIL_MAX_ROWS, cfg.block_t):
-        done = _done_count(weight, 1 + triton.cdiv(L, cfg.block_e))
+        done = tail.done_count(weight, 1 + triton.cdiv(L, cfg.block_e))
     if done is None:
         return *_route(_router_logits(h, weight, cfg, down), correction_bias, *how, z), z
     w = torch.empty(T, top_k, dtype=torch.float32, device=h.device)
@@ -370,16 +371,16 @@ def _router(h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor
 
 
 def _router_logits(h: torch.Tensor, weight: torch.Tensor, cfg: RouterConfig, down: torch.Tensor | None = None,
-                   tail: tuple | None = None) -> torch.Tensor:
+                   route: tuple | None = None) -> torch.Tensor:
     """[S, T, E] fp32: cfg.splits partial sums of h·weightᵀ over K; their sum in split order is the logits.
-    down [L, D]: [S, T, E + L], the last L columns those of h·downᵀ. tail = (counts, correction_bias, (top_k,
+    down [L, D]: [S, T, E + L], the last L columns those of h·downᵀ. route = (counts, correction_bias, (top_k,
     n_group, topk_group, renormalize, scaling), weights, ids, z): the GEMM's tail routes into them (one token tile)."""
     (T, D), E = h.shape, weight.shape[0]
     L = 0 if down is None else down.shape[0]
     partials = torch.empty(cfg.splits, T, E + L, dtype=torch.float32, device=h.device)
     if T == 0:
         return partials
-    done, bias, how, w, ids, z = tail or (partials, None, (1, 1, 1, False, 1.0), partials, partials, None)
+    done, bias, how, w, ids, z = route or (partials, None, (1, 1, 1, False, 1.0), partials, partials, None)
     grid = (triton.cdiv(E, cfg.block_e) + triton.cdiv(L, cfg.block_e), triton.cdiv(T, cfg.block_t), cfg.splits)
     _router_gemm_kernel[grid](
         h_ptr=h, w_ptr=weight, d_ptr=h if down is None else down, out_ptr=partials, T=T, E=E, L=L, D=D,
@@ -388,8 +389,8 @@ def _router_logits(h: torch.Tensor, weight: torch.Tensor, cfg: RouterConfig, dow
         done_ptr=done, bias_ptr=partials if bias is None else bias, rw_ptr=w, ids_ptr=ids,
         z_ptr=partials if z is None else z, stride_wt=w.stride(0), stride_it=ids.stride(0),
         stride_zt=0 if z is None else z.stride(0), GPU=_GPU, EVEN_K=D % cfg.block_k == 0, FRONT=down is not None,
-        BLOCK_E=cfg.block_e, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, TAIL=tail is not None, SPLITS=cfg.splits,
-        BLOCK_TOPK=triton.next_power_of_2(how[0]), **_route_args(E if tail else 1, bias, *how),
+        BLOCK_E=cfg.block_e, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, TAIL=route is not None, SPLITS=cfg.splits,
+        BLOCK_TOPK=triton.next_power_of_2(how[0]), **_route_args(E if route else 1, bias, *how),
         **pdl.launch_args(h.device), num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return partials
