@@ -274,6 +274,20 @@ def check_router_tail_routes_where_the_route_kernel_did():
         assert_route_equal(outs[0][:2], moe_ref.router(h, w, b, *how), what)
 
 
+def test_tail_counts_grow_without_freeing_the_ones_a_graph_captured():
+    """kernels/tail.py: a call needing more counts than a weight holds gets new ones, and the old stay referenced
+    (a CUDA graph captured with them replays their address: freed and reused, another tensor's bytes would count;
+    on an H100 a B4 graph routed on such counts after the B2 warm-up grew them: wrong logits)."""
+    from k3backend.kernels import tail
+
+    w = torch.zeros(4)
+    one = tail.done_count(w, 1)
+    assert one.tolist() == [0] and tail.done_count(w) is one
+    many = tail.done_count(w, 17)
+    assert many.numel() == 17 and not many.any() and tail.done_count(w, 5) is many
+    assert any(t is one for t in w._k3_done_before), "the first counts were dropped"
+
+
 def test_router_splits_fill_the_gpu_at_decode_and_stay_few_at_prefill():
     """router_config: `small` (hidden 2048, 64 experts) at 1-64 tokens splits K into 32 (about two waves
     of programs stream the weight), at thousands of tokens into at most 8; every split is non-empty."""

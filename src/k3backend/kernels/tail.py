@@ -19,5 +19,7 @@ def done_count(w: torch.Tensor, n: int = 1) -> torch.Tensor | None:
     if done is None or done.device != w.device or done.numel() < n:
         if w.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
+        # a graph captured with the old counts keeps their address: they must never be freed (and reused)
+        w._k3_done_before = (*getattr(w, "_k3_done_before", ()), *(() if done is None else (done,)))
         done = w._k3_done = torch.zeros(max(n, 1), dtype=torch.int32, device=w.device)
     return done
