@@ -468,13 +468,11 @@ def compile_sm90() -> None:
     bf = dict(ACC=tl.float32, DOT=tl.bfloat16, PREC="tf32", BITS=False)
     p = lambda names, t: dict.fromkeys(names.split(), t)  # noqa: E731
     fused = {**p("xqkv conv_pool f f_b b z o_norm_weight y", "*bf16"),
-             **p("conv_weight dt_bias A_log S_pool", "*fp32"), **p("state_indices done", "*i32"),
-             **p("s_x s_b s_z s_f", "i32")}
+             **p("conv_weight dt_bias A_log S_pool", "*fp32"), "state_indices": "*i32", **p("s_x s_b s_z s_f", "i32")}
     for nv, warps in DECODE_FUSED_VARIANTS:
         for fb in (False, True):  # f_b_proj's GEMV before the kernel, or in it (rank K: K3's f_a width)
             build(f"kda_decode_fused v{nv}" + " f_b" * fb, kda._kda_decode_fused_kernel, fused,
-                  dict(H=H, K=K, V=K, W=W, BK=K, BV=K // nv, BW=W, NV=nv, SPLIT=nv > 1, TAIL=nv > 1, BV_ROW=K, F_B=fb,
-                       R=K, BR=K,
+                  dict(H=H, K=K, V=K, W=W, BK=K, BV=K // nv, BW=W, NV=nv, SPLIT=nv > 1, F_B=fb, R=K, BR=K,
                        USE_LOWER_BOUND=True, LOWER_BOUND=LB, SCALE=K ** -0.5, EPS=1e-5, ACC=tl.float32, BITS=False),
                   warps)
     build("kda_decode_fused norm", kda._kda_decode_norm_kernel, fused,

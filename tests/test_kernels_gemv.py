@@ -299,9 +299,8 @@ _PDL_ONLY_HERE = {
     ("kda", "_kda_decode_fused_kernel"): (
         dict(xqkv="*bf16", conv_weight="*fp32", conv_pool="*bf16", f="*bf16", f_b="*bf16", dt_bias="*fp32",
              A_log="*fp32", b="*bf16", z="*bf16", o_norm_weight="*bf16", S_pool="*fp32", state_indices="*i32",
-             y="*bf16", done="*i32", s_x=8336, s_b=8336, s_z=8336, s_f=8336),  # f_b_proj in the kernel (1-2 rows)
-        dict(H=16, K=128, V=128, W=4, BK=128, BV=64, BW=4, NV=2, SPLIT=True, TAIL=True, BV_ROW=128, F_B=True, R=128,
-             BR=128,
+             y="*bf16", s_x=8336, s_b=8336, s_z=8336, s_f=8336),  # f_b_proj in the kernel (1-2 rows)
+        dict(H=16, K=128, V=128, W=4, BK=128, BV=64, BW=4, NV=2, SPLIT=True, F_B=True, R=128, BR=128,
              USE_LOWER_BOUND=True, LOWER_BOUND=-5.0, SCALE=128 ** -0.5, EPS=1e-5, ACC=tl.float32, BITS=False), 4),
     ("kda", "_kda_decode_norm_kernel"): (
         dict(xqkv="*bf16", conv_pool="*bf16", z="*bf16", o_norm_weight="*bf16", state_indices="*i32", y="*bf16",
@@ -316,10 +315,8 @@ _PDL_ONLY_HERE = {
     ("moe", "_down_gemv_kernel"): (
         dict(h_ptr="*bf16", w2_ptr="*bf16", s2_ptr="*bf16", y_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", n=6,
              D=1024, I=1024, E=64, stride_hm=1024, stride_we=1024 * 1024, stride_wn=1024, stride_se=0, stride_sn=0,
-             stride_yn=1024, stride_it=6, stride_ik=1, stride_pt=6, stride_pk=1, done_ptr="*i32", out_ptr="*bf16",
-             norm_w_ptr="*bf16", T=1, scaling=1.0, eps=1e-5, stride_ot=1024),  # the sum and latent norm in its tail
-        dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, AHEAD=True, BLOCK_N=16, BLOCK_K=256, TAIL=True,
-             NORM=True, TAIL_T=1, TAIL_D=1024), 4),
+             stride_yn=1024, stride_it=6, stride_ik=1, stride_pt=6, stride_pk=1),
+        dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, AHEAD=True, BLOCK_N=16, BLOCK_K=256), 4),
     ("moe", "_sum_kernel"): (  # with the latent norm, in norm.row_config(1024)'s tile
         dict(y_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16", norm_w_ptr="*bf16", T=4, D=1024, E=64, scaling=1.0,
              eps=1e-5, stride_yn=1024, stride_it=6, stride_ik=1, stride_ot=1024),

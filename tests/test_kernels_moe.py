@@ -235,59 +235,6 @@ def check_moe_front_equals_router_and_down_projection():
         assert not ok and "down weight" in reason, (bad.dtype, bad.shape, reason)
 
 
-def check_router_tail_routes_where_the_route_kernel_did():
-    """Up to ROUTE_TAIL_MAX_ROWS tokens the router GEMM's last programs route (and add the front's latent columns):
-    `_route_kernel` never launches, the weights, ids and z have the bits of the GEMM then the route kernel, and the
-    counts are back to 0 after each call (the second call's tail runs too). K3's 896 experts top-16 (14 gate tiles),
-    grouped top-k, a ragged last down tile (L 100), one split and several."""
-    from k3backend.kernels import moe_ref, routing
-
-    def no_route_kernel(*args, **kwargs):
-        raise AssertionError("_route_kernel launched where the router GEMM's tail should route")
-
-    real_route, real_count = routing._route_kernel, routing.tail.done_count
-    cases = [  # T, E, D, L, top_k, n_group, topk_group, splits (None: the rule's)
-        (1, 896, 300, 0, 16, 1, 1, None), (4, 64, 200, 100, 6, 8, 4, None), (2, 16, 200, 100, 3, 1, 1, 1)]
-    for i, (T, E, D, L, k, n_group, topk_group, splits) in enumerate(cases):
-        h, w, b = router_case(T, E, D, seed=3200 + 10 * i)
-        down = randn(L, D, seed=3201 + 10 * i, scale=D ** -0.5, dtype=BF16) if L else None
-        how = (k, n_group, topk_group, True, 2.5)
-        assert selection_margin(h.double() @ w.double().T, b, k, n_group, topk_group) > 1e-5, f"case {i}: a near tie"
-        one = routing.RouterConfig(64, 16, 64, 1, -(-D // 64) * 64)
-        cfg = routing.router_config(T, E, D, L) if splits is None else one
-        what = f"T{T} E{E} L{L} top{k} groups {n_group}/{topk_group} splits {cfg.splits}"
-        outs = []
-        try:
-            routing._route_kernel = type("NoLaunch", (), {"__getitem__": lambda self, grid: no_route_kernel})()
-            for _ in range(2):
-                with poisoned_empty(), interpret.poisoned_empty():
-                    outs.append(routing._router(h, w, b, how, cfg, down))
-                assert not w._k3_done.any(), f"{what}: counts {w._k3_done.tolist()} after a call"
-            routing._route_kernel, routing.tail.done_count = real_route, lambda *a: None
-            with poisoned_empty(), interpret.poisoned_empty():
-                two = routing._router(h, w, b, how, cfg, down)
-        finally:
-            routing._route_kernel, routing.tail.done_count = real_route, real_count
-        for got in (outs[0], outs[1]):
-            for name, x, y in zip(("weights", "ids", "z"), got, two):
-                assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f"{what}: {name} differ"
-        assert_route_equal(outs[0][:2], moe_ref.router(h, w, b, *how), what)
-
-
-def test_tail_counts_grow_without_freeing_the_ones_a_graph_captured():
-    """kernels/tail.py: a call needing more counts than a weight holds gets new ones, and the old stay referenced
-    (a CUDA graph captured with them replays their address: freed and reused, another tensor's bytes would count;
-    on an H100 a B4 graph routed on such counts after the B2 warm-up grew them: wrong logits)."""
-    from k3backend.kernels import tail
-
-    w = torch.zeros(4)
-    one = tail.done_count(w, 1)
-    assert one.tolist() == [0] and tail.done_count(w) is one
-    many = tail.done_count(w, 17)
-    assert many.numel() == 17 and not many.any() and tail.done_count(w, 5) is many
-    assert any(t is one for t in w._k3_done_before), "the first counts were dropped"
-
-
 def test_router_splits_fill_the_gpu_at_decode_and_stay_few_at_prefill():
     """router_config: `small` (hidden 2048, 64 experts) at 1-64 tokens splits K into 32 (about two waves
     of programs stream the weight), at thousands of tokens into at most 8; every split is non-empty."""
@@ -314,20 +261,16 @@ def test_router_kernels_compile_for_hopper_without_spills():
     from k3backend.kernels import routing
 
     for T, E, D, L in ((1, 64, 2048, 0), (4096, 64, 2048, 0), (64, 896, 7168, 0), (1, 64, 2048, 1024),
-                       (64, 384, 7168, 3584), (1, 896, 7168, 3584)):
+                       (64, 384, 7168, 3584)):
         cfg = routing.router_config(T, E, D, L)
-        k, block = (6, 64) if E == 64 else (16, 1024)
-        tail = T <= routing.ROUTE_TAIL_MAX_ROWS  # the route in the GEMM's last programs
         args = dict(h_ptr="*bf16", w_ptr="*fp32", d_ptr="*bf16", out_ptr="*fp32", T=T, E=E, L=L, D=D,
                     split_k=cfg.split_k, stride_ht=D, stride_we=D, stride_wd=D, stride_os=T * (E + L),
-                    stride_ot=E + L, done_ptr="*i32", bias_ptr="*fp32", rw_ptr="*fp32", ids_ptr="*i64", z_ptr="*bf16",
-                    stride_wt=k, stride_it=k, stride_zt=L, per_group=E, scaling=1.0)
+                    stride_ot=E + L)
         constexprs = dict(GPU=True, EVEN_K=D % cfg.block_k == 0, FRONT=L > 0, BLOCK_E=cfg.block_e,
-                          BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, TAIL=tail, SPLITS=cfg.splits, TOP_K=k, N_GROUP=1,
-                          TOPK_GROUP=1, HAS_BIAS=True, RENORMALIZE=True, BLOCK_G=1, BLOCK_P=block,
-                          BLOCK_TOPK=triton.next_power_of_2(k))
+                          BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k)
         c = compile_sm90(routing._router_gemm_kernel, args, constexprs, num_warps=cfg.warps, num_stages=cfg.stages)
-        assert c.stack == 0 and c.mma, f"router GEMM T{T} E{E} D{D} tail {tail}: {c}"
+        assert c.stack == 0 and c.mma, f"router GEMM T{T} E{E} D{D}: {c}"
+        k, block = (6, 64) if E == 64 else (16, 1024)
         warps = 4 if block >= 512 else 1
         args = dict(logits_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", z_ptr="*bf16",
                     stride_ls=T * (E + L), stride_lt=E + L, stride_wt=k, stride_it=k, stride_zt=L, E=E, L=L,
@@ -518,16 +461,7 @@ def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
         stride_it=6, stride_ik=1, stride_hm=I, **act),
         dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, AHEAD=ahead, BLOCK_N=bn, BLOCK_K=bk),
         num_warps=warps, num_stages=stages) for ahead in (False, True)}
-    _, tail_d, _ = moe._sum_tiles(D, (torch.ones(D), 1e-5))
-    down_gemv = compile_sm90(moe._down_gemv_kernel, dict(  # with the sum and the latent norm in its tail
-        h_ptr="*bf16", w2_ptr="*i32", s2_ptr="*u8", y_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i32", n=6, D=D,
-        I=I, E=64, stride_hm=I, stride_we=D * I // 8, stride_wn=I // 8, stride_se=D * I // 32, stride_sn=I // 32,
-        stride_yn=D, stride_it=6, stride_ik=1, stride_pt=6, stride_pk=1, done_ptr="*i32", out_ptr="*bf16",
-        norm_w_ptr="*bf16", T=1, scaling=1.0, eps=1e-5, stride_ot=D),
-        dict(mx, AHEAD=stages > 1, BLOCK_N=bn, BLOCK_K=bk, TAIL=True, NORM=True, TAIL_T=1, TAIL_D=tail_d),
-        num_warps=warps, num_stages=stages)
-    for what, c in (("up", up), ("down", down), ("up gemv", gemv[False]), ("up gemv ahead", gemv[True]),
-                    ("down gemv", down_gemv)):
+    for what, c in (("up", up), ("down", down), ("up gemv", gemv[False]), ("up gemv ahead", gemv[True])):
         assert c.stack == 0 and c.smem <= 227 * 1024, f"{what}: {c}"
     # the GEMV's K step a weight value and thread: code words, 8 fp32 straight from the PTX, took it from 7.6
     # (bytes unpacked and repacked for the pack-4 asm, then bf16 widened) to 5.3 (decode 3; decode 2: 5.8)
@@ -848,50 +782,6 @@ def check_experts_gemv_loads_ahead_or_not_alike():
         want = ref()
         assert_bf16_close(got[2], want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), what)
         assert torch.equal(got[1], got[2]), f"{what}: ahead and not differ in {(got[1] != got[2]).sum()} elements"
-
-
-def check_experts_gemv_sum_rides_in_the_down_kernel():
-    """Where the GEMV kernels run, step 4 (and the latent norm) is the down kernel's tail, run by its last program:
-    `_sum_kernel` never launches, the output has the bits of the down kernel then `_sum_kernel`, the count is back
-    to 0 after each call (the second call's tail runs too), and programs of other ranks' experts still count. bf16
-    and MXFP4; without the norm in tiles of 32 columns, so the tail loops over tokens and columns."""
-    from k3backend.kernels import moe, moe_ref
-    from k3backend.kernels.moe_ref import Activation
-
-    act = Activation(**SITU)
-
-    def no_sum_kernel(*args, **kwargs):
-        raise AssertionError("_sum_kernel launched where the down kernel's tail should sum")
-
-    real_sum, real_count, real_tiles = moe._sum_kernel, moe.tail.done_count, moe._sum_tiles
-    for T, E, k, D, I, norm in [(1, 7, 3, 96, 64, True), (3, 7, 3, 96, 64, False)]:
-        nw = randn(D, seed=1400 + T, scale=0.3) + 1.0 if norm else None
-        bf = experts_case(T, E, k, D, I, seed=1410 + T)
-        mx = mxfp4_case(T, E, k, D, I, seed=1420 + T)
-        bf[2][0] = mx[2][0] = torch.tensor([-1, E, E + 3])  # token 0: every slot another rank's
-        for name, args, fast, ref in (("bf16", bf, moe.experts, moe_ref.experts),
-                                      ("mxfp4", mx, moe.experts_mxfp4, moe_ref.experts_mxfp4)):
-            what = f"{name} T={T} norm={norm}"
-            assert moe.experts_config(T, k, E, D, I, name == "mxfp4").gemv is not None, what
-            w2 = args[-1] if name == "bf16" else args[-2]  # the tensor the count is kept on
-            outs = []
-            try:
-                moe._sum_tiles = real_tiles if norm else lambda D, norm: (2, 32, 8)  # (tokens, columns, warps)
-                moe._sum_kernel = type("NoLaunch", (), {"__getitem__": lambda self, grid: no_sum_kernel})()
-                for _ in range(2):
-                    with poisoned_empty():
-                        outs.append(fast(*args, act, 1.5, nw, 1e-5))
-                    assert int(w2._k3_done) == 0, f"{what}: the count is {int(w2._k3_done)} after a call"
-                moe._sum_kernel, moe.tail.done_count = real_sum, lambda w: None  # no count: the down kernel, the sum
-                with poisoned_empty():
-                    two = fast(*args, act, 1.5, nw, 1e-5)
-            finally:
-                moe._sum_kernel, moe.tail.done_count, moe._sum_tiles = real_sum, real_count, real_tiles
-            assert torch.equal(outs[0], outs[1]), f"{what}: two calls differ"
-            assert torch.equal(outs[0], two), f"{what}: {(outs[0] != two).sum()} elements differ from _sum_kernel's"
-            assert torch.equal(outs[0][0], torch.zeros_like(outs[0][0])), f"{what}: a remote-only token is not 0"
-            want = ref(*args, act, 1.5, nw, 1e-5)
-            assert_bf16_close(outs[0], want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), what)
 
 
 def run_ptx(text: str, regs: dict) -> dict:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3backend.kernels import pdl, tail
+from k3backend.kernels import pdl
 from k3backend.kernels.varlen import VarlenLayout, layout_problem, varlen_layout
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton itself does
@@ -33,10 +33,6 @@ _MAX_RANK = 256  # f_a's width R that kda_decode_fused takes with f_b_weight
 # decode replays, ms, the GEMV before -> in the kernel): B1 1.918 -> 1.912, B2 2.117 -> 2.095, but B4 2.661 -> 2.676
 # and B8 3.211 -> 3.230 (each program reads its head's 32 KB of f_b; the GEMV reads it once).
 F_B_MAX_ROWS = 2
-# The V-split's norm in each head's last block (kernels/tail.py) up to this many programs an SM: the tail takes
-# the fused kernel from 128 to 144-154 registers (sm_90a, K = V = 128, 4 warps), 4 -> 3 programs an SM, so larger
-# grids (`small`: past 12 rows) keep the second launch, which costs a launch but no occupancy.
-TAIL_PROGRAMS_PER_SM = 3
 
 
 @functools.cache
@@ -186,19 +182,17 @@ def _low_rank_rows(a_row, w, o_k, m_k, R: tl.constexpr, BR: tl.constexpr, BK: tl
 
 @triton.jit
 def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, f_b, dt_bias, A_log, b, z, o_norm_weight, S_pool,
-                             state_indices, y, done, s_x, s_b, s_z, s_f, H: tl.constexpr, K: tl.constexpr,
+                             state_indices, y, s_x, s_b, s_z, s_f, H: tl.constexpr, K: tl.constexpr,
                              V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                             BW: tl.constexpr, NV: tl.constexpr, SPLIT: tl.constexpr, TAIL: tl.constexpr,
-                             BV_ROW: tl.constexpr,
-                             F_B: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                             BW: tl.constexpr, NV: tl.constexpr, SPLIT: tl.constexpr, F_B: tl.constexpr,
+                             R: tl.constexpr, BR: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                              LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
                              BITS: tl.constexpr, PDL: tl.constexpr):
     """Program (b, h, V-block i_v of NV): columns i_v·BV.. of one head's K×V state (only its own columns,
     so no other program reads or writes them). Not SPLIT (one block holds all of V): the gated norm
     over V and the head's conv-history update stay inside the program. SPLIT: the program writes
-    bf(o) of its columns into y and reads the conv pool only; then the head's last V-block to finish (TAIL: a
-    count a head at `done`, kernels/tail.py), or `_kda_decode_norm_kernel` launched after it, does the norm and
-    the history (`_head_norm_and_history`, the row in BV_ROW lanes). s_x, s_b, s_z: the row strides of xqkv, b, z
+    bf(o) of its columns into y and reads the conv pool only; `_kda_decode_norm_kernel`, launched
+    after it, does the norm and the history. s_x, s_b, s_z: the row strides of xqkv, b and z
     (slices of the layer's one input GEMM). F_B: f holds f_a's rows [B, R] (row stride s_f) and the program
     forms its head's gate pre-activation bf(f_a·f_bᵀ) [K] from f_b [H·K, R], a GEMV launch fewer a layer."""
     pdl.enter(PDL)
@@ -246,13 +240,6 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, f_b, dt_bias, A_lo
     o = _round(o, p_y.dtype.element_ty, BITS)
     if SPLIT:
         tl.store(p_y, o, mask=m_v)
-        if TAIL:
-            tl.debug_barrier()  # every thread's stores issued before the count below releases them
-            count = done + i_b * H + i_h
-            if tl.atomic_add(count, 1) == NV - 1:  # acq_rel: sees the head's other blocks of y
-                _head_norm_and_history(xqkv, conv_pool, z, o_norm_weight, y, slot, i_b, i_h, s_x, s_z, H, K, V, W,
-                                       BK, BV_ROW, BW, EPS, ACC, BITS, True)
-                tl.atomic_xchg(count, 0)
     else:
         _gated_norm_store(p_y, o.to(ACC), z + i_b * s_z + i_h * V, o_norm_weight, o_v, m_v, V, EPS, ACC, BITS)
         # the new conv history, once every thread has read the old one (the rows shift within the slot)
@@ -264,18 +251,22 @@ def _kda_decode_fused_kernel(xqkv, conv_weight, conv_pool, f, f_b, dt_bias, A_lo
 
 
 @triton.jit
-def _head_norm_and_history(xqkv, conv_pool, z, o_norm_weight, y, slot, i_b, i_h, s_x, s_z, H: tl.constexpr,
-                           K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                           BW: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr, BITS: tl.constexpr,
-                           VOLATILE: tl.constexpr):
-    """After every V-block of head (b, h) ran: the gated norm of its row bf(o) in y, in place, and the head's
-    q/k/v conv-history shift (every V-block read the old q/k rows, so none of them may write; one program owns
-    the head's channels of the slot). VOLATILE: other programs of the running grid wrote y (read past L1)."""
+def _kda_decode_norm_kernel(xqkv, conv_pool, z, o_norm_weight, state_indices, y, s_x, s_z, H: tl.constexpr,
+                            K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, BW: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
+                            BITS: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, h) after the SPLIT launch: the gated norm of the head's row bf(o) in y, in place, and
+    the head's q/k/v conv-history shift (every V-block of the first launch read the old q/k rows, so
+    none of them may write; here one program owns the head's channels of the slot)."""
+    pdl.enter(PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    i_b, i_h = pid // H, pid % H
     C: tl.constexpr = 2 * H * K + H * V
+    slot = tl.load(state_indices + i_b).to(tl.int64)
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     p_y = y + (i_b * H + i_h) * V + o_v
-    o = tl.load(p_y, mask=m_v, other=0, volatile=VOLATILE).to(ACC)
+    o = tl.load(p_y, mask=m_v, other=0).to(ACC)
     _gated_norm_store(p_y, o, z + i_b * s_z + i_h * V, o_norm_weight, o_v, m_v, V, EPS, ACC, BITS)
 
     x_row, hist = xqkv + i_b * s_x, conv_pool + slot * ((W - 1) * C)
@@ -288,20 +279,6 @@ def _head_norm_and_history(xqkv, conv_pool, z, o_norm_weight, y, slot, i_b, i_h,
         _store_history(hist, win_q, c_q, m_k, C, W, BW)
         _store_history(hist, win_k, c_k, m_k, C, W, BW)
         _store_history(hist, win_v, c_v, m_v, C, W, BW)
-
-
-@triton.jit
-def _kda_decode_norm_kernel(xqkv, conv_pool, z, o_norm_weight, state_indices, y, s_x, s_z, H: tl.constexpr,
-                            K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
-                            BV: tl.constexpr, BW: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
-                            BITS: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, h) after a SPLIT launch without its tail: `_head_norm_and_history`."""
-    pdl.enter(PDL)
-    pid = tl.program_id(0).to(tl.int64)
-    i_b, i_h = pid // H, pid % H
-    slot = tl.load(state_indices + i_b).to(tl.int64)
-    _head_norm_and_history(xqkv, conv_pool, z, o_norm_weight, y, slot, i_b, i_h, s_x, s_z, H, K, V, W, BK, BV, BW,
-                           EPS, ACC, BITS, False)
 
 
 def _decode_fused_problem(xqkv, conv_weight, conv_pool, f, dt_bias, A_log, lower_bound, b, z, o_norm_weight,
@@ -408,10 +385,8 @@ def decode_fused_split(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool:
                        f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """`kda_decode_fused` with its split chosen by the caller (the bench and tests). v_blocks 1: one launch, one program per (sequence, head) holding the
     head's K×V state tile (read once, written once in place). v_blocks > 1: the state's V columns in
-    that many blocks, one program each, writing bf(o); then each head's last block to finish does the gated norm
-    and the conv history where the grid fits one wave (`TAIL_PROGRAMS_PER_SM`), else (or while a graph capture has
-    no counts yet) a launch of B·H programs. None (the model's calls): `decode_fused_plan` and `decode_fused_warps`
-    choose.
+    that many blocks, one program each, writing bf(o); then a launch of B·H programs for the gated norm
+    and the conv history. None (the model's calls): `decode_fused_plan` and `decode_fused_warps` choose.
     f_b_weight: f is f_a's rows; up to F_B_MAX_ROWS rows each program forms its head's bf(f_a·f_bᵀ), more rows
     take the `linear` op first (the GEMV or cuBLAS, as f_b_proj would: the weight read once, not once a row)."""
     _raise_if(_first(_plan_problem(z.shape[-1], v_blocks, num_warps),
@@ -431,18 +406,15 @@ def decode_fused_split(xqkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool:
     num_warps = num_warps or decode_fused_warps(K, V, v_blocks)
     BK, BV, BW = triton.next_power_of_2(K), triton.next_power_of_2(V) // v_blocks, triton.next_power_of_2(W)
     NV = triton.cdiv(V, BV)
-    fits = B * H * NV <= TAIL_PROGRAMS_PER_SM * _num_sms(xqkv.device)  # one wave at the tail's occupancy
-    done = tail.done_count(conv_weight, B * H) if NV > 1 and fits else None  # the head's last block norms
     _kda_decode_fused_kernel[(B * H * NV,)](
         xqkv=xqkv, conv_weight=conv_weight, conv_pool=conv_pool, f=f, f_b=f if f_b_weight is None else f_b_weight,
         dt_bias=dt_bias, A_log=A_log, b=b, z=z, o_norm_weight=o_norm_weight, S_pool=S_pool,
-        state_indices=state_indices, y=y, done=y if done is None else done, s_x=xqkv.stride(0), s_b=b.stride(0),
-        s_z=z.stride(0), s_f=f.stride(0), H=H, K=K, V=V, W=W, BK=BK, BV=BV, BW=BW, NV=NV, SPLIT=NV > 1,
-        TAIL=done is not None, BV_ROW=triton.next_power_of_2(V), F_B=f_b_weight is not None, R=R,
+        state_indices=state_indices, y=y, s_x=xqkv.stride(0), s_b=b.stride(0), s_z=z.stride(0), s_f=f.stride(0), H=H,
+        K=K, V=V, W=W, BK=BK, BV=BV, BW=BW, NV=NV, SPLIT=NV > 1, F_B=f_b_weight is not None, R=R,
         BR=triton.next_power_of_2(R),
         USE_LOWER_BOUND=lower_bound is not None, LOWER_BOUND=float(lower_bound or 0.0), SCALE=K ** -0.5,
         EPS=float(eps), ACC=_acc(S_pool), BITS=_INTERPRET, **pdl.launch_args(xqkv.device), num_warps=num_warps)
-    if NV > 1 and done is None:  # stream order: every V-block has read the old conv history before this shifts it
+    if NV > 1:  # stream order: every V-block has read the old conv history before this launch shifts it
         _kda_decode_norm_kernel[(B * H,)](
             xqkv=xqkv, conv_pool=conv_pool, z=z, o_norm_weight=o_norm_weight, state_indices=state_indices, y=y,
             s_x=xqkv.stride(0), s_z=z.stride(0), H=H, K=K, V=V, W=W, BK=BK, BV=triton.next_power_of_2(V), BW=BW,

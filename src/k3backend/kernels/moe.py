@@ -16,8 +16,7 @@ width (the latent), I expert width, BM the block of rows that share one expert.
              halves of bf16 inputs are looked up in a table of all 65,536 values (`_act_table`).
   3. down    y [n, D] = bf(w_a · fp32(h·w2ᵀ)): the routed weight scales the fp32 accumulator (§7.4).
   4. sum     out [T, D] = bf(scaling · Σ_j fp32(y[t·k + j])), j in slot order; slots whose expert
-             is outside [0, E) (another rank's, §9.4) are skipped. No atomics in the reduction. Under the
-             GEMV kernels (a few rows) the down kernel's last program to finish does it (kernels/tail.py).
+             is outside [0, E) (another rank's, §9.4) are skipped. No atomics in the reduction.
 glu_linear: the up step over x's rows against one weight (DENSE), optionally on the fp32 accumulator.
 
 experts_mxfp4 (w4a16, §7.7): the same four steps and tiles on MXFP4 weights, codes [.., K/2] uint8
@@ -42,7 +41,7 @@ from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3backend.kernels import norm as norm_ops
-from k3backend.kernels import pdl, tail
+from k3backend.kernels import pdl
 from k3backend.kernels.mla import has_tma
 from k3backend.kernels.moe_ref import Activation
 
@@ -745,93 +744,69 @@ def _up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, table_ptr, n, D, I,
     tl.store(h_ptr + a.to(tl.int64) * stride_hm + offs_n, h, mask=offs_n < I)
 
 
-@triton.jit(do_not_specialize=["n", "T"])
+@triton.jit(do_not_specialize=["n"])
 def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, I, E, stride_hm, stride_we,
                       stride_wn, stride_se, stride_sn, stride_yn, stride_it, stride_ik, stride_pt, stride_pk,
-                      done_ptr, out_ptr, norm_w_ptr, T, scaling, eps, stride_ot,
                       TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
                       DECODE: tl.constexpr, AHEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      TAIL: tl.constexpr, NORM: tl.constexpr, TAIL_T: tl.constexpr, TAIL_D: tl.constexpr,
                       PDL: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[a]·w2ᵀ)) for one assignment (ExpertsConfig.gemv; MX: w2 codes as int32
-    words [E, D, I/8], s2 exponents [E, D, I/32]); AHEAD as in `_up_gemv_kernel`. TAIL: the grid's last program
-    to finish (a count at done_ptr, back to 0 after) also runs step 4 (`_sum_tile`, NORM as `_sum_kernel`) over
-    every token in [TAIL_T, TAIL_D] tiles: a decode step's sum (and latent norm) without a launch of its own. A
-    row's tile has `_sum_kernel`'s layout at the same warps (the same order of the norm's sum, so its bits)."""
+    words [E, D, I/8], s2 exponents [E, D, I/32]); AHEAD as in `_up_gemv_kernel`."""
     pdl.enter(PDL)
     a = tl.program_id(0)
     t, j = a // TOP_K, a % TOP_K
     e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
-    if (e >= 0) & (e < E):  # other ranks' experts: nothing to write (the sum skips them), but TAIL counts them
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_ptrs, s_ptrs = _row_ptrs(w2_ptr + e.to(tl.int64) * stride_we, s2_ptr + e.to(tl.int64) * stride_se,
-                                   (offs_n % D).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)
-        step_w: tl.constexpr = BLOCK_K // 8 if MX else BLOCK_K
-        step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
-        ACC_K: tl.constexpr = BLOCK_K // 8 if MX else BLOCK_K  # `_gemv`'s accumulator columns
-        h_ptrs = h_ptr + a.to(tl.int64) * stride_hm + tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
-        hv = _vec(h_ptrs, I, EVEN_K, BLOCK_K)
-        c, s = _row_load(w_ptrs, s_ptrs, I, EVEN_K, MX, BLOCK_K)
-        for k0 in range(1, tl.cdiv(I, BLOCK_K)):
-            if not AHEAD:
-                acc = _gemv(acc, c, s, hv, MX, DECODE, GPU, BLOCK_K)
-            k_left = I - k0 * BLOCK_K
-            h_ptrs += BLOCK_K
-            w_ptrs += step_w
-            s_ptrs += step_s
-            hn = _vec(h_ptrs, k_left, EVEN_K, BLOCK_K)
-            cn, sn = _row_load(w_ptrs, s_ptrs, k_left, EVEN_K, MX, BLOCK_K)
-            if AHEAD:
-                acc = _gemv(acc, c, s, hv, MX, DECODE, GPU, BLOCK_K)
-            hv, c, s = hn, cn, sn
-        wt = tl.load(weights_ptr + t * stride_pt + j * stride_pk)
-        y = _round(tl.sum(_gemv(acc, c, s, hv, MX, DECODE, GPU, BLOCK_K), axis=1) * wt, y_ptr.dtype.element_ty, GPU)
-        tl.store(y_ptr + a.to(tl.int64) * stride_yn + offs_n, y, mask=offs_n < D)
-    if TAIL:
-        tl.debug_barrier()  # every thread's stores issued before the count below releases them
-        if tl.atomic_add(done_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:  # acq_rel: sees every y
-            for t0 in range(0, T, TAIL_T):
-                rows = (t0 + tl.arange(0, TAIL_T)).to(tl.int64)
-                for d0 in range(0, D, TAIL_D):
-                    _sum_tile(y_ptr, ids_ptr, out_ptr, norm_w_ptr, rows, d0 + tl.arange(0, TAIL_D), T, D, E,
-                              scaling, eps, stride_yn, stride_it, stride_ik, stride_ot, TOP_K, GPU, NORM, True)
-            tl.atomic_xchg(done_ptr, 0)  # for the next call: every program of this grid has counted
-
-
-@triton.jit
-def _sum_tile(y_ptr, ids_ptr, out_ptr, norm_w_ptr, t, d, T, D, E, scaling, eps, stride_yn, stride_it, stride_ik,
-              stride_ot, TOP_K: tl.constexpr, GPU: tl.constexpr, NORM: tl.constexpr, VOLATILE: tl.constexpr):
-    """out[t, d] = bf(scaling · Σ_j fp32(y[t·k + j, d])) in slot order for token rows t [BLOCK_T] (int64) and
-    columns d [BLOCK_D]; a skipped slot adds +0 as in the reference. NORM (d the whole row): then the RMSNorm of
-    that rounded row, in the tile and arithmetic of norm.py's `_row_norm_kernel` (`rms_normed`). VOLATILE: y was
-    written by other programs of the running grid (`_down_gemv_kernel`'s tail), so it is read past L1."""
-    ok = (t < T)[:, None] & (d < D)[None, :]
-    acc = tl.zeros([t.shape[0], d.shape[0]], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * stride_it + j * stride_ik, mask=t < T, other=-1)
-        mine = ok & ((e >= 0) & (e < E))[:, None]
-        acc += tl.load(y_ptr + (t * TOP_K + j)[:, None] * stride_yn + d[None, :], mask=mine, other=0.0,
-                       volatile=VOLATILE).to(tl.float32)
-    out = _round(scaling * acc, out_ptr.dtype.element_ty, GPU)
-    if NORM:
-        x = tl.where(ok, out.to(tl.float32), 0.0)
-        w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-        out = _round(norm_ops.rms_normed(x, w, D, eps, 1), out_ptr.dtype.element_ty, GPU)
-    tl.store(out_ptr + t[:, None] * stride_ot + d[None, :], out, mask=ok)
+    if (e < 0) | (e >= E):
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_ptrs, s_ptrs = _row_ptrs(w2_ptr + e.to(tl.int64) * stride_we, s2_ptr + e.to(tl.int64) * stride_se,
+                               (offs_n % D).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)
+    step_w: tl.constexpr = BLOCK_K // 8 if MX else BLOCK_K
+    step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
+    ACC_K: tl.constexpr = BLOCK_K // 8 if MX else BLOCK_K  # `_gemv`'s accumulator columns
+    h_ptrs = h_ptr + a.to(tl.int64) * stride_hm + tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+    hv = _vec(h_ptrs, I, EVEN_K, BLOCK_K)
+    c, s = _row_load(w_ptrs, s_ptrs, I, EVEN_K, MX, BLOCK_K)
+    for k0 in range(1, tl.cdiv(I, BLOCK_K)):
+        if not AHEAD:
+            acc = _gemv(acc, c, s, hv, MX, DECODE, GPU, BLOCK_K)
+        k_left = I - k0 * BLOCK_K
+        h_ptrs += BLOCK_K
+        w_ptrs += step_w
+        s_ptrs += step_s
+        hn = _vec(h_ptrs, k_left, EVEN_K, BLOCK_K)
+        cn, sn = _row_load(w_ptrs, s_ptrs, k_left, EVEN_K, MX, BLOCK_K)
+        if AHEAD:
+            acc = _gemv(acc, c, s, hv, MX, DECODE, GPU, BLOCK_K)
+        hv, c, s = hn, cn, sn
+    wt = tl.load(weights_ptr + t * stride_pt + j * stride_pk)
+    y = _round(tl.sum(_gemv(acc, c, s, hv, MX, DECODE, GPU, BLOCK_K), axis=1) * wt, y_ptr.dtype.element_ty, GPU)
+    tl.store(y_ptr + a.to(tl.int64) * stride_yn + offs_n, y, mask=offs_n < D)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _sum_kernel(y_ptr, ids_ptr, out_ptr, norm_w_ptr, T, D, E, scaling, eps, stride_yn, stride_it, stride_ik,
                 stride_ot, TOP_K: tl.constexpr, GPU: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """Step 4 (`_sum_tile`) for a [BLOCK_T, BLOCK_D] tile of out; NORM: whole rows, in norm.py's `row_config`
-    tile and warps, so the norm fused here has the bits of the unfused `rms_norm`: one launch for two."""
+    """out[t] = bf(scaling · Σ_j fp32(y[t·k + j])) in slot order; a skipped slot adds +0 as in the reference.
+    NORM (whole rows, BLOCK_D ≥ D): then the RMSNorm of that rounded row, in the tile, warps and arithmetic of
+    norm.py's `_row_norm_kernel` (the same `row_config`, `rms_normed`, no fma contraction): one launch for two."""
     pdl.enter(PDL)
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    _sum_tile(y_ptr, ids_ptr, out_ptr, norm_w_ptr, t, d, T, D, E, scaling, eps, stride_yn, stride_it, stride_ik,
-              stride_ot, TOP_K, GPU, NORM, False)
+    ok = (t < T)[:, None] & (d < D)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ik, mask=t < T, other=-1)
+        mine = ok & ((e >= 0) & (e < E))[:, None]
+        acc += tl.load(y_ptr + (t * TOP_K + j)[:, None] * stride_yn + d[None, :], mask=mine, other=0.0).to(tl.float32)
+    out = _round(scaling * acc, out_ptr.dtype.element_ty, GPU)
+    if NORM:
+        x = tl.where(ok, out.to(tl.float32), 0.0)
+        w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        out = _round(norm_ops.rms_normed(x, w, D, eps, 1), out_ptr.dtype.element_ty, GPU)
+    tl.store(out_ptr + t[:, None] * stride_ot + d[None, :], out, mask=ok)
 
 
 @dataclass(frozen=True)
@@ -1184,7 +1159,6 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     E = w13.shape[0]
     I = w13.shape[1] // 2
     s13, s2 = scales if scales is not None else (None, None)
-    w2_given = w2
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0 or k == 0:
         return out.zero_()  # the norm of a zero row is zero
@@ -1199,21 +1173,16 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
         _launch_up(x, w13, s13, h, None, None, T * k, k, act, cfg, dense=False, round_gu=True, ids=ids)
         bn, bk, warps, stages = cfg.gemv
-        _, tail_d, sum_warps = _sum_tiles(D, norm)  # a token at a time: the GEMV's registers suffice
-        done = tail.done_count(w2_given) if norm is None or sum_warps == warps else None  # same warps: same bits
         _down_gemv_kernel[(T * k, triton.cdiv(D, bn))](
             h_ptr=h, w2_ptr=w2, s2_ptr=w2 if s2 is None else s2, y_ptr=y, weights_ptr=weights, ids_ptr=ids, n=T * k,
             D=D, I=I, E=E, stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1),
             stride_se=0 if s2 is None else s2.stride(0), stride_sn=0 if s2 is None else s2.stride(1),
             stride_yn=y.stride(0), stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_pt=weights.stride(0),
             stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None,
-            done_ptr=y if done is None else done, out_ptr=out, norm_w_ptr=out if norm is None else norm[0], T=T,
-            scaling=float(scaling), eps=0.0 if norm is None else float(norm[1]), stride_ot=out.stride(0),
-            DECODE=cfg.decode, AHEAD=stages > 1, BLOCK_N=bn, BLOCK_K=bk, TAIL=done is not None,
-            NORM=norm is not None, TAIL_T=1, TAIL_D=tail_d, **pdl.launch_args(x.device), num_warps=warps,
-            num_stages=stages,  # fma contraction changes no bits: the tail's only products, x², are exact
+            DECODE=cfg.decode, AHEAD=stages > 1, BLOCK_N=bn, BLOCK_K=bk, **pdl.launch_args(x.device),
+            num_warps=warps, num_stages=stages,
         )
-        return out if done is not None else _sum(y, ids, out, E, scaling, norm)
+        return _sum(y, ids, out, E, scaling, norm)
     sorted_ids, block_expert = _align(ids, E, cfg.block_m)
     nb = block_expert.numel()
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
@@ -1246,21 +1215,16 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     return _sum(y, ids, out, E, scaling, norm)
 
 
-def _sum_tiles(D: int, norm: tuple[torch.Tensor, float] | None) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_D, warps) of step 4; with the norm, norm.py's row kernel's whole rows (`row_config`)."""
-    if norm is None:
-        block_d = min(1024, triton.next_power_of_2(D))
-        return max(1, 2048 // block_d), block_d, 8
-    block_d, block_t, warps = norm_ops.row_config(D)
-    return block_t, block_d, warps
-
-
 def _sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, scaling: float,
          norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """out [T, D] = bf(scaling · Σ_j y[t·k + j]) over the slots of this rank's experts (step 4); norm = (weight,
     eps): then its RMSNorm in the same kernel (whole rows a program, as norm.py's row kernel takes them)."""
     (T, D), k = out.shape, ids.shape[1]
-    block_t, block_d, warps = _sum_tiles(D, norm)
+    if norm is None:
+        block_d = min(1024, triton.next_power_of_2(D))
+        block_t, warps = max(1, 2048 // block_d), 8
+    else:
+        block_d, block_t, warps = norm_ops.row_config(D)
     _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
         y_ptr=y, ids_ptr=ids, out_ptr=out, norm_w_ptr=out if norm is None else norm[0], T=T, D=D, E=E,
         scaling=float(scaling), eps=0.0 if norm is None else float(norm[1]), stride_yn=y.stride(0),

@@ -8,9 +8,8 @@ from bf16 h and the fp32 gate weight (three exact bf16 parts of each weight tile
 (one program per token). Before, three kernels: h.to(fp32), cuBLAS's fp32 (SIMT) GEMM and the route
 kernel. moe_front: the same two kernels with the down-projection's bf16 rows [L, D] as more row tiles of
 the GEMM (one MMA a step) and more programs of the route kernel, which add their splits and round once:
-two launches where a decode step had three. Up to ROUTE_TAIL_MAX_ROWS tokens (decode) the GEMM's last programs
-to finish do the route kernel's work (`_router_gemm_kernel`'s TAIL): one launch. No host syncs: the launch is a
-pure function of the shapes (graph capture).
+two launches where a decode step had three. No host syncs: the launch is a pure function of the shapes
+(graph capture).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3backend.kernels import pdl, tail
+from k3backend.kernels import pdl
 from k3backend.kernels.moe import _GPU, _div, _mma, _round, _sigmoid
 
 _MAX_EXPERTS = 4096  # route: one program holds a token's E scores in registers
@@ -68,20 +67,13 @@ def _split_k_tile(w_ptr, stride_w, rows, n_rows, h_ptr, stride_ht, t, T, k0, D, 
 
 @triton.jit(do_not_specialize=["T"])
 def _router_gemm_kernel(h_ptr, w_ptr, d_ptr, out_ptr, T, E, L, D, split_k, stride_ht, stride_we, stride_wd,
-                        stride_os, stride_ot, done_ptr, bias_ptr, rw_ptr, ids_ptr, z_ptr, stride_wt, stride_it,
-                        stride_zt, per_group, scaling, GPU: tl.constexpr, EVEN_K: tl.constexpr, FRONT: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr,
-                        SPLITS: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr):
+                        stride_os, stride_ot, GPU: tl.constexpr, EVEN_K: tl.constexpr, FRONT: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[s, t, e] = Σ h[t, d]·w[e, d] over split s's K range [s·split_k, (s+1)·split_k), in fp32.
 
     A tile of logitsᵀ [BLOCK_E, BLOCK_T]: the experts fill the MMA's 64 rows and a decode step's few
     tokens its N. FRONT: the row tiles past the gate's take the bf16 down-projection d [L, D] into
-    out[s, t, E + l]. TAIL (all T tokens in one token tile): the route kernel's work, each part by the last
-    program to finish of those it needs (counts at done_ptr, back to 0 after): the last of the gate's programs
-    routes every token (`_route_token` into rw, ids), the last of each down row tile's SPLITS programs adds its
-    columns of z (`_latent_sum`). A decode step's router without a second launch.
+    out[s, t, E + l].
     """
     pdl.enter(PDL)
     pid_e, pid_t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -103,40 +95,40 @@ def _router_gemm_kernel(h_ptr, w_ptr, d_ptr, out_ptr, T, E, L, D, split_k, strid
         cols, ok = rows, rows < E
     out = out_ptr + s.to(tl.int64) * stride_os + t.to(tl.int64)[None, :] * stride_ot + cols[:, None]
     tl.store(out, acc, mask=ok[:, None] & (t < T)[None, :])
-    if TAIL:
-        tl.debug_barrier()  # every thread's stores issued before the count below releases them
-        if down:
-            count = done_ptr + 1 + pid_e - gate_tiles
-            if tl.atomic_add(count, 1) == SPLITS - 1:  # acq_rel: sees the tile's every split
-                for tok in range(0, T):
-                    _latent_sum(out_ptr, z_ptr, tok, rows, E, L, stride_os, stride_ot, stride_zt, SPLITS, True, GPU)
-                tl.atomic_xchg(count, 0)
-        else:
-            if tl.atomic_add(done_ptr, 1) == gate_tiles * SPLITS - 1:
-                for tok in range(0, T):
-                    _route_token(out_ptr, bias_ptr, rw_ptr, ids_ptr, tok, stride_os, stride_ot, stride_wt, stride_it,
-                                 per_group, scaling, SPLITS, TOP_K, N_GROUP, TOPK_GROUP, HAS_BIAS, RENORMALIZE,
-                                 BLOCK_G, BLOCK_P, BLOCK_TOPK, True, GPU)
-                tl.atomic_xchg(done_ptr, 0)
 
 
 @triton.jit
-def _route_token(logits_ptr, bias_ptr, w_ptr, ids_ptr, t, stride_ls, stride_lt, stride_wt, stride_it, per_group,
-                 scaling, SPLITS: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-                 BLOCK_K: tl.constexpr, VOLATILE: tl.constexpr, GPU: tl.constexpr):
-    """Token t's routing: its E scores as a [group, member] tile, the sum of SPLITS partial logits added in split
-    order (the same bits on every run: no atomics); top-k by repeated argmax. VOLATILE: the partials were written
-    by other programs of the running grid (`_router_gemm_kernel`'s tail), so they are read past L1."""
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, z_ptr, stride_ls, stride_lt, stride_wt, stride_it,
+                  stride_zt, E, L, per_group, scaling, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, FRONT: tl.constexpr,
+                  BLOCK_L: tl.constexpr, GPU: tl.constexpr, PDL: tl.constexpr):
+    """Program (t, 0): token t's E scores as a [group, member] tile; top-k by repeated argmax. The
+    logits are the sum of SPLITS partial sums [SPLITS, T, E + L] (the router GEMM's K splits), added in
+    split order: the same bits on every run (no atomics). FRONT, program (t, c > 0): BLOCK_L columns of
+    the down-projection z[t] = bf(Σ_s partial[s, t, E + l]), the same way."""
+    pdl.enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    if FRONT:
+        c = tl.program_id(1)
+        if c > 0:
+            j = (c - 1) * BLOCK_L + tl.arange(0, BLOCK_L)
+            p = logits_ptr + t * stride_lt + E + j
+            z = tl.load(p, mask=j < L, other=0.0)
+            for _ in tl.static_range(SPLITS - 1):
+                p += stride_ls
+                z += tl.load(p, mask=j < L, other=0.0)
+            tl.store(z_ptr + t * stride_zt + j, _round(z, z_ptr.dtype.element_ty, GPU), mask=j < L)
+            return
     gi = tl.arange(0, BLOCK_G)
     pi = tl.arange(0, BLOCK_P)
     ok = (gi[:, None] < N_GROUP) & (pi[None, :] < per_group)
     e = gi[:, None] * per_group + pi[None, :]  # expert id [BLOCK_G, BLOCK_P]
     row = logits_ptr + t * stride_lt + e
-    x = tl.load(row, mask=ok, other=0.0, volatile=VOLATILE)
+    x = tl.load(row, mask=ok, other=0.0)
     for _ in tl.static_range(SPLITS - 1):
         row += stride_ls
-        x += tl.load(row, mask=ok, other=0.0, volatile=VOLATILE)
+        x += tl.load(row, mask=ok, other=0.0)
     s = _sigmoid(x, GPU)
     c = s
     if HAS_BIAS:
@@ -168,39 +160,6 @@ def _route_token(logits_ptr, bias_ptr, w_ptr, ids_ptr, t, stride_ls, stride_lt, 
         w = _div(w, tl.sum(w, axis=0), GPU)
     tl.store(w_ptr + t * stride_wt + kk, w * scaling, mask=kk < TOP_K)
     tl.store(ids_ptr + t * stride_it + kk, ids, mask=kk < TOP_K)
-
-
-@triton.jit
-def _latent_sum(logits_ptr, z_ptr, t, j, E, L, stride_ls, stride_lt, stride_zt, SPLITS: tl.constexpr,
-                VOLATILE: tl.constexpr, GPU: tl.constexpr):
-    """z[t, j] = bf(Σ_s partial[s, t, E + j]) in split order: `moe_front`'s down-projection columns j."""
-    p = logits_ptr + t * stride_lt + E + j
-    z = tl.load(p, mask=j < L, other=0.0, volatile=VOLATILE)
-    for _ in tl.static_range(SPLITS - 1):
-        p += stride_ls
-        z += tl.load(p, mask=j < L, other=0.0, volatile=VOLATILE)
-    tl.store(z_ptr + t * stride_zt + j, _round(z, z_ptr.dtype.element_ty, GPU), mask=j < L)
-
-
-@triton.jit
-def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, z_ptr, stride_ls, stride_lt, stride_wt, stride_it,
-                  stride_zt, E, L, per_group, scaling, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
-                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, FRONT: tl.constexpr,
-                  BLOCK_L: tl.constexpr, GPU: tl.constexpr, PDL: tl.constexpr):
-    """Program (t, 0): `_route_token` of token t from SPLITS partial sums [SPLITS, T, E + L] (the router GEMM's
-    K splits). FRONT, program (t, c > 0): BLOCK_L columns of the down-projection (`_latent_sum`)."""
-    pdl.enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    if FRONT:
-        c = tl.program_id(1)
-        if c > 0:
-            _latent_sum(logits_ptr, z_ptr, t, (c - 1) * BLOCK_L + tl.arange(0, BLOCK_L), E, L, stride_ls, stride_lt,
-                        stride_zt, SPLITS, False, GPU)
-            return
-    _route_token(logits_ptr, bias_ptr, w_ptr, ids_ptr, t, stride_ls, stride_lt, stride_wt, stride_it, per_group,
-                 scaling, SPLITS, TOP_K, N_GROUP, TOPK_GROUP, HAS_BIAS, RENORMALIZE, BLOCK_G, BLOCK_P, BLOCK_K, False,
-                 GPU)
 
 
 def _route_args_supported(E: int, device: torch.device, correction_bias: torch.Tensor | None, top_k: int,
@@ -246,15 +205,6 @@ def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int
     return _route(logits[None], correction_bias, top_k, n_group, topk_group, renormalize, scaling)
 
 
-def _route_args(E: int, correction_bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
-                renormalize: bool, scaling: float) -> dict:
-    """The routing arguments both kernels that route take (`_route_token`'s)."""
-    per = E // n_group
-    return dict(per_group=per, scaling=float(scaling), TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
-                HAS_BIAS=correction_bias is not None, RENORMALIZE=bool(renormalize),
-                BLOCK_G=triton.next_power_of_2(n_group), BLOCK_P=triton.next_power_of_2(per))
-
-
 def _route(partials: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, n_group: int,
            topk_group: int, renormalize: bool, scaling: float,
            z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,15 +217,18 @@ def _route(partials: torch.Tensor, correction_bias: torch.Tensor | None, top_k: 
     ids = torch.empty(T, top_k, dtype=torch.int64, device=partials.device)
     if T == 0:
         return w, ids
-    args = _route_args(E, correction_bias, top_k, n_group, topk_group, renormalize, scaling)
-    warps = 4 if args["BLOCK_G"] * args["BLOCK_P"] >= 512 else 1
+    per = E // n_group
+    block_g, block_p = triton.next_power_of_2(n_group), triton.next_power_of_2(per)
+    warps = 4 if block_g * block_p >= 512 else 1
     block_l = min(triton.next_power_of_2(max(L, 1)), 256 * warps)  # 8 columns a thread
     _route_kernel[(T, 1 + triton.cdiv(L, block_l))](
         logits_ptr=partials, bias_ptr=partials if correction_bias is None else correction_bias, w_ptr=w, ids_ptr=ids,
         z_ptr=partials if z is None else z, stride_ls=partials.stride(0), stride_lt=partials.stride(1),
         stride_wt=w.stride(0), stride_it=ids.stride(0), stride_zt=0 if z is None else z.stride(0), E=E, L=L,
-        SPLITS=S, BLOCK_K=triton.next_power_of_2(top_k), FRONT=z is not None, BLOCK_L=block_l, GPU=_GPU,
-        **args, **pdl.launch_args(partials.device), num_warps=warps,
+        per_group=per, scaling=float(scaling), SPLITS=S, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
+        HAS_BIAS=correction_bias is not None, RENORMALIZE=bool(renormalize), BLOCK_G=block_g, BLOCK_P=block_p,
+        BLOCK_K=triton.next_power_of_2(top_k), FRONT=z is not None, BLOCK_L=block_l, GPU=_GPU,
+        **pdl.launch_args(partials.device), num_warps=warps,
     )
     return w, ids
 
@@ -344,55 +297,27 @@ def router_with(h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Te
                 n_group: int, topk_group: int, renormalize: bool, scaling: float,
                 cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """`router` with an explicit launch (bench/kernels_moe.py --router compares configs with it)."""
-    return _router(h, weight, correction_bias, (top_k, n_group, topk_group, renormalize, scaling), cfg)[:2]
+    partials = _router_logits(h, weight, cfg)
+    return _route(partials, correction_bias, top_k, n_group, topk_group, renormalize, scaling)
 
 
-ROUTE_TAIL_MAX_ROWS = 4  # up to here the router GEMM's last program routes the tokens, one by one
-
-
-def _router(h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, how: tuple,
-            cfg: RouterConfig, down: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """(weights, ids, z): `_router_logits`, then the route kernel, which adds the partial sums in split order (and
-    with down [L, D] writes z [T, L]); up to ROUTE_TAIL_MAX_ROWS tokens the GEMM's tail does that instead
-    (kernels/tail.py)."""
-    top_k = how[0]
-    (T, D), E = h.shape, weight.shape[0]
-    L = 0 if down is None else down.shape[0]
-    z = None if down is None else torch.empty(T, L, dtype=h.dtype, device=h.device)
-    done = None
-    if 0 < T <= min(ROUTE_TAIL_MAX_ROWS, cfg.block_t):
-        done = tail.done_count(weight, 1 + triton.cdiv(L, cfg.block_e))
-    if done is None:
-        return *_route(_router_logits(h, weight, cfg, down), correction_bias, *how, z), z
-    w = torch.empty(T, top_k, dtype=torch.float32, device=h.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=h.device)
-    _router_logits(h, weight, cfg, down, (done, correction_bias, how, w, ids, z))
-    return w, ids, z
-
-
-def _router_logits(h: torch.Tensor, weight: torch.Tensor, cfg: RouterConfig, down: torch.Tensor | None = None,
-                   route: tuple | None = None) -> torch.Tensor:
+def _router_logits(h: torch.Tensor, weight: torch.Tensor, cfg: RouterConfig,
+                   down: torch.Tensor | None = None) -> torch.Tensor:
     """[S, T, E] fp32: cfg.splits partial sums of h·weightᵀ over K; their sum in split order is the logits.
-    down [L, D]: [S, T, E + L], the last L columns those of h·downᵀ. route = (counts, correction_bias, (top_k,
-    n_group, topk_group, renormalize, scaling), weights, ids, z): the GEMM's tail routes into them (one token tile)."""
+    down [L, D]: [S, T, E + L], the last L columns those of h·downᵀ."""
     (T, D), E = h.shape, weight.shape[0]
     L = 0 if down is None else down.shape[0]
     partials = torch.empty(cfg.splits, T, E + L, dtype=torch.float32, device=h.device)
-    if T == 0:
-        return partials
-    done, bias, how, w, ids, z = route or (partials, None, (1, 1, 1, False, 1.0), partials, partials, None)
-    grid = (triton.cdiv(E, cfg.block_e) + triton.cdiv(L, cfg.block_e), triton.cdiv(T, cfg.block_t), cfg.splits)
-    _router_gemm_kernel[grid](
-        h_ptr=h, w_ptr=weight, d_ptr=h if down is None else down, out_ptr=partials, T=T, E=E, L=L, D=D,
-        split_k=cfg.split_k, stride_ht=h.stride(0), stride_we=weight.stride(0),
-        stride_wd=0 if down is None else down.stride(0), stride_os=partials.stride(0), stride_ot=partials.stride(1),
-        done_ptr=done, bias_ptr=partials if bias is None else bias, rw_ptr=w, ids_ptr=ids,
-        z_ptr=partials if z is None else z, stride_wt=w.stride(0), stride_it=ids.stride(0),
-        stride_zt=0 if z is None else z.stride(0), GPU=_GPU, EVEN_K=D % cfg.block_k == 0, FRONT=down is not None,
-        BLOCK_E=cfg.block_e, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, TAIL=route is not None, SPLITS=cfg.splits,
-        BLOCK_TOPK=triton.next_power_of_2(how[0]), **_route_args(E if route else 1, bias, *how),
-        **pdl.launch_args(h.device), num_warps=cfg.warps, num_stages=cfg.stages,
-    )
+    if T > 0:
+        grid = (triton.cdiv(E, cfg.block_e) + triton.cdiv(L, cfg.block_e), triton.cdiv(T, cfg.block_t), cfg.splits)
+        _router_gemm_kernel[grid](
+            h_ptr=h, w_ptr=weight, d_ptr=h if down is None else down, out_ptr=partials, T=T, E=E, L=L, D=D,
+            split_k=cfg.split_k, stride_ht=h.stride(0), stride_we=weight.stride(0),
+            stride_wd=0 if down is None else down.stride(0), stride_os=partials.stride(0),
+            stride_ot=partials.stride(1), GPU=_GPU, EVEN_K=D % cfg.block_k == 0, FRONT=down is not None,
+            BLOCK_E=cfg.block_e, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, **pdl.launch_args(h.device),
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )
     return partials
 
 
@@ -442,7 +367,7 @@ def moe_front(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch
 def moe_front_with(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None,
                    down_weight: torch.Tensor, top_k: int, n_group: int, topk_group: int, renormalize: bool,
                    scaling: float, cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`moe_front` in two kernels (at a few tokens one) with an explicit launch (the tests and
-    bench/kernels_moe.py)."""
-    return _router(h, gate_weight, correction_bias, (top_k, n_group, topk_group, renormalize, scaling), cfg,
-                   down_weight)
+    """`moe_front` in two kernels with an explicit launch (the tests and bench/kernels_moe.py)."""
+    z = torch.empty(h.shape[0], down_weight.shape[0], dtype=h.dtype, device=h.device)
+    partials = _router_logits(h, gate_weight, cfg, down_weight)
+    return *_route(partials, correction_bias, top_k, n_group, topk_group, renormalize, scaling, z), z
