@@ -16,6 +16,7 @@ sizes under TRITON_INTERPRET=1 (checks only).
 from __future__ import annotations
 
 import torch
+import triton
 
 from kernels import HBM_TBS, Case, time_fn
 from kernels_mla import checker
@@ -60,7 +61,7 @@ TILE_SHAPES = {**SHAPES, "lm_head": (163840, 2048, 0, False)}
 
 def tile_variants(M: int, K: int, smoke: bool = False) -> list[tuple[int, int, int]]:
     """(BLOCK_N, BLOCK_K, warps) launches of the GEMV for M rows of a K-wide weight."""
-    top = max(16, 1 << (K - 1).bit_length())
+    top = max(16, triton.next_power_of_2(K))
     return [(bn, bk, w) for bn in (4, 8, 16) for bk in ((32, 64, 128) if smoke else (256, 512, 1024, 2048))
             for w in (4, 8) if bk <= top and M * bn * bk <= 2048 * w]
 
