@@ -316,7 +316,8 @@ _PDL_ONLY_HERE = {
         dict(h_ptr="*bf16", w2_ptr="*bf16", s2_ptr="*bf16", y_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", n=6,
              D=1024, I=1024, E=64, stride_hm=1024, stride_we=1024 * 1024, stride_wn=1024, stride_se=0, stride_sn=0,
              stride_yn=1024, stride_it=6, stride_ik=1, stride_pt=6, stride_pk=1),
-        dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, AHEAD=True, BLOCK_N=16, BLOCK_K=256), 4),
+        dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, AHEAD=True, BLOCK_N=16, BLOCK_K=256, EARLY=False),
+        4),
     ("moe", "_sum_kernel"): (  # with the latent norm, in norm.row_config(1024)'s tile
         dict(y_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16", norm_w_ptr="*bf16", T=4, D=1024, E=64, scaling=1.0,
              eps=1e-5, stride_yn=1024, stride_it=6, stride_ik=1, stride_ot=1024),
@@ -365,7 +366,7 @@ def test_the_wait_check_catches_an_early_load():
                 K=2048, stride_xm=2048, stride_wn=2048, stride_ym=2048, stride_a0=2048, stride_a1=2048,
                 stride_gm=2048)
     constexprs = dict(M=1, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, ADDS=1, GATE=False, INTERPRET=False)
-    saved = set(sm90.PREFETCH_BEFORE_WAIT)
+    saved = dict(sm90.PREFETCH_BEFORE_WAIT)
     sm90.PREFETCH_BEFORE_WAIT.clear()
     try:
         with pytest.raises(AssertionError, match="before griddepcontrol.wait"):

@@ -258,7 +258,7 @@ def test_router_kernels_compile_for_hopper_without_spills():
     import triton
     from sm90 import compile_sm90
 
-    from k3backend.kernels import routing
+    from k3backend.kernels import pdl, routing
 
     for T, E, D, L in ((1, 64, 2048, 0), (4096, 64, 2048, 0), (64, 896, 7168, 0), (1, 64, 2048, 1024),
                        (64, 384, 7168, 3584)):
@@ -267,7 +267,7 @@ def test_router_kernels_compile_for_hopper_without_spills():
                     split_k=cfg.split_k, stride_ht=D, stride_we=D, stride_wd=D, stride_os=T * (E + L),
                     stride_ot=E + L)
         constexprs = dict(GPU=True, EVEN_K=D % cfg.block_k == 0, FRONT=L > 0, BLOCK_E=cfg.block_e,
-                          BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k)
+                          BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, EARLY=pdl.early(T))
         c = compile_sm90(routing._router_gemm_kernel, args, constexprs, num_warps=cfg.warps, num_stages=cfg.stages)
         assert c.stack == 0 and c.mma, f"router GEMM T{T} E{E} D{D}: {c}"
         k, block = (6, 64) if E == 64 else (16, 1024)
@@ -280,6 +280,27 @@ def test_router_kernels_compile_for_hopper_without_spills():
                           BLOCK_L=min(triton.next_power_of_2(max(L, 1)), 256 * warps), GPU=True)
         c = compile_sm90(routing._route_kernel, args, constexprs, num_warps=warps, num_stages=1)
         assert c.stack == 0, f"route T{T} E{E} L{L} splits {cfg.splits}: {c}"
+
+
+def test_down_gemv_compiles_for_hopper_early_or_not():
+    """`_down_gemv_kernel` on both storages, with its loads before the PDL wait (`pdl.early`) and without (then
+    tests/sm90.py requires the wait first), as `small` decodes one token: no spills."""
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import moe
+
+    bn, bk, warps, stages = moe.experts_config(1, 6, 64, 1024, 1024, mxfp4=True).gemv
+    for mx in (False, True):
+        args = dict(h_ptr="*bf16", w2_ptr="*i32" if mx else "*bf16", s2_ptr="*u8" if mx else "*bf16", y_ptr="*bf16",
+                    weights_ptr="*fp32", ids_ptr="*i64", n=6, D=1024, I=1024, E=64, stride_hm=1024,
+                    stride_we=1024 * (128 if mx else 1024), stride_wn=128 if mx else 1024,
+                    stride_se=1024 * 32 if mx else 0, stride_sn=32 if mx else 0, stride_yn=1024, stride_it=6,
+                    stride_ik=1, stride_pt=6, stride_pk=1)
+        for early in (False, True):
+            constexprs = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=mx, DECODE=3 if mx else 0, AHEAD=stages > 1,
+                              BLOCK_N=bn, BLOCK_K=bk, EARLY=early, PDL=True)
+            c = compile_sm90(moe._down_gemv_kernel, args, constexprs, num_warps=warps, num_stages=stages)
+            assert c.stack == 0, f"down GEMV mx={mx} early={early}: {c}"
 
 
 def check_router_supports_declines_what_it_cannot_do():
@@ -1104,6 +1125,44 @@ def test_gemv_programs_fill_two_waves():
         gemv = moe.experts_config(T, k, E, D, I).gemv
         assert gemv is not None and gemv[0] == bn, (T, k, E, D, I, gemv)
         assert T * k * triton.cdiv(I, bn) >= moe.TWO_WAVES or bn == 2, (T, k, I, bn)
+
+
+def check_down_gemv_launches_right_after_the_up_gemv():
+    """`_down_gemv_kernel` reads the ids before its PDL wait: safe only while the launch right before it is the
+    up GEMV (which reads them after its own wait, so the ids' writer has finished when the down GEMV starts).
+    Every launch of the MoE kernels is recorded on both storages: no other kernel comes between the two."""
+    from k3backend.kernels import moe
+    from k3backend.kernels.moe_ref import Activation
+
+    log: list[str] = []
+
+    class Recorded:
+        def __init__(self, name: str, kernel) -> None:
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                log.append(self.name)
+                return launch(*args, **kwargs)
+            return run
+
+    names = [n for n in vars(moe) if n.endswith("_kernel")]
+    saved = {n: getattr(moe, n) for n in names}
+    for n in names:
+        setattr(moe, n, Recorded(n, saved[n]))
+    try:
+        x, weights, ids, w13, w2 = experts_case(1, 7, 3, 64, 32, seed=731)
+        assert moe.experts_config(1, 3, 7, 64, 32).gemv is not None
+        moe.experts(x, weights, ids, w13, w2, Activation(**SITU), 1.0)
+        x, weights, ids, w13, s13, w2, s2 = mxfp4_case(1, 7, 3, 64, 64, seed=732)
+        moe.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, Activation(**SITU), 1.0)
+    finally:
+        for n in names:
+            setattr(moe, n, saved[n])
+    downs = [i for i, n in enumerate(log) if n == "_down_gemv_kernel"]
+    assert len(downs) == 2 and all(i > 0 and log[i - 1] == "_up_gemv_kernel" for i in downs), log
 
 
 def check_gemv_kernels_equal_reference_for_a_few_rows():

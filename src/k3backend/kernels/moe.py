@@ -749,10 +749,15 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, 
                       stride_wn, stride_se, stride_sn, stride_yn, stride_it, stride_ik, stride_pt, stride_pk,
                       TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
                       DECODE: tl.constexpr, AHEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr):
+                      EARLY: tl.constexpr, PDL: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[a]·w2ᵀ)) for one assignment (ExpertsConfig.gemv; MX: w2 codes as int32
-    words [E, D, I/8], s2 exponents [E, D, I/32]); AHEAD as in `_up_gemv_kernel`."""
-    pdl.enter(PDL)
+    words [E, D, I/8], s2 exponents [E, D, I/32]); AHEAD as in `_up_gemv_kernel`.
+
+    EARLY (`pdl.early`): the ids and the first K step's weights load before the wait for the previous kernel,
+    and L2 is asked for the other steps. That kernel is the up GEMV (`experts_with` launches nothing between),
+    which reads the ids only after its own wait for their writer, so they are complete before this one starts."""
+    if not EARLY:
+        pdl.enter(PDL)
     a = tl.program_id(0)
     t, j = a // TOP_K, a % TOP_K
     e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
@@ -766,8 +771,16 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, 
     ACC_K: tl.constexpr = BLOCK_K // 8 if MX else BLOCK_K  # `_gemv`'s accumulator columns
     h_ptrs = h_ptr + a.to(tl.int64) * stride_hm + tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
-    hv = _vec(h_ptrs, I, EVEN_K, BLOCK_K)
     c, s = _row_load(w_ptrs, s_ptrs, I, EVEN_K, MX, BLOCK_K)
+    if EARLY:
+        rows = (offs_n % D).to(tl.int64)
+        if MX:  # codes in words of 8, exponents a byte per 32
+            pdl.prefetch_rows(w2_ptr + e.to(tl.int64) * stride_we + rows * stride_wn, step_w, I // 8, step_w, PDL)
+            pdl.prefetch_rows(s2_ptr + e.to(tl.int64) * stride_se + rows * stride_sn, step_s, I // 32, step_s, PDL)
+        else:
+            pdl.prefetch_rows(w2_ptr + e.to(tl.int64) * stride_we + rows * stride_wn, BLOCK_K, I, BLOCK_K, PDL)
+        pdl.enter(PDL)
+    hv = _vec(h_ptrs, I, EVEN_K, BLOCK_K)
     for k0 in range(1, tl.cdiv(I, BLOCK_K)):
         if not AHEAD:
             acc = _gemv(acc, c, s, hv, MX, DECODE, GPU, BLOCK_K)
@@ -1179,8 +1192,8 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
             stride_se=0 if s2 is None else s2.stride(0), stride_sn=0 if s2 is None else s2.stride(1),
             stride_yn=y.stride(0), stride_it=ids.stride(0), stride_ik=ids.stride(1), stride_pt=weights.stride(0),
             stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None,
-            DECODE=cfg.decode, AHEAD=stages > 1, BLOCK_N=bn, BLOCK_K=bk, **pdl.launch_args(x.device),
-            num_warps=warps, num_stages=stages,
+            DECODE=cfg.decode, AHEAD=stages > 1, BLOCK_N=bn, BLOCK_K=bk, EARLY=pdl.early(T),
+            **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
         )
         return _sum(y, ids, out, E, scaling, norm)
     sorted_ids, block_expert = _align(ids, E, cfg.block_m)
