@@ -32,40 +32,17 @@ ROUTER_MIN_SPLIT_K = 64
 
 # ----------------------------------------------------------------------------- router
 @triton.jit
-def _k_load(ptrs, mask, EVEN_K: tl.constexpr):
-    """One K step's tile, zeros past D (the mask) unless every step is whole."""
-    if EVEN_K:
-        return tl.load(ptrs)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _split_k_step(w, hb, acc, FP32_W: tl.constexpr, GPU: tl.constexpr):
-    """acc + w·hb. FP32_W: w fp32, split in registers into three bf16 parts, hi + mid + lo = w exactly (each holds
-    the next 8 bits of the 24-bit significand); every product of two bf16 values is exact in fp32, so three bf16
-    MMAs give the fp32 GEMM up to summation order, at tensor-core speed, from the fp32 weight in memory."""
-    if FP32_W:
-        hi = w.to(tl.bfloat16)
-        r = w - hi.to(tl.float32)  # exact: |r| < one bf16 ulp of w
-        mid = r.to(tl.bfloat16)
-        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)  # exact: at most 8 significant bits remain
-        acc = _mma(hi, hb, acc, GPU)
-        acc = _mma(mid, hb, acc, GPU)
-        return _mma(lo, hb, acc, GPU)
-    else:
-        return _mma(w, hb, acc, GPU)
-
-
-@triton.jit
 def _split_k_tile(w_ptr, stride_w, rows, n_rows, h_ptr, stride_ht, t, T, k0, D, split_k, EVEN_K: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, FP32_W: tl.constexpr,
                   GPU: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-    """Σ w[rows, k]·h[t, k] over [k0, k0 + split_k) in fp32, [BLOCK_E, BLOCK_T] (`_split_k_step`; bf16 weights
-    unless FP32_W). EARLY (`pdl.early`): L2 is asked for the split's weights before the wait for the previous
-    kernel (no kernel writes them); the loop loads its steps ahead (num_stages) either way. Loading the first
-    step into registers there instead measured slower (one H100, `small`, batch 1: 6.4 -> 7.4 µs a call on the
-    critical path): the loop then waited for each later step in turn."""
+    """Σ w[rows, k]·h[t, k] over [k0, k0 + split_k) in fp32, [BLOCK_E, BLOCK_T]. FP32_W: each fp32 weight tile
+    is split in registers into three bf16 parts, hi + mid + lo = w exactly (each holds the next 8 bits of the
+    24-bit significand), and every product of two bf16 values is exact in fp32: three bf16 MMAs give the fp32
+    GEMM up to summation order, at tensor-core speed, from the fp32 weight in memory. Else: bf16 weights, one MMA.
+    EARLY (`pdl.early`): L2 is asked for the split's weights before the wait for the previous kernel (no kernel
+    writes them); the loop loads its steps ahead (num_stages) either way. Loading the first step into registers
+    there instead, with a loop that then loaded each next step, measured slower (one H100, `small`, batch 1: 6.4
+    -> 7.4 µs a call on the critical path)."""
     kk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (rows % n_rows).to(tl.int64)[:, None] * stride_w + (k0 + kk)[None, :]  # % keeps edges in bounds
     h_ptrs = h_ptr + (t % T).to(tl.int64)[None, :] * stride_ht + (k0 + kk)[:, None]  # hᵀ [BLOCK_K, BLOCK_T]
@@ -75,8 +52,22 @@ def _split_k_tile(w_ptr, stride_w, rows, n_rows, h_ptr, stride_ht, t, T, k0, D, 
     pdl.enter(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
     for k in range(k0, tl.minimum(D, k0 + split_k), BLOCK_K):
-        w = _k_load(w_ptrs, (kk < D - k)[None, :], EVEN_K)
-        acc = _split_k_step(w, _k_load(h_ptrs, (kk < D - k)[:, None], EVEN_K), acc, FP32_W, GPU)
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            hb = tl.load(h_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(kk < D - k)[None, :], other=0.0)
+            hb = tl.load(h_ptrs, mask=(kk < D - k)[:, None], other=0.0)
+        if FP32_W:
+            hi = w.to(tl.bfloat16)
+            r = w - hi.to(tl.float32)  # exact: |r| < one bf16 ulp of w
+            mid = r.to(tl.bfloat16)
+            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)  # exact: at most 8 significant bits remain
+            acc = _mma(hi, hb, acc, GPU)
+            acc = _mma(mid, hb, acc, GPU)
+            acc = _mma(lo, hb, acc, GPU)
+        else:
+            acc = _mma(w, hb, acc, GPU)
         w_ptrs += BLOCK_K
         h_ptrs += BLOCK_K
     return acc
