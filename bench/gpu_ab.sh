@@ -61,23 +61,7 @@ run_all() {
   return $status
 }
 summary() {  # each decode graph's replay (the fastest round of each arm) and b / a, per expert storage
-  python3 - "$OUT/ab.txt" <<'PY'
-import re, sys
-best = {}  # (experts, arm) -> {batch: ms}
-arm = None
-for line in open(sys.argv[1]):
-    m = re.match(r"== arm (\w): .*experts (\S+), round", line)
-    if m:
-        arm = (m.group(2), m.group(1))
-    elif arm and "device ms per step:" in line:
-        for b, ms in re.findall(r"B(\d+) ([0-9.]+)", line.split("device ms per step:")[1]):
-            d = best.setdefault(arm, {})
-            d[int(b)] = min(d.get(int(b), float("inf")), float(ms))
-for e in dict.fromkeys(k[0] for k in best):
-    a, b = best.get((e, "a"), {}), best.get((e, "b"), {})
-    print(f"replays, experts {e} (ms, the fastest round):  " + "  ".join(
-        f"B{n} a {a[n]:.3f} b {b[n]:.3f} b/a {b[n] / a[n]:.3f}" for n in sorted(a.keys() & b.keys())))
-PY
+  python3 bench/arms.py "$OUT/ab.txt"
 }
 run_all 2>&1 | tee "$OUT/ab.txt"
 rc=${PIPESTATUS[0]}
