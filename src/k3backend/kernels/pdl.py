@@ -71,5 +71,6 @@ def early(rows: int) -> bool:
     """Whether the kernels that can load before the wait (the router's L2 prefetch, the down GEMV's ids and
     weights) do so for a step of this many rows. One H100, `small`, MXFP4 experts, decode graph replays (ms):
     batch 1 1.817 -> 1.750 with both and the LM head's GEMV, but batch 2 / 4 / 8 1.995 / 2.486 / 3.119 ->
-    2.027 / 2.514 / 3.141, although each alone was within 0.5 % of main there; 16-64 within 0.6 %."""
+    2.027 / 2.514 / 3.141, although each alone was within 0.5 % of the tree before (f20b695) there; 16-64 rows
+    within 0.6 %."""
     return rows == 1
