@@ -764,21 +764,18 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, ids_ptr, n, D, 
     if (e < 0) | (e >= E):
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_ptrs, s_ptrs = _row_ptrs(w2_ptr + e.to(tl.int64) * stride_we, s2_ptr + e.to(tl.int64) * stride_se,
-                               (offs_n % D).to(tl.int64), stride_wn, stride_sn, MX, BLOCK_K)
+    w_e, s_e, rows = w2_ptr + e.to(tl.int64) * stride_we, s2_ptr + e.to(tl.int64) * stride_se, (offs_n % D).to(tl.int64)
+    w_ptrs, s_ptrs = _row_ptrs(w_e, s_e, rows, stride_wn, stride_sn, MX, BLOCK_K)
     step_w: tl.constexpr = BLOCK_K // 8 if MX else BLOCK_K
     step_s: tl.constexpr = BLOCK_K // 32 if MX else 0
     ACC_K: tl.constexpr = BLOCK_K // 8 if MX else BLOCK_K  # `_gemv`'s accumulator columns
     h_ptrs = h_ptr + a.to(tl.int64) * stride_hm + tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
     c, s = _row_load(w_ptrs, s_ptrs, I, EVEN_K, MX, BLOCK_K)
-    if EARLY:
-        rows = (offs_n % D).to(tl.int64)
-        if MX:  # codes in words of 8, exponents a byte per 32
-            pdl.prefetch_rows(w2_ptr + e.to(tl.int64) * stride_we + rows * stride_wn, step_w, I // 8, step_w, PDL)
-            pdl.prefetch_rows(s2_ptr + e.to(tl.int64) * stride_se + rows * stride_sn, step_s, I // 32, step_s, PDL)
-        else:
-            pdl.prefetch_rows(w2_ptr + e.to(tl.int64) * stride_we + rows * stride_wn, BLOCK_K, I, BLOCK_K, PDL)
+    if EARLY:  # L2: the later K steps (MX: codes in words of 8, exponents a byte per 32)
+        pdl.prefetch_rows(w_e + rows * stride_wn, step_w, I // 8 if MX else I, step_w, PDL)
+        if MX:
+            pdl.prefetch_rows(s_e + rows * stride_sn, step_s, I // 32, step_s, PDL)
         pdl.enter(PDL)
     hv = _vec(h_ptrs, I, EVEN_K, BLOCK_K)
     for k0 in range(1, tl.cdiv(I, BLOCK_K)):

@@ -44,11 +44,11 @@ def _split_k_tile(w_ptr, stride_w, rows, n_rows, h_ptr, stride_ht, t, T, k0, D, 
     there instead, with a loop that then loaded each next step, measured slower (one H100, `small`, batch 1: 6.4
     -> 7.4 µs a call on the critical path)."""
     kk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + (rows % n_rows).to(tl.int64)[:, None] * stride_w + (k0 + kk)[None, :]  # % keeps edges in bounds
+    w_rows = w_ptr + (rows % n_rows).to(tl.int64) * stride_w  # % keeps edges in bounds
+    w_ptrs = w_rows[:, None] + (k0 + kk)[None, :]
     h_ptrs = h_ptr + (t % T).to(tl.int64)[None, :] * stride_ht + (k0 + kk)[:, None]  # hᵀ [BLOCK_K, BLOCK_T]
     if EARLY:
-        pdl.prefetch_rows(w_ptr + (rows % n_rows).to(tl.int64) * stride_w, k0, tl.minimum(D, k0 + split_k), BLOCK_K,
-                          PDL)
+        pdl.prefetch_rows(w_rows, k0, tl.minimum(D, k0 + split_k), BLOCK_K, PDL)
     pdl.enter(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
     for k in range(k0, tl.minimum(D, k0 + split_k), BLOCK_K):
