@@ -76,11 +76,13 @@ def _acc_block(acc0, acc1, acc2, acc3, x, J: tl.constexpr):
 def _kda_intra_kernel(q, k, g, beta, chunk_seq, chunk_start, cu_seqlens, state_indices, Akk, Aqk, kb, qg, kg, gl,
                       stride_q, stride_k, stride_g, H: tl.constexpr, K: tl.constexpr, BKC: tl.constexpr,
                       ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
-    """Program (chunk c, head h, block I of 16 rows): row block I of A_kk and A_qk (column blocks J ≤ I),
+    """Program (chunk c·4 + block I of 16 rows, head h): row block I of A_kk and A_qk (column blocks J ≤ I),
     and its rows of kb = β e^Γ k, qg = q e^Γ, kg = k e^{Γ_last−Γ}; block 0 also writes gl = e^{Γ_last}.
     Γ is relative to the chunk start and c_J is Γ at the end of block J−1 (c_0 = 0). Channels go in
-    slices of BKC (A sums over them; everything else is per channel)."""
-    i_c, i_h, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    slices of BKC (A sums over them; everything else is per channel). A chunk's four blocks are adjacent
+    programs, so their re-reads of each other's g and k hit L2 (H200, 96 heads at 8,192 tokens: 2,196 µs
+    with the blocks as the grid's last axis, 1,958 so)."""
+    i_c, i_s, i_h = (tl.program_id(0) // 4).to(tl.int64), tl.program_id(0) % 4, tl.program_id(1)
     seq = tl.load(chunk_seq + i_c)
     if seq < 0:
         return
@@ -520,7 +522,7 @@ def _prefill_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     for name, over in (knobs or {}).items():
         kn[name] = {**kn[name], **over}
     BVS = kn["state"]["BV"]
-    intra = lambda: _kda_intra_kernel[(NC, H, BT // 16)](  # noqa: E731
+    intra = lambda: _kda_intra_kernel[(NC * (BT // 16), H)](  # noqa: E731
         q=q, k=k, g=g, beta=beta, chunk_seq=chunk_seq, chunk_start=chunk_start, cu_seqlens=cu_seqlens,
         state_indices=state_indices, Akk=Akk, Aqk=Aqk, kb=kb, qg=qg, kg=kg, gl=gl, stride_q=q.stride(0),
         stride_k=k.stride(0), stride_g=g.stride(0),
