@@ -57,12 +57,12 @@ DECODE_FUSED_VARIANTS = ((1, 8), (2, 4), (2, 8), (4, 2), (4, 4), (4, 8), (8, 2),
 # at besides the rule's (merged over the rule's: one change at a time, then tile x warps pairs)
 TILE_SHAPES = ((1, 256, 16), (1, 4096, 16), (1, 8192, 16), (4, 256, 16), (4, 1024, 16), (16, 32, 16), (1, 8192, 96))
 TILE_VARIANTS = {
-    "intra": [*(dict(BKC=t) for t in (16, 32, 64)), *(dict(num_warps=w) for w in (2, 4, 8)),
+    "intra": [*(dict(BKC=t) for t in (16, 32, 64)), *(dict(num_warps=w) for w in (1, 2, 4, 8)),
               *(dict(num_stages=s) for s in (1, 2)), dict(BKC=32, num_warps=8), dict(BKC=64, num_warps=8),
-              dict(BKC=16, num_warps=2)],
-    "solve": [*(dict(BC=t) for t in (16, 32, 64)), *(dict(num_warps=w) for w in (2, 4, 8)),
+              dict(BKC=16, num_warps=2), dict(BKC=16, num_warps=1), dict(BKC=32, num_warps=1)],
+    "solve": [*(dict(BC=t) for t in (16, 32, 64)), *(dict(num_warps=w) for w in (1, 2, 4, 8)),
               *(dict(num_stages=s) for s in (1, 2)), dict(BC=32, num_warps=8), dict(BC=64, num_warps=8),
-              dict(BC=16, num_warps=2)],
+              dict(BC=16, num_warps=2), dict(BC=32, num_warps=1)],
     "state": [*(dict(BV=t) for t in (8, 16, 32, 64)), *(dict(num_warps=w) for w in (2, 8)),
               *(dict(num_stages=s) for s in (1, 2, 3)), dict(BV=16, num_warps=2), dict(BV=8, num_warps=2),
               dict(BV=64, num_warps=8), dict(BV=32, num_warps=8)],
@@ -489,14 +489,15 @@ def compile_sm90() -> None:
            **p("T s_q s_k s_f s_b", "i32")},
           dict(H=H, K=K, BK=K, ROWS=16, SCALE=K ** -0.5, USE_LOWER_BOUND=True, LOWER_BOUND=LB, ACC=tl.float32), 4)
     idx = {"chunk_seq": "*i32", "chunk_start": "*i64", "cu_seqlens": "*i32", "state_indices": "*i32"}
-    rule = kda_chunk.prefill_rule(K, K, 1, H, 1, 132)
-    for warps in (2, 4):  # the rule's two: 2 from 1,024 chunk·heads
+    for chunks in (1, 1024 // H):  # the rule's two launches: below and from 1,024 chunk·heads
+        rule = kda_chunk.prefill_rule(K, K, 1, H, chunks, 132)
         build("kda_prefill intra", kda_chunk._kda_intra_kernel,
               {**p("q k g beta Akk gl", "*fp32"), **p("Aqk kb qg kg", "*bf16"), **idx,
-               **p("stride_q stride_k stride_g", "i32")}, dict(H=H, K=K, BKC=rule["intra"]["BKC"], **bf), warps)
+               **p("stride_q stride_k stride_g", "i32")}, dict(H=H, K=K, BKC=rule["intra"]["BKC"], **bf),
+              rule["intra"]["num_warps"])
         build("kda_prefill solve", kda_chunk._kda_solve_kernel,
               {**p("Akk beta", "*fp32"), **p("kb v w u", "*bf16"), **idx, "stride_v": "i32"},
-              dict(H=H, K=K, V=K, BC=rule["solve"]["BC"], **bf), warps)
+              dict(H=H, K=K, V=K, BC=rule["solve"]["BC"], **bf), rule["solve"]["num_warps"])
     state = {**p("w u qg kg Aqk", "*bf16"), **p("gl S_pool o", "*fp32"), **p("state_indices cu_seqlens", "*i32"),
              "has_initial_state": "*i1", "first_chunk": "*i64", "chunk_snapshot": "*i32"}
     for stages, bv in ((1, 32), (3, 32), (1, 64), (3, 64)):  # prefill_rule's two V blocks and stages

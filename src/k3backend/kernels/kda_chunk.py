@@ -411,6 +411,8 @@ def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str,
     - both on 2 warps from 1,024 chunk·heads (≥ 8 programs an SM), 4 below: 4,096 tokens intra 268 →
       188, solve 82 → 64, H 96 at 8,192 tokens 3,127 → 2,202 and 949 → 725; at one 256-token prompt
       2 warps lose (21.5 → 23.9, 13.3 → 16.3), at 4 × 256 they tie for intra and lose for solve;
+    - from 1,024 chunk·heads the intra kernel on 1 warp with BKC 32 (H100, its blocks adjacent in the grid:
+      4,096 tokens 172.6 → 159.3, H 96 at 8,192 tokens 2,005.5 → 1,826.5, though it spills 128 B);
     - state V blocks of 64 once B·H ≥ 64 (half the programs, each a wider MMA; H 96 at 8,192 tokens
       1,269 → 675), else 32 (one sequence of 16 heads: 209 against 236 at 4,096 tokens); 3 stages of
       the chunk loads while the programs fit on the SMs (4,096 tokens 203 → 164, 4 × 1,024 70 → 64),
@@ -421,9 +423,10 @@ def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str,
       15.1 / 16.5)."""
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     small = max(BK, BV) <= 32
-    warps = 2 if NC * H >= 1024 else 4
+    big = NC * H >= 1024
+    warps = 2 if big else 4
     bv = min(64 if B * H >= 64 else 32, BV)
-    return {"intra": dict(BKC=16 if BK <= 32 else 64, num_warps=warps),
+    return {"intra": dict(BKC=16 if BK <= 32 else 32 if big else 64, num_warps=1 if big else 4),
             "solve": dict(BC=16 if small else 64, num_warps=warps),
             "state": dict(BV=bv, num_warps=4, num_stages=3 if triton.cdiv(V, bv) * B * H <= sms else 1)}
 
