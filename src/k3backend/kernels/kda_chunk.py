@@ -207,45 +207,35 @@ def _inv16(a, ACC: tl.constexpr):
 
 
 @triton.jit
-def _pick(x0, x1, x2, x3, J: tl.constexpr):
-    if J == 0:
-        x = x0
-    elif J == 1:
-        x = x1
-    elif J == 2:
-        x = x2
-    else:
-        x = x3
-    return x
+def _store_t(Akk, t0, L, i_h, x, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr):
+    """Block (I, J) of T over A_kk's, where `_load_a` read it."""
+    o16 = tl.arange(0, 16)
+    rows, cols = I * 16 + o16, J * 16 + o16
+    p = (t0 + rows)[:, None] * (H * 64) + i_h * 64 + cols[None, :]
+    tl.store(Akk + p, x, mask=(rows < L)[:, None] & (cols < L)[None, :])
 
 
 @triton.jit
-def _store_wu(kb, v, beta, w, u, t0, L, i_h, x0, x1, x2, x3, stride_v, I: tl.constexpr, H: tl.constexpr,
-              K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
-              PREC: tl.constexpr, BITS: tl.constexpr):
-    """Rows of block I: w = Σ_{J≤I} T_IJ kb_J and u = Σ_{J≤I} T_IJ (β v)_J (T_IJ = x_J), BC columns at a time."""
-    o16, o_c = tl.arange(0, 16), tl.arange(0, BC)
-    m_I = (I * 16 + o16 < L)[:, None]
-    p_I = (t0 + I * 16 + o16)[:, None]
+def _store_wu(Akk, kb, v, beta, w, u, t0, L, i_h, stride_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              BC: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
+    """w = T kb and u = T (β v) for the chunk's rows, T read back whole ([64, 64], its blocks above the
+    diagonal as zeros), BC columns at a time."""
+    o64, o_c = tl.arange(0, 64), tl.arange(0, BC)
+    m_r = o64 < L
+    lower = (o64[None, :] // 16) <= (o64[:, None] // 16)  # block lower triangular (A_kk's other blocks: unset)
+    p_r = (t0 + o64)[:, None]
+    T = tl.load(Akk + p_r * (H * 64) + i_h * 64 + o64[None, :], mask=m_r[:, None] & m_r[None, :] & lower, other=0)
+    b = tl.load(beta + (t0 + o64) * H + i_h, mask=m_r, other=0).to(ACC)
     for c0 in range(0, K, BC):
-        m_c = (c0 + o_c < K)[None, :]
-        acc = tl.zeros([16, BC], dtype=ACC)
-        for J in tl.static_range(I + 1):
-            rows = J * 16 + o16
-            kb_J = tl.load(kb + (t0 + rows)[:, None] * (H * K) + i_h * K + c0 + o_c[None, :],
-                           mask=(rows < L)[:, None] & m_c, other=0)
-            acc += _dot(_pick(x0, x1, x2, x3, J), kb_J, DOT, PREC, ACC, BITS)
-        tl.store(w + p_I * (H * K) + i_h * K + c0 + o_c[None, :], _round(acc, w.dtype.element_ty, BITS), mask=m_I & m_c)
+        m = m_r[:, None] & (c0 + o_c < K)[None, :]
+        kb_c = tl.load(kb + p_r * (H * K) + i_h * K + c0 + o_c[None, :], mask=m, other=0)
+        tl.store(w + p_r * (H * K) + i_h * K + c0 + o_c[None, :],
+                 _round(_dot(T, kb_c, DOT, PREC, ACC, BITS), w.dtype.element_ty, BITS), mask=m)
     for c0 in range(0, V, BC):
-        m_c = (c0 + o_c < V)[None, :]
-        acc = tl.zeros([16, BC], dtype=ACC)
-        for J in tl.static_range(I + 1):
-            rows = J * 16 + o16
-            v_J = tl.load(v + (t0 + rows)[:, None] * stride_v + i_h * V + c0 + o_c[None, :],
-                          mask=(rows < L)[:, None] & m_c, other=0).to(ACC)
-            b_J = tl.load(beta + (t0 + rows) * H + i_h, mask=rows < L, other=0).to(ACC)
-            acc += _dot(_pick(x0, x1, x2, x3, J), b_J[:, None] * v_J, DOT, PREC, ACC, BITS)
-        tl.store(u + p_I * (H * V) + i_h * V + c0 + o_c[None, :], _round(acc, u.dtype.element_ty, BITS), mask=m_I & m_c)
+        m = m_r[:, None] & (c0 + o_c < V)[None, :]
+        v_c = tl.load(v + p_r * stride_v + i_h * V + c0 + o_c[None, :], mask=m, other=0).to(ACC)
+        tl.store(u + p_r * (H * V) + i_h * V + c0 + o_c[None, :],
+                 _round(_dot(T, b[:, None] * v_c, DOT, PREC, ACC, BITS), u.dtype.element_ty, BITS), mask=m)
 
 
 @triton.jit
@@ -253,7 +243,8 @@ def _kda_solve_kernel(Akk, kb, v, beta, chunk_seq, chunk_start, cu_seqlens, stat
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
                       DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
     """Program (chunk, head): T = (I − A_kk)^{-1} from its 16×16 blocks (block forward substitution),
-    then w and u. T·diag(β) is folded into the operands (kb already carries β)."""
+    written over A_kk (nothing reads A_kk after this kernel), then w and u. T·diag(β) is folded into the
+    operands (kb already carries β)."""
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     seq = tl.load(chunk_seq + i_c)
     if seq < 0:
@@ -278,10 +269,20 @@ def _kda_solve_kernel(Akk, kb, v, beta, chunk_seq, chunk_start, cu_seqlens, stat
     x31 = _mm(x33, _mm(a31, x11, ACC) + _mm(a32, x21, ACC), ACC)
     a30 = _load_a(Akk, t0, L, i_h, 3, 0, H, ACC)
     x30 = _mm(x33, _mm(a30, x00, ACC) + _mm(a31, x10, ACC) + _mm(a32, x20, ACC), ACC)
-    _store_wu(kb, v, beta, w, u, t0, L, i_h, x00, x00, x00, x00, stride_v, 0, H, K, V, BC, ACC, DOT, PREC, BITS)
-    _store_wu(kb, v, beta, w, u, t0, L, i_h, x10, x11, x11, x11, stride_v, 1, H, K, V, BC, ACC, DOT, PREC, BITS)
-    _store_wu(kb, v, beta, w, u, t0, L, i_h, x20, x21, x22, x22, stride_v, 2, H, K, V, BC, ACC, DOT, PREC, BITS)
-    _store_wu(kb, v, beta, w, u, t0, L, i_h, x30, x31, x32, x33, stride_v, 3, H, K, V, BC, ACC, DOT, PREC, BITS)
+    # T over A_kk's blocks, then back as one [64, 64] operand: four wide products instead of forty 16-row ones
+    tl.debug_barrier()  # every thread has read its part of A_kk
+    _store_t(Akk, t0, L, i_h, x00, 0, 0, H)
+    _store_t(Akk, t0, L, i_h, x10, 1, 0, H)
+    _store_t(Akk, t0, L, i_h, x11, 1, 1, H)
+    _store_t(Akk, t0, L, i_h, x20, 2, 0, H)
+    _store_t(Akk, t0, L, i_h, x21, 2, 1, H)
+    _store_t(Akk, t0, L, i_h, x22, 2, 2, H)
+    _store_t(Akk, t0, L, i_h, x30, 3, 0, H)
+    _store_t(Akk, t0, L, i_h, x31, 3, 1, H)
+    _store_t(Akk, t0, L, i_h, x32, 3, 2, H)
+    _store_t(Akk, t0, L, i_h, x33, 3, 3, H)
+    tl.debug_barrier()  # T is whole in memory before any thread reads it back
+    _store_wu(Akk, kb, v, beta, w, u, t0, L, i_h, stride_v, H, K, V, BC, ACC, DOT, PREC, BITS)
 
 
 @triton.jit
