@@ -540,4 +540,4 @@ def _prefill_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         chunk_snapshot=lay.chunk_snapshot if lay.chunk_snapshot is not None else first_chunk, o=o,
         H=H, K=K, V=V, BK=BK, SNAP=lay.chunk_snapshot is not None, **kn["state"], **flags)
     return o, [_Launch("intra", intra, kn["intra"], (Akk, Aqk, kb, qg, kg, gl)),
-               _Launch("solve", solve, kn["solve"], (w, u)), _Launch("state", state, kn["state"], (o, S_pool))]
+               _Launch("solve", solve, kn["solve"], (w, u, Akk)), _Launch("state", state, kn["state"], (o, S_pool))]
