@@ -187,11 +187,17 @@ def _kda_intra_kernel(q, k, g, beta, chunk_seq, chunk_start, cu_seqlens, state_i
 
 
 @triton.jit
-def _load_a(Akk, t0, L, i_h, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr, ACC: tl.constexpr):
+def _a_block(t0, L, i_h, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr):
+    """Offsets and mask of block (I, J) of a chunk's A_kk rows (T's after the solve)."""
     o16 = tl.arange(0, 16)
     rows, cols = I * 16 + o16, J * 16 + o16
-    p = (t0 + rows)[:, None] * (H * 64) + i_h * 64 + cols[None, :]
-    return tl.load(Akk + p, mask=(rows < L)[:, None] & (cols < L)[None, :], other=0).to(ACC)
+    return (t0 + rows)[:, None] * (H * 64) + i_h * 64 + cols[None, :], (rows < L)[:, None] & (cols < L)[None, :]
+
+
+@triton.jit
+def _load_a(Akk, t0, L, i_h, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr, ACC: tl.constexpr):
+    p, m = _a_block(t0, L, i_h, I, J, H)
+    return tl.load(Akk + p, mask=m, other=0).to(ACC)
 
 
 @triton.jit
@@ -209,10 +215,8 @@ def _inv16(a, ACC: tl.constexpr):
 @triton.jit
 def _store_t(Akk, t0, L, i_h, x, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr):
     """Block (I, J) of T over A_kk's, where `_load_a` read it."""
-    o16 = tl.arange(0, 16)
-    rows, cols = I * 16 + o16, J * 16 + o16
-    p = (t0 + rows)[:, None] * (H * 64) + i_h * 64 + cols[None, :]
-    tl.store(Akk + p, x, mask=(rows < L)[:, None] & (cols < L)[None, :])
+    p, m = _a_block(t0, L, i_h, I, J, H)
+    tl.store(Akk + p, x, mask=m)
 
 
 @triton.jit
@@ -425,10 +429,9 @@ def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str,
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     small = max(BK, BV) <= 32
     big = NC * H >= 1024
-    warps = 2 if big else 4
     bv = min(64 if B * H >= 64 else 32, BV)
     return {"intra": dict(BKC=16 if BK <= 32 else 32 if big else 64, num_warps=1 if big else 4),
-            "solve": dict(BC=16 if small else 64, num_warps=warps),
+            "solve": dict(BC=16 if small else 64, num_warps=2 if big else 4),
             "state": dict(BV=bv, num_warps=4, num_stages=3 if triton.cdiv(V, bv) * B * H <= sms else 1)}
 
 
