@@ -327,7 +327,7 @@ def cases(args: argparse.Namespace) -> list[Case]:
             for v in DECODE_FUSED_VARIANTS if keep(f"decode_fused_v{v[0]}w{v[1]}")]
     out += [_decode_case(B, 16, device) for B in (16, 256) if keep("decode")]
     out += [_short_conv_case(8192, H, device) for H in (16, 96) if keep("short_conv")]
-    out += [_prefill_case(8192, H, device) for H in (16, 96) if keep("prefill")]
+    out += [_prefill_case(8192, H, device) for H in (12, 16, 96) if keep("prefill")]
     return out
 
 
