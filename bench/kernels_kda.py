@@ -15,12 +15,12 @@ By hand, `python bench/kernels_kda.py`:
   variants (its tile BKC / BC / BV, num_warps, num_stages; one change at a time from the rule's, and a
   few tile x warps pairs), in µs per CUDA-graph replay, at TILE_SHAPES (one prompt of 256, 4,096 and
   8,192 tokens, 4 x 256, 4 x 1,024, 16 x 32 at 16 heads; 8,192 tokens at 96 heads; `--seqs BxL`,
-  `--heads H` choose others). A table per shape and kernel: the rule's launch (`prefill_rule`) first,
-  marked "(chosen)", then the others fastest first, the fastest marked *. Every variant runs once on
-  the default launch's inputs with its outputs poisoned (NaN), and everything it writes is compared
-  with the default launch's: the same entries written, each tensor within TILES_REL of its largest
-  |value|, else the row says FAILED (and the run exits 1). `--smoke --tiles`: sequences of 70 and 40
-  tokens, one head, K = V = 32, the tiles alone, under TRITON_INTERPRET=1.
+  `--heads H` choose others; `--kernels intra` sweeps one). A table per shape and kernel: the rule's
+  launch (`prefill_rule`) first, marked "(chosen)", then the others fastest first, the fastest marked *.
+  Every variant runs once on the default launch's inputs with its outputs poisoned (NaN), and everything
+  it writes is compared with the default launch's: the same entries written, each tensor within
+  TILES_REL of its largest |value|, else the row says FAILED (and the run exits 1). `--smoke --tiles`:
+  sequences of 70 and 40 tokens, one head, K = V = 32, the tiles alone, under TRITON_INTERPRET=1.
 
 fla baselines, converted to fla's conventions and never changing ours:
 - decode fused: fla's decode pipeline, five launches: `causal_conv1d_update` for q, k and v (fla's
@@ -357,10 +357,11 @@ def _tile_label(knobs: dict) -> str:
     return f"{tile} w{knobs['num_warps']} s{knobs.get('num_stages', '-')}"
 
 
-def tiles_sweep(shapes: Sequence[tuple[Sequence[int], int]], iters: int, smoke: bool) -> int:
+def tiles_sweep(shapes: Sequence[tuple[Sequence[int], int]], iters: int, smoke: bool,
+                kernels: Sequence[str] = ("intra", "solve", "state")) -> int:
     """Time each chunked-prefill kernel alone over its launch variants at each (sequence lengths, heads)
     of `shapes`, each variant checked against the rule's launch (see the module docstring); the number
-    of variants that failed their check."""
+    of variants that failed their check. `kernels`: the ones swept."""
     from kernels import time_fn
 
     from k3backend.kernels import kda_chunk
@@ -403,6 +404,8 @@ def tiles_sweep(shapes: Sequence[tuple[Sequence[int], int]], iters: int, smoke: 
         print(f"== {seqs} H{H} K{dim} V{dim}: the rule's launches "
               + ", ".join(f"{r.name} {_tile_label(r.knobs)}" for r in rule), flush=True)
         for i, chosen in enumerate(rule):
+            if chosen.name not in kernels:
+                continue
             tried, rows = [], []
             for change in [{}] + variants[chosen.name]:
                 knobs = {**chosen.knobs, **change}
@@ -517,6 +520,8 @@ if __name__ == "__main__":
     ap.add_argument("--seqs", nargs="*", metavar="BxL", help="--tiles: B sequences of L tokens (default TILE_SHAPES)")
     ap.add_argument("--heads", type=int, nargs="*", help="--tiles: heads (with --seqs, or the default sequences)")
     ap.add_argument("--iters", type=int, default=50, help="--tiles: graph replays timed per variant")
+    ap.add_argument("--kernels", nargs="*", default=["intra", "solve", "state"], choices=["intra", "solve", "state"],
+                    help="--tiles: the kernels swept (default all three)")
     ap.add_argument("--smoke", action="store_true", help="--tiles: tiny sizes (TRITON_INTERPRET=1 on a CPU)")
     a = ap.parse_args()
     if a.sm90:
@@ -537,4 +542,4 @@ if __name__ == "__main__":
         shapes = [([n] * b, h) for b, n in seqs for h in a.heads or [16]]
     else:
         shapes = [([n] * b, h) for b, n, h in TILE_SHAPES]
-    sys.exit(1 if tiles_sweep(shapes, a.iters, a.smoke) else 0)
+    sys.exit(1 if tiles_sweep(shapes, a.iters, a.smoke, a.kernels) else 0)
