@@ -536,6 +536,21 @@ def test_tiles_sweep_runs_under_the_interpreter_and_checks_every_variant():
         assert sum(row.startswith("*") for row in rows) >= 1, rows
 
 
+def test_tiles_sweep_kernels_option_sweeps_only_those():
+    """--kernels state: the state kernel's table only (the others still run once, as its inputs)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "kernels_kda.py"
+    run = subprocess.run([sys.executable, str(bench), "--tiles", "--smoke", "--kernels", "state"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = [line[2:].split()[0] for line in run.stdout.splitlines() if line[:2] in ("  ", "* ")]
+    assert rows and set(rows) == {"state"}, run.stdout
+
+
 def test_tiles_check_fails_a_variant_whose_outputs_differ(monkeypatch):
     """The sweep's comparison: equal outputs and rounding pass; a changed value, an entry written that
     the rule's launch left unwritten (NaN in both ran on poisoned outputs) or the reverse, and NaN fail."""
