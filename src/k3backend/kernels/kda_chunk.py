@@ -29,6 +29,9 @@ from k3backend.kernels.varlen import KDA_CHUNK, VarlenLayout, layout_problem, va
 # With a bf16 model (v bf16) the intermediates and the state's dot operands are bf16 and the A blocks
 # tf32, as in fla / SGLang (§5.8 "Numerics"); with fp32 / fp64 everything stays in that dtype (fp32
 # products as tf32x3).
+# The intra kernel's re-reads of earlier blocks are cheaper than removing them: one program a (chunk,
+# head) with [64, BKC] × [BKC, 16] products (each slice read once) ran 1.2-1.6× slower on an H100, its
+# operands and reshapes going through shared memory (branch kda-intra-chunk).
 
 BT: int = KDA_CHUNK  # chunk size (§5.8); the step's chunk table is built once, in kernels/varlen.py
 
