@@ -514,23 +514,29 @@ def _bench_kda(monkeypatch):
     return module
 
 
-def test_tiles_sweep_runs_under_the_interpreter_and_checks_every_variant():
-    """bench/kernels_kda.py --tiles --smoke: a table for each of the prefill's three kernels, the rule's
-    launch first and bit-equal to itself, every other variant run, compared and within its bound."""
+def _tiles_smoke(*extra: str) -> str:
+    """stdout of bench/kernels_kda.py --tiles --smoke (under the interpreter), which must exit 0."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "bench" / "kernels_kda.py"
-    run = subprocess.run([sys.executable, str(bench), "--tiles", "--smoke"], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, str(bench), "--tiles", "--smoke", *extra], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    lines = run.stdout.splitlines()
-    assert any(line.startswith("== 70+40 H1 K32 V32: the rule's launches intra") for line in lines), run.stdout
+    return run.stdout
+
+
+def test_tiles_sweep_runs_under_the_interpreter_and_checks_every_variant():
+    """bench/kernels_kda.py --tiles --smoke: a table for each of the prefill's three kernels, the rule's
+    launch first and bit-equal to itself, every other variant run, compared and within its bound."""
+    out = _tiles_smoke()
+    lines = out.splitlines()
+    assert any(line.startswith("== 70+40 H1 K32 V32: the rule's launches intra") for line in lines), out
     for kernel in ("intra", "solve", "state"):
         rows = [line for line in lines if line[2:].startswith(kernel + " ")]
-        assert len(rows) >= 2 and " us  err " in rows[0], run.stdout
+        assert len(rows) >= 2 and " us  err " in rows[0], out
         assert rows[0].endswith("err 0.0e+00 ok  (chosen)"), rows[0]
         assert all(" ok" in row and "(chosen)" not in row for row in rows[1:]), rows
         assert sum(row.startswith("*") for row in rows) >= 1, rows
@@ -538,17 +544,9 @@ def test_tiles_sweep_runs_under_the_interpreter_and_checks_every_variant():
 
 def test_tiles_sweep_kernels_option_sweeps_only_those():
     """--kernels state: the state kernel's table only (the others still run once, as its inputs)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    bench = Path(__file__).resolve().parents[1] / "bench" / "kernels_kda.py"
-    run = subprocess.run([sys.executable, str(bench), "--tiles", "--smoke", "--kernels", "state"], capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    rows = [line[2:].split()[0] for line in run.stdout.splitlines() if line[:2] in ("  ", "* ")]
-    assert rows and set(rows) == {"state"}, run.stdout
+    out = _tiles_smoke("--kernels", "state")
+    rows = [line[2:].split()[0] for line in out.splitlines() if line[:2] in ("  ", "* ")]
+    assert rows and set(rows) == {"state"}, out
 
 
 def test_tiles_check_fails_a_variant_whose_outputs_differ(monkeypatch):
