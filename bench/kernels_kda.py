@@ -358,7 +358,7 @@ def _tile_label(knobs: dict) -> str:
 
 
 def tiles_sweep(shapes: Sequence[tuple[Sequence[int], int]], iters: int, smoke: bool,
-                kernels: Sequence[str] = ("intra", "solve", "state")) -> int:
+                kernels: Sequence[str] = tuple(TILE_VARIANTS)) -> int:
     """Time each chunked-prefill kernel alone over its launch variants at each (sequence lengths, heads)
     of `shapes`, each variant checked against the rule's launch (see the module docstring); the number
     of variants that failed their check. `kernels`: the ones swept."""
@@ -520,7 +520,7 @@ if __name__ == "__main__":
     ap.add_argument("--seqs", nargs="*", metavar="BxL", help="--tiles: B sequences of L tokens (default TILE_SHAPES)")
     ap.add_argument("--heads", type=int, nargs="*", help="--tiles: heads (with --seqs, or the default sequences)")
     ap.add_argument("--iters", type=int, default=50, help="--tiles: graph replays timed per variant")
-    ap.add_argument("--kernels", nargs="*", default=["intra", "solve", "state"], choices=["intra", "solve", "state"],
+    ap.add_argument("--kernels", nargs="*", default=list(TILE_VARIANTS), choices=list(TILE_VARIANTS),
                     help="--tiles: the kernels swept (default all three)")
     ap.add_argument("--smoke", action="store_true", help="--tiles: tiny sizes (TRITON_INTERPRET=1 on a CPU)")
     a = ap.parse_args()

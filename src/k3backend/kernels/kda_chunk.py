@@ -415,10 +415,11 @@ def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str,
     """Launch keywords of the intra, solve and state kernels, a pure function of the shape (B: the
     sequences that do work, a graph's padding sequence left out; NC: the chunk table's length).
     Measured on the H200 (`bench/kernels_kda.py --tiles`, `small`, H 16, K = V = 128, µs):
-    - intra BKC 64 (4,096 tokens 360 → 267 against 32) and solve BC 64 (104 → 80);
-    - both on 2 warps from 1,024 chunk·heads (≥ 8 programs an SM), 4 below: 4,096 tokens intra 268 →
-      188, solve 82 → 64, H 96 at 8,192 tokens 3,127 → 2,202 and 949 → 725; at one 256-token prompt
-      2 warps lose (21.5 → 23.9, 13.3 → 16.3), at 4 × 256 they tie for intra and lose for solve;
+    - intra BKC 64 (4,096 tokens 360 → 267 against 32; 32 again on 1 warp, below) and solve BC 64 (104 → 80);
+    - both on 2 warps (the intra kernel since on 1, next bullet) from 1,024 chunk·heads (≥ 8 programs
+      an SM), 4 below: 4,096 tokens intra 268 → 188, solve 82 → 64, H 96 at 8,192 tokens 3,127 → 2,202
+      and 949 → 725; at one 256-token prompt 2 warps lose (21.5 → 23.9, 13.3 → 16.3), at 4 × 256 they
+      tie for intra and lose for solve;
     - from 1,024 chunk·heads the intra kernel on 1 warp with BKC 32 (H100, its blocks adjacent in the grid:
       4,096 tokens 172.6 → 159.3, H 96 at 8,192 tokens 2,005.5 → 1,826.5, though it spills 128 B);
     - state V blocks of 64 once B·H ≥ 64 (half the programs, each a wider MMA; H 96 at 8,192 tokens
