@@ -30,7 +30,8 @@ class Child:
 
 def run_together(children: Sequence[Child], kill_after_s: float = 60.0) -> int:
     """Run the children until one exits or a signal arrives; returns the first exit code that
-    ended the run (the signalled run: the first non-zero code, else 0)."""
+    ended the run (the signalled run: the first non-zero code, else 0; death by the SIGTERM sent counts
+    as 0)."""
     procs: list[tuple[Child, subprocess.Popen]] = []
     stopping: list[float] = []  # when the SIGTERMs went out (empty: not yet)
     first_code: list[int] = []
@@ -71,7 +72,8 @@ def run_together(children: Sequence[Child], kill_after_s: float = 60.0) -> int:
             p.wait()
         for s, handler in old.items():
             signal.signal(s, handler)
-    codes = [p.returncode for _, p in procs]
+    # a child that died of our SIGTERM (one still starting, before its handler) stopped as asked
+    codes = [0 if p.returncode == -signal.SIGTERM else p.returncode for _, p in procs]
     return first_code[0] if first_code else next((c for c in codes if c), 0)
 
 
