@@ -660,16 +660,20 @@ def experts_mxfp4_both(x, weights, ids, w13, s13, w2, s2, act, scaling=1.0, deco
 
 
 def check_experts_mxfp4_equal_dequantised_reference_in_each_block_tier():
-    """D 96, I 64: the K loop of up (BK 64) ends in a masked half step, down's is even."""
+    """D 96, I 64: the K loop of up (BK 64) ends in a masked half step, down's is even. D 224, I 192 in the wgmma
+    tiers: up's exponent bytes, loaded a step ahead (`_step_exponents`), over 4 steps and a masked last, down's
+    over 3."""
     from k3backend.kernels import moe
     from k3backend.kernels.moe_ref import Activation
 
-    E, k, D, I = 7, 3, 96, 64
-    for T, block_m in [(1, 16), (5, 16), (61, 32), (157, 64), (467, 128)]:
-        assert moe.experts_config(T, k, E, D, I, mxfp4=True).block_m == block_m
-        args = mxfp4_case(T, E, k, D, I, seed=800 + T)
+    E, k = 7, 3
+    for T, block_m, D, I in [(1, 16, 96, 64), (5, 16, 96, 64), (61, 32, 96, 64), (157, 64, 96, 64),
+                             (467, 128, 96, 64), (157, 64, 224, 192), (467, 128, 224, 192)]:
+        cfg = moe.experts_config(T, k, E, D, I, mxfp4=True)
+        assert cfg.block_m == block_m and (D < 128 or cfg.up[1] == cfg.down[1] == 64), cfg
+        args = mxfp4_case(T, E, k, D, I, seed=800 + T + D)
         got, want, scale = experts_mxfp4_both(*args, Activation(**SITU), 2.5 if T == 61 else 1.0)
-        assert_bf16_close(got, want, scale, f"mxfp4 T={T} BM={block_m}")
+        assert_bf16_close(got, want, scale, f"mxfp4 T={T} BM={block_m} D={D}")
 
 
 def check_experts_mxfp4_hand_expansion_equals_reference():

@@ -434,10 +434,34 @@ def _k_order(a, HALVES: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-           DECODE: tl.constexpr, SW: tl.constexpr, HALVES: tl.constexpr, BLOCK_K: tl.constexpr):
+def _step_exponents(s_ptrs, k_left, s_ahead, step_s, EVEN_K: tl.constexpr, MX: tl.constexpr, SW: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """(this K step's exponents, s_ahead for the next step) of the MMA tiles' loops. Exponent bytes (SW 0, the
+    BM >= 64 tiles' K steps of 64) load a step ahead: the pipeliner leaves such loads synchronous, and a load used
+    at once was a memory round trip a step, stalling the tile (no other program shares its SM). s_ahead: before
+    the loop `_exponents` of step 0 (SW 0), else 0; step_s: how far the pointers move a step."""
+    if MX and SW == 0:
+        return s_ahead, _exponents(s_ptrs + step_s, k_left - BLOCK_K, False, SW, BLOCK_K)
+    elif MX:
+        return _exponents(s_ptrs, k_left, EVEN_K, SW, BLOCK_K), s_ahead
+    else:
+        return 0, s_ahead
+
+
+@triton.jit
+def _first_exponents(s_ptrs, k_left, MX: tl.constexpr, SW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_step_exponents`'s s_ahead before the loop: step 0's exponent bytes, or 0 where they are not loaded ahead."""
+    if MX and SW == 0:
+        return _exponents(s_ptrs, k_left, False, SW, BLOCK_K)
+    else:
+        return 0
+
+
+@triton.jit
+def _w_dot(a, acc, w_ptrs, s, k_left, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
+           DECODE: tl.constexpr, HALVES: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + a · (one K step of a weight tile), a [BM, BK] as `_k_order` gives it: w_ptrs [BK, BN] in a's
-    dtype, or MXFP4 (w_ptrs [BK/2, BN] codes, s_ptrs the exponents as `_exponents` reads them) expanded to
+    dtype, or MXFP4 (w_ptrs [BK/2, BN] codes, s the step's exponents, `_step_exponents`) expanded to
     bf16 in registers: by tl.dot_scaled (DECODE 0, Triton's own e2m1 upcast on Hopper; fast_math: no NaN
     select, the loader refuses the NaN exponent 255; its bf16 scale flushes exponent byte 0, 2^-127, to
     zero, which leaves out weights below 2^-124) or by `_mx_expand` (DECODE 1, 2, 3). k_left: K elements
@@ -447,7 +471,6 @@ def _w_dot(a, acc, w_ptrs, s_ptrs, k_left, GPU: tl.constexpr, EVEN_K: tl.constex
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[:, None], other=0)
-        s = _exponents(s_ptrs, k_left, EVEN_K, SW, BLOCK_K)
         if DECODE == 0:
             return tl.dot_scaled(a, None, "bf16", w, s.to(tl.uint8), "e2m1", acc, fast_math=True)
         else:
@@ -523,6 +546,8 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
     HALVES: tl.constexpr = _halves_for(MX, DECODE, BLOCK_M)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sg_ahead = _first_exponents(gs_ptrs, D, MX, SW, BLOCK_K)
+    su_ahead = _first_exponents(us_ptrs, D, MX, SW, BLOCK_K)
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
         k_left = D - k0 * BLOCK_K
         if EVEN_K:
@@ -533,9 +558,11 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
             acc_g = _mma(xa, w_desc.load([w_row, k0 * BLOCK_K]).T, acc_g, GPU)
             acc_u = _mma(xa, w_desc.load([w_row + I, k0 * BLOCK_K]).T, acc_u, GPU)
         else:
+            sg, sg_ahead = _step_exponents(gs_ptrs, k_left, sg_ahead, step_s, EVEN_K, MX, SW, BLOCK_K)
+            su, su_ahead = _step_exponents(us_ptrs, k_left, su_ahead, step_s, EVEN_K, MX, SW, BLOCK_K)
             xa = _k_order(xa, HALVES, BLOCK_K)
-            acc_g = _w_dot(xa, acc_g, g_ptrs, gs_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SW, HALVES, BLOCK_K)
-            acc_u = _w_dot(xa, acc_u, u_ptrs, us_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SW, HALVES, BLOCK_K)
+            acc_g = _w_dot(xa, acc_g, g_ptrs, sg, k_left, GPU, EVEN_K, MX, DECODE, HALVES, BLOCK_K)
+            acc_u = _w_dot(xa, acc_u, u_ptrs, su, k_left, GPU, EVEN_K, MX, DECODE, HALVES, BLOCK_K)
         x_ptrs += BLOCK_K
         g_ptrs += step_w
         u_ptrs += step_w
@@ -574,6 +601,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
     step_s: tl.constexpr = (SW if SW > 0 else BLOCK_K // 32) if MX else 0
     HALVES: tl.constexpr = _halves_for(MX, DECODE, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    s_ahead = _first_exponents(s_ptrs, I, MX, SW, BLOCK_K)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         k_left = I - k0 * BLOCK_K
         if TMA:
@@ -584,8 +612,9 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
                 ha = tl.load(h_ptrs, mask=real[:, None], other=0.0)
             else:
                 ha = tl.load(h_ptrs, mask=real[:, None] & (offs_k < k_left)[None, :], other=0.0)
-            acc = _w_dot(_k_order(ha, HALVES, BLOCK_K), acc, w_ptrs, s_ptrs, k_left, GPU, EVEN_K, MX, DECODE, SW,
-                         HALVES, BLOCK_K)
+            s, s_ahead = _step_exponents(s_ptrs, k_left, s_ahead, step_s, EVEN_K, MX, SW, BLOCK_K)
+            acc = _w_dot(_k_order(ha, HALVES, BLOCK_K), acc, w_ptrs, s, k_left, GPU, EVEN_K, MX, DECODE, HALVES,
+                         BLOCK_K)
         h_ptrs += BLOCK_K
         w_ptrs += step_w
         s_ptrs += step_s
