@@ -54,6 +54,7 @@ class Compiled:
     mma: tuple[int, ...]  # MMA versions used (2: mma.sync, 3: wgmma)
     loop_loads: int = 0  # global loads inside loops that were not made async copies: a round trip each
     loop_sass: int = 0  # SASS instructions in the largest loop body: a GEMM's K step, what its warps issue
+    mma_waits: tuple[int, ...] = ()  # the wgmma waits' pending counts (0: wait for every MMA issued), PTX order
 
     def __str__(self) -> str:
         return (f"regs {self.regs}, stack {self.stack} B, smem {self.smem} B, mma v{self.mma}, "
@@ -135,5 +136,6 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
         sass = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     field = lambda key: int(re.search(rf"{key}:(\d+)", usage).group(1))  # noqa: E731
     mma = tuple(sorted({int(v) for v in re.findall(r"nvidia_mma<\{versionMajor = (\d)", ck.asm["ttgir"])}))
+    waits = tuple(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ck.asm["ptx"]))
     return Compiled(field("REG"), field("STACK"), ck.metadata.shared, mma, loop_loads(ck.asm["ttgir"]),
-                    largest_loop(sass))
+                    largest_loop(sass), waits)
