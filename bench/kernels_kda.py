@@ -13,7 +13,7 @@ By hand, `python bench/kernels_kda.py`:
 - `--sm90`: every KDA kernel compiled for sm_90a with its registers, spills and shared memory (no GPU).
 - `--tiles`: each of the chunked prefill's three kernels (intra, solve, state) timed alone over launch
   variants (its tile BKC / BC / BV, num_warps, num_stages; one change at a time from the rule's, and a
-  few tile x warps pairs), in µs per CUDA-graph replay, at TILE_SHAPES (one prompt of 256, 4,096 and
+  few tile x warps pairs; the state kernel's transposed walk, TRANS), in µs per CUDA-graph replay, at TILE_SHAPES (one prompt of 256, 4,096 and
   8,192 tokens, 4 x 256, 4 x 1,024, 16 x 32 at 16 heads; 8,192 tokens at 96 heads; `--seqs BxL`,
   `--heads H` choose others; `--kernels intra` sweeps one). A table per shape and kernel: the rule's
   launch (`prefill_rule`) first, marked "(chosen)", then the others fastest first, the fastest marked *.
@@ -65,10 +65,12 @@ TILE_VARIANTS = {
               dict(BC=16, num_warps=2), dict(BC=32, num_warps=1)],
     "state": [*(dict(BV=t) for t in (8, 16, 32, 64)), *(dict(num_warps=w) for w in (2, 8)),
               *(dict(num_stages=s) for s in (1, 2, 3)), dict(BV=16, num_warps=2), dict(BV=8, num_warps=2),
-              dict(BV=64, num_warps=8), dict(BV=32, num_warps=8)],
+              dict(BV=64, num_warps=8), dict(BV=32, num_warps=8), dict(TRANS=True), dict(TRANS=True, BV=64),
+              dict(TRANS=True, BV=64, num_stages=1), dict(TRANS=True, BV=64, num_stages=2),
+              dict(TRANS=True, BV=128, num_stages=1)],
 }
-SMOKE_TILE_VARIANTS = {"intra": [dict(BKC=32)], "solve": [dict(BC=32)], "state": [dict(BV=16)]}  # the interpreter
-# ignores warps and stages
+# the interpreter ignores warps and stages
+SMOKE_TILE_VARIANTS = {"intra": [dict(BKC=32)], "solve": [dict(BC=32)], "state": [dict(BV=16), dict(TRANS=True)]}
 TILES_REL = 1e-2  # a variant against the rule's launch: summation order and a few flipped bf16 roundings
 
 
@@ -505,8 +507,10 @@ def compile_sm90() -> None:
              "has_initial_state": "*i1", "first_chunk": "*i64", "chunk_snapshot": "*i32"}
     for stages, bv in ((1, 32), (3, 32), (1, 64), (3, 64)):  # prefill_rule's two V blocks and stages
         for snap in (False, True):
-            build(f"kda_prefill state (BV {bv}, {stages} stage{', snapshots' if snap else ''})",
-                  kda_chunk._kda_state_kernel, state, dict(H=H, K=K, V=K, BK=K, BV=bv, SNAP=snap, **bf), 4, stages)
+            for trans in (False, True):
+                build(f"kda_prefill state (BV {bv}, {stages} stage{', snapshots' if snap else ''}"
+                      f"{', transposed' if trans else ''})", kda_chunk._kda_state_kernel, state,
+                      dict(H=H, K=K, V=K, BK=K, BV=bv, SNAP=snap, TRANS=trans, **bf), 4, stages)
 
 
 if __name__ == "__main__":

@@ -158,7 +158,8 @@ def check_short_conv(dtype: str, seed: int) -> None:
     assert_slots(args[2], ref[2], before, slots, {"rtol": 0.0, "atol": 0.0}, "conv_pool")
 
 
-def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: int = 20, vdim: int = V) -> None:
+def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: int = 20, vdim: int = V,
+                      trans: bool = False) -> None:
     """Varlen chunks: one over a chunk boundary with a short last chunk (and a prefix snapshot at that
     boundary, into slot 3), a single token, a fresh one, and padding (a sequence on the null slot 0,
     as a captured graph's unused places: zero output, slot 0 untouched). v is a strided view (the model's is a slice of the conv output). dtype is v's (the model's); q, k,
@@ -167,7 +168,8 @@ def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: in
     40 over 16 rows, which hides what one 16-row block contributes to the next but one; `gentle` (about
     3 over a chunk) shows every block's terms. The default K = 20
     gives the intra kernel two channel slices of 16, the second ragged; heads 22 at K = V = 64 take
-    `prefill_rule`'s wide tiles (64 channels a slice, V blocks of 64 once B·H ≥ 64)."""
+    `prefill_rule`'s wide tiles (64 channels a slice, V blocks of 64 once B·H ≥ 64). trans: the state kernel's
+    transposed walk (its TRANS knob)."""
     from k3backend.kernels import kda_chunk, kda_ref, norm_ref, varlen
 
     dt = DTYPES[dtype]
@@ -198,7 +200,12 @@ def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: in
     ref = clone_all(args)
     before = args[5].clone()
     with poisoned_empty():
-        o = kda_chunk.kda_prefill(*args, layout=layout)
+        if trans:
+            o, launches = kda_chunk._prefill_launches(*args, layout=layout, knobs={"state": {"TRANS": True}})
+            for launch in launches:
+                launch.run()
+        else:
+            o = kda_chunk.kda_prefill(*args, layout=layout)
     torch.testing.assert_close(o, kda_ref.kda_prefill(*ref, layout=layout), **KERNEL_PREFILL[dt],
                                msg=lambda m: f"o: {m}")
     assert torch.equal(o[T - lens[-1]:], torch.zeros_like(o[T - lens[-1]:])), "padding: o not zero"
@@ -317,6 +324,8 @@ CASES: Cases = {
                                       ("bf16", "gentle")))},
     "prefill-bf16-tiles": ("check_kda_prefill", {"dtype": "bf16", "gate": "lb5", "seed": 43, "heads": 22, "kdim": 64,
                                                  "vdim": 64}),
+    **{f"prefill-{d}-trans": ("check_kda_prefill", {"dtype": d, "gate": "gentle", "seed": 47, "trans": True})
+       for d in ("fp64", "bf16")},
     **{f"inputs-{d}-{gate}": ("check_kda_prefill_inputs", {"dtype": d, "lower_bound": lb, "seed": 50 + i})
        for i, (d, (gate, lb)) in enumerate((d, g) for d in DTYPES for g in (("lb5", -5.0), ("softplus", None))
                                            if d != "fp32" or g[1] is not None)},

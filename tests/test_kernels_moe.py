@@ -521,7 +521,8 @@ def test_mxfp4_swapped_tiles_compile_for_hopper_with_async_mma(tokens):
     swapped = _mxfp4_tiles_sm90(dataclasses.replace(cfg, swap=True), 3, True)[:2]
     for what, c, s in zip(("up", "down"), plain, swapped):
         assert set(c.mma_waits) == {0}, f"{what} unswapped: {c.mma_waits}"
-        assert s.stack == 0 and 3 in s.mma and s.mma_waits.count(0) <= 1 < len(s.mma_waits), f"{what}: {s} {s.mma_waits}"
+        assert s.stack == 0 and 3 in s.mma and s.mma_waits.count(0) <= 1 < len(s.mma_waits), \
+            f"{what}: {s} {s.mma_waits}"
 
 
 def check_experts_with_the_latent_norm_equal_the_sum_then_rms_norm():

@@ -295,10 +295,12 @@ def _kda_solve_kernel(Akk, kb, v, beta, chunk_seq, chunk_start, cu_seqlens, stat
 @triton.jit
 def _kda_state_kernel(w, u, qg, kg, Aqk, gl, S_pool, state_indices, has_initial_state, cu_seqlens, first_chunk,
                       chunk_snapshot, o, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, SNAP: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                      BITS: tl.constexpr):
+                      BV: tl.constexpr, SNAP: tl.constexpr, TRANS: tl.constexpr, ACC: tl.constexpr,
+                      DOT: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr):
     """Program (V-block, sequence·head): the sequence's chunks in order, its K×BV state in registers.
-    SNAP: after a chunk whose `chunk_snapshot` entry names a slot, the state is stored there too."""
+    SNAP: after a chunk whose `chunk_snapshot` entry names a slot, the state is stored there too.
+    TRANS: the walk transposed, Sᵀ [BV, BK] (`_state_step_t`): the same products with every register operand
+    (the state, v_new) first, which wgmma takes from registers, and every loaded one second."""
     i_v, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = pid // H, pid % H
     slot = tl.load(state_indices + i_b).to(tl.int64)
@@ -306,39 +308,90 @@ def _kda_state_kernel(w, u, qg, kg, Aqk, gl, S_pool, state_indices, has_initial_
     c0 = tl.load(first_chunk + i_b)
     o64, o_k, o_v = tl.arange(0, 64), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
-    p_S = S_pool + slot * (H * K * V) + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
-    m_S = m_k[:, None] & m_v[None, :]
+    p_S, m_S = _state_ptrs(S_pool, slot, i_h, o_k, o_v, m_k, m_v, H, K, V, TRANS)
     if slot == 0:  # padding (a graph's dummy places and padding sequence): zeros, nothing else
         for ic in range(0, tl.cdiv(eos - bos, 64)):
             p_v = (bos + ic * 64 + o64)[:, None] * (H * V) + i_h * V + o_v[None, :]
             tl.store(o + p_v, tl.zeros([64, BV], dtype=o.dtype.element_ty), mask=(bos + ic * 64 + o64 < eos)[:, None]
                      & m_v[None, :])
         return
-    S = tl.zeros([BK, BV], dtype=ACC)
+    if TRANS:
+        S = tl.zeros([BV, BK], dtype=ACC)
+    else:
+        S = tl.zeros([BK, BV], dtype=ACC)
     if tl.load(has_initial_state + i_b) != 0:
         S = tl.load(p_S, mask=m_S, other=0).to(ACC)
     causal = o64[:, None] >= o64[None, :]
     for ic in range(0, tl.cdiv(eos - bos, 64)):
-        t0 = bos + ic * 64
-        m_r = (t0 + o64 < eos)[:, None]
-        p_k = (t0 + o64)[:, None] * (H * K) + i_h * K + o_k[None, :]
-        p_v = (t0 + o64)[:, None] * (H * V) + i_h * V + o_v[None, :]
-        w_c = tl.load(w + p_k, mask=m_r & m_k[None, :], other=0)
-        u_c = tl.load(u + p_v, mask=m_r & m_v[None, :], other=0).to(ACC)
-        v_new = u_c - _dot(w_c, S, DOT, PREC, ACC, BITS)  # [64, BV]
-        A = tl.load(Aqk + (t0 + o64)[:, None] * (H * 64) + i_h * 64 + o64[None, :], mask=m_r & causal, other=0)
-        q_c = tl.load(qg + p_k, mask=m_r & m_k[None, :], other=0)
-        o_c = _dot(q_c, S, DOT, PREC, ACC, BITS) + _dot(A, v_new, DOT, PREC, ACC, BITS)
-        tl.store(o + p_v, o_c.to(o.dtype.element_ty), mask=m_r & m_v[None, :])
-        k_c = tl.load(kg + p_k, mask=m_r & m_k[None, :], other=0)
-        decay = tl.load(gl + ((c0 + ic) * H + i_h) * K + o_k, mask=m_k, other=0).to(ACC)
-        S = S * decay[:, None] + _dot(tl.trans(k_c), v_new, DOT, PREC, ACC, BITS)
+        if TRANS:
+            S = _state_step_t(S, w, u, qg, kg, Aqk, gl, o, bos + ic * 64, eos, c0 + ic, i_h, o64, o_k, o_v, m_k, m_v,
+                              H, K, V, ACC, DOT, PREC, BITS)
+        else:
+            S = _state_step(S, w, u, qg, kg, Aqk, gl, o, bos + ic * 64, eos, c0 + ic, i_h, o64, o_k, o_v, m_k, m_v,
+                            causal, H, K, V, ACC, DOT, PREC, BITS)
         if SNAP:
             dst = tl.load(chunk_snapshot + c0 + ic).to(tl.int64)
             if dst != 0:
-                p_D = S_pool + dst * (H * K * V) + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
-                tl.store(p_D, S.to(S_pool.dtype.element_ty), mask=m_S)
+                p_D, m_D = _state_ptrs(S_pool, dst, i_h, o_k, o_v, m_k, m_v, H, K, V, TRANS)
+                tl.store(p_D, S.to(S_pool.dtype.element_ty), mask=m_D)
+    p_S, m_S = _state_ptrs(S_pool, slot, i_h, o_k, o_v, m_k, m_v, H, K, V, TRANS)  # (not kept live over the walk)
     tl.store(p_S, S.to(S_pool.dtype.element_ty), mask=m_S)
+
+
+@triton.jit
+def _state_ptrs(S_pool, slot, i_h, o_k, o_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                TRANS: tl.constexpr):
+    """Pointers and mask of head i_h's state block in pool slot `slot`: [BK, BV], or Sᵀ [BV, BK] (TRANS)."""
+    base = S_pool + slot * (H * K * V) + i_h * (K * V)
+    if TRANS:
+        return base + o_v[:, None] + o_k[None, :] * V, m_v[:, None] & m_k[None, :]
+    else:
+        return base + o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
+
+
+@triton.jit
+def _state_step(S, w, u, qg, kg, Aqk, gl, o, t0, eos, c, i_h, o64, o_k, o_v, m_k, m_v, causal, H: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                BITS: tl.constexpr):
+    """One chunk of the state walk (rows t0.., chunk c of the table): v_new = u − wS, o = (q e^Γ)S + A_qk v_new,
+    S ← e^{Γ_last} S + (k e^{Γ_last−Γ})ᵀ v_new; returns S."""
+    m_r = (t0 + o64 < eos)[:, None]
+    p_k = (t0 + o64)[:, None] * (H * K) + i_h * K + o_k[None, :]
+    p_v = (t0 + o64)[:, None] * (H * V) + i_h * V + o_v[None, :]
+    w_c = tl.load(w + p_k, mask=m_r & m_k[None, :], other=0)
+    u_c = tl.load(u + p_v, mask=m_r & m_v[None, :], other=0).to(ACC)
+    v_new = u_c - _dot(w_c, S, DOT, PREC, ACC, BITS)  # [64, BV]
+    A = tl.load(Aqk + (t0 + o64)[:, None] * (H * 64) + i_h * 64 + o64[None, :], mask=m_r & causal, other=0)
+    q_c = tl.load(qg + p_k, mask=m_r & m_k[None, :], other=0)
+    o_c = _dot(q_c, S, DOT, PREC, ACC, BITS) + _dot(A, v_new, DOT, PREC, ACC, BITS)
+    tl.store(o + p_v, o_c.to(o.dtype.element_ty), mask=m_r & m_v[None, :])
+    k_c = tl.load(kg + p_k, mask=m_r & m_k[None, :], other=0)
+    decay = tl.load(gl + (c * H + i_h) * K + o_k, mask=m_k, other=0).to(ACC)
+    return S * decay[:, None] + _dot(tl.trans(k_c), v_new, DOT, PREC, ACC, BITS)
+
+
+@triton.jit
+def _state_step_t(S, w, u, qg, kg, Aqk, gl, o, t0, eos, c, i_h, o64, o_k, o_v, m_k, m_v, H: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                  BITS: tl.constexpr):
+    """`_state_step` on Sᵀ [BV, BK]: v_newᵀ = uᵀ − Sᵀwᵀ, oᵀ = Sᵀ(q e^Γ)ᵀ + v_newᵀ A_qkᵀ,
+    Sᵀ ← Sᵀ e^{Γ_last} + v_newᵀ (k e^{Γ_last−Γ}); returns Sᵀ."""
+    m_r = (t0 + o64 < eos)[:, None]
+    m_c = (t0 + o64 < eos)[None, :]  # the chunk's rows as columns
+    p_k = (t0 + o64)[:, None] * (H * K) + i_h * K + o_k[None, :]
+    p_vt = (t0 + o64)[None, :] * (H * V) + i_h * V + o_v[:, None]  # [BV, 64]
+    w_c = tl.load(w + p_k, mask=m_r & m_k[None, :], other=0)
+    u_t = tl.load(u + p_vt, mask=m_c & m_v[:, None], other=0).to(ACC)
+    v_new = u_t - _dot(S, tl.trans(w_c), DOT, PREC, ACC, BITS)  # [BV, 64]
+    # A_qkᵀ [64 j, 64 i]: A_qk[i, j] for i >= j
+    A_t = tl.load(Aqk + (t0 + o64)[None, :] * (H * 64) + i_h * 64 + o64[:, None],
+                  mask=m_c & (o64[None, :] >= o64[:, None]), other=0)
+    q_c = tl.load(qg + p_k, mask=m_r & m_k[None, :], other=0)
+    o_t = _dot(S, tl.trans(q_c), DOT, PREC, ACC, BITS) + _dot(v_new, A_t, DOT, PREC, ACC, BITS)
+    tl.store(o + p_vt, o_t.to(o.dtype.element_ty), mask=m_c & m_v[:, None])
+    k_c = tl.load(kg + p_k, mask=m_r & m_k[None, :], other=0)
+    decay = tl.load(gl + (c * H + i_h) * K + o_k, mask=m_k, other=0).to(ACC)
+    return S * decay[None, :] + _dot(v_new, k_c, DOT, PREC, ACC, BITS)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -429,14 +482,16 @@ def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str,
       with 3 stages). A mixed graph (4 chunk places and the padding sequence) counts B = 4: V blocks of 64
       in 3 stages, against 1 stage when the padding counted (state µs, 1 × 256 real chunk 13.9 against
       15.4, 2 × 128 9.3 / 9.8, 4 × 64 7.5 / 7.0, 1 × 1,024 42.1 / 52.8, 2 × 512 23.7 / 31.4, 4 × 256
-      15.1 / 16.5)."""
+      15.1 / 16.5);
+    - state TRANS off: the transposed walk (`_state_step_t`; compiled for sm_90a at BV 64, shared memory 40 → 24 KB
+      in 1 stage and 192 → 152 KB in 3, the same wgmma waits) is a variant `--tiles` times, not yet measured."""
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     small = max(BK, BV) <= 32
     big = NC * H >= 1024
     bv = min(64 if B * H >= 64 else 32, BV)
     return {"intra": dict(BKC=16 if BK <= 32 else 32 if big else 64, num_warps=1 if big else 4),
             "solve": dict(BC=16 if small else 64, num_warps=2 if big else 4),
-            "state": dict(BV=bv, num_warps=4, num_stages=3 if triton.cdiv(V, bv) * B * H <= sms else 1)}
+            "state": dict(BV=bv, num_warps=4, num_stages=3 if triton.cdiv(V, bv) * B * H <= sms else 1, TRANS=False)}
 
 
 def _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout=None) -> str:
