@@ -12,15 +12,15 @@ program a head, as before the split), each checked, beside fla: the figures that
 By hand, `python bench/kernels_kda.py`:
 - `--sm90`: every KDA kernel compiled for sm_90a with its registers, spills and shared memory (no GPU).
 - `--tiles`: each of the chunked prefill's three kernels (intra, solve, state) timed alone over launch
-  variants (its tile BKC / BC / BV, num_warps, num_stages; one change at a time from the rule's, and a
-  few tile x warps pairs; the state kernel's transposed walk, TRANS), in µs per CUDA-graph replay, at TILE_SHAPES (one prompt of 256, 4,096 and
-  8,192 tokens, 4 x 256, 4 x 1,024, 16 x 32 at 16 heads; 8,192 tokens at 96 heads; `--seqs BxL`,
-  `--heads H` choose others; `--kernels intra` sweeps one). A table per shape and kernel: the rule's
-  launch (`prefill_rule`) first, marked "(chosen)", then the others fastest first, the fastest marked *.
-  Every variant runs once on the default launch's inputs with its outputs poisoned (NaN), and everything
-  it writes is compared with the default launch's: the same entries written, each tensor within
-  TILES_REL of its largest |value|, else the row says FAILED (and the run exits 1). `--smoke --tiles`:
-  sequences of 70 and 40 tokens, one head, K = V = 32, the tiles alone, under TRITON_INTERPRET=1.
+  variants (its tile BKC / BC / BV, num_warps, num_stages; one change at a time from the rule's, a few tile
+  x warps pairs, and the state kernel's transposed walk, TRANS), in µs per CUDA-graph replay, at TILE_SHAPES
+  (one prompt of 256, 4,096 and 8,192 tokens, 4 x 256, 4 x 1,024, 16 x 32 at 16 heads; 8,192 tokens at 96
+  heads; `--seqs BxL`, `--heads H` choose others; `--kernels intra` sweeps one). A table per shape and
+  kernel: the rule's launch (`prefill_rule`) first, marked "(chosen)", then the others fastest first, the
+  fastest marked *. Every variant runs once on the default launch's inputs with its outputs poisoned (NaN),
+  and everything it writes is compared with the default launch's: the same entries written, each tensor
+  within TILES_REL of its largest |value|, else the row says FAILED (and the run exits 1). `--smoke
+  --tiles`: sequences of 70 and 40 tokens, one head, K = V = 32, the tiles alone, under TRITON_INTERPRET=1.
 
 fla baselines, converted to fla's conventions and never changing ours:
 - decode fused: fla's decode pipeline, five launches: `causal_conv1d_update` for q, k and v (fla's
