@@ -1,6 +1,6 @@
 """Compile a @triton.jit kernel for an H100/H200 (sm_90a) on a machine without a GPU, and read what the
 GPU run would get: registers, spill bytes, shared memory, which MMA (v2 mma.sync or v3 wgmma), synchronous loads in
-loops, and the instructions of the largest loop (a GEMM's K step).
+loops, the instructions of the largest loop (a GEMM's K step), and how many wgmmas each wait leaves in flight.
 
 `triton.compile` needs no driver for this; ptxas and cuobjdump ship in the triton wheel. The args
 are given as a launch would give them, so the compile sees the same specialisation: a pointer is
