@@ -354,9 +354,9 @@ def _tile_verdict(err: float) -> str:
 
 
 def _tile_label(knobs: dict) -> str:
-    """The tile, warps and stages of a launch ("s-": triton's default stages)."""
+    """The tile, warps and stages of a launch ("s-": triton's default stages; "T": the state's TRANS walk)."""
     tile = next(f"{k}{v}" for k, v in knobs.items() if k in ("BKC", "BC", "BV"))
-    return f"{tile} w{knobs['num_warps']} s{knobs.get('num_stages', '-')}"
+    return f"{tile} w{knobs['num_warps']} s{knobs.get('num_stages', '-')}" + (" T" if knobs.get("TRANS") else "")
 
 
 def tiles_sweep(shapes: Sequence[tuple[Sequence[int], int]], iters: int, smoke: bool,
