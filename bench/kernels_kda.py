@@ -505,7 +505,7 @@ def compile_sm90() -> None:
               dict(H=H, K=K, V=K, BC=rule["solve"]["BC"], **bf), rule["solve"]["num_warps"])
     state = {**p("w u qg kg Aqk", "*bf16"), **p("gl S_pool o", "*fp32"), **p("state_indices cu_seqlens", "*i32"),
              "has_initial_state": "*i1", "first_chunk": "*i64", "chunk_snapshot": "*i32"}
-    for stages, bv in ((1, 32), (3, 32), (1, 64), (3, 64)):  # prefill_rule's two V blocks and stages
+    for stages, bv in ((1, 32), (3, 32), (1, 64), (3, 64), (2, 64)):  # prefill_rule's V blocks and stages
         for snap in (False, True):
             for trans in (False, True):
                 build(f"kda_prefill state (BV {bv}, {stages} stage{', snapshots' if snap else ''}"

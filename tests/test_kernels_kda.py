@@ -431,23 +431,24 @@ def test_kda_decode_fused_rule_splits_v_in_blocks_of_64():
 
 
 @pytest.mark.parametrize("lens, heads, want", [
-    # (intra warps, solve warps, state BV, state stages) as measured best (prefill_rule's docstring)
-    ([256], 16, (4, 4, 32, 3)), ([4096], 16, (1, 2, 32, 3)), ([256] * 4, 16, (4, 4, 64, 3)),
-    ([1024] * 4, 16, (1, 2, 64, 3)), ([32] * 16, 16, (4, 4, 64, 1)), ([8192], 96, (1, 2, 64, 1))])
+    # (intra warps, solve warps, state BV, state stages, state TRANS) as measured best (prefill_rule's docstring)
+    ([256], 16, (4, 4, 32, 3, False)), ([4096], 16, (1, 2, 32, 3, False)), ([256] * 4, 16, (4, 4, 64, 3, False)),
+    ([1024] * 4, 16, (1, 2, 64, 3, False)), ([32] * 16, 16, (4, 4, 64, 2, True)), ([8192], 96, (1, 2, 64, 2, True)),
+    ([2048] * 4, 12, (1, 2, 64, 2, True)), ([8192], 12, (1, 2, 32, 3, False))])
 def test_kda_prefill_rule_takes_the_measured_launches(lens, heads, want):
     from k3backend.kernels import kda_chunk, varlen
 
     NC = varlen.num_chunks(sum(lens), len(lens))
     rule = kda_chunk.prefill_rule(128, 128, len(lens), heads, NC, 132)
     assert (rule["intra"]["num_warps"], rule["solve"]["num_warps"], rule["state"]["BV"],
-            rule["state"]["num_stages"]) == want
+            rule["state"]["num_stages"], rule["state"]["TRANS"]) == want
     assert (rule["intra"]["BKC"], rule["solve"]["BC"]) == (32 if want[0] == 1 else 64, 64)
 
 
 def test_kda_prefill_rule_leaves_a_graphs_padding_sequence_out():
     """A captured graph's layout marks its padding sequence (padding_last), which does no work (it is on
     the null slot); kda_prefill's launch rule counts the other sequences: a mixed graph of 4 chunk places
-    takes the 4-sequence state launch (3 stages), not the 5-sequence one (1 stage)."""
+    takes the 4-sequence state launch (3 stages), not the 5-sequence one (past one wave: the transposed walk)."""
     from k3backend.kernels import kda_chunk, varlen
 
     lens, H, K = [256, 1, 1, 1, 16], 16, 128
@@ -462,7 +463,7 @@ def test_kda_prefill_rule_leaves_a_graphs_padding_sequence_out():
         _, launches = kda_chunk._prefill_launches(*args, layout=varlen.varlen_layout(cu, T, padding_last=padded))
         knobs[padded] = launches[2].knobs
         assert knobs[padded] == kda_chunk.prefill_rule(K, K, B - padded, H, nc, 132)["state"]
-    assert knobs[True]["num_stages"] == 3 and knobs[False]["num_stages"] == 1, knobs
+    assert (knobs[True]["num_stages"], knobs[True]["TRANS"], knobs[False]["TRANS"]) == (3, False, True), knobs
 
 
 @pytest.mark.parametrize("v_blocks, reason", [(3, "v_blocks = 3: expected a power of two from 1 to 16"),

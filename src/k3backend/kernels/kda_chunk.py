@@ -478,20 +478,27 @@ def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str,
     - state V blocks of 64 once B·H ≥ 64 (half the programs, each a wider MMA; H 96 at 8,192 tokens
       1,269 → 675), else 32 (one sequence of 16 heads: 209 against 236 at 4,096 tokens); 3 stages of
       the chunk loads while the programs fit on the SMs (4,096 tokens 203 → 164, 4 × 1,024 70 → 64),
-      past that one stage and several programs an SM hide the latency instead (16 × 32: 18 against 24
-      with 3 stages). A mixed graph (4 chunk places and the padding sequence) counts B = 4: V blocks of 64
-      in 3 stages, against 1 stage when the padding counted (state µs, 1 × 256 real chunk 13.9 against
-      15.4, 2 × 128 9.3 / 9.8, 4 × 64 7.5 / 7.0, 1 × 1,024 42.1 / 52.8, 2 × 512 23.7 / 31.4, 4 × 256
-      15.1 / 16.5);
-    - state TRANS off: the transposed walk (`_state_step_t`; compiled for sm_90a at BV 64, shared memory 40 → 24 KB
-      in 1 stage and 192 → 152 KB in 3, the same wgmma waits) is a variant `--tiles` times, not yet measured."""
+      past that several programs an SM hide the latency instead (16 × 32: 1 stage 18 against 24 with 3;
+      the next bullet has the launch taken there now). A mixed graph (4 chunk places and the padding
+      sequence) counts B = 4: V blocks of 64 in 3 stages, against 1 stage when the padding counted (state
+      µs, 1 × 256 real chunk 13.9 against 15.4, 2 × 128 9.3 / 9.8, 4 × 64 7.5 / 7.0, 1 × 1,024 42.1 / 52.8,
+      2 × 512 23.7 / 31.4, 4 × 256 15.1 / 16.5);
+    - state past one wave (H100, 2026-12-07, the same sweep): the transposed walk (TRANS, `_state_step_t`) in V
+      blocks of 64 and 2 stages: 104 KB of shared memory and 244 registers, so 2 programs an SM (the plain walk's
+      2 stages take 136 KB, one: 1,074 µs at the first shape below). Against the 1-stage plain launch, µs: H 96 at
+      1 × 8,192 tokens 760 → 713 (727 → 700 and 744 → 718 in two other runs), 4 × 2,048 673 → 629; H 12 at
+      4 × 2,048 166 → 136 (V blocks of 32 before); H 16 at 16 × 512 121 → 116. Within one wave the plain walk
+      stays: TRANS 405-455 at H 12, 1 × 8,192 (the rule's 416, plain V blocks of 64 382), 207-234 at H 16,
+      1 × 4,096 (182)."""
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     small = max(BK, BV) <= 32
     big = NC * H >= 1024
     bv = min(64 if B * H >= 64 else 32, BV)
+    wave = triton.cdiv(V, bv) * B * H <= sms
+    state = (dict(BV=bv, num_warps=4, num_stages=3, TRANS=False) if wave
+             else dict(BV=min(64, BV), num_warps=4, num_stages=2, TRANS=True))
     return {"intra": dict(BKC=16 if BK <= 32 else 32 if big else 64, num_warps=1 if big else 4),
-            "solve": dict(BC=16 if small else 64, num_warps=2 if big else 4),
-            "state": dict(BV=bv, num_warps=4, num_stages=3 if triton.cdiv(V, bv) * B * H <= sms else 1, TRANS=False)}
+            "solve": dict(BC=16 if small else 64, num_warps=2 if big else 4), "state": state}
 
 
 def _prefill_problem(q, k, v, g, beta, S_pool, cu_seqlens, state_indices, has_initial_state, layout=None) -> str:
