@@ -169,9 +169,6 @@ def candidates(cfg) -> list:
     out += [r(t, up=(ubn, ubk, w, us), down=(dbn, dbk, w, ds)) for w in (4, 8) if w != uw]
     if cfg.block_m >= 64:
         out += [r(cfg, block_m=bm) for bm in (64, 128) if bm != cfg.block_m] + [r(cfg, group_m=16)]
-        # the weights as the wgmma's register operand, in these tiles and in ones that fit 2 programs an SM
-        out += [r(cfg, swap=True), r(cfg, swap=True, up=(64, 64, 8, 4), down=(64, 64, 8, 3)),
-                r(cfg, swap=True, block_m=64, up=(128, 64, 8, 4), down=(128, 64, 8, 4))]
     if cfg.fragments:  # moe_fragments' tiles (up BN, warps, down BN, warps), and moe.py's
         out += [r(cfg, fragments=f) for f in ((32, 2, 64, 2), (128, 4, 64, 2), (64, 4, 128, 4), (64, 4, 64, 4), None)]
     if cfg.block_m == 32:  # the next tier's tiles, with each expansion
@@ -200,8 +197,7 @@ def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
         for t, cfg in timed:
             print(f"{'*' if t == best else ' '} {s.name} T{T:<6} {t * 1e3:9.3f} ms {nbytes / t / 1e12:5.2f} TB/s "
                   f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m} "
-                  f"decode{cfg.decode}" + (f" fragments{cfg.fragments}" if cfg.fragments else "")
-                  + (" swap" if cfg.swap else ""), flush=True)
+                  f"decode{cfg.decode}" + (f" fragments{cfg.fragments}" if cfg.fragments else ""), flush=True)
 
 
 def cases(args: argparse.Namespace) -> list[Case]:

@@ -1,6 +1,6 @@
 """Compile a @triton.jit kernel for an H100/H200 (sm_90a) on a machine without a GPU, and read what the
 GPU run would get: registers, spill bytes, shared memory, which MMA (v2 mma.sync or v3 wgmma), synchronous loads in
-loops, the instructions of the largest loop (a GEMM's K step), and how many wgmmas each wait leaves in flight.
+loops, and the instructions of the largest loop (a GEMM's K step).
 
 `triton.compile` needs no driver for this; ptxas and cuobjdump ship in the triton wheel. The args
 are given as a launch would give them, so the compile sees the same specialisation: a pointer is
@@ -54,7 +54,6 @@ class Compiled:
     mma: tuple[int, ...]  # MMA versions used (2: mma.sync, 3: wgmma)
     loop_loads: int = 0  # global loads inside loops that were not made async copies: a round trip each
     loop_sass: int = 0  # SASS instructions in the largest loop body: a GEMM's K step, what its warps issue
-    mma_waits: tuple[int, ...] = ()  # the wgmma waits' pending counts (0: wait for every MMA issued), PTX order
 
     def __str__(self) -> str:
         return (f"regs {self.regs}, stack {self.stack} B, smem {self.smem} B, mma v{self.mma}, "
@@ -136,6 +135,5 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
         sass = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     field = lambda key: int(re.search(rf"{key}:(\d+)", usage).group(1))  # noqa: E731
     mma = tuple(sorted({int(v) for v in re.findall(r"nvidia_mma<\{versionMajor = (\d)", ck.asm["ttgir"])}))
-    waits = tuple(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ck.asm["ptx"]))
     return Compiled(field("REG"), field("STACK"), ck.metadata.shared, mma, loop_loads(ck.asm["ttgir"]),
-                    largest_loop(sass), waits)
+                    largest_loop(sass))

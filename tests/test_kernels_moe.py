@@ -422,8 +422,7 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
     D = I = 1024
     cfg = moe.experts_config(4096, 6, 64, D, I)
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds), bm = cfg.up, cfg.down, cfg.block_m
-    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, SW=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m,
-                  SWAP=False)
+    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, SW=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m)
     up = compile_sm90(moe._up_kernel, dict(
         x_ptr="*bf16", w13_ptr="*bf16", s13_ptr="*bf16", w_desc=f"tensordesc<bf16[{ubn}, {ubk}]>", h_ptr="*bf16",
         sorted_ptr="*i32", block_expert_ptr="*i32", table_ptr="*bf16", n=24576, D=D, I=I, num_blocks=300,
@@ -455,12 +454,27 @@ def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
 
     D = I = 1024
     cfg = moe.experts_config(tokens, 6, 64, D, I, mxfp4=True)
-    up, down, (usw, dsw) = _mxfp4_tiles_sm90(cfg, decode, False)
-    assert (usw > 0, dsw > 0) == ((True, True) if tokens == 16 else (False, False)), (usw, dsw)
-    if usw:
-        assert up.loop_loads == 0 and down.loop_loads == 0, f"up: {up}; down: {down}"
+    (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
     mx = dict(GPU=True, EVEN_K=True, MX=True, DECODE=decode, TOP_K=6)
     act = dict(inv_beta=0.25, beta=4.0, inv_lam=0.04, lam=25.0)
+    s13, usw = moe._exponent_words(torch.empty(64, 2 * I, D // 32, dtype=torch.uint8), ubk)
+    s2, dsw = moe._exponent_words(torch.empty(64, D, I // 32, dtype=torch.uint8), dbk)
+    assert (usw > 0, dsw > 0) == ((True, True) if tokens == 16 else (False, False)), (usw, dsw)
+    sty = {torch.uint8: "*u8", torch.int32: "*i32"}
+    up = compile_sm90(moe._up_kernel, dict(
+        x_ptr="*bf16", w13_ptr="*u8", s13_ptr=sty[s13.dtype], w_desc="*u8", h_ptr="*bf16", sorted_ptr="*i32",
+        block_expert_ptr="*i32", table_ptr="*fp32", n=96, D=D, I=I, num_blocks=100, stride_xt=D, stride_we=I * D,
+        stride_wn=D // 2, stride_se=s13.stride(0), stride_sn=s13.stride(1), stride_hm=I, **act),
+        dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, SW=usw, TMA=False,
+             BLOCK_M=cfg.block_m, BLOCK_N=ubn, BLOCK_K=ubk, GROUP_M=cfg.group_m), num_warps=uw, num_stages=us)
+    down = compile_sm90(moe._down_kernel, dict(
+        h_ptr="*bf16", w2_ptr="*u8", s2_ptr=sty[s2.dtype], h_desc="*bf16", w_desc="*u8", y_ptr="*bf16",
+        weights_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32", n=96, D=D, I=I, num_blocks=100,
+        stride_hm=I, stride_we=D * I // 2, stride_wn=I // 2, stride_se=s2.stride(0), stride_sn=s2.stride(1),
+        stride_yn=D, stride_pt=6, stride_pk=1), dict(mx, SW=dsw, TMA=False, BLOCK_M=cfg.block_m, BLOCK_N=dbn,
+                                                       BLOCK_K=dbk, GROUP_M=cfg.group_m), num_warps=dw, num_stages=ds)
+    if usw:
+        assert up.loop_loads == 0 and down.loop_loads == 0, f"up: {up}; down: {down}"
     bn, bk, warps, stages = moe.experts_config(1, 6, 64, D, I, mxfp4=True).gemv
     gemv = {ahead: compile_sm90(moe._up_gemv_kernel, dict(
         x_ptr="*bf16", w13_ptr="*i32", s13_ptr="*u8", h_ptr="*bf16", ids_ptr="*i32", table_ptr="*fp32", n=6, D=D,
@@ -474,55 +488,6 @@ def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
     # (bytes unpacked and repacked for the pack-4 asm, then bf16 widened) to 5.3 (decode 3; decode 2: 5.8)
     per_value = [gemv[a].loop_sass * warps * 32 / (2 * bn * bk) for a in (False, True)]
     assert max(per_value) < 6.3, f"GEMV SASS a weight value {per_value}: {gemv[False]}"
-
-
-def _mxfp4_tiles_sm90(cfg, decode: int, swap: bool):
-    """moe.py's up and down MMA tiles on MXFP4 weights of `small` (64 experts, D = I = 1024) compiled for sm_90a with
-    cfg's tiles, and the exponent words a K step each reads (0: bytes)."""
-    from sm90 import compile_sm90
-
-    from k3backend.kernels import moe
-
-    D = I = 1024
-    (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
-    mx = dict(GPU=True, EVEN_K=True, MX=True, DECODE=decode, TOP_K=6, TMA=False, BLOCK_M=cfg.block_m,
-              GROUP_M=cfg.group_m, SWAP=swap)
-    act = dict(inv_beta=0.25, beta=4.0, inv_lam=0.04, lam=25.0)
-    s13, usw = moe._exponent_words(torch.empty(64, 2 * I, D // 32, dtype=torch.uint8), ubk)
-    s2, dsw = moe._exponent_words(torch.empty(64, D, I // 32, dtype=torch.uint8), dbk)
-    sty = {torch.uint8: "*u8", torch.int32: "*i32"}
-    up = compile_sm90(moe._up_kernel, dict(
-        x_ptr="*bf16", w13_ptr="*u8", s13_ptr=sty[s13.dtype], w_desc="*u8", h_ptr="*bf16", sorted_ptr="*i32",
-        block_expert_ptr="*i32", table_ptr="*fp32", n=96, D=D, I=I, num_blocks=100, stride_xt=D, stride_we=I * D,
-        stride_wn=D // 2, stride_se=s13.stride(0), stride_sn=s13.stride(1), stride_hm=I, **act),
-        dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, SW=usw, BLOCK_N=ubn, BLOCK_K=ubk),
-        num_warps=uw, num_stages=us)
-    down = compile_sm90(moe._down_kernel, dict(
-        h_ptr="*bf16", w2_ptr="*u8", s2_ptr=sty[s2.dtype], h_desc="*bf16", w_desc="*u8", y_ptr="*bf16",
-        weights_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32", n=96, D=D, I=I, num_blocks=100,
-        stride_hm=I, stride_we=D * I // 2, stride_wn=I // 2, stride_se=s2.stride(0), stride_sn=s2.stride(1),
-        stride_yn=D, stride_pt=6, stride_pk=1), dict(mx, SW=dsw, BLOCK_N=dbn, BLOCK_K=dbk), num_warps=dw,
-        num_stages=ds)
-    return up, down, (usw, dsw)
-
-
-@pytest.mark.parametrize("tokens", [512, 8192])
-def test_mxfp4_swapped_tiles_compile_for_hopper_with_async_mma(tokens):
-    """ExpertsConfig.swap in the wgmma tiles (BM 64 at 512 tokens of `small`, BM 128 at 8,192): the expanded weights
-    are wgmma's register operand, so no wait for every MMA stays in the K loop (unswapped, each weight's wgmma is
-    waited for before the next expansion: every wait 0), with no spills."""
-    import dataclasses
-
-    from k3backend.kernels import moe
-
-    cfg = moe.experts_config(tokens, 6, 64, 1024, 1024, mxfp4=True)
-    assert cfg.block_m == (64 if tokens == 512 else 128), cfg
-    plain = _mxfp4_tiles_sm90(cfg, 3, False)[:2]
-    swapped = _mxfp4_tiles_sm90(dataclasses.replace(cfg, swap=True), 3, True)[:2]
-    for what, c, s in zip(("up", "down"), plain, swapped):
-        assert set(c.mma_waits) == {0}, f"{what} unswapped: {c.mma_waits}"
-        assert s.stack == 0 and 3 in s.mma and s.mma_waits.count(0) <= 1 < len(s.mma_waits), \
-            f"{what}: {s} {s.mma_waits}"
 
 
 def check_experts_with_the_latent_norm_equal_the_sum_then_rms_norm():
@@ -709,29 +674,6 @@ def check_experts_mxfp4_equal_dequantised_reference_in_each_block_tier():
         args = mxfp4_case(T, E, k, D, I, seed=800 + T + D)
         got, want, scale = experts_mxfp4_both(*args, Activation(**SITU), 2.5 if T == 61 else 1.0)
         assert_bf16_close(got, want, scale, f"mxfp4 T={T} BM={block_m} D={D}")
-
-
-def check_experts_mxfp4_swapped_tiles_equal_reference():
-    """ExpertsConfig.swap (the weights as the MMA's first operand, accumulators [BN, BM]) in the BM 32, 64 and 128
-    tiles, the K loops of 4 and 3 steps with a masked last: equal to the reference, and close to the unswapped
-    tiles (only the summation order differs)."""
-    import dataclasses
-
-    from k3backend.kernels import moe, moe_ref
-    from k3backend.kernels.moe_ref import Activation
-
-    act, E, k, D, I = Activation(**SITU), 7, 3, 224, 192
-    for T in (61, 157, 467):
-        x, weights, ids, w13, s13, w2, s2 = mxfp4_case(T, E, k, D, I, seed=1500 + T)
-        cfg = moe.experts_config(T, k, E, D, I, mxfp4=True)
-        assert cfg.gemv is None and cfg.fragments is None and cfg.decode > 0, cfg
-        with poisoned_empty():
-            got = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, dataclasses.replace(cfg, swap=True), (s13, s2))
-        plain = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, cfg, (s13, s2))
-        want = moe_ref.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, act)
-        scale = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3)
-        assert_bf16_close(got, want, scale, f"swapped T={T} BM={cfg.block_m}")
-        assert_bf16_close(got, plain, scale, f"swapped against unswapped T={T}")
 
 
 def check_experts_mxfp4_hand_expansion_equals_reference():

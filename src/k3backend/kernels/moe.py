@@ -459,21 +459,19 @@ def _first_exponents(s_ptrs, k_left, MX: tl.constexpr, SW: tl.constexpr, BLOCK_K
 
 @triton.jit
 def _w_dot(a, acc, w_ptrs, s, k_left, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-           DECODE: tl.constexpr, HALVES: tl.constexpr, SWAP: tl.constexpr, BLOCK_K: tl.constexpr):
+           DECODE: tl.constexpr, HALVES: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + a · (one K step of a weight tile), a [BM, BK] as `_k_order` gives it: w_ptrs [BK, BN] in a's
     dtype, or MXFP4 (w_ptrs [BK/2, BN] codes, s the step's exponents, `_step_exponents`) expanded to
     bf16 in registers: by tl.dot_scaled (DECODE 0, Triton's own e2m1 upcast on Hopper; fast_math: no NaN
     select, the loader refuses the NaN exponent 255; its bf16 scale flushes exponent byte 0, 2^-127, to
     zero, which leaves out weights below 2^-124) or by `_mx_expand` (DECODE 1, 2, 3). k_left: K elements
-    left from this step on. SWAP (`ExpertsConfig.swap`, MXFP4 by hand): acc [BN, BM] + w [BN, BK] · aᵀ."""
+    left from this step on."""
     if MX:
         if EVEN_K:
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[:, None], other=0)
-        if SWAP:
-            return _mma(_mx_bf16(tl.trans(w), s, BLOCK_K, DECODE, GPU, HALVES), tl.trans(a), acc, GPU)
-        elif DECODE == 0:
+        if DECODE == 0:
             return tl.dot_scaled(a, None, "bf16", w, s.to(tl.uint8), "e2m1", acc, fast_math=True)
         else:
             return _mma(a, _mx_expand(w, s, BLOCK_K, DECODE, GPU, HALVES), acc, GPU)
@@ -483,15 +481,6 @@ def _w_dot(a, acc, w_ptrs, s, k_left, GPU: tl.constexpr, EVEN_K: tl.constexpr, M
         else:
             w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[:, None], other=0.0)
         return _mma(a, w, acc, GPU)
-
-
-@triton.jit
-def _acc_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
-    """A zero accumulator of the MMA tiles: [BM, BN], or [BN, BM] with the weights as the MMA's first operand."""
-    if SWAP:
-        return tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
 
 @triton.jit
@@ -522,7 +511,7 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
                TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
                ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
                DECODE: tl.constexpr, SW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr):
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
 
     DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
@@ -530,7 +519,7 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
     activation by lookup in `table_ptr` (`_act_table`). MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13
     their exponents [E, 2I, D/32] (SW > 0: as int32 words [E, 2I, D/128], SW a K step). TMA: weight tiles
     [BN, BK] come through w_desc, w13 viewed [E·2I, D] (BN divides I, so a tile never crosses into the next
-    matrix). SWAP: the MXFP4 weights as the MMA's register operand (`ExpertsConfig.swap`), accumulators [BN, BM].
+    matrix).
     """
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
@@ -555,8 +544,8 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
     step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
     step_s: tl.constexpr = (SW if SW > 0 else BLOCK_K // 32) if MX else 0
     HALVES: tl.constexpr = _halves_for(MX, DECODE, BLOCK_M)
-    acc_g = _acc_tile(BLOCK_M, BLOCK_N, SWAP)
-    acc_u = _acc_tile(BLOCK_M, BLOCK_N, SWAP)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sg_ahead = _first_exponents(gs_ptrs, D, MX, SW, BLOCK_K)
     su_ahead = _first_exponents(us_ptrs, D, MX, SW, BLOCK_K)
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
@@ -572,8 +561,8 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
             sg, sg_ahead = _step_exponents(gs_ptrs, k_left, sg_ahead, step_s, EVEN_K, MX, SW, BLOCK_K)
             su, su_ahead = _step_exponents(us_ptrs, k_left, su_ahead, step_s, EVEN_K, MX, SW, BLOCK_K)
             xa = _k_order(xa, HALVES, BLOCK_K)
-            acc_g = _w_dot(xa, acc_g, g_ptrs, sg, k_left, GPU, EVEN_K, MX, DECODE, HALVES, SWAP, BLOCK_K)
-            acc_u = _w_dot(xa, acc_u, u_ptrs, su, k_left, GPU, EVEN_K, MX, DECODE, HALVES, SWAP, BLOCK_K)
+            acc_g = _w_dot(xa, acc_g, g_ptrs, sg, k_left, GPU, EVEN_K, MX, DECODE, HALVES, BLOCK_K)
+            acc_u = _w_dot(xa, acc_u, u_ptrs, su, k_left, GPU, EVEN_K, MX, DECODE, HALVES, BLOCK_K)
         x_ptrs += BLOCK_K
         g_ptrs += step_w
         u_ptrs += step_w
@@ -581,8 +570,6 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
         us_ptrs += step_s
     h = _up_epilogue(acc_g, acc_u, table_ptr, inv_beta, beta, inv_lam, lam, h_ptr.dtype.element_ty, ACT, HAS_LAMBDA,
                      ROUND_GU, TABLE, GPU)
-    if SWAP:
-        h = tl.trans(h)
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h, mask=(a_idx < n)[:, None] & (offs_n < I)[None, :])
 
@@ -592,12 +579,11 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
                  num_blocks, stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_yn, stride_pt, stride_pk,
                  TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
                  DECODE: tl.constexpr, SW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr,
-                 PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[row]·w2ᵀ)) for the rows of one expert block (MX: w2 codes
     [E, D, I/2], s2 exponents [E, D, I/32], or as int32 words with SW > 0). TMA: h tiles [BM, BK] through
-    h_desc and weight tiles [BN, BK] through w_desc, w2 viewed [E·D, I] (BN divides D). SWAP as in `_up_kernel`.
-    A padding row's h was never written: its product row is garbage, and never stored."""
+    h_desc and weight tiles [BN, BK] through w_desc, w2 viewed [E·D, I] (BN divides D). A padding row's h was
+    never written: its product row is garbage, and never stored."""
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(D, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
@@ -614,7 +600,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
     step_w: tl.constexpr = BLOCK_K // 2 if MX else BLOCK_K
     step_s: tl.constexpr = (SW if SW > 0 else BLOCK_K // 32) if MX else 0
     HALVES: tl.constexpr = _halves_for(MX, DECODE, BLOCK_M)
-    acc = _acc_tile(BLOCK_M, BLOCK_N, SWAP)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s_ahead = _first_exponents(s_ptrs, I, MX, SW, BLOCK_K)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         k_left = I - k0 * BLOCK_K
@@ -628,14 +614,12 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
                 ha = tl.load(h_ptrs, mask=real[:, None] & (offs_k < k_left)[None, :], other=0.0)
             s, s_ahead = _step_exponents(s_ptrs, k_left, s_ahead, step_s, EVEN_K, MX, SW, BLOCK_K)
             acc = _w_dot(_k_order(ha, HALVES, BLOCK_K), acc, w_ptrs, s, k_left, GPU, EVEN_K, MX, DECODE, HALVES,
-                         SWAP, BLOCK_K)
+                         BLOCK_K)
         h_ptrs += BLOCK_K
         w_ptrs += step_w
         s_ptrs += step_s
     a_safe = tl.where(real, a_idx, 0)
     wt = tl.load(weights_ptr + (a_safe // TOP_K) * stride_pt + (a_safe % TOP_K) * stride_pk, mask=real, other=0.0)
-    if SWAP:
-        acc = tl.trans(acc)
     y = _round(acc * wt[:, None], y_ptr.dtype.element_ty, GPU)
     y_ptrs = y_ptr + a_safe.to(tl.int64)[:, None] * stride_yn + offs_n[None, :]
     tl.store(y_ptrs, y, mask=real[:, None] & (offs_n < D)[None, :])
@@ -883,11 +867,6 @@ class ExpertsConfig:
     # MXFP4 BM 16 at 2-8 rows an expert: moe_fragments' Gluon kernels where they run, with these tiles (up
     # BLOCK_N, warps, down BLOCK_N, warps)
     fragments: tuple[int, int, int, int] | None = None
-    # MXFP4 expanded by hand (decode > 0): the weight tile as the MMA's first operand, out of registers, and the
-    # activations as the second, out of shared memory (accumulators [BN, BM]). In the wgmma tiles (BM >= 64) the
-    # expanded weights then need no shared-memory copy and the MMA runs async across K steps (compiled for
-    # sm_90a: no wgmma wait in the loop, against two full waits a step unswapped). A variant the bench times.
-    swap: bool = False
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -1073,14 +1052,8 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
         inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
         HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
         EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, SW=sw, TMA=w_desc is not None, BLOCK_M=cfg.block_m,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, SWAP=_swaps(cfg, s), **pdl.launch_args(x.device),
-        num_warps=warps, num_stages=stages,
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
     )
-
-
-def _swaps(cfg: ExpertsConfig, s: torch.Tensor | None) -> bool:
-    """Whether the MMA tiles run with the weights as the first operand: `cfg.swap`, for MXFP4 expanded by hand."""
-    return cfg.swap and s is not None and cfg.decode > 0
 
 
 def _desc(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor | None:
@@ -1275,8 +1248,8 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=0 if s2 is None else s2.stride(0),
         stride_sn=0 if s2 is None else s2.stride(1), stride_yn=y.stride(0), stride_pt=weights.stride(0),
         stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
-        SW=sw, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, SWAP=_swaps(cfg, s2),
-        **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
+        SW=sw, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, **pdl.launch_args(x.device),
+        num_warps=warps, num_stages=stages,
     )
     return _sum(y, ids, out, E, scaling, norm)
 
