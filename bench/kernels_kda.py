@@ -13,7 +13,7 @@ By hand, `python bench/kernels_kda.py`:
 - `--sm90`: every KDA kernel compiled for sm_90a with its registers, spills and shared memory (no GPU).
 - `--tiles`: each of the chunked prefill's three kernels (intra, solve, state) timed alone over launch
   variants (its tile BKC / BC / BV, num_warps, num_stages; one change at a time from the rule's, a few tile
-  x warps pairs, and the state kernel's transposed walk, TRANS), in µs per CUDA-graph replay, at TILE_SHAPES
+  x warps pairs, and the state kernel's walk, TRANS on and off), in µs per CUDA-graph replay, at TILE_SHAPES
   (one prompt of 256, 4,096 and 8,192 tokens, 4 x 256, 4 x 1,024, 16 x 32 at 16 heads; 8,192 tokens at 96
   heads; `--seqs BxL`, `--heads H` choose others; `--kernels intra` sweeps one). A table per shape and
   kernel: the rule's launch (`prefill_rule`) first, marked "(chosen)", then the others fastest first, the
@@ -67,7 +67,8 @@ TILE_VARIANTS = {
               *(dict(num_stages=s) for s in (1, 2, 3)), dict(BV=16, num_warps=2), dict(BV=8, num_warps=2),
               dict(BV=64, num_warps=8), dict(BV=32, num_warps=8), dict(TRANS=True), dict(TRANS=True, BV=64),
               dict(TRANS=True, BV=64, num_stages=1), dict(TRANS=True, BV=64, num_stages=2),
-              dict(TRANS=True, BV=128, num_stages=1)],
+              dict(TRANS=True, BV=128, num_stages=1), dict(TRANS=False), dict(TRANS=False, num_stages=1),
+              dict(TRANS=False, BV=32, num_stages=1)],
 }
 # the interpreter ignores warps and stages
 SMOKE_TILE_VARIANTS = {"intra": [dict(BKC=32)], "solve": [dict(BC=32)], "state": [dict(BV=16), dict(TRANS=True)]}
