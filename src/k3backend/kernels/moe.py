@@ -438,8 +438,9 @@ def _step_exponents(s_ptrs, k_left, s_ahead, step_s, EVEN_K: tl.constexpr, MX: t
                     BLOCK_K: tl.constexpr):
     """(this K step's exponents, s_ahead for the next step) of the MMA tiles' loops. Exponent bytes (SW 0, the
     BM >= 64 tiles' K steps of 64) load a step ahead: the pipeliner leaves such loads synchronous, and a load used
-    at once was a memory round trip a step, stalling the tile (no other program shares its SM). s_ahead: before
-    the loop `_exponents` of step 0 (SW 0), else 0; step_s: how far the pointers move a step."""
+    at once was a memory round trip a step, stalling the tile (no other program shares its SM); one H100, `small`,
+    two runs, µs: 512 / 2,048 / 8,192 / 16,384 tokens 145 / 366 / 1,135 / 2,163 -> 140 / 358 / 1,123 / 2,114.
+    s_ahead: before the loop `_exponents` of step 0 (SW 0), else 0; step_s: how far the pointers move a step."""
     if MX and SW == 0:
         return s_ahead, _exponents(s_ptrs + step_s, k_left - BLOCK_K, False, SW, BLOCK_K)
     elif MX:
