@@ -185,7 +185,11 @@ def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
         x, w, ids = layer.inputs(T)
         nbytes, flops = _bytes_flops(s, T, int(torch.unique(ids).numel()))
         timed = []
-        for cfg in candidates(moe.experts_mxfp4_config(T, s.k, s.E, s.D, s.I, *layer.scales)):
+        chosen = moe.experts_mxfp4_config(T, s.k, s.E, s.D, s.I, *layer.scales)
+        bf16 = moe.experts_config(T, s.k, s.E, s.D, s.I)  # expanded to bf16 first (all experts, then 16 at a time)
+        expanded = ([dataclasses.replace(bf16, expand=e, gemv=None) for e in (s.E, 16)]
+                    if chosen.block_m >= 64 or s is SMOKE else [])
+        for cfg in candidates(chosen) + expanded:
             try:
                 t = time_fn(lambda: moe.experts_with(x, w, ids, layer.mx["w13"], layer.mx["w2"], SITU, 1.0, cfg,
                                                      layer.scales), True, iters)
@@ -197,7 +201,8 @@ def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
         for t, cfg in timed:
             print(f"{'*' if t == best else ' '} {s.name} T{T:<6} {t * 1e3:9.3f} ms {nbytes / t / 1e12:5.2f} TB/s "
                   f"{flops / t / 1e12:6.1f} TFLOP/s  BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m} "
-                  f"decode{cfg.decode}" + (f" fragments{cfg.fragments}" if cfg.fragments else ""), flush=True)
+                  f"decode{cfg.decode}" + (f" fragments{cfg.fragments}" if cfg.fragments else "")
+                  + (f" expand{cfg.expand}" if cfg.expand else ""), flush=True)
 
 
 def cases(args: argparse.Namespace) -> list[Case]:

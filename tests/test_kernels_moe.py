@@ -781,6 +781,48 @@ def check_experts_mxfp4_exponent_words_equal_exponent_bytes():
         assert torch.equal(words, nbytes), f"T={T}: words and bytes differ in {(words != nbytes).sum()} elements"
 
 
+def check_expand_mxfp4_equals_dequant_bit_for_bit():
+    """`expand_mxfp4` against moe_ref.dequant_mxfp4 in bf16, bit for bit: every code with exponents 0 (2^-127, whose
+    0.5 is a bf16 subnormal), 1, 127 and 254 (whose 6 is near bf16's largest); rows past a 32-row block, K steps of
+    32 and 256, and experts as a slice of a larger tensor (the expanded path's chunks)."""
+    from k3backend.kernels import moe, moe_ref
+
+    g = gen(1300)
+    for E, N, K in [(3, 40, 96), (2, 33, 512)]:
+        codes = torch.randint(0, 256, (E + 2, N, K // 2), dtype=torch.uint8, generator=g)
+        codes[0, 0, :8] = torch.tensor([0x10 * c + c for c in range(0, 16, 2)], dtype=torch.uint8)
+        codes[0, 1, :8] = torch.tensor([0x10 * c + c for c in range(1, 16, 2)], dtype=torch.uint8)
+        exps = torch.tensor([0, 1, 127, 254], dtype=torch.uint8)[torch.randint(0, 4, (E + 2, N, K // 32), generator=g)]
+        packed, scale = codes[1:E + 1], exps[1:E + 1]
+        with poisoned_empty():
+            got = moe.expand_mxfp4(packed, scale)
+        want = moe_ref.dequant_mxfp4(packed, scale, torch.bfloat16)
+        assert got.shape == want.shape and torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+            f"E={E} N={N} K={K}: {(got.view(torch.int16) != want.view(torch.int16)).sum()} values differ"
+
+
+def check_experts_mxfp4_expanded_in_chunks_equal_the_bf16_tiles():
+    """ExpertsConfig.expand: the experts expanded to bf16 a chunk at a time (7 experts in chunks of 3: 3, 3, 1),
+    each chunk's blocks run by the bf16 tiles, equal bit for bit the same tiles on the dequantized weights, and the
+    reference; BM 16 and BM 64 tiles."""
+    import dataclasses
+
+    from k3backend.kernels import moe, moe_ref
+    from k3backend.kernels.moe_ref import Activation
+
+    act = Activation(**SITU)
+    for T, D, I in [(5, 96, 64), (157, 224, 192)]:
+        x, weights, ids, w13, s13, w2, s2 = mxfp4_case(T, 7, 3, D, I, seed=1320 + T)
+        cfg = moe.experts_config(T, 3, 7, D, I)
+        w13_bf, w2_bf = (moe_ref.dequant_mxfp4(w, s, torch.bfloat16) for w, s in ((w13, s13), (w2, s2)))
+        with poisoned_empty():
+            got = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, dataclasses.replace(cfg, expand=3), (s13, s2))
+            bf16 = moe.experts_with(x, weights, ids, w13_bf, w2_bf, act, 1.0, cfg)
+        assert torch.equal(got, bf16), f"T={T}: {(got != bf16).sum()} elements differ from the bf16 tiles"
+        want = moe_ref.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, act)
+        assert_bf16_close(got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), f"expand T={T}")
+
+
 def check_experts_gemv_loads_ahead_or_not_alike():
     """The GEMV kernels with and without AHEAD (stages > 1: a K step's loads before the previous step's FMAs) give
     the same bits and equal the reference: bf16 and MXFP4 weights, two K steps of 256 with a masked tail in up

@@ -27,7 +27,9 @@ products equal those of the dequantized weights (every dequantized value is exac
 accumulation order can differ. Four expansions (`ExpertsConfig.decode`): tl.dot_scaled's own e2m1
 upcast (0), `_mx_rows` through fp32 (1), or bit placement in inline PTX (2, `_E2M1_PTX`; 3 with the 2^126
 folded into the scale, for weights whose exponents allow it), which bench/kernels_mxfp4.py times against
-each other.
+each other. `ExpertsConfig.expand` instead expands whole experts to bf16 first (`expand_mxfp4`, a chunk of
+experts at a time, so the scratch stays bounded) and runs the bf16 tiles: at prefill sizes the expansion is
+paid once per weight rather than once per row block (vLLM's AWQ layers dequantize from 256 rows on).
 """
 
 from __future__ import annotations
@@ -169,13 +171,13 @@ def _up_epilogue(g, u, table_ptr, inv_beta, beta, inv_lam, lam, dt: tl.constexpr
 
 @triton.jit
 def _round(x, dt: tl.constexpr, GPU: tl.constexpr):
-    """fp32 -> dt, round to nearest even (a GPU cast does; the interpreter's bf16 cast truncates)."""
+    """fp32 -> dt, round to nearest even (a GPU cast does; the interpreter's bf16 cast truncates, and flushes
+    subnormals to zero: the bits are placed by hand)."""
     if GPU or dt != tl.bfloat16:
         return x.to(dt)
     else:
         b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True).to(dt)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(dt, bitcast=True)
 
 
 @triton.jit
@@ -392,6 +394,23 @@ def _mx_rows(wt, s, BLOCK_K: tl.constexpr):
     BN: tl.constexpr = wt.shape[0]
     v = _e2m1(tl.join(wt & 0xF, wt >> 4).reshape(BN, BLOCK_K))  # [BN, BK], k interleaved
     return (v.reshape(BN, BLOCK_K // 32, 32) * _e8m0(s)[:, :, None]).reshape(BN, BLOCK_K)
+
+
+@triton.jit
+def _expand_kernel(w_ptr, s_ptr, out_ptr, N, stride_we, stride_wn, stride_se, stride_sn, stride_oe, stride_on,
+                   GPU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[e, rows, k-block] = the MXFP4 rows' values, exactly (`expand_mxfp4`); program (row block, k block, e)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k0 = tl.program_id(1) * BLOCK_K
+    e = tl.program_id(2).to(tl.int64)
+    m = (r < N)[:, None]
+    r = r.to(tl.int64)[:, None]
+    wt = tl.load(w_ptr + e * stride_we + r * stride_wn + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :], mask=m,
+                 other=0)
+    s = tl.load(s_ptr + e * stride_se + r * stride_sn + k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :], mask=m,
+                other=0)
+    v = _round(_mx_rows(wt, s, BLOCK_K), out_ptr.dtype.element_ty, GPU)
+    tl.store(out_ptr + e * stride_oe + r * stride_on + k0 + tl.arange(0, BLOCK_K)[None, :], v, mask=m)
 
 
 @triton.jit
@@ -868,6 +887,9 @@ class ExpertsConfig:
     # MXFP4 BM 16 at 2-8 rows an expert: moe_fragments' Gluon kernels where they run, with these tiles (up
     # BLOCK_N, warps, down BLOCK_N, warps)
     fragments: tuple[int, int, int, int] | None = None
+    # MXFP4 weights expanded to bf16 this many experts at a time (`expand_mxfp4`), each chunk then run by the bf16
+    # tiles above (which should be bf16's); 0: expanded in registers inside the tiles. A variant the bench times.
+    expand: int = 0
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -994,6 +1016,20 @@ def _act_table(act: Activation, device: torch.device) -> torch.Tensor | None:
             HAS_LAMBDA=situ and lam is not None, GPU=_GPU, BLOCK=1024, num_warps=4)
         _TABLES[key] = table
     return _TABLES[key]
+
+
+def expand_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`moe_ref.dequant_mxfp4` in one launch for experts [E, N, K/2] codes and [E, N, K/32] exponents (K a multiple
+    of 32): [E, N, K] in dtype, bit-equal (every MXFP4 value is exact in bf16)."""
+    E, N, half = packed.shape
+    K = 2 * half
+    out = torch.empty(E, N, K, dtype=dtype, device=packed.device)
+    bk = next(b for b in (256, 128, 64, 32) if K % b == 0)
+    if out.numel():
+        _expand_kernel[(triton.cdiv(N, 32), K // bk, E)](
+            packed, scale, out, N, packed.stride(0), packed.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+            out.stride(1), GPU=_GPU, BLOCK_R=32, BLOCK_K=bk, num_warps=4)
+    return out
 
 
 def _code_words(w: torch.Tensor) -> torch.Tensor | None:
@@ -1224,7 +1260,6 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
         )
         return _sum(y, ids, out, E, scaling, norm)
     sorted_ids, block_expert = _align(ids, E, cfg.block_m)
-    nb = block_expert.numel()
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
     if cfg.fragments and s13 is not None:
@@ -1236,7 +1271,24 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
             moe_fragments.down(h, w2, s2, y, weights, sorted_ids, block_expert, T * k, k, cfg.decode,
                                cfg.fragments[2:])
             return _sum(y, ids, out, E, scaling, norm)
-    _launch_up(x, w13, s13, h, sorted_ids, block_expert, T * k, k, act, cfg, dense=False, round_gu=True)
+    if cfg.expand and s13 is not None:  # MXFP4 expanded to bf16 a chunk of experts at a time, then bf16 tiles
+        for e0 in range(0, E, cfg.expand):
+            e1 = min(E, e0 + cfg.expand)
+            chunk = block_expert if e1 - e0 == E else torch.where(
+                (block_expert >= e0) & (block_expert < e1), block_expert - e0, -1)  # other experts' blocks: -1
+            w13_e, w2_e = expand_mxfp4(w13[e0:e1], s13[e0:e1], x.dtype), expand_mxfp4(w2[e0:e1], s2[e0:e1], x.dtype)
+            _tiles(x, w13_e, None, w2_e, None, h, y, weights, sorted_ids, chunk, T * k, k, act, cfg)
+    else:
+        _tiles(x, w13, s13, w2, s2, h, y, weights, sorted_ids, block_expert, T * k, k, act, cfg)
+    return _sum(y, ids, out, E, scaling, norm)
+
+
+def _tiles(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
+           h: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, sorted_ids: torch.Tensor,
+           block_expert: torch.Tensor, n: int, k: int, act: Activation, cfg: ExpertsConfig) -> None:
+    """Steps 2 and 3 by the MMA tiles over the sorted expert blocks (s13, s2: MXFP4 exponents, or None)."""
+    D, I, nb = x.shape[1], h.shape[1], block_expert.numel()
+    _launch_up(x, w13, s13, h, sorted_ids, block_expert, n, k, act, cfg, dense=False, round_gu=True)
     bn, bk, warps, stages = cfg.down
     tma = cfg.tma and s2 is None and D % bn == 0
     s2, sw = _exponent_words(s2, bk)
@@ -1245,14 +1297,13 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
     _down_kernel[(nb * triton.cdiv(D, bn),)](
         h_ptr=h, w2_ptr=w2, s2_ptr=w2 if s2 is None else s2, h_desc=h_desc if tma else h,
         w_desc=w_desc if tma else w2, y_ptr=y, weights_ptr=weights, sorted_ptr=sorted_ids,
-        block_expert_ptr=block_expert, n=T * k, D=D, I=I, num_blocks=nb, stride_hm=h.stride(0),
+        block_expert_ptr=block_expert, n=n, D=D, I=I, num_blocks=nb, stride_hm=h.stride(0),
         stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=0 if s2 is None else s2.stride(0),
         stride_sn=0 if s2 is None else s2.stride(1), stride_yn=y.stride(0), stride_pt=weights.stride(0),
         stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
         SW=sw, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, **pdl.launch_args(x.device),
         num_warps=warps, num_stages=stages,
     )
-    return _sum(y, ids, out, E, scaling, norm)
 
 
 def _sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, scaling: float,
