@@ -1020,7 +1020,8 @@ def _act_table(act: Activation, device: torch.device) -> torch.Tensor | None:
 
 def expand_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """`moe_ref.dequant_mxfp4` in one launch for experts [E, N, K/2] codes and [E, N, K/32] exponents (K a multiple
-    of 32): [E, N, K] in dtype, bit-equal (every MXFP4 value is exact in bf16)."""
+    of 32, unit inner strides: `experts_mxfp4_supports` checks both): [E, N, K] in dtype, bit-equal (every MXFP4
+    value is exact in bf16)."""
     E, N, half = packed.shape
     K = 2 * half
     out = torch.empty(E, N, K, dtype=dtype, device=packed.device)
