@@ -11,8 +11,8 @@ bench/kernels_moe.py (a per-expert popularity skew). Weights: random codes and e
 make-checkpoint's rule; the bf16 copy is their exact dequantization.
 
 Columns: ms of experts_mxfp4, with each in-register expansion (d0 tl.dot_scaled, d1 through fp32, d2 the
-PTX bit placement, d3 the same with the 2^126 in the scale; the first row is what experts_mxfp4_config picks,
-the one the engine runs); TB/s in packed bytes (codes + exponents of the experts hit, plus x and
+PTX bit placement, d3 the same with the 2^126 in the scale, expandE all E experts expanded to bf16 first; the first
+row is what experts_mxfp4_config picks, the one the engine runs); TB/s in packed bytes (codes + exponents of the experts hit, plus x and
 the output; the 1-64 token target is >= 70 % of 4.27 TB/s, the measured copy ceiling); TFLOP/s of the
 useful 2·T·k·3·I·D (the 8-16 K target is >= 450); x bf16 = the bf16 kernel's time / this one's (the
 1-64 token target is >= 2.5); check: every element within 2 bf16 ulps of the row's largest |output|
@@ -129,12 +129,14 @@ def table(layer: MxLayer, tokens: list[int], do_check: bool, iters: int) -> list
         chosen = moe.experts_mxfp4_config(T, s.k, s.E, s.D, s.I, *layer.scales)
         t_bf = time_fn(lambda: moe.experts(*layer.bf16_args(x, w, ids)), True, iters)
         gemv = chosen.gemv or moe.experts_config(T, s.k, s.E, s.D, s.I).gemv  # where either rule takes them
-        variants = [dataclasses.replace(chosen, gemv=None, decode=d) for d in (0, 1, 2, 3)]
-        variants += [dataclasses.replace(chosen, gemv=gemv, decode=d) for d in (1, 2, 3)] if gemv else []
-        variants += [dataclasses.replace(chosen, fragments=None)] if chosen.fragments else []  # moe.py's tiles
+        tiles = moe.experts_config(T, s.k, s.E, s.D, s.I, mxfp4=True) if chosen.expand else chosen  # in registers
+        variants = [dataclasses.replace(tiles, gemv=None, decode=d) for d in (0, 1, 2, 3)]
+        variants += [dataclasses.replace(tiles, gemv=gemv, decode=d) for d in (1, 2, 3)] if gemv else []
+        variants += [dataclasses.replace(tiles, fragments=None)] if tiles.fragments else []  # moe.py's tiles
         for cfg in [chosen] + [v for v in variants if _math(v) != _math(chosen)]:
             shape = f"T{T} hit{hit}/{s.E} " + (f"gemv{cfg.gemv[:2]}" if cfg.gemv else f"BM{cfg.block_m}") + \
-                (" frag" if cfg.fragments and not cfg.gemv and cfg.decode >= 2 else "") + f" d{cfg.decode}"
+                (" frag" if cfg.fragments and not cfg.gemv and cfg.decode >= 2 else "") + \
+                (f" expand{cfg.expand}" if cfg.expand else f" d{cfg.decode}")
             try:
                 status = check(layer, (x, w, ids), cfg) if do_check else ""
             except AssertionError as e:
@@ -161,6 +163,10 @@ def candidates(cfg) -> list:
     """The chosen tiles and expansion, then one change at a time."""
     r = dataclasses.replace
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = cfg.up, cfg.down
+    if cfg.gemv:  # the GEMV kernels' tiles (BLOCK_N, BLOCK_K, warps, stages), decode 2 and 3; the tiles below vary
+        # only what the GEMV branch ignores
+        gemvs = [(bn, bk, w, st) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (4, 8) for st in (1, 2)]
+        return [cfg] + [r(cfg, gemv=g, decode=d) for g in gemvs for d in (2, 3) if (g, d) != (cfg.gemv, cfg.decode)]
     out = [cfg] + [r(cfg, decode=d) for d in (0, 1, 2, 3) if d != cfg.decode]
     t = r(cfg, fragments=None)  # moe.py's tiles: what the changes below vary
     out += [r(t, up=(ubn, bk, uw, us), down=(dbn, bk, dw, ds)) for bk in (64, 128, 256) if bk != ubk]
@@ -186,10 +192,14 @@ def sweep(layer: MxLayer, tokens: list[int], iters: int) -> None:
         nbytes, flops = _bytes_flops(s, T, int(torch.unique(ids).numel()))
         timed = []
         chosen = moe.experts_mxfp4_config(T, s.k, s.E, s.D, s.I, *layer.scales)
-        bf16 = moe.experts_config(T, s.k, s.E, s.D, s.I)  # expanded to bf16 first (all experts, then 16 at a time)
+        # the in-register tiles (experts_config's MXFP4 tiles where the rule expands first), and expanded first
+        # (all experts, then 16 at a time), the rule's choice first
+        tiles = moe.experts_config(T, s.k, s.E, s.D, s.I, mxfp4=True) if chosen.expand else chosen
+        bf16 = moe.experts_config(T, s.k, s.E, s.D, s.I)
         expanded = ([dataclasses.replace(bf16, expand=e, gemv=None) for e in (s.E, 16)]
-                    if chosen.block_m >= 64 or s is SMOKE else [])
-        for cfg in candidates(chosen) + expanded:
+                    if tiles.block_m >= 64 or s is SMOKE else [])
+        first = [chosen] if chosen.expand else []
+        for cfg in first + [c for c in candidates(tiles) + expanded if c not in first]:
             try:
                 t = time_fn(lambda: moe.experts_with(x, w, ids, layer.mx["w13"], layer.mx["w2"], SITU, 1.0, cfg,
                                                      layer.scales), True, iters)

@@ -432,9 +432,9 @@ def test_kda_decode_fused_rule_splits_v_in_blocks_of_64():
 
 @pytest.mark.parametrize("lens, heads, want", [
     # (intra warps, solve warps, state BV, state stages, state TRANS) as measured best (prefill_rule's docstring)
-    ([256], 16, (4, 4, 32, 3, False)), ([4096], 16, (1, 2, 32, 3, False)), ([256] * 4, 16, (4, 4, 64, 3, False)),
+    ([256], 16, (4, 4, 32, 3, False)), ([4096], 16, (1, 2, 32, 3, True)), ([256] * 4, 16, (4, 4, 64, 3, False)),
     ([1024] * 4, 16, (1, 2, 64, 3, False)), ([32] * 16, 16, (4, 4, 64, 2, True)), ([8192], 96, (1, 2, 64, 2, True)),
-    ([2048] * 4, 12, (1, 2, 64, 2, True)), ([8192], 12, (1, 2, 32, 3, False))])
+    ([2048] * 4, 12, (1, 2, 64, 2, True)), ([8192], 12, (1, 2, 32, 3, True)), ([2048], 12, (4, 4, 32, 3, False))])
 def test_kda_prefill_rule_takes_the_measured_launches(lens, heads, want):
     from k3backend.kernels import kda_chunk, varlen
 
@@ -443,6 +443,17 @@ def test_kda_prefill_rule_takes_the_measured_launches(lens, heads, want):
     assert (rule["intra"]["num_warps"], rule["solve"]["num_warps"], rule["state"]["BV"],
             rule["state"]["num_stages"], rule["state"]["TRANS"]) == want
     assert (rule["intra"]["BKC"], rule["solve"]["BC"]) == (32 if want[0] == 1 else 64, 64)
+
+
+@pytest.mark.parametrize("lens, heads, warps", [([8192], 12, 8), ([4096], 12, 8), ([4096], 16, 8), ([2048], 16, 4),
+                                                ([256], 16, 4), ([1024] * 4, 16, 4), ([8192], 96, 4)])
+def test_kda_prefill_rule_gives_the_state_8_warps_only_within_half_a_wave_of_long_sequences(lens, heads, warps):
+    """8 warps (on the transposed walk) won at 12 and 16 heads of one 8,192-token sequence (48 / 64 programs on 132
+    SMs); shorter sequences and fuller grids keep 4 (prefill_rule's docstring)."""
+    from k3backend.kernels import kda_chunk, varlen
+
+    NC = varlen.num_chunks(sum(lens), len(lens))
+    assert kda_chunk.prefill_rule(128, 128, len(lens), heads, NC, 132)["state"]["num_warps"] == warps
 
 
 def test_kda_prefill_rule_leaves_a_graphs_padding_sequence_out():

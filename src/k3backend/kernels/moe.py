@@ -1201,7 +1201,13 @@ def _norm(weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, float]
 
 def experts_mxfp4_config(T: int, k: int, E: int, D: int, I: int, *scales: torch.Tensor) -> ExpertsConfig:
     """experts_config's MXFP4 tiles, with decode 3 for 2 where every exponent of `scales` is at most
-    FOLD_MAX_EXPONENT (H200, `small`, .dev sweep of 2026-12-05: 2-5 % faster at 1-128 tokens, GEMV and BM 16)."""
+    FOLD_MAX_EXPONENT (H200, `small`, .dev sweep of 2026-12-05: 2-5 % faster at 1-128 tokens, GEMV and BM 16).
+    From EXPAND_ROWS rows an expert, where all the experts expanded fit EXPAND_BYTES: every expert expanded to bf16
+    first, then bf16's tiles (`expand`). One H100, `small` (all 64 experts a chunk, against the MXFP4 tiles, µs):
+    2,048 / 4,096 / 8,192 / 16,384 tokens (m = 192 / 384 / 768 / 1,536) 486 / 622 / 966 / 1,643 against 361 / 612 /
+    1,132 / 2,137; 16 experts a chunk 596 / 740 / 1,117 / 1,843 (the other chunks' blocks still launch), so one."""
+    if T * k >= EXPAND_ROWS * E and 3 * E * D * I * 2 <= EXPAND_BYTES:
+        return replace(experts_config(T, k, E, D, I), expand=E)
     cfg = experts_config(T, k, E, D, I, mxfp4=True)
     if cfg.decode == 2 and max(map(_max_exponent, scales), default=0) <= FOLD_MAX_EXPONENT:
         cfg = replace(cfg, decode=3)
@@ -1209,6 +1215,8 @@ def experts_mxfp4_config(T: int, k: int, E: int, D: int, I: int, *scales: torch.
 
 
 FOLD_MAX_EXPONENT = 128  # decode 3's bound: the scale 2^(s-1) must be a finite bf16
+EXPAND_ROWS = 512  # mean rows an expert (T·k/E) from which MXFP4 experts are expanded first (4,096 tokens: a tie)
+EXPAND_BYTES = 2**30  # the most bf16 scratch that expansion may take (all of `small`'s experts: 403 MB)
 
 
 def _max_exponent(scale: torch.Tensor) -> int:
