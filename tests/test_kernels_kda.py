@@ -159,7 +159,7 @@ def check_short_conv(dtype: str, seed: int) -> None:
 
 
 def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: int = 20, vdim: int = V,
-                      trans: bool = False) -> None:
+                      trans: bool = False, state_bv: int | None = None) -> None:
     """Varlen chunks: one over a chunk boundary with a short last chunk (and a prefix snapshot at that
     boundary, into slot 3), a single token, a fresh one, and padding (a sequence on the null slot 0,
     as a captured graph's unused places: zero output, slot 0 untouched). v is a strided view (the model's is a slice of the conv output). dtype is v's (the model's); q, k,
@@ -169,7 +169,7 @@ def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: in
     3 over a chunk) shows every block's terms. The default K = 20
     gives the intra kernel two channel slices of 16, the second ragged; heads 22 at K = V = 64 take
     `prefill_rule`'s wide tiles (64 channels a slice, V blocks of 64 once B·H ≥ 64). trans: the state kernel's
-    transposed walk (its TRANS knob)."""
+    transposed walk (its TRANS knob); state_bv: its V blocks (the rule's narrow ones, several a head)."""
     from k3backend.kernels import kda_chunk, kda_ref, norm_ref, varlen
 
     dt = DTYPES[dtype]
@@ -201,7 +201,8 @@ def check_kda_prefill(dtype: str, gate: str, seed: int, heads: int = 2, kdim: in
     before = args[5].clone()
     with poisoned_empty():
         if trans:
-            o, launches = kda_chunk._prefill_launches(*args, layout=layout, knobs={"state": {"TRANS": True}})
+            knobs = {"TRANS": True} if state_bv is None else {"TRANS": True, "BV": state_bv}
+            o, launches = kda_chunk._prefill_launches(*args, layout=layout, knobs={"state": knobs})
             for launch in launches:
                 launch.run()
         else:
@@ -326,6 +327,8 @@ CASES: Cases = {
                                                  "vdim": 64}),
     **{f"prefill-{d}-trans": ("check_kda_prefill", {"dtype": d, "gate": "gentle", "seed": 47, "trans": True})
        for d in ("fp64", "bf16")},
+    "prefill-bf16-trans-bv16": ("check_kda_prefill", {"dtype": "bf16", "gate": "gentle", "seed": 48, "vdim": 40,
+                                                      "trans": True, "state_bv": 16}),
     **{f"inputs-{d}-{gate}": ("check_kda_prefill_inputs", {"dtype": d, "lower_bound": lb, "seed": 50 + i})
        for i, (d, (gate, lb)) in enumerate((d, g) for d in DTYPES for g in (("lb5", -5.0), ("softplus", None))
                                            if d != "fp32" or g[1] is not None)},
@@ -432,9 +435,9 @@ def test_kda_decode_fused_rule_splits_v_in_blocks_of_64():
 
 @pytest.mark.parametrize("lens, heads, want", [
     # (intra warps, solve warps, state BV, state stages, state TRANS) as measured best (prefill_rule's docstring)
-    ([256], 16, (4, 4, 32, 3, False)), ([4096], 16, (1, 2, 32, 3, True)), ([256] * 4, 16, (4, 4, 64, 3, False)),
+    ([256], 16, (4, 4, 32, 3, False)), ([4096], 16, (1, 2, 16, 3, True)), ([256] * 4, 16, (4, 4, 64, 3, False)),
     ([1024] * 4, 16, (1, 2, 64, 3, False)), ([32] * 16, 16, (4, 4, 64, 2, True)), ([8192], 96, (1, 2, 64, 2, True)),
-    ([2048] * 4, 12, (1, 2, 64, 2, True)), ([8192], 12, (1, 2, 32, 3, True)), ([2048], 12, (4, 4, 32, 3, False))])
+    ([2048] * 4, 12, (1, 2, 64, 2, True)), ([8192], 12, (1, 2, 16, 3, True)), ([2048], 12, (4, 4, 32, 3, False))])
 def test_kda_prefill_rule_takes_the_measured_launches(lens, heads, want):
     from k3backend.kernels import kda_chunk, varlen
 
@@ -445,15 +448,20 @@ def test_kda_prefill_rule_takes_the_measured_launches(lens, heads, want):
     assert (rule["intra"]["BKC"], rule["solve"]["BC"]) == (32 if want[0] == 1 else 64, 64)
 
 
-@pytest.mark.parametrize("lens, heads, warps", [([8192], 12, 8), ([4096], 12, 8), ([4096], 16, 8), ([2048], 16, 4),
-                                                ([256], 16, 4), ([1024] * 4, 16, 4), ([8192], 96, 4)])
-def test_kda_prefill_rule_gives_the_state_8_warps_only_within_half_a_wave_of_long_sequences(lens, heads, warps):
-    """8 warps (on the transposed walk) won at 12 and 16 heads of one 8,192-token sequence (48 / 64 programs on 132
-    SMs); shorter sequences and fuller grids keep 4 (prefill_rule's docstring)."""
+@pytest.mark.parametrize("lens, heads, launch", [
+    ([8192], 12, (16, 8, True)), ([4096], 16, (16, 8, True)), ([4096] * 2, 16, (32, 8, True)),
+    ([4096] * 2, 12, (32, 8, True)), ([2048], 16, (32, 4, False)), ([256], 16, (32, 4, False)),
+    ([1024] * 4, 16, (64, 4, False)), ([2048] * 4, 12, (64, 4, True)), ([8192], 96, (64, 4, True))])
+def test_kda_prefill_rule_gives_long_sequences_narrow_v_blocks_on_8_warps_within_one_wave(lens, heads, launch):
+    """(state BV, warps, TRANS): the transposed walk on 8 warps with V blocks of 16, else 32, where those programs
+    fit one wave of 132 SMs and the sequences are long (64 chunks or more): 15-25 % faster at 12 and 16 heads of 1 x
+    4,096 / 8,192 and 2 x 4,096 tokens; shorter sequences and fuller grids keep their launches (prefill_rule's
+    docstring)."""
     from k3backend.kernels import kda_chunk, varlen
 
     NC = varlen.num_chunks(sum(lens), len(lens))
-    assert kda_chunk.prefill_rule(128, 128, len(lens), heads, NC, 132)["state"]["num_warps"] == warps
+    state = kda_chunk.prefill_rule(128, 128, len(lens), heads, NC, 132)["state"]
+    assert (state["BV"], state["num_warps"], state["TRANS"]) == launch, state
 
 
 def test_kda_prefill_rule_leaves_a_graphs_padding_sequence_out():

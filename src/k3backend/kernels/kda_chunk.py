@@ -490,19 +490,23 @@ def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str,
       4 × 2,048 166 → 136 (V blocks of 32 before); H 16 at 16 × 512 121 → 116. Within one wave the plain walk
       stays: TRANS 405-455 at H 12, 1 × 8,192 (the rule's 416, plain V blocks of 64 382), 207-234 at H 16,
       1 × 4,096 (182);
-    - within half a wave, on long sequences (64 chunks or more), the transposed walk on 8 warps (H100, 2026-12-07):
-      the plain walk on 8 warps was faster at H 12 (1 × 8,192 416 / 406 → 353 / 356 in two runs, 1 × 4,096 206 →
-      179) and tied at H 16 (1 × 8,192 362 → 364, 1 × 4,096 182 → 180), and the transposed walk on 8 warps faster
-      again at 1 × 8,192 (H 12 353 → 318, H 16 363 → 322). At 1,024-2,048 tokens 8 warps lost or tied (H 12 1 ×
-      1,024 38 → 46), so 4 stay there."""
+    - on long sequences (64 chunks or more), the transposed walk on 8 warps in 3 stages with the narrowest V blocks
+      (16, 32) that keep the programs within one wave (H100, 2026-12-07, against the launch before, µs): H 12 at
+      1 × 4,096 206 → 153, 1 × 8,192 401 → 299; H 16 182 → 159, 353 → 309; 2 × 4,096 (V blocks of 32) H 12 213 →
+      174, H 16 208 → 178. The plain walk on 8 warps lay between (1 × 8,192 H 12 353, H 16 354). At 1,024-2,048
+      tokens 8 warps lost or tied (H 12 1 × 1,024 38 → 46), so those keep the launches above."""
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     small = max(BK, BV) <= 32
     big = NC * H >= 1024
     bv = min(64 if B * H >= 64 else 32, BV)
     wave = triton.cdiv(V, bv) * B * H <= sms
-    few = 2 * triton.cdiv(V, bv) * B * H <= sms and NC >= 64  # half a wave of long sequences
-    state = (dict(BV=bv, num_warps=8 if few else 4, num_stages=3, TRANS=few) if wave
-             else dict(BV=min(64, BV), num_warps=4, num_stages=2, TRANS=True))
+    narrow = next((b for b in (16, 32) if b <= BV and triton.cdiv(V, b) * B * H <= sms), 0) if NC >= 64 else 0
+    if narrow:  # long sequences, one wave of narrow V blocks
+        state = dict(BV=narrow, num_warps=8, num_stages=3, TRANS=True)
+    elif wave:
+        state = dict(BV=bv, num_warps=4, num_stages=3, TRANS=False)
+    else:
+        state = dict(BV=min(64, BV), num_warps=4, num_stages=2, TRANS=True)
     return {"intra": dict(BKC=16 if BK <= 32 else 32 if big else 64, num_warps=1 if big else 4),
             "solve": dict(BC=16 if small else 64, num_warps=2 if big else 4), "state": state}
 
