@@ -979,9 +979,10 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
         bn = next((b for b in (16, 8, 4) if T * k * triton.cdiv(I, b) >= TWO_WAVES), 2)
         bk = min(1024 if bn <= 4 else 256, max(16, triton.next_power_of_2(D)))
         # loads a K step ahead (stages 2) where the grid fits one wave at the 3 programs an SM that its registers
-        # allow, or the K loop is long (the dense MLP's 2,048 in steps of 256); else 1 (GEMV_AHEAD_PROGRAMS). Not
-        # MXFP4 (one H100, `small`, 8 copies of the weights in turn: 1 token 11.6 -> 10.4 µs, 4 tokens 25.4 / 25.7)
-        ahead = not mxfp4 and (T * k * triton.cdiv(I, bn) <= GEMV_AHEAD_PROGRAMS or triton.cdiv(D, bk) >= 8)
+        # allow, or the K loop is long (the dense MLP's 2,048 in steps of 256); else 1 (GEMV_AHEAD_PROGRAMS). MXFP4
+        # too: alone, over 8 copies of the weights, 1 token took 11.6 µs ahead against 10.4 not (one H100, `small`),
+        # but in the engine not ahead made batch-1 ITL p50 1.82 -> 1.85 ms (MXFP4 experts, runs A B A: 1.82, 1.85, 1.82)
+        ahead = T * k * triton.cdiv(I, bn) <= GEMV_AHEAD_PROGRAMS or triton.cdiv(D, bk) >= 8
         gemv = (bn, bk, 4, 2 if ahead else 1)
 
     def fit(tiles: tuple[int, int, int, int], N: int, K: int) -> tuple[int, int, int, int]:
