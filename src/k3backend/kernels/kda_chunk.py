@@ -475,26 +475,21 @@ def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str,
       tie for intra and lose for solve;
     - from 1,024 chunk·heads the intra kernel on 1 warp with BKC 32 (H100, its blocks adjacent in the grid:
       4,096 tokens 172.6 → 159.3, H 96 at 8,192 tokens 2,005.5 → 1,826.5, though it spills 128 B);
-    - state V blocks of 64 once B·H ≥ 64 (half the programs, each a wider MMA; H 96 at 8,192 tokens
-      1,269 → 675), else 32 (one sequence of 16 heads: 209 against 236 at 4,096 tokens); 3 stages of
-      the chunk loads while the programs fit on the SMs (4,096 tokens 203 → 164, 4 × 1,024 70 → 64),
-      past that several programs an SM hide the latency instead (16 × 32: 1 stage 18 against 24 with 3;
-      the next bullet has the launch taken there now). A mixed graph (4 chunk places and the padding
-      sequence) counts B = 4: V blocks of 64 in 3 stages, against 1 stage when the padding counted (state
-      µs, 1 × 256 real chunk 13.9 against 15.4, 2 × 128 9.3 / 9.8, 4 × 64 7.5 / 7.0, 1 × 1,024 42.1 / 52.8,
-      2 × 512 23.7 / 31.4, 4 × 256 15.1 / 16.5);
-    - state past one wave (H100, 2026-12-07, the same sweep): the transposed walk (TRANS, `_state_step_t`) in V
-      blocks of 64 and 2 stages: 104 KB of shared memory and 244 registers, so 2 programs an SM (the plain walk's
-      2 stages take 136 KB, one: 1,074 µs at the first shape below). Against the 1-stage plain launch, µs: H 96 at
-      1 × 8,192 tokens 760 → 713 (727 → 700 and 744 → 718 in two other runs), 4 × 2,048 673 → 629; H 12 at
-      4 × 2,048 166 → 136 (V blocks of 32 before); H 16 at 16 × 512 121 → 116. Within one wave the plain walk
-      stays: TRANS 405-455 at H 12, 1 × 8,192 (the rule's 416, plain V blocks of 64 382), 207-234 at H 16,
-      1 × 4,096 (182);
-    - on long sequences (64 chunks or more), the transposed walk on 8 warps in 3 stages with the narrowest V blocks
-      (16, 32) that keep the programs within one wave (H100, 2026-12-07, against the launch before, µs): H 12 at
-      1 × 4,096 206 → 153, 1 × 8,192 401 → 299; H 16 182 → 159, 353 → 309; 2 × 4,096 (V blocks of 32) H 12 213 →
-      174, H 16 208 → 178. The plain walk on 8 warps lay between (1 × 8,192 H 12 353, H 16 354). At 1,024-2,048
-      tokens 8 warps lost or tied (H 12 1 × 1,024 38 → 46), so those keep the launches above."""
+    - state, by where its programs (V blocks x sequences x heads) fall against the SMs:
+      * long sequences (64 chunks or more) whose V blocks of 16, else 32, fit one wave: the transposed walk (TRANS,
+        `_state_step_t`) on 8 warps in 3 stages (H100, 2026-12-07, against the plain walk on 4 warps, µs: H 12 at
+        1 × 4,096 206 → 153, 1 × 8,192 401 → 299; H 16 182 → 159, 353 → 309; 2 × 4,096 in blocks of 32, H 12
+        213 → 174, H 16 208 → 178; the plain walk on 8 warps lay between, 353 / 354 at 1 × 8,192). At 1,024-2,048
+        tokens 8 warps lost or tied (H 12 1 × 1,024 38 → 46).
+      * else within one wave: the plain walk in V blocks of 64 once B·H ≥ 64 (half the programs, each a wider
+        MMA), else 32, 3 stages (4 × 1,024 tokens 70 → 64 against 1) on 4 warps. A mixed graph (4 chunk places and
+        the padding sequence) counts B = 4 (µs, 1 × 256 real chunk 13.9 against 15.4 when the padding counted, 1 ×
+        1,024 42.1 / 52.8, 2 × 512 23.7 / 31.4).
+      * past one wave: the transposed walk in V blocks of 64, 2 stages, 4 warps: 104 KB of shared memory and 244
+        registers, so 2 programs an SM hide the latency (the plain walk's 2 stages take 136 KB, one). Against the
+        plain 1-stage launch (H100), µs: H 96 at 1 × 8,192 tokens 760 → 713 (and 727 → 700, 744 → 718), 4 × 2,048
+        673 → 629; H 12 at 4 × 2,048 166 → 136; H 16 at 16 × 512 121 → 116; 16 × 32 18.3 (the plain walk in 3
+        stages 24.1)."""
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     small = max(BK, BV) <= 32
     big = NC * H >= 1024
