@@ -488,8 +488,8 @@ def prefill_rule(K: int, V: int, B: int, H: int, NC: int, sms: int) -> dict[str,
       * past one wave: the transposed walk in V blocks of 64, 2 stages, 4 warps: 104 KB of shared memory and 244
         registers, so 2 programs an SM hide the latency (the plain walk's 2 stages take 136 KB, one). Against the
         plain 1-stage launch (H100), µs: H 96 at 1 × 8,192 tokens 760 → 713 (and 727 → 700, 744 → 718), 4 × 2,048
-        673 → 629; H 12 at 4 × 2,048 166 → 136; H 16 at 16 × 512 121 → 116; 16 × 32 18.3 (the plain walk in 3
-        stages 24.1)."""
+        673 → 629; H 12 at 4 × 2,048 166 → 136; H 16 at 16 × 512 121 → 116, at 16 × 32 18.3 (the plain walk in 1
+        / 2 stages 19.0 / 24.1)."""
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     small = max(BK, BV) <= 32
     big = NC * H >= 1024
