@@ -888,7 +888,8 @@ class ExpertsConfig:
     # BLOCK_N, warps, down BLOCK_N, warps)
     fragments: tuple[int, int, int, int] | None = None
     # MXFP4 weights expanded to bf16 this many experts at a time (`expand_mxfp4`), each chunk then run by the bf16
-    # tiles above (which should be bf16's); 0: expanded in registers inside the tiles. A variant the bench times.
+    # tiles above (which should be bf16's); 0: expanded in registers inside the tiles. experts_mxfp4_config takes all
+    # experts at once for large steps; smaller chunks are a variant the bench times.
     expand: int = 0
 
 
