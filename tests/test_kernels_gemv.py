@@ -307,11 +307,12 @@ _PDL_ONLY_HERE = {
              s_x=8336, s_z=8336),
         dict(H=16, K=128, V=128, W=4, BK=128, BV=128, BW=4, EPS=1e-5, ACC=tl.float32, BITS=False), 4),
     ("moe", "_align_count_kernel"): (
-        dict(ids_ptr="*i64", counts_ptr="*i32", n=384, E=64, stride_it=6, stride_ik=1), dict(TOP_K=6, BLOCK=256), 4),
+        dict(ids_ptr="*i64", counts_ptr="*i32", n=384, E=64, stride_it=6, stride_ik=1),
+        dict(TOP_K=6, BLOCK=256, BLOCK_E=64, RESERVE=False), 4),
     ("moe", "_align_place_kernel"): (
         dict(ids_ptr="*i64", counts_ptr="*i32", cursor_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
              n=384, E=64, num_blocks=88, stride_it=6, stride_ik=1),
-        dict(TOP_K=6, BLOCK_M=16, BLOCK=256, BLOCK_E=64, PAD_E=128), 4),
+        dict(TOP_K=6, BLOCK_M=16, BLOCK=256, BLOCK_E=64, PAD_E=128, RESERVE=False, CH=64), 4),
     ("moe", "_down_gemv_kernel"): (
         dict(h_ptr="*bf16", w2_ptr="*bf16", s2_ptr="*bf16", y_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", n=6,
              D=1024, I=1024, E=64, stride_hm=1024, stride_we=1024 * 1024, stride_wn=1024, stride_se=0, stride_sn=0,

@@ -439,6 +439,28 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
         assert c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what}: {c}"
 
 
+@pytest.mark.parametrize("E", [64, 384])
+def test_align_kernels_that_reserve_compile_for_hopper_without_spills(E):
+    """The align kernels' RESERVE form at a prefill step (8,192 tokens, top 6: counted in blocks of 1,024
+    assignments, placed in blocks of 256) for `small`'s 64 experts and 384 (one-hot chunks of 64 and 8): no
+    spills."""
+    import triton
+    from sm90 import compile_sm90
+
+    from k3backend.kernels import moe
+
+    block_e = triton.next_power_of_2(E)
+    ids = dict(ids_ptr="*i64", counts_ptr="*i32", n=49152, E=E, stride_it=6, stride_ik=1)
+    count = compile_sm90(moe._align_count_kernel, ids, dict(TOP_K=6, BLOCK=1024, BLOCK_E=block_e, RESERVE=True),
+                         num_warps=4, num_stages=1)
+    place = compile_sm90(moe._align_place_kernel, dict(ids, cursor_ptr="*i32", sorted_ptr="*i32",
+                                                       block_expert_ptr="*i32", num_blocks=1000),
+                         dict(TOP_K=6, BLOCK_M=128, BLOCK=256, BLOCK_E=block_e, PAD_E=16, RESERVE=True,
+                              CH=max(1, min(256, 4096 // block_e))), num_warps=4, num_stages=1)
+    for what, c in (("count", count), ("place", place)):
+        assert c.stack == 0, f"{what}: {c}"
+
+
 @pytest.mark.parametrize("tokens", [16, 512])
 @pytest.mark.parametrize("decode", [2, 3])
 def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
@@ -584,12 +606,31 @@ def check_experts_of_other_ranks_only_give_zero():
 
 
 def check_align_places_every_assignment_once_in_its_experts_block():
+    """Both forms of the align kernels (reserve: one atomic a program and expert, the assignments ranked in chunks
+    of CH), at 87 assignments of 7 experts, and at 4,200 of 300 (counted in blocks of 1,024 assignments; placed in
+    blocks of 256 in one-hot chunks of 8)."""
+    for T, k, E, bm, reserve in ((29, 3, 7, 16, False), (29, 3, 7, 16, True), (1400, 3, 300, 64, False),
+                                 (1400, 3, 300, 64, True)):
+        align_case(T, k, E, bm, reserve)
+    import dataclasses
+
+    from k3backend.kernels import moe
+    from k3backend.kernels.moe_ref import Activation
+
+    x, weights, ids, w13, w2 = experts_case(61, 7, 3, 64, 96, seed=310)
+    cfg = moe.experts_config(61, 3, 7, 64, 96)
+    with poisoned_empty():
+        one, reserved = (moe.experts_with(x, weights, ids, w13, w2, Activation(**SITU), 1.0,
+                                          dataclasses.replace(cfg, reserve=r)) for r in (False, True))
+    assert torch.equal(one, reserved), "the rows' order inside an expert changed a result"
+
+
+def align_case(T: int, k: int, E: int, bm: int, reserve: bool) -> None:
     from k3backend.kernels import moe
 
-    T, k, E, bm = 29, 3, 7, 16
-    *_, ids, _, _ = experts_case(T, E, k, 16, 16, seed=300)
+    *_, ids, _, _ = experts_case(T, E, k, 16, 16, seed=300 + T)
     with poisoned_empty():
-        sorted_ids, block_expert = moe._align(ids, E, bm)
+        sorted_ids, block_expert = moe._align(ids, E, bm, reserve)
     n = T * k
     flat = ids.view(-1)
     assert block_expert.numel() == -(-n // bm) + min(E, n)

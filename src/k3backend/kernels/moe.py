@@ -201,21 +201,31 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 # ----------------------------------------------------------------------------- experts: align
 @triton.jit(do_not_specialize=["n"])
 def _align_count_kernel(ids_ptr, counts_ptr, n, E, stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
+                        BLOCK_E: tl.constexpr, RESERVE: tl.constexpr, PDL: tl.constexpr):
+    """counts[e] += the assignments to expert e; RESERVE: one atomic a program and expert (its histogram), not
+    one an assignment on E counters."""
     pdl.enter(PDL)
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + (a // TOP_K) * stride_it + (a % TOP_K) * stride_ik, mask=a < n, other=-1)
     ok = (e >= 0) & (e < E)
-    tl.atomic_add(counts_ptr + tl.where(ok, e, 0), 1, mask=ok, sem="relaxed")
+    if RESERVE:
+        ev = tl.arange(0, BLOCK_E)
+        mine = tl.histogram(tl.where(ok, e, 0).to(tl.int32), BLOCK_E, mask=ok)
+        tl.atomic_add(counts_ptr + ev, mine, mask=(ev < E) & (mine > 0), sem="relaxed")
+    else:
+        tl.atomic_add(counts_ptr + tl.where(ok, e, 0), 1, mask=ok, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["n", "num_blocks"])
 def _align_place_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, n, E, num_blocks,
                         stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-                        BLOCK_E: tl.constexpr, PAD_E: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_E: tl.constexpr, PAD_E: tl.constexpr, RESERVE: tl.constexpr, CH: tl.constexpr,
+                        PDL: tl.constexpr):
     """Every program derives the padded expert offsets from the counts, places its assignments
     (a per-expert atomic cursor gives each a row; the row order inside an expert does not change
-    any result), and does its share of the padding rows and of the unused blocks."""
+    any result), and does its share of the padding rows and of the unused blocks. RESERVE: the program
+    reserves its rows of each expert with one atomic (its histogram) and ranks its assignments inside them,
+    CH at a time, by a running count of each expert's (a cumulative sum over [CH, BLOCK_E] one-hot rows)."""
     pdl.enter(PDL)
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     ev = tl.arange(0, BLOCK_E)
@@ -228,9 +238,25 @@ def _align_place_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_exper
     e = tl.load(ids_ptr + (a // TOP_K) * stride_it + (a % TOP_K) * stride_ik, mask=a < n, other=-1)
     ok = (e >= 0) & (e < E)
     e = tl.where(ok, e, 0).to(tl.int32)
-    row = tl.gather(start, e, 0) + tl.atomic_add(cursor_ptr + e, 1, mask=ok, sem="relaxed")
-    tl.store(sorted_ptr + row, a, mask=ok)
-    tl.store(block_expert_ptr + row // BLOCK_M, e, mask=ok)  # every used block holds >= 1 real row
+    if RESERVE:
+        mine = tl.histogram(e, BLOCK_E, mask=ok)
+        first = start + tl.where(mine > 0, tl.atomic_add(cursor_ptr + ev, mine, mask=(ev < E) & (mine > 0),
+                                                         sem="relaxed"), 0)  # this program's first row of each
+        for c0 in range(0, BLOCK, CH):
+            ac = pid * BLOCK + c0 + tl.arange(0, CH)
+            ec = tl.load(ids_ptr + (ac // TOP_K) * stride_it + (ac % TOP_K) * stride_ik, mask=ac < n, other=-1)
+            okc = (ec >= 0) & (ec < E)
+            ec = tl.where(okc, ec, 0).to(tl.int32)
+            hot = ((ec[:, None] == ev[None, :]) & okc[:, None]).to(tl.int32)
+            rank = tl.sum(tl.cumsum(hot, axis=0) * hot, axis=1) - 1  # earlier ones of its expert in the chunk
+            row = tl.gather(first, ec, 0) + rank
+            first += tl.sum(hot, axis=0)
+            tl.store(sorted_ptr + row, ac, mask=okc)
+            tl.store(block_expert_ptr + row // BLOCK_M, ec, mask=okc)
+    else:
+        row = tl.gather(start, e, 0) + tl.atomic_add(cursor_ptr + e, 1, mask=ok, sem="relaxed")
+        tl.store(sorted_ptr + row, a, mask=ok)
+        tl.store(block_expert_ptr + row // BLOCK_M, e, mask=ok)  # every used block holds >= 1 real row
 
     r = tl.arange(0, BLOCK_M)
     for e0 in range(pid * PAD_E, E, nprog * PAD_E):  # padding rows: [start + cnt, start + padded)
@@ -244,9 +270,10 @@ def _align_place_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, block_exper
         tl.store(block_expert_ptr + b, -1, mask=(b < num_blocks) & (b * BLOCK_M >= total))
 
 
-def _align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _align(ids: torch.Tensor, E: int, block_m: int, reserve: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted [NB·BM] int32, block_expert [NB] int32) for ids [T, k]; NB = cdiv(n, BM) + min(E, n),
-    the most blocks any routing can need (each expert adds at most one partial block)."""
+    the most blocks any routing can need (each expert adds at most one partial block). reserve: the kernels'
+    RESERVE (ExpertsConfig.reserve)."""
     T, k = ids.shape
     n = T * k
     num_blocks = triton.cdiv(n, block_m) + min(E, n)
@@ -256,13 +283,16 @@ def _align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     block = 1024 if n > 4096 else 256
     grid = (triton.cdiv(n, block),)
+    block_e = triton.next_power_of_2(E)
     _align_count_kernel[grid](ids_ptr=ids, counts_ptr=work, n=n, E=E, stride_it=ids.stride(0),
-                              stride_ik=ids.stride(1), TOP_K=k, BLOCK=block, **pdl.launch_args(dev), num_warps=4)
-    _align_place_kernel[grid](
+                              stride_ik=ids.stride(1), TOP_K=k, BLOCK=block, BLOCK_E=block_e, RESERVE=reserve,
+                              **pdl.launch_args(dev), num_warps=4)
+    block = 256 if reserve else block  # the ranks' one-hot work grows with a program's assignments
+    _align_place_kernel[(triton.cdiv(n, block),)](
         ids_ptr=ids, counts_ptr=work, cursor_ptr=work[E:], sorted_ptr=sorted_ids, block_expert_ptr=block_expert,
         n=n, E=E, num_blocks=num_blocks, stride_it=ids.stride(0), stride_ik=ids.stride(1), TOP_K=k,
-        BLOCK_M=block_m, BLOCK=block, BLOCK_E=triton.next_power_of_2(E), PAD_E=max(1, 2048 // block_m),
-        **pdl.launch_args(dev), num_warps=4,
+        BLOCK_M=block_m, BLOCK=block, BLOCK_E=block_e, PAD_E=max(1, 2048 // block_m), RESERVE=reserve,
+        CH=max(1, min(block, 4096 // block_e)), **pdl.launch_args(dev), num_warps=4,
     )
     return sorted_ids, block_expert
 
@@ -891,6 +921,9 @@ class ExpertsConfig:
     # tiles above (which should be bf16's); 0: expanded in registers inside the tiles. experts_mxfp4_config takes all
     # experts at once for large steps; smaller chunks are a variant the bench times.
     expand: int = 0
+    # the align step's kernels reserve rows with one atomic a program and expert rather than one an assignment (on
+    # `small` at 8 K tokens they took 45 µs, reading under 1 MB: atomics on 64 addresses). A variant the bench times.
+    reserve: bool = False
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -1271,7 +1304,7 @@ def experts_with(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
             **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
         )
         return _sum(y, ids, out, E, scaling, norm)
-    sorted_ids, block_expert = _align(ids, E, cfg.block_m)
+    sorted_ids, block_expert = _align(ids, E, cfg.block_m, cfg.reserve)
     h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, D, dtype=x.dtype, device=x.device)
     if cfg.fragments and s13 is not None:
