@@ -412,9 +412,10 @@ def test_tma_only_where_rows_share_an_expert_block_of_64_or_more_and_weights_are
         assert not moe.experts_config(T, 6, 64, 1024, 1024, mxfp4=True).tma, T
 
 
-def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
-    """The prefill tiles with TMA descriptors compile for sm_90a at `small` sizes: wgmma, no spills,
-    shared memory within the 227 KB a program may use."""
+@pytest.mark.parametrize("xtma", [False, True])
+def test_experts_kernels_compile_for_hopper_with_tma_without_spills(xtma):
+    """The prefill tiles with TMA descriptors compile for sm_90a at `small` sizes (xtma: up's x tiles by TMA too):
+    wgmma, no spills, shared memory within the 227 KB a program may use."""
     from sm90 import compile_sm90
 
     from k3backend.kernels import moe
@@ -424,11 +425,12 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills():
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds), bm = cfg.up, cfg.down, cfg.block_m
     common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, SW=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m)
     up = compile_sm90(moe._up_kernel, dict(
-        x_ptr="*bf16", w13_ptr="*bf16", s13_ptr="*bf16", w_desc=f"tensordesc<bf16[{ubn}, {ubk}]>", h_ptr="*bf16",
-        sorted_ptr="*i32", block_expert_ptr="*i32", table_ptr="*bf16", n=24576, D=D, I=I, num_blocks=300,
-        stride_xt=D, stride_we=2 * I * D, stride_wn=D, stride_se=0, stride_sn=0, stride_hm=I, inv_beta=0.25, beta=4.0,
-        inv_lam=0.04, lam=25.0), dict(common, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True,
-                                      BLOCK_N=ubn, BLOCK_K=ubk), num_warps=uw, num_stages=us)
+        x_ptr="*bf16", x_desc=f"tensordesc<bf16[{bm}, {ubk}]>" if xtma else "*bf16", w13_ptr="*bf16", s13_ptr="*bf16",
+        w_desc=f"tensordesc<bf16[{ubn}, {ubk}]>", h_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
+        table_ptr="*bf16", n=24576, D=D, I=I, num_blocks=300, stride_xt=D, stride_we=2 * I * D, stride_wn=D,
+        stride_se=0, stride_sn=0, stride_hm=I, inv_beta=0.25, beta=4.0, inv_lam=0.04, lam=25.0),
+        dict(common, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, XTMA=xtma, BLOCK_N=ubn,
+             BLOCK_K=ubk), num_warps=uw, num_stages=us)
     down = compile_sm90(moe._down_kernel, dict(
         h_ptr="*bf16", w2_ptr="*bf16", s2_ptr="*bf16", h_desc=f"tensordesc<bf16[{bm}, {dbk}]>",
         w_desc=f"tensordesc<bf16[{dbn}, {dbk}]>", y_ptr="*bf16", weights_ptr="*fp32", sorted_ptr="*i32",
@@ -484,10 +486,10 @@ def test_mxfp4_ptx_expansion_compiles_for_hopper_without_spills(decode, tokens):
     assert (usw > 0, dsw > 0) == ((True, True) if tokens == 16 else (False, False)), (usw, dsw)
     sty = {torch.uint8: "*u8", torch.int32: "*i32"}
     up = compile_sm90(moe._up_kernel, dict(
-        x_ptr="*bf16", w13_ptr="*u8", s13_ptr=sty[s13.dtype], w_desc="*u8", h_ptr="*bf16", sorted_ptr="*i32",
-        block_expert_ptr="*i32", table_ptr="*fp32", n=96, D=D, I=I, num_blocks=100, stride_xt=D, stride_we=I * D,
-        stride_wn=D // 2, stride_se=s13.stride(0), stride_sn=s13.stride(1), stride_hm=I, **act),
-        dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, SW=usw, TMA=False,
+        x_ptr="*bf16", x_desc="*bf16", w13_ptr="*u8", s13_ptr=sty[s13.dtype], w_desc="*u8", h_ptr="*bf16",
+        sorted_ptr="*i32", block_expert_ptr="*i32", table_ptr="*fp32", n=96, D=D, I=I, num_blocks=100, stride_xt=D,
+        stride_we=I * D, stride_wn=D // 2, stride_se=s13.stride(0), stride_sn=s13.stride(1), stride_hm=I, **act),
+        dict(mx, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, SW=usw, TMA=False, XTMA=False,
              BLOCK_M=cfg.block_m, BLOCK_N=ubn, BLOCK_K=ubk, GROUP_M=cfg.group_m), num_warps=uw, num_stages=us)
     down = compile_sm90(moe._down_kernel, dict(
         h_ptr="*bf16", w2_ptr="*u8", s2_ptr=sty[s2.dtype], h_desc="*bf16", w_desc="*u8", y_ptr="*bf16",
@@ -862,6 +864,28 @@ def check_experts_mxfp4_expanded_in_chunks_equal_the_bf16_tiles():
         assert torch.equal(got, bf16), f"T={T}: {(got != bf16).sum()} elements differ from the bf16 tiles"
         want = moe_ref.experts_mxfp4(x, weights, ids, w13, s13, w2, s2, act)
         assert_bf16_close(got, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), f"expand T={T}")
+
+
+def check_experts_x_by_tma_equals_x_gathered():
+    """ExpertsConfig.xtma: x permuted into row-block order and read by TMA in the up GEMM gives the bits of x gathered
+    row by row: BM 64 tiles with TMA weights at 157 tokens (a ragged last K step: D 96 in steps of 64), with remote
+    experts' slots."""
+    import dataclasses
+
+    from k3backend.kernels import moe, moe_ref
+    from k3backend.kernels.moe_ref import Activation
+
+    act = Activation(**SITU)
+    T, E, k, D, I = 157, 7, 3, 96, 128
+    x, weights, ids, w13, w2 = experts_case(T, E, k, D, I, seed=1360)
+    cfg = dataclasses.replace(moe.experts_config(T, k, E, D, I), tma=True)
+    assert cfg.block_m >= 64 and cfg.gemv is None, cfg
+    with poisoned_empty():
+        gathered = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, cfg)
+        by_tma = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, dataclasses.replace(cfg, xtma=True))
+    assert torch.equal(by_tma, gathered), f"{(by_tma != gathered).sum()} elements differ"
+    want = moe_ref.experts(x, weights, ids, w13, w2, act)
+    assert_bf16_close(by_tma, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), "xtma")
 
 
 def check_experts_gemv_loads_ahead_or_not_alike():

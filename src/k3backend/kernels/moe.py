@@ -556,12 +556,12 @@ def _s_ptrs(s_ptr, rows, stride_sn, MX: tl.constexpr, SW: tl.constexpr, BLOCK_K:
 
 
 @triton.jit(do_not_specialize=["n", "num_blocks"])
-def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_ptr, table_ptr, n, D, I, num_blocks,
-               stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm, inv_beta, beta, inv_lam, lam,
-               TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
+def _up_kernel(x_ptr, x_desc, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_ptr, table_ptr, n, D, I,
+               num_blocks, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm, inv_beta, beta, inv_lam,
+               lam, TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
                ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
-               DECODE: tl.constexpr, SW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
+               DECODE: tl.constexpr, SW: tl.constexpr, TMA: tl.constexpr, XTMA: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
 
     DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
@@ -569,7 +569,8 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
     activation by lookup in `table_ptr` (`_act_table`). MX: w13 holds MXFP4 codes [E, 2I, D/2] and s13
     their exponents [E, 2I, D/32] (SW > 0: as int32 words [E, 2I, D/128], SW a K step). TMA: weight tiles
     [BN, BK] come through w_desc, w13 viewed [E·2I, D] (BN divides I, so a tile never crosses into the next
-    matrix).
+    matrix). XTMA: x's tiles [BM, BK] too, through x_desc over x permuted into row-block order (row r holds
+    the token of assignment sorted[r]) instead of gathered row by row.
     """
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
@@ -600,7 +601,9 @@ def _up_kernel(x_ptr, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block_expert_
     su_ahead = _first_exponents(us_ptrs, D, MX, SW, BLOCK_K)
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
         k_left = D - k0 * BLOCK_K
-        if EVEN_K:
+        if XTMA:
+            xa = x_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K])
+        elif EVEN_K:
             xa = tl.load(x_ptrs)
         else:
             xa = tl.load(x_ptrs, mask=(offs_k < k_left)[None, :], other=0.0)
@@ -924,6 +927,10 @@ class ExpertsConfig:
     # the align step's kernels reserve rows with one atomic a program and expert rather than one an assignment (on
     # `small` at 8 K tokens they took 45 µs, reading under 1 MB: atomics on 64 addresses). A variant the bench times.
     reserve: bool = False
+    # with tma: x permuted into row-block order first (one pass over x a row block's row), so the up GEMM reads its
+    # x tiles by TMA rather than gathering rows (at 8 K tokens of `small` up ran at 396 TFLOP/s, down, both operands
+    # by TMA, at 454 on an H100). A variant the bench times.
+    xtma: bool = False
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -1115,9 +1122,13 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
     nb = triton.cdiv(n, cfg.block_m) if dense else block_expert.numel()
     bn, bk, warps, stages = cfg.up
     w_desc = _desc(w, bn, bk) if cfg.tma and s is None and I % bn == 0 else None
+    x_desc = None
+    if cfg.xtma and w_desc is not None and not dense:  # x in row-block order (padding and unused rows: any row)
+        x_desc = _desc(x.index_select(0, sorted_ids.clamp(0, n - 1) // k), cfg.block_m, bk)
     s, sw = _exponent_words(s, bk)
     _up_kernel[(nb * triton.cdiv(I, bn),)](
-        x_ptr=x, w13_ptr=w, s13_ptr=w if s is None else s, w_desc=w if w_desc is None else w_desc, h_ptr=h,
+        x_ptr=x, x_desc=x if x_desc is None else x_desc, w13_ptr=w, s13_ptr=w if s is None else s,
+        w_desc=w if w_desc is None else w_desc, h_ptr=h,
         sorted_ptr=x if dense else sorted_ids, block_expert_ptr=x if dense else block_expert,
         table_ptr=h if table is None else table, n=n, D=D, I=I, num_blocks=nb, stride_xt=x.stride(0),
         stride_we=0 if dense else w.stride(0), stride_wn=w.stride(-2), stride_se=0 if s is None else s.stride(0),
@@ -1125,8 +1136,9 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
         inv_beta=1.0 / act.beta if situ else 1.0, beta=float(act.beta) if situ else 1.0,
         inv_lam=1.0 / lam if lam else 1.0, lam=float(lam) if lam else 1.0, TOP_K=k, ACT=int(situ),
         HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
-        EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, SW=sw, TMA=w_desc is not None, BLOCK_M=cfg.block_m,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
+        EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, SW=sw, TMA=w_desc is not None,
+        XTMA=x_desc is not None, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
     )
 
 
