@@ -927,7 +927,7 @@ class ExpertsConfig:
     # the align step's kernels reserve rows with one atomic a program and expert rather than one an assignment (on
     # `small` at 8 K tokens they took 45 µs, reading under 1 MB: atomics on 64 addresses). A variant the bench times.
     reserve: bool = False
-    # with tma: x permuted into row-block order first (one pass over x a row block's row), so the up GEMM reads its
+    # with tma: x permuted into row-block order first (a copy of its token's row for every sorted row), so up reads its
     # x tiles by TMA rather than gathering rows (at 8 K tokens of `small` up ran at 396 TFLOP/s, down, both operands
     # by TMA, at 454 on an H100). A variant the bench times.
     xtma: bool = False
