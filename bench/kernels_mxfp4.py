@@ -16,8 +16,8 @@ Columns: ms of experts_mxfp4, with each in-register expansion (d0 tl.dot_scaled,
 PTX bit placement, d3 the same with the 2^126 in the scale, expandE all E experts expanded to bf16 first; the
 first row is what experts_mxfp4_config picks, the one the engine runs); TB/s in packed bytes (codes + exponents of
 the experts hit, plus x and the output; the 1-64 token target is >= 70 % of 4.27 TB/s, the measured copy
-ceiling); TFLOP/s of the useful 2·T·k·3·I·D (the 8-16 K target is >= 450); x bf16 = the bf16 kernel's time / this one's (the
-1-64 token target is >= 2.5); check: every element within 2 bf16 ulps of the row's largest |output|
+ceiling); TFLOP/s of the useful 2·T·k·3·I·D (the 8-16 K target is >= 450); x bf16 = the bf16 kernel's time / this
+one's (the 1-64 token target is >= 2.5); check: every element within 2 bf16 ulps of the row's largest |output|
 against moe_ref.experts_mxfp4 (dequantize exactly, then the bf16 reference op), and how many
 elements differ at all from the bf16 kernel on the dequantized weights (only accumulation order
 separates the two).

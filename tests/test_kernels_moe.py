@@ -610,15 +610,15 @@ def check_experts_of_other_ranks_only_give_zero():
 def check_align_places_every_assignment_once_in_its_experts_block():
     """Both forms of the align kernels (reserve: one atomic a program and expert, the assignments ranked in chunks
     of CH), at 87 assignments of 7 experts, and at 4,200 of 300 (counted in blocks of 1,024 assignments; placed in
-    blocks of 256 in one-hot chunks of 8)."""
-    for T, k, E, bm, reserve in ((29, 3, 7, 16, False), (29, 3, 7, 16, True), (1400, 3, 300, 64, False),
-                                 (1400, 3, 300, 64, True)):
-        align_case(T, k, E, bm, reserve)
+    blocks of 256 in one-hot chunks of 8), and a bf16 experts call through either form."""
     import dataclasses
 
     from k3backend.kernels import moe
     from k3backend.kernels.moe_ref import Activation
 
+    for T, k, E, bm, reserve in ((29, 3, 7, 16, False), (29, 3, 7, 16, True), (1400, 3, 300, 64, False),
+                                 (1400, 3, 300, 64, True)):
+        align_case(T, k, E, bm, reserve)
     x, weights, ids, w13, w2 = experts_case(61, 7, 3, 64, 96, seed=310)
     cfg = moe.experts_config(61, 3, 7, 64, 96)
     with poisoned_empty():

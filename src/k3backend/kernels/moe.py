@@ -282,17 +282,16 @@ def _align(ids: torch.Tensor, E: int, block_m: int, reserve: bool = False) -> tu
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     block = 1024 if n > 4096 else 256
-    grid = (triton.cdiv(n, block),)
     block_e = triton.next_power_of_2(E)
-    _align_count_kernel[grid](ids_ptr=ids, counts_ptr=work, n=n, E=E, stride_it=ids.stride(0),
-                              stride_ik=ids.stride(1), TOP_K=k, BLOCK=block, BLOCK_E=block_e, RESERVE=reserve,
-                              **pdl.launch_args(dev), num_warps=4)
-    block = 256 if reserve else block  # the ranks' one-hot work grows with a program's assignments
-    _align_place_kernel[(triton.cdiv(n, block),)](
+    _align_count_kernel[(triton.cdiv(n, block),)](
+        ids_ptr=ids, counts_ptr=work, n=n, E=E, stride_it=ids.stride(0), stride_ik=ids.stride(1), TOP_K=k,
+        BLOCK=block, BLOCK_E=block_e, RESERVE=reserve, **pdl.launch_args(dev), num_warps=4)
+    place = 256 if reserve else block  # the ranks' one-hot work grows with a program's assignments
+    _align_place_kernel[(triton.cdiv(n, place),)](
         ids_ptr=ids, counts_ptr=work, cursor_ptr=work[E:], sorted_ptr=sorted_ids, block_expert_ptr=block_expert,
         n=n, E=E, num_blocks=num_blocks, stride_it=ids.stride(0), stride_ik=ids.stride(1), TOP_K=k,
-        BLOCK_M=block_m, BLOCK=block, BLOCK_E=block_e, PAD_E=max(1, 2048 // block_m), RESERVE=reserve,
-        CH=max(1, min(block, 4096 // block_e)), **pdl.launch_args(dev), num_warps=4,
+        BLOCK_M=block_m, BLOCK=place, BLOCK_E=block_e, PAD_E=max(1, 2048 // block_m), RESERVE=reserve,
+        CH=max(1, min(place, 4096 // block_e)), **pdl.launch_args(dev), num_warps=4,
     )
     return sorted_ids, block_expert
 
