@@ -54,6 +54,7 @@ class Compiled:
     mma: tuple[int, ...]  # MMA versions used (2: mma.sync, 3: wgmma)
     loop_loads: int = 0  # global loads inside loops that were not made async copies: a round trip each
     loop_sass: int = 0  # SASS instructions in the largest loop body: a GEMM's K step, what its warps issue
+    warps: int = 0  # warps a program launches with: num_warps, plus the partitions' of a warp-specialized loop
 
     def __str__(self) -> str:
         return (f"regs {self.regs}, stack {self.stack} B, smem {self.smem} B, mma v{self.mma}, "
@@ -91,6 +92,8 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
     names = kernel.arg_names
     if "PDL" in names:  # the kernels that take part in programmatic dependent launch compile as launched
         constexprs = {"PDL": True, **constexprs}
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    constexprs = {**{n: v for n, v in defaults.items() if n not in args}, **constexprs}  # as a launch leaves them
     missing = [n for n in names if n not in args and n not in constexprs]
     if missing:
         raise ValueError(f"compile_sm90: no value for {missing}")
@@ -136,4 +139,4 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
     field = lambda key: int(re.search(rf"{key}:(\d+)", usage).group(1))  # noqa: E731
     mma = tuple(sorted({int(v) for v in re.findall(r"nvidia_mma<\{versionMajor = (\d)", ck.asm["ttgir"])}))
     return Compiled(field("REG"), field("STACK"), ck.metadata.shared, mma, loop_loads(ck.asm["ttgir"]),
-                    largest_loop(sass))
+                    largest_loop(sass), ck.metadata.num_warps)
