@@ -11,6 +11,7 @@ kernels/moe.py `experts_config` picks against one-change-at-a-time alternatives 
 row's largest error against the reference, in bf16 ulps of the row's largest output, must stay <= 2).
 `--router` does the same for the router GEMM's launch (`router_config`: K splits, BK, stages, token tile),
 `--front` for the latent MoE's front (`moe_front`: the router and the down-projection in the same two kernels).
+`--per-kernel` adds each experts candidate's kernels' device times (up, down, align, sum) and each GEMM's TFLOP/s.
 
 Routing: independent N(0, 1) logits spread tokens almost uniformly over the experts (busiest expert
 1.1-1.3× the mean load at 8 K tokens), which flatters the prefill tail. The logits here add a fixed
@@ -332,9 +333,40 @@ def _tma_candidates(cfg) -> list:
             + [replace(t, block_m=bm) for bm in (64, 128) if bm != t.block_m] + [replace(t, group_m=g) for g in (4, 16)])
 
 
-def sweep(shape: Shape, tokens: list[int], iters: int, tma: bool = False) -> None:
+# the experts op's kernels by part: a kernel goes to the first part whose name it contains, else to "other" (the x
+# copy of xtma, a chunk's expert ids)
+PARTS = (("up", "_up_kernel"), ("down", "_down_kernel"), ("align", "_align_"), ("sum", "_sum_kernel"),
+         ("expand", "_expand_kernel"))
+
+
+def parts_us(kernels: list[tuple[str, float]], calls: int) -> dict[str, float]:
+    """µs a call of each part (PARTS) from (kernel name, device µs) pairs over `calls` calls, largest first."""
+    out: dict[str, float] = {}
+    for name, us in kernels:
+        part = next((p for p, key in PARTS if key in name), "other")
+        out[part] = out.get(part, 0.0) + us / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def per_kernel(run, calls: int = 10) -> dict[str, float]:
+    """`parts_us` of `calls` eager calls of run (after one untimed), from torch.profiler's device times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    cuda = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return parts_us([(e.name, e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
+                     for e in cuda], calls)
+
+
+def sweep(shape: Shape, tokens: list[int], iters: int, tma: bool = False, kernels: bool = False) -> None:
     """Time `experts_with` over tile candidates (`_candidates`, or with tma `_tma_candidates`); print one
-    line per candidate, the fastest marked."""
+    line per candidate, the fastest marked; kernels: then each part's device µs (`per_kernel`) and the two GEMMs'
+    TFLOP/s."""
     from k3backend.kernels import moe
 
     layer = _Layer(shape, "cuda")
@@ -355,6 +387,11 @@ def sweep(shape: Shape, tokens: list[int], iters: int, tma: bool = False) -> Non
                   f"{flops / t / 1e12:6.1f} TFLOP/s  "
                   + (f"gemv{cfg.gemv}" if cfg.gemv else f"BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}")
                   + "".join(f" {f}" for f in ("tma", "xtma", "ws", "reserve") if getattr(cfg, f)), flush=True)
+            if kernels:
+                us = per_kernel(lambda cfg=cfg: moe.experts_with(x, w, ids, layer.w13, layer.w2, SITU, 1.0, cfg))
+                gemm = {p: flops * (2 if p == "up" else 1) / 3 / us[p] / 1e6 for p in ("up", "down") if us.get(p)}
+                print("      " + "  ".join(f"{p} {v:.1f}" for p, v in us.items()) + " us;  "
+                      + "  ".join(f"{p} {v:.0f} TFLOP/s" for p, v in gemm.items()), flush=True)
 
 
 def _timed(cands: list, run_of, want: torch.Tensor, iters: int, label: str) -> list[tuple[float, object, float]]:
@@ -475,6 +512,8 @@ if __name__ == "__main__":
     ap.add_argument("--front", action="store_true", help="moe_front's launches (router + down-projection) instead")
     ap.add_argument("--tma", action="store_true",
                     help="experts and glu: the chosen tiles against TMA-descriptor variants")
+    ap.add_argument("--per-kernel", action="store_true",
+                    help="experts: each candidate's kernels' device time too (up, down, align, sum; torch.profiler)")
     a = ap.parse_args()
     shape = SMALL if a.shape == "small" else K3
     if a.router or a.front:
@@ -483,4 +522,4 @@ if __name__ == "__main__":
         for dims in a.glu or ["2048x1024" if a.shape == "small" else "7168x6144"]:
             glu_sweep(*map(int, dims.split("x")), a.tokens, a.iters, a.tma)
     else:
-        sweep(shape, a.tokens, a.iters, a.tma)
+        sweep(shape, a.tokens, a.iters, a.tma, a.per_kernel)
