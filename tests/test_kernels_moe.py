@@ -412,32 +412,40 @@ def test_tma_only_where_rows_share_an_expert_block_of_64_or_more_and_weights_are
         assert not moe.experts_config(T, 6, 64, 1024, 1024, mxfp4=True).tma, T
 
 
-@pytest.mark.parametrize("xtma", [False, True])
-def test_experts_kernels_compile_for_hopper_with_tma_without_spills(xtma):
-    """The prefill tiles with TMA descriptors compile for sm_90a at `small` sizes (xtma: up's x tiles by TMA too):
-    wgmma, no spills, shared memory within the 227 KB a program may use."""
+def _tma_tile_compiles(cfg, n: int, num_blocks: int, *, xtma: bool, ws: bool = False) -> dict:
+    """{"up": ..., "down": ...}: each a call compiling that GEMM for sm_90a with TMA weight tiles at `small` (D = I =
+    1,024) and `cfg`'s tiles (xtma: up's x tiles by TMA too; ws: the warp-specialized K loops)."""
     from sm90 import compile_sm90
 
     from k3backend.kernels import moe
 
     D = I = 1024
-    cfg = moe.experts_config(4096, 6, 64, D, I)
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds), bm = cfg.up, cfg.down, cfg.block_m
-    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, SW=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m)
-    up = compile_sm90(moe._up_kernel, dict(
+    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, SW=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m,
+                  WS=ws)
+    return dict(up=lambda: compile_sm90(moe._up_kernel, dict(
         x_ptr="*bf16", x_desc=f"tensordesc<bf16[{bm}, {ubk}]>" if xtma else "*bf16", w13_ptr="*bf16", s13_ptr="*bf16",
         w_desc=f"tensordesc<bf16[{ubn}, {ubk}]>", h_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
-        table_ptr="*bf16", n=24576, D=D, I=I, num_blocks=300, stride_xt=D, stride_we=2 * I * D, stride_wn=D,
+        table_ptr="*bf16", n=n, D=D, I=I, num_blocks=num_blocks, stride_xt=D, stride_we=2 * I * D, stride_wn=D,
         stride_se=0, stride_sn=0, stride_hm=I, inv_beta=0.25, beta=4.0, inv_lam=0.04, lam=25.0),
         dict(common, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, XTMA=xtma, BLOCK_N=ubn,
-             BLOCK_K=ubk), num_warps=uw, num_stages=us)
-    down = compile_sm90(moe._down_kernel, dict(
+             BLOCK_K=ubk), num_warps=uw, num_stages=us), down=lambda: compile_sm90(moe._down_kernel, dict(
         h_ptr="*bf16", w2_ptr="*bf16", s2_ptr="*bf16", h_desc=f"tensordesc<bf16[{bm}, {dbk}]>",
         w_desc=f"tensordesc<bf16[{dbn}, {dbk}]>", y_ptr="*bf16", weights_ptr="*fp32", sorted_ptr="*i32",
-        block_expert_ptr="*i32", n=24576, D=D, I=I, num_blocks=300, stride_hm=I, stride_we=D * I, stride_wn=I,
+        block_expert_ptr="*i32", n=n, D=D, I=I, num_blocks=num_blocks, stride_hm=I, stride_we=D * I, stride_wn=I,
         stride_se=0, stride_sn=0, stride_yn=D, stride_pt=6, stride_pk=1), dict(common, BLOCK_N=dbn, BLOCK_K=dbk),
-        num_warps=dw, num_stages=ds)
-    for what, c in (("up", up), ("down", down)):
+        num_warps=dw, num_stages=ds))
+
+
+@pytest.mark.parametrize("xtma", [False, True])
+def test_experts_kernels_compile_for_hopper_with_tma_without_spills(xtma):
+    """The prefill tiles with TMA descriptors compile for sm_90a at `small` sizes (xtma: up's x tiles by TMA too):
+    wgmma, no spills, shared memory within the 227 KB a program may use."""
+    from k3backend.kernels import moe
+
+    for what, compile_it in _tma_tile_compiles(moe.experts_config(4096, 6, 64, 1024, 1024), 24576, 300,
+                                               xtma=xtma).items():
+        c = compile_it()
         assert c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what}: {c}"
 
 
@@ -447,29 +455,15 @@ def test_experts_kernels_warp_specialize_for_hopper():
     x by TMA (its gathered form cannot be specialized: the pass fails on pointer loads). Triton 3.9's pass fails on
     both kernels (it splits the [BM, BK] tile between the consumers but not its descriptor): this test fails once a
     Triton fixes that, so the variant is measured again there."""
+    import dataclasses
+
     import triton
-    from sm90 import compile_sm90
 
     from k3backend.kernels import moe
 
-    D = I = 1024
-    cfg = moe.experts_config(8192, 6, 64, D, I)
-    bm, ubk, dbk = cfg.block_m, cfg.up[1], cfg.down[1]
-    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, SW=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m,
-                  WS=True)
-    compiles = dict(up=lambda: compile_sm90(moe._up_kernel, dict(
-        x_ptr="*bf16", x_desc=f"tensordesc<bf16[{bm}, {ubk}]>", w13_ptr="*bf16", s13_ptr="*bf16",
-        w_desc=f"tensordesc<bf16[64, {ubk}]>", h_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
-        table_ptr="*bf16", n=49152, D=D, I=I, num_blocks=448, stride_xt=D, stride_we=2 * I * D, stride_wn=D,
-        stride_se=0, stride_sn=0, stride_hm=I, inv_beta=0.25, beta=4.0, inv_lam=0.04, lam=25.0),
-        dict(common, ACT=1, HAS_LAMBDA=True, DENSE=False, ROUND_GU=True, TABLE=True, XTMA=True, BLOCK_N=64,
-             BLOCK_K=ubk), num_warps=4, num_stages=4), down=lambda: compile_sm90(moe._down_kernel, dict(
-        h_ptr="*bf16", w2_ptr="*bf16", s2_ptr="*bf16", h_desc=f"tensordesc<bf16[{bm}, {dbk}]>",
-        w_desc=f"tensordesc<bf16[128, {dbk}]>", y_ptr="*bf16", weights_ptr="*fp32", sorted_ptr="*i32",
-        block_expert_ptr="*i32", n=49152, D=D, I=I, num_blocks=448, stride_hm=I, stride_we=D * I, stride_wn=I,
-        stride_se=0, stride_sn=0, stride_yn=D, stride_pt=6, stride_pk=1), dict(common, BLOCK_N=128, BLOCK_K=dbk),
-        num_warps=4, num_stages=4))
-    for what, compile_it in compiles.items():
+    cfg = moe.experts_config(8192, 6, 64, 1024, 1024)
+    cfg = dataclasses.replace(cfg, up=(64, cfg.up[1], 4, 4), down=(128, cfg.down[1], 4, 4))
+    for what, compile_it in _tma_tile_compiles(cfg, 49152, 448, xtma=True, ws=True).items():
         if triton.__version__.startswith("3.6."):
             c = compile_it()
             assert c.warps == 12 and c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what}: {c}"
@@ -960,6 +954,7 @@ def check_experts_warp_specialized_equal_plain():
                 assert torch.equal(got, plain), f"{what}: {(got != plain).sum()} elements differ"
     finally:
         moe._align = align
+
 
 def check_experts_gemv_loads_ahead_or_not_alike():
     """The GEMV kernels with and without AHEAD (stages > 1: a K step's loads before the previous step's FMAs) give

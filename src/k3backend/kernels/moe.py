@@ -598,7 +598,7 @@ def _up_kernel(x_ptr, x_desc, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block
         a_idx = rows
         w_ptr, s_ptr = w13_ptr, s13_ptr
         w_row = pid_n * BLOCK_N  # of w_desc
-        e = 0
+        e = 0  # no unused blocks (`_steps`)
     else:
         e = tl.load(block_expert_ptr + pid_m)
         if not WS:
@@ -955,8 +955,8 @@ class ExpertsConfig:
     # by TMA, at 454 on an H100). A variant the bench times.
     xtma: bool = False
     # with tma: the K loops warp-specialized (a producer warp group issues the TMA loads, consumer groups the
-    # wgmma; Triton's Hopper pass wants 4 warps a program): down always, up where xtma makes x a TMA tile too. A
-    # variant the bench times.
+    # wgmma; Triton's Hopper pass wants 4 warps a program): down always, up where xtma makes x a TMA tile too. BM >= 64
+    # only: at BM 16 the pass leaves the loop unspecialized and unpipelined. A variant the bench times.
     ws: bool = False
 
 
