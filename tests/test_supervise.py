@@ -23,6 +23,13 @@ def _supervisor(*children: str, kill_after_s: float = 60.0) -> subprocess.Popen:
     return p
 
 
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether `pid` has set SIGTERM to ignored yet (its SigIgn mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
 def test_a_stop_that_a_child_dies_of_is_a_clean_exit():
     """SIGTERM to the supervisor reaches a child with no handler yet (a gateway worker still importing):
     it dies of that SIGTERM, which is the stop asked for, so the run exits 0."""
@@ -33,6 +40,8 @@ def test_a_stop_that_a_child_dies_of_is_a_clean_exit():
 
 def test_a_child_killed_after_ignoring_the_stop_is_an_error():
     p = _supervisor(IGNORES_TERM, kill_after_s=1.0)
+    # before its handler is set the child would die of the SIGTERM, which is a clean stop, not this case
+    wait_until(lambda: _ignores_sigterm(child_pids(p.pid)[0]), 30, "the child to ignore SIGTERM")
     p.send_signal(signal.SIGTERM)
     assert p.wait(30) != 0
 
