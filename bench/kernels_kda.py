@@ -37,7 +37,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
+import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -450,10 +452,11 @@ def compile_sm90() -> None:
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     from k3backend.kernels import kda, kda_chunk
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
     def build(name: str, fn, sig: dict, const: dict, num_warps: int, num_stages: int = 3) -> None:
         const = {"PDL": True, **const} if "PDL" in fn.arg_names else const  # compiled as launched on Hopper
@@ -461,14 +464,14 @@ def compile_sm90() -> None:
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig.get(a, "").startswith("*")}
         k = triton.compile(ASTSource(fn, signature, const, attrs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": num_warps, "num_stages": num_stages})
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(k.asm["ptx"])
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:  # the cubin's own figures: no second ptxas run
+            f.write(k.asm["cubin"])
             f.flush()
-            out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f.name, "-o", "/dev/null"],
-                                 capture_output=True, text=True).stderr
-        regs = next((m for m in out.split(",") if "registers" in m), out.strip()[-200:]).split(":")[-1].strip()
-        spill = next((m.strip() for m in out.splitlines() if "spill" in m), "?")
-        print(f"{name:<34} {num_warps} warps  {regs:<18} {spill:<52} smem {k.metadata.shared} B")
+            out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                                 text=True).stdout
+        usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", out)) or {"REG": "?", "STACK": "?"}
+        print(f"{name:<34} {num_warps} warps  {usage['REG']:>3} registers  stack {usage['STACK']:>3} B (spills)  "
+              f"smem {k.metadata.shared} B")
 
     H, K = 16, KV
     C = 3 * H * K
