@@ -468,8 +468,8 @@ def compile_sm90() -> None:
             f.write(k.asm["cubin"])
             f.flush()
             out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
-                                 text=True).stdout
-        usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", out)) or {"REG": "?", "STACK": "?"}
+                                 text=True, check=True).stdout
+        usage = dict(re.findall(r"(REG|STACK):(\d+)", out))
         print(f"{name:<34} {num_warps} warps  {usage['REG']:>3} registers  stack {usage['STACK']:>3} B (spills)  "
               f"smem {k.metadata.shared} B")
 
