@@ -919,7 +919,6 @@ def check_experts_x_by_tma_equals_x_gathered():
     assert_bf16_close(by_tma, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), "xtma")
 
 
-
 def check_experts_warp_specialized_equal_plain():
     """ExpertsConfig.ws: the warp-specialized K loops (no early return: an unused block runs no K step and stores
     nothing) give the bits of the plain TMA tiles: down alone, and up too with x by TMA; BM 64 at 157 tokens with
