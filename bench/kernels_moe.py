@@ -50,6 +50,7 @@ Figures:
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 import torch
@@ -365,8 +366,8 @@ def per_kernel(run, calls: int = 10) -> dict[str, float]:
 
 def sweep(shape: Shape, tokens: list[int], iters: int, tma: bool = False, kernels: bool = False) -> None:
     """Time `experts_with` over tile candidates (`_candidates`, or with tma `_tma_candidates`); print one
-    line per candidate, the fastest marked; kernels: then each part's device µs (`per_kernel`) and the two GEMMs'
-    TFLOP/s."""
+    line per candidate as it is timed (kernels: then each part's device µs, `per_kernel`, and the two GEMMs'
+    TFLOP/s), then the fastest of those whose error is finite again, marked."""
     from k3backend.kernels import moe
 
     layer = _Layer(shape, "cuda")
@@ -377,26 +378,32 @@ def sweep(shape: Shape, tokens: list[int], iters: int, tma: bool = False, kernel
         byts, flops = hit * 3 * shape.I * shape.D * 2, 2.0 * T * shape.k * 3 * shape.I * shape.D
         want = moe_ref.experts(x, w, ids, layer.w13, layer.w2, SITU, 1.0)
         chosen = moe.experts_config(T, shape.k, shape.E, shape.D, shape.I)
-        rows = _timed(_tma_candidates(chosen) if tma else _candidates(chosen),
-                      lambda cfg: lambda: moe.experts_with(x, w, ids, layer.w13, layer.w2, SITU, 1.0, cfg),
-                      want, iters, f"{shape.name} T{T}")
-        best = min(t for t, _, _ in rows)
-        for t, cfg, err in rows:
-            mark = "*" if t == best else " "
+        run_of = lambda cfg: lambda: moe.experts_with(x, w, ids, layer.w13, layer.w2, SITU, 1.0, cfg)  # noqa: E731
+
+        def line(t: float, cfg, err: float, mark: str = " ") -> None:
             print(f"{mark} {shape.name} T{T:<6} {t * 1e3:9.3f} ms {byts / t / 1e12:5.2f} TB/s {err:4.2f} ulp "
                   f"{flops / t / 1e12:6.1f} TFLOP/s  "
                   + (f"gemv{cfg.gemv}" if cfg.gemv else f"BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}")
                   + "".join(f" {f}" for f in ("tma", "xtma", "ws", "reserve") if getattr(cfg, f)), flush=True)
+
+        def show(t: float, cfg, err: float) -> None:  # each row as it is timed: a cut-short sweep keeps its rows
+            line(t, cfg, err)
             if kernels:
-                us = per_kernel(lambda cfg=cfg: moe.experts_with(x, w, ids, layer.w13, layer.w2, SITU, 1.0, cfg))
+                us = per_kernel(run_of(cfg))
                 gemm = {p: flops * (2 if p == "up" else 1) / 3 / us[p] / 1e6 for p in ("up", "down") if us.get(p)}
                 print("      " + "  ".join(f"{p} {v:.1f}" for p, v in us.items()) + " us;  "
                       + "  ".join(f"{p} {v:.0f} TFLOP/s" for p, v in gemm.items()), flush=True)
 
+        rows = _timed(_tma_candidates(chosen) if tma else _candidates(chosen), run_of, want, iters,
+                      f"{shape.name} T{T}", show)
+        line(*min((r for r in rows if math.isfinite(r[2])), key=lambda r: r[0]), mark="*")
 
-def _timed(cands: list, run_of, want: torch.Tensor, iters: int, label: str) -> list[tuple[float, object, float]]:
+
+def _timed(cands: list, run_of, want: torch.Tensor, iters: int, label: str,
+           show=None) -> list[tuple[float, object, float]]:
     """(seconds, config, largest error in bf16 ulps of each row's largest |want|) of each candidate;
-    run_of(config) gives the call. A tile that does not compile or fit is reported and skipped."""
+    run_of(config) gives the call; show(seconds, config, error), if given, is called on each row as it is
+    timed. A tile that does not compile or fit is reported and skipped."""
     from kernels import time_fn
 
     ulp = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) * 2.0 ** -7
@@ -410,6 +417,8 @@ def _timed(cands: list, run_of, want: torch.Tensor, iters: int, label: str) -> l
             print(f"{label} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
             continue
         rows.append((t, cfg, err))
+        if show is not None:
+            show(t, cfg, err)
     return rows
 
 
