@@ -308,9 +308,6 @@ def _candidates(cfg) -> list:
     out += [replace(cfg, group_m=g) for g in (1, 4, 16) if g != cfg.group_m]
     out += [replace(cfg, reserve=not cfg.reserve)]  # the align kernels' other form
     out += [replace(cfg, xtma=True)] if cfg.tma else []  # up's x permuted first and read by TMA
-    if cfg.tma:  # warp-specialized K loops (4 warps: Triton's Hopper pass adds the producer and a consumer group)
-        ws = replace(cfg, ws=True, up=(*cfg.up[:2], 4, 4), down=(*cfg.down[:2], 4, 4))
-        out += [ws, replace(ws, xtma=True), replace(ws, xtma=True, up=(64, cfg.up[1], 4, 4))]
     gemv = [(16, 256, 4, 3), (8, 512, 4, 3), (32, 128, 4, 3), (8, 256, 2, 3), (16, 128, 4, 3)]
     if cfg.gemv is not None:  # a few rows: the GEMV tiles, and the MMA tiles above (gemv None) for comparison
         out = [cfg] + [replace(cfg, gemv=t) for t in gemv if t != cfg.gemv] + [replace(c, gemv=None) for c in out]
@@ -384,7 +381,7 @@ def sweep(shape: Shape, tokens: list[int], iters: int, tma: bool = False, kernel
             print(f"{mark} {shape.name} T{T:<6} {t * 1e3:9.3f} ms {byts / t / 1e12:5.2f} TB/s {err:4.2f} ulp "
                   f"{flops / t / 1e12:6.1f} TFLOP/s  "
                   + (f"gemv{cfg.gemv}" if cfg.gemv else f"BM{cfg.block_m} up{cfg.up} down{cfg.down} G{cfg.group_m}")
-                  + "".join(f" {f}" for f in ("tma", "xtma", "ws", "reserve") if getattr(cfg, f)), flush=True)
+                  + "".join(f" {f}" for f in ("tma", "xtma", "reserve") if getattr(cfg, f)), flush=True)
 
         def show(t: float, cfg, err: float) -> None:  # each row as it is timed: a cut-short sweep keeps its rows
             line(t, cfg, err)

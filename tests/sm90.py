@@ -54,7 +54,6 @@ class Compiled:
     smem: int  # dynamic shared memory bytes per program
     mma: tuple[int, ...]  # MMA versions used (2: mma.sync, 3: wgmma)
     loop_loads: int = 0  # global loads inside loops that were not made async copies: a round trip each
-    warps: int = 0  # warps a program launches with: num_warps, plus the partitions' of a warp-specialized loop
     cubin: bytes = field(default=b"", repr=False, compare=False)
 
     @cached_property
@@ -141,7 +140,7 @@ def compile_sm90(kernel: Any, args: dict[str, Any], constexprs: dict[str, Any], 
     value = lambda key: int(re.search(rf"{key}:(\d+)", usage).group(1))  # noqa: E731
     mma = tuple(sorted({int(v) for v in re.findall(r"nvidia_mma<\{versionMajor = (\d)", ck.asm["ttgir"])}))
     return Compiled(value("REG"), value("STACK"), ck.metadata.shared, mma, loop_loads(ck.asm["ttgir"]),
-                    ck.metadata.num_warps, ck.asm["cubin"])
+                    ck.asm["cubin"])
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:

@@ -412,17 +412,16 @@ def test_tma_only_where_rows_share_an_expert_block_of_64_or_more_and_weights_are
         assert not moe.experts_config(T, 6, 64, 1024, 1024, mxfp4=True).tma, T
 
 
-def _tma_tile_compiles(cfg, n: int, num_blocks: int, *, xtma: bool, ws: bool = False) -> dict:
+def _tma_tile_compiles(cfg, n: int, num_blocks: int, *, xtma: bool) -> dict:
     """{"up": ..., "down": ...}: each a call compiling that GEMM for sm_90a with TMA weight tiles at `small` (D = I =
-    1,024) and `cfg`'s tiles (xtma: up's x tiles by TMA too; ws: the warp-specialized K loops)."""
+    1,024) and `cfg`'s tiles (xtma: up's x tiles by TMA too)."""
     from sm90 import compile_sm90
 
     from k3backend.kernels import moe
 
     D = I = 1024
     (ubn, ubk, uw, us), (dbn, dbk, dw, ds), bm = cfg.up, cfg.down, cfg.block_m
-    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, SW=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m,
-                  WS=ws)
+    common = dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, SW=0, TMA=True, BLOCK_M=bm, GROUP_M=cfg.group_m)
     return dict(up=lambda: compile_sm90(moe._up_kernel, dict(
         x_ptr="*bf16", x_desc=f"tensordesc<bf16[{bm}, {ubk}]>" if xtma else "*bf16", w13_ptr="*bf16", s13_ptr="*bf16",
         w_desc=f"tensordesc<bf16[{ubn}, {ubk}]>", h_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
@@ -447,29 +446,6 @@ def test_experts_kernels_compile_for_hopper_with_tma_without_spills(xtma):
                                                xtma=xtma).items():
         c = compile_it()
         assert c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what}: {c}"
-
-
-def test_experts_kernels_warp_specialize_for_hopper():
-    """ExpertsConfig.ws at `small`'s 8 K-token tiles on 4 warps: under the GPU image's Triton (3.6) the Hopper pass
-    splits each K loop into a producer and two consumer warp groups (12 warps a program), wgmma, no spills; up with
-    x by TMA (its gathered form cannot be specialized: the pass fails on pointer loads). Triton 3.9's pass fails on
-    both kernels (it splits the [BM, BK] tile between the consumers but not its descriptor): this test fails once a
-    Triton fixes that, so the variant is measured again there."""
-    import dataclasses
-
-    import triton
-
-    from k3backend.kernels import moe
-
-    cfg = moe.experts_config(8192, 6, 64, 1024, 1024)
-    cfg = dataclasses.replace(cfg, up=(64, cfg.up[1], 4, 4), down=(128, cfg.down[1], 4, 4))
-    for what, compile_it in _tma_tile_compiles(cfg, 49152, 448, xtma=True, ws=True).items():
-        if triton.__version__.startswith("3.6."):
-            c = compile_it()
-            assert c.warps == 12 and c.stack == 0 and c.smem <= 227 * 1024 and 3 in c.mma, f"{what}: {c}"
-        else:
-            with pytest.raises(RuntimeError, match="PassManager::run failed"):
-                compile_it()
 
 
 @pytest.mark.parametrize("E", [64, 384])
@@ -917,42 +893,6 @@ def check_experts_x_by_tma_equals_x_gathered():
     assert torch.equal(by_tma, gathered), f"{(by_tma != gathered).sum()} elements differ"
     want = moe_ref.experts(x, weights, ids, w13, w2, act)
     assert_bf16_close(by_tma, want, want.float().abs().amax(-1, keepdim=True).clamp_min(1e-3), "xtma")
-
-
-def check_experts_warp_specialized_equal_plain():
-    """ExpertsConfig.ws: the warp-specialized K loops (no early return: an unused block runs no K step and stores
-    nothing) give the bits of the plain TMA tiles: down alone, and up too with x by TMA; BM 64 at 157 tokens with
-    unused blocks (two experts idle, remote slots), 4 warps a program. The unused blocks' entries of the sorted ids,
-    which the align step leaves unset, hold real assignments here, as stale memory on a GPU may."""
-    import dataclasses
-
-    from k3backend.kernels import moe
-    from k3backend.kernels.moe_ref import Activation
-
-    act = Activation(**SITU)
-    T, E, k, D, I = 157, 7, 3, 128, 128
-    x, weights, ids, w13, w2 = experts_case(T, E, k, D, I, seed=1370)
-    cfg = dataclasses.replace(moe.experts_config(T, k, E, D, I), tma=True)
-    assert D % cfg.down[0] == 0 and I % cfg.up[0] == 0, cfg  # the weights' TMA tiles, which ws needs
-    ws = dataclasses.replace(cfg, ws=True, up=(*cfg.up[:2], 4, 4), down=(*cfg.down[:2], 4, 4))
-    align = moe._align
-
-    def stale(ids, E, block_m, reserve=False):
-        sorted_ids, block_expert = align(ids, E, block_m, reserve)
-        unused = block_expert < 0
-        assert block_m == 64 and int(unused.sum()) > 0, block_expert
-        sorted_ids.view(-1, block_m)[unused] = torch.arange(block_m, dtype=sorted_ids.dtype) % ids.numel()
-        return sorted_ids, block_expert
-
-    moe._align = stale
-    try:
-        with poisoned_empty():
-            plain = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, cfg)
-            for what, c in (("down", ws), ("up and down", dataclasses.replace(ws, xtma=True))):
-                got = moe.experts_with(x, weights, ids, w13, w2, act, 1.0, c)
-                assert torch.equal(got, plain), f"{what}: {(got != plain).sum()} elements differ"
-    finally:
-        moe._align = align
 
 
 def check_experts_gemv_loads_ahead_or_not_alike():

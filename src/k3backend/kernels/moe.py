@@ -189,25 +189,6 @@ def _mma(a, b, acc, GPU: tl.constexpr):
 
 
 @triton.jit
-def _steps(K, BLOCK_K: tl.constexpr, e, WS: tl.constexpr):
-    """K steps of a tile. WS: a warp-specialized loop cannot follow an early return, so an unused block (e < 0)
-    runs none, and `_block_rows` makes its rows padding: its epilogue stores nothing."""
-    steps = tl.cdiv(K, BLOCK_K)
-    if WS:
-        steps = tl.where(e >= 0, steps, 0)
-    return steps
-
-
-@triton.jit
-def _block_rows(sorted_ptr, rows, e, n, WS: tl.constexpr):
-    """The assignments of a row block (n: padding); WS: all padding in an unused block, whose entries are unset."""
-    a_idx = tl.load(sorted_ptr + rows)
-    if WS:
-        a_idx = tl.where(e >= 0, a_idx, n)
-    return a_idx
-
-
-@triton.jit
 def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     """Grouped launch order: GROUP_M row blocks (≈ the same few experts) sweep N together, so an
     expert's weight tile and the blocks' rows are reused from L2."""
@@ -579,8 +560,7 @@ def _up_kernel(x_ptr, x_desc, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block
                lam, TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_LAMBDA: tl.constexpr, DENSE: tl.constexpr,
                ROUND_GU: tl.constexpr, TABLE: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
                DECODE: tl.constexpr, SW: tl.constexpr, TMA: tl.constexpr, XTMA: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-               WS: tl.constexpr = False):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """h[rows, n-block] = act(bf(x[tok]·w1ᵀ), bf(x[tok]·w3ᵀ)): gate and up columns of one expert.
 
     DENSE: one weight for all n rows of x, row r = token r (glu_linear). ROUND_GU False: the
@@ -598,15 +578,13 @@ def _up_kernel(x_ptr, x_desc, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block
         a_idx = rows
         w_ptr, s_ptr = w13_ptr, s13_ptr
         w_row = pid_n * BLOCK_N  # of w_desc
-        e = 0  # no unused blocks (`_steps`)
     else:
         e = tl.load(block_expert_ptr + pid_m)
-        if not WS:
-            if e < 0:
-                return
-        a_idx = _block_rows(sorted_ptr, rows, e, n, WS)
+        if e < 0:
+            return
+        a_idx = tl.load(sorted_ptr + rows)
         w_ptr, s_ptr = w13_ptr + e.to(tl.int64) * stride_we, s13_ptr + e.to(tl.int64) * stride_se
-        w_row = tl.maximum(e, 0) * 2 * I + pid_n * BLOCK_N
+        w_row = e * 2 * I + pid_n * BLOCK_N
     tok = tl.where(a_idx < n, a_idx // TOP_K, 0).to(tl.int64)  # padding rows read token 0, never stored
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -620,7 +598,7 @@ def _up_kernel(x_ptr, x_desc, w13_ptr, s13_ptr, w_desc, h_ptr, sorted_ptr, block
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sg_ahead = _first_exponents(gs_ptrs, D, MX, SW, BLOCK_K)
     su_ahead = _first_exponents(us_ptrs, D, MX, SW, BLOCK_K)
-    for k0 in tl.range(0, _steps(D, BLOCK_K, e, WS), warp_specialize=WS):
+    for k0 in range(0, tl.cdiv(D, BLOCK_K)):
         k_left = D - k0 * BLOCK_K
         if XTMA:
             xa = x_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K])
@@ -653,8 +631,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
                  num_blocks, stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_yn, stride_pt, stride_pk,
                  TOP_K: tl.constexpr, GPU: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
                  DECODE: tl.constexpr, SW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-                 WS: tl.constexpr = False):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """y[a, n-block] = bf(w_a · fp32(h[row]·w2ᵀ)) for the rows of one expert block (MX: w2 codes
     [E, D, I/2], s2 exponents [E, D, I/32], or as int32 words with SW > 0). TMA: h tiles [BM, BK] through
     h_desc and weight tiles [BN, BK] through w_desc, w2 viewed [E·D, I] (BN divides D). A padding row's h was
@@ -662,11 +639,10 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(D, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
-    if not WS:
-        if e < 0:
-            return
+    if e < 0:
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    a_idx = _block_rows(sorted_ptr, rows, e, n, WS)
+    a_idx = tl.load(sorted_ptr + rows)
     real = a_idx < n
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -678,11 +654,11 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, h_desc, w_desc, y_ptr, weights_ptr, sort
     HALVES: tl.constexpr = _halves_for(MX, DECODE, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s_ahead = _first_exponents(s_ptrs, I, MX, SW, BLOCK_K)
-    for k0 in tl.range(0, _steps(I, BLOCK_K, e, WS), warp_specialize=WS):
+    for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         k_left = I - k0 * BLOCK_K
         if TMA:
             ha = h_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K])
-            acc = _mma(ha, w_desc.load([tl.maximum(e, 0) * D + pid_n * BLOCK_N, k0 * BLOCK_K]).T, acc, GPU)
+            acc = _mma(ha, w_desc.load([e * D + pid_n * BLOCK_N, k0 * BLOCK_K]).T, acc, GPU)
         else:
             if EVEN_K:
                 ha = tl.load(h_ptrs, mask=real[:, None], other=0.0)
@@ -954,10 +930,6 @@ class ExpertsConfig:
     # x tiles by TMA rather than gathering rows (at 8 K tokens of `small` up ran at 396 TFLOP/s, down, both operands
     # by TMA, at 454 on an H100). A variant the bench times.
     xtma: bool = False
-    # with tma: the K loops warp-specialized (a producer warp group issues the TMA loads, consumer groups the
-    # wgmma; Triton's Hopper pass wants 4 warps a program): down always, up where xtma makes x a TMA tile too. BM >= 64
-    # only: at BM 16 the pass leaves the loop unspecialized and unpipelined. A variant the bench times.
-    ws: bool = False
 
 
 def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
@@ -1165,7 +1137,7 @@ def _launch_up(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, h: torc
         HAS_LAMBDA=situ and lam is not None, DENSE=dense, ROUND_GU=round_gu, TABLE=table is not None, GPU=_GPU,
         EVEN_K=D % bk == 0, MX=s is not None, DECODE=cfg.decode, SW=sw, TMA=w_desc is not None,
         XTMA=x_desc is not None, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        WS=cfg.ws and x_desc is not None, **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
+        **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
     )
 
 
@@ -1385,8 +1357,8 @@ def _tiles(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor | None, w2: tor
         stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=0 if s2 is None else s2.stride(0),
         stride_sn=0 if s2 is None else s2.stride(1), stride_yn=y.stride(0), stride_pt=weights.stride(0),
         stride_pk=weights.stride(1), TOP_K=k, GPU=_GPU, EVEN_K=I % bk == 0, MX=s2 is not None, DECODE=cfg.decode,
-        SW=sw, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, WS=cfg.ws and tma,
-        **pdl.launch_args(x.device), num_warps=warps, num_stages=stages,
+        SW=sw, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, **pdl.launch_args(x.device),
+        num_warps=warps, num_stages=stages,
     )
 
 
