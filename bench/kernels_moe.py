@@ -293,8 +293,8 @@ def cases(args: argparse.Namespace) -> list[Case]:
 
 # ----------------------------------------------------------------------------- tile sweep (GPU, by hand)
 def _candidates(cfg) -> list:
-    """The chosen tiles, then one change at a time: up's tiles, down's tiles, BM, GROUP_M, the align form, x by TMA;
-    the GEMV kernels' tiles (ExpertsConfig.gemv) where the shape is small enough to choose them, two of them
+    """The chosen tiles, then one change at a time: up's tiles, down's tiles, BM, GROUP_M, the align form, x by TMA
+    (and where the rule takes BM 128, BM 64 with its widest up tile); the GEMV kernels' tiles (ExpertsConfig.gemv) where the shape is small enough to choose them, two of them
     otherwise."""
     from dataclasses import replace
 
@@ -308,6 +308,8 @@ def _candidates(cfg) -> list:
     out += [replace(cfg, group_m=g) for g in (1, 4, 16) if g != cfg.group_m]
     out += [replace(cfg, reserve=not cfg.reserve)]  # the align kernels' other form
     out += [replace(cfg, xtma=True)] if cfg.tma else []  # up's x permuted first and read by TMA
+    if cfg.block_m == 128:  # BM 64's widest up tile (2 x 64 x 256 accumulators; at BM 128 they would spill)
+        out += [replace(cfg, block_m=64, up=(256, 64, 8, 3))]
     gemv = [(16, 256, 4, 3), (8, 512, 4, 3), (32, 128, 4, 3), (8, 256, 2, 3), (16, 128, 4, 3)]
     if cfg.gemv is not None:  # a few rows: the GEMV tiles, and the MMA tiles above (gemv None) for comparison
         out = [cfg] + [replace(cfg, gemv=t) for t in gemv if t != cfg.gemv] + [replace(c, gemv=None) for c in out]
