@@ -404,6 +404,27 @@ def check_tma_tiles_equal_pointer_tiles_and_the_reference():
     assert torch.equal(got, h), "glu_linear: TMA and pointer tiles differ"
 
 
+def test_a_rank_of_expert_parallelism_keys_its_tiles_on_its_share_of_the_assignments():
+    """Under EP a rank holds E/ep experts and gets about T·k/ep of the assignments: its rows an expert are the
+    whole layer's, T·k/E, not T·k/(E/ep). Keyed on those, `small` split over 8 ranks takes the single rank's tier
+    (BM) at decode and prefill sizes (between, at 256-512 tokens, whether the experts hit fill two waves of wide
+    tiles is the rank's own: 8 experts do not), and MXFP4 expands first from the same token count; on its
+    local E alone it would take BM 32 at 64 decode rows and expand from 1,024 tokens."""
+    from k3backend.kernels import moe
+
+    E, ep, k, D, I = 64, 8, 6, 1024, 1024
+    for T in (1, 4, 16, 64, 2048, 8192):
+        for mx in (False, True):
+            whole, rank = moe.experts_config(T, k, E, D, I, mx), moe.experts_config(T, k, E // ep, D, I, mx, ep=ep)
+            assert rank.block_m == whole.block_m, (T, mx, whole, rank)
+    assert moe.experts_config(64, k, E // ep, D, I).block_m == 32  # what the rank took before: m = 48, not 16
+    scales = torch.zeros(1, dtype=torch.uint8)
+    for T in (1024, 2048, 4096, 8192):
+        expands = moe.experts_mxfp4_config(T, k, E, D, I, scales).expand > 0
+        assert (moe.experts_mxfp4_config(T, k, E // ep, D, I, scales, ep=ep).expand > 0) == expands, T
+    assert moe.experts_mxfp4_config(1024, k, E // ep, D, I, scales).expand == E // ep
+
+
 def test_tma_only_where_rows_share_an_expert_block_of_64_or_more_and_weights_are_bf16():
     from k3backend.kernels import moe
 

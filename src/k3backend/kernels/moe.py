@@ -932,9 +932,10 @@ class ExpertsConfig:
     xtma: bool = False
 
 
-def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) -> ExpertsConfig:
-    """Tiles keyed on the mean rows per expert m = T·k/E (a pure function of the shape: nothing is
-    autotuned, so a captured graph replays the kernels it was captured with).
+def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False, ep: int = 1) -> ExpertsConfig:
+    """Tiles keyed on the mean rows per expert m = T·k/(E·ep) (a pure function of the shape: nothing is
+    autotuned, so a captured graph replays the kernels it was captured with). E: this rank's experts; ep: the
+    expert-parallel ranks they are split over, so about T·k/ep of the assignments are this rank's.
 
     - m ≤ 16 (decode): weight-streaming. BM 16 (the smallest tl.dot); N split fine (BN 64, or 32 / 16
       when the touched experts alone would not fill 2 waves of 132 SMs) instead of split-K, so the
@@ -988,15 +989,16 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False) 
     448 / 512 tokens 147 / 146 µs against 157 / 160 with 4 (H100, bench/kernels_mxfp4.py --sweep, 2026-12-05; BM 32 with
     d0 stayed ahead at 320 / 384, 129 / 147 against 133 / 152).
     """
-    m = T * k / max(E, 1)
+    here = -(-T * k // ep)  # the assignments this rank expects; the others' are skipped
+    m = here / max(E, 1)
     # the experts hit fill 2 waves of BN-128 tiles (bf16: MXFP4 was not measured with them)
-    wide = not mxfp4 and min(E, T * k) * triton.cdiv(I, 128) >= TWO_WAVES
+    wide = not mxfp4 and min(E, here) * triton.cdiv(I, 128) >= TWO_WAVES
     if E == 1 and k == 1 and T < 2048:  # glu_linear
         bm = max(16, min(64, triton.next_power_of_2(T)))
         bn = next((b for b in (128, 64, 32) if triton.cdiv(T, bm) * triton.cdiv(I, b) >= 256), 16)
         up = down = (bn, 128, 4, 3) if T <= 64 else (bn, 64, 4, 4)
     elif m <= 16:
-        blocks = min(E, T * k)  # ≈ the experts hit: one row block each
+        blocks = min(E, here)  # ≈ the experts hit: one row block each
 
         def bn(N: int) -> int:  # the widest N tile that still gives >= 2 waves of programs
             return next((b for b in (64, 32) if blocks * triton.cdiv(N, b) >= TWO_WAVES), 16)
@@ -1179,7 +1181,7 @@ def _routing_supported(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 
 def experts_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, act: Activation, scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
-                     norm_eps: float = 0.0) -> tuple[bool, str]:
+                     norm_eps: float = 0.0, ep: int = 1) -> tuple[bool, str]:
     """(ok, reason): bf16/fp16 activations and weights of one dtype, fp32 routing weights, unit inner strides."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return False, f"x: expected bfloat16 or float16, got {x.dtype} (fp32 tl.dot would use tf32)"
@@ -1199,7 +1201,7 @@ def experts_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
 def experts_mxfp4_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                            w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, act: Activation,
                            scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
-                           norm_eps: float = 0.0) -> tuple[bool, str]:
+                           norm_eps: float = 0.0, ep: int = 1) -> tuple[bool, str]:
     """(ok, reason): bf16 activations (fp16 cannot hold every E8M0 scale), uint8 codes and exponents
     of one expert layout, widths in whole groups of 32, unit inner strides."""
     if x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -1223,21 +1225,21 @@ def experts_mxfp4_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             act: Activation, scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
-            norm_eps: float = 0.0) -> torch.Tensor:
+            norm_eps: float = 0.0, ep: int = 1) -> torch.Tensor:
     """Routed experts with SGLang's rounding points (§7.4); see moe_ref.experts. Returns [T, D] in x.dtype."""
     (T, D), k = x.shape, ids.shape[1]
-    cfg = experts_config(T, k, w13.shape[0], D, w13.shape[1] // 2)
+    cfg = experts_config(T, k, w13.shape[0], D, w13.shape[1] // 2, ep=ep)
     return experts_with(x, weights, ids, w13, w2, act, scaling, cfg, norm=_norm(norm_weight, norm_eps))
 
 
 def experts_mxfp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, act: Activation,
                   scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
-                  norm_eps: float = 0.0) -> torch.Tensor:
+                  norm_eps: float = 0.0, ep: int = 1) -> torch.Tensor:
     """Routed experts on MXFP4 weights (§7.4, §7.7), w4a16: the same kernels, which read the packed
     codes and exponents and expand them to bf16 in registers; see moe_ref.experts_mxfp4."""
     (T, D), k = x.shape, ids.shape[1]
-    cfg = experts_mxfp4_config(T, k, w13.shape[0], D, w2.shape[2] * 2, w13_scale, w2_scale)
+    cfg = experts_mxfp4_config(T, k, w13.shape[0], D, w2.shape[2] * 2, w13_scale, w2_scale, ep=ep)
     return experts_with(x, weights, ids, w13, w2, act, scaling, cfg, (w13_scale, w2_scale),
                         _norm(norm_weight, norm_eps))
 
@@ -1246,16 +1248,16 @@ def _norm(weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, float]
     return None if weight is None else (weight, eps)
 
 
-def experts_mxfp4_config(T: int, k: int, E: int, D: int, I: int, *scales: torch.Tensor) -> ExpertsConfig:
+def experts_mxfp4_config(T: int, k: int, E: int, D: int, I: int, *scales: torch.Tensor, ep: int = 1) -> ExpertsConfig:
     """experts_config's MXFP4 tiles, with decode 3 for 2 where every exponent of `scales` is at most
     FOLD_MAX_EXPONENT (H200, `small`, .dev sweep of 2026-12-05: 2-5 % faster at 1-128 tokens, GEMV and BM 16).
     From EXPAND_ROWS rows an expert, where all the experts expanded fit EXPAND_BYTES: every expert expanded to bf16
     first, then bf16's tiles (`expand`). One H100, `small` (all 64 experts a chunk, against the MXFP4 tiles, µs):
     2,048 / 4,096 / 8,192 / 16,384 tokens (m = 192 / 384 / 768 / 1,536) 486 / 622 / 966 / 1,643 against 361 / 612 /
     1,132 / 2,137; 16 experts a chunk 596 / 740 / 1,117 / 1,843 (the other chunks' blocks still launch), so one."""
-    if T * k >= EXPAND_ROWS * E and 3 * E * D * I * 2 <= EXPAND_BYTES:
-        return replace(experts_config(T, k, E, D, I), expand=E)
-    cfg = experts_config(T, k, E, D, I, mxfp4=True)
+    if T * k >= EXPAND_ROWS * E * ep and 3 * E * D * I * 2 <= EXPAND_BYTES:
+        return replace(experts_config(T, k, E, D, I, ep=ep), expand=E)
+    cfg = experts_config(T, k, E, D, I, mxfp4=True, ep=ep)
     if cfg.decode == 2 and max(map(_max_exponent, scales), default=0) <= FOLD_MAX_EXPONENT:
         cfg = replace(cfg, decode=3)
     return cfg

@@ -109,7 +109,7 @@ def moe_front(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             act: Activation, scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
-            norm_eps: float = 0.0) -> torch.Tensor:
+            norm_eps: float = 0.0, ep: int = 1) -> torch.Tensor:
     """Routed experts with SGLang's rounding points (§7.4).
 
     x: [T, D] model dtype; weights, ids: [T, k]; w13: [E, 2I, D] = [w1; w3]; w2: [E, D, I];
@@ -117,6 +117,8 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torc
     returns bf(scaling·Σ_e fp32(y_e)) [T, D]. Expert ids outside [0, E) are skipped (another
     rank's experts under expert parallelism). norm_weight: then `rms_norm` of that sum with it and
     norm_eps, the latent norm (§7.2), for a caller that holds the whole sum (no reduction between).
+    ep: the expert-parallel ranks the layer's experts are split over, which the fused op's tiles are keyed
+    on (`moe.experts_config`); the result does not depend on it.
     """
     out = _experts(x, weights, ids, w13.shape[0], lambda e: (w13[e], w2[e]), act, scaling)
     return out if norm_weight is None else rms_norm(out, norm_weight, norm_eps)
@@ -125,7 +127,7 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torc
 def experts_mxfp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, act: Activation,
                   scaling: float = 1.0, norm_weight: torch.Tensor | None = None,
-                  norm_eps: float = 0.0) -> torch.Tensor:
+                  norm_eps: float = 0.0, ep: int = 1) -> torch.Tensor:
     """`experts` on MXFP4 weights (§7.7): each expert's matrices dequantized exactly to x.dtype, then
     the same op (the norm too). The logical function of the real checkpoint's experts; the fused w4a16 kernel
     expands the codes in registers instead of in memory.

@@ -120,9 +120,10 @@ class Experts(nn.Module):
                 scaling: float, norm: RMSNorm | None = None) -> torch.Tensor:
         """x [T, D], weights / local ids [T, k] -> this rank's Σ over its experts [T, D] (§7.4), then `norm` of it."""
         how = (act, scaling, None, 0.0) if norm is None else (act, scaling, norm.weight, norm.eps)
+        ep = self.par.ep_size  # the kernels' tiles expect 1/ep of the assignments here
         if self.quant is None:
-            return kernels.experts(x, weights, ids, self.w13, self.w2, *how)
-        return kernels.experts_mxfp4(x, weights, ids, self.w13, self.w13_scale, self.w2, self.w2_scale, *how)
+            return kernels.experts(x, weights, ids, self.w13, self.w2, *how, ep=ep)
+        return kernels.experts_mxfp4(x, weights, ids, self.w13, self.w13_scale, self.w2, self.w2_scale, *how, ep=ep)
 
 
 class MoE(nn.Module):
