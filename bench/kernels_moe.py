@@ -294,8 +294,8 @@ def cases(args: argparse.Namespace) -> list[Case]:
 # ----------------------------------------------------------------------------- tile sweep (GPU, by hand)
 def _candidates(cfg) -> list:
     """The chosen tiles, then one change at a time: up's tiles, down's tiles, BM, GROUP_M, the align form, x by TMA
-    (and where the rule takes BM 128, BM 64 with its widest up tile); the GEMV kernels' tiles (ExpertsConfig.gemv) where the shape is small enough to choose them, two of them
-    otherwise."""
+    (and where the rule takes BM 128, BM 64 with its widest up tile); the GEMV kernels' tiles (ExpertsConfig.gemv)
+    where the shape is small enough to choose them, two of them otherwise."""
     from dataclasses import replace
 
     tiles = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (64, 64, 4, 6),
