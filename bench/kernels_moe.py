@@ -295,7 +295,7 @@ def cases(args: argparse.Namespace) -> list[Case]:
 def _candidates(cfg) -> list:
     """The chosen tiles, then one change at a time: up's tiles, down's tiles, BM, GROUP_M, the align form, x by TMA
     (and where the rule takes BM 128, BM 64 with its widest up tile); the GEMV kernels' tiles (ExpertsConfig.gemv)
-    where the shape is small enough to choose them, two of them otherwise."""
+    where the shape is small enough to choose them, two of them beside BM 16."""
     from dataclasses import replace
 
     tiles = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (64, 64, 4, 6),
@@ -313,7 +313,7 @@ def _candidates(cfg) -> list:
     gemv = [(16, 256, 4, 3), (8, 512, 4, 3), (32, 128, 4, 3), (8, 256, 2, 3), (16, 128, 4, 3)]
     if cfg.gemv is not None:  # a few rows: the GEMV tiles, and the MMA tiles above (gemv None) for comparison
         out = [cfg] + [replace(cfg, gemv=t) for t in gemv if t != cfg.gemv] + [replace(c, gemv=None) for c in out]
-    else:
+    elif cfg.block_m == 16:  # two of them beside decode's MMA tiles (at prefill sizes they take seconds a row)
         out += [replace(cfg, gemv=t) for t in gemv[:2]]
     return out
 

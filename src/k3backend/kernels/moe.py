@@ -966,9 +966,12 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False, 
       tiers gave it 16-32 programs from 17 rows on (`bench/kernels_moe.py --glu`, H200, `small`
       shared experts: 15.2 → 9.7 µs at 64 rows, 38.8 → 15.4 at 320, 38.8 → 23.7 at 1,024; the dense
       MLP [2·8192, 2048] at 64 rows 24.1 µs; K3 width 75.7 → 54.9 at 64, 204 → 189 at 512).
-    - m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger: BM 128 × BN 128,
-      8 warps. Padding each expert to BM costs ~BM/2 rows per expert, which is why BM grows only with
-      m (K3 at 8 K tokens: m ≈ 146).
+    - m ≤ 192: BM 64, BN 128 (two accumulators in up: a 64×256 wgmma tile). Larger: BM 128, up BN 128 and
+      down BN 256, 8 warps, and the align kernels that reserve rows (`reserve`). Padding each expert to BM costs
+      ~BM/2 rows per expert, which is why BM grows only with m (K3 at 8 K tokens: m ≈ 146). One H100, `small`
+      (bench/kernels_moe.py --per-kernel, 2026-12-07), 8,192 / 16,384 tokens against down BN 128 and atomics an
+      assignment: down 230.6 / 414.6 -> 207.0 / 366.4 µs, align 44.8 / 85.8 -> 20.7 / 27.2 µs (each change
+      alone; the op 0.796 / 1.466 -> 0.773 / 1.430 ms with BN 256, 0.783 / 1.448 with reserve).
     - BM ≥ 64 (bf16): weight tiles (and down's h tiles) through TMA descriptors (`tma`): on the H200 at
       `small` (bench/kernels_moe.py --tma, 2026-12-03) 4,096 / 8,192 / 16,384 tokens took 0.425 / 0.761 /
       1.415 ms against 0.448 / 0.807 / 1.510 with pointer loads (363 / 406 / 437 TFLOP/s), and the same at
@@ -1013,8 +1016,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False, 
     elif m <= 192:  # MXFP4's expansion is issue-bound: 8 warps
         w = 8 if mxfp4 else 4
         bm, up, down = 64, (128, 64, w, 4), (128, 64, w, 4)
-    else:
-        bm, up, down = 128, (128, 64, 8, 4), (128, 64, 8, 3)
+    else:  # MXFP4's expansion in registers was not measured with down's BN 256
+        bm, up, down = 128, (128, 64, 8, 4), ((128 if mxfp4 else 256), 64, 8, 3)
 
     gemv = None
     if T * k <= GEMV_ROWS and m <= GEMV_PER_MATRIX:  # rows a program: fewer where 16 would not fill 2 waves
@@ -1037,7 +1040,7 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False, 
     decode = 2 if mxfp4 else 0
     fragments = (64, 4, 64, 2) if mxfp4 and bm == 16 and 2 < m <= 8 else None  # moe_fragments' docstring
     return ExpertsConfig(bm, fit(up, I, D), fit(down, D, I), decode=decode, gemv=gemv,
-                         tma=bm >= 64 and not mxfp4, fragments=fragments)
+                         tma=bm >= 64 and not mxfp4, fragments=fragments, reserve=bm == 128)
 
 
 _TABLES: dict[tuple[Activation, torch.device], torch.Tensor] = {}
