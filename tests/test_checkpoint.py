@@ -179,6 +179,31 @@ def test_missing_shard_and_missing_config_are_errors(tmp_path, tiny):
         load_model(broken, progress=False)
 
 
+def test_a_16_bit_kda_state_in_the_config_is_named_in_a_warning_and_the_state_stays_float32(tmp_path, tiny, caplog):
+    """mamba_ssm_dtype (K3_LM.md §5.6) is parsed but the state pool is float32: a load says so rather than serving
+    other numerics than the checkpoint's config asks for in silence."""
+    import json
+    import logging
+
+    from k3backend.model.cache import layer_cache
+
+    dst = tmp_path / "bf16_state"
+    shutil.copytree(tiny, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    raw["text_config"]["mamba_ssm_dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(raw))
+    with caplog.at_level(logging.WARNING, logger="k3backend"):
+        model = load_model(dst, progress=False)
+    assert any("mamba_ssm_dtype bfloat16" in r.getMessage() and "kept in float32" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    kda = next(layer.self_attn for layer in model.language_model.model.layers if layer.self_attn.is_kda)
+    assert layer_cache(kda, 2, 1, 16, torch.bfloat16, torch.device("cpu")).state.dtype == torch.float32
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="k3backend"):
+        load_model(tiny, progress=False)
+    assert not any("mamba_ssm_dtype" in r.getMessage() for r in caplog.records)
+
+
 def write_text_checkpoint(out, raw: dict, kda_v: int | None) -> None:
     """A kimi_linear checkpoint of `raw` whose KDA layers use value head size `kda_v` (None: K3's rule)."""
     cfg = K3Config.from_dict(raw)

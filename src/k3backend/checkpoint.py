@@ -330,6 +330,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
         model.preprocess_cfg = PreprocessConfig.from_json(path / "preprocessor_config.json")
     model.eval().requires_grad_(False)
     log.info("loaded %s (%s, %s) from %s: %s", cfg.model_type, dtype, device, path, weight_summary(model))
+    if cfg.text.mamba_ssm_dtype != "float32":  # K3_LM.md §5.6: SGLang would round the state at every store
+        log.warning("config.json asks for mamba_ssm_dtype %s: the KDA recurrent state is kept in float32 here, so "
+                    "outputs can differ from a server that rounds the state to %s at every store (the float32 "
+                    "state is the more precise; the cache holds half the KDA slots it would in 16 bits)",
+                    cfg.text.mamba_ssm_dtype, cfg.text.mamba_ssm_dtype)
     return model
 
 
