@@ -972,7 +972,8 @@ def experts_config(T: int, k: int, E: int, D: int, I: int, mxfp4: bool = False, 
       ~BM/2 rows per expert, which is why BM grows only with m (K3 at 8 K tokens: m ≈ 146). One H100, `small`
       (bench/kernels_moe.py --per-kernel, 2026-12-07), 8,192 / 16,384 tokens against down BN 128 and atomics an
       assignment: down 230.6 / 414.6 -> 207.0 / 366.4 µs, align 44.8 / 85.8 -> 20.7 / 27.2 µs (each change
-      alone; the op 0.796 / 1.466 -> 0.773 / 1.430 ms with BN 256, 0.783 / 1.448 with reserve).
+      alone; the op 0.796 / 1.466 -> 0.773 / 1.430 ms with BN 256, 0.783 / 1.448 with reserve). Both together,
+      one run: 0.793 / 1.489 -> 0.757-0.765 / 1.385-1.405 ms (408 / 447 TFLOP/s); 4,096 tokens 0.460 -> 0.452.
     - BM ≥ 64 (bf16): weight tiles (and down's h tiles) through TMA descriptors (`tma`): on the H200 at
       `small` (bench/kernels_moe.py --tma, 2026-12-03) 4,096 / 8,192 / 16,384 tokens took 0.425 / 0.761 /
       1.415 ms against 0.448 / 0.807 / 1.510 with pointer loads (363 / 406 / 437 TFLOP/s), and the same at
