@@ -192,7 +192,7 @@ def test_kernels_compile_for_hopper_without_spills():
 
     H, n = 7168, 9
     block_h = triton_next_pow2(H)
-    runs = [("attn_res_mix_norm", norm._attn_res_mix_kernel, norm.mix_warps(block_h),
+    runs = [("attn_res_mix_norm", norm._attn_res_mix_kernel, norm.mix_warps(block_h, tokens),
              dict(rows=("*bf16",) * n, norm_w_ptr="*bf16", proj_w_ptr="*bf16", out_w_ptr="*bf16", out_ptr="*bf16",
                   n_rows=64, s_r=H, s_o=H, eps=1e-5, out_eps=1e-5),
              dict(H=H, BLOCK_H=block_h, NUM=n, BLOCK_J=16, CHUNK=norm.mix_chunk(tokens, block_h, 16), NORM=True,

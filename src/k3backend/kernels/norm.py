@@ -179,12 +179,15 @@ def row_config(D: int) -> tuple[int, int, int]:
     return block_d, block_rows, max(4, min(16, block_d * block_rows // 1024))
 
 
-def mix_warps(block_h: int) -> int:
-    """num_warps of the AttnRes mix: 32 values of a row per thread (H 7168 -> 8 warps)."""
-    return max(4, min(16, block_h // 1024))
-
-
 MIX_TILED_ROWS = 64  # the AttnRes mix's scores in tiles up to this many tokens, row by row above
+
+
+def mix_warps(block_h: int, tokens: int) -> int:
+    """num_warps of the AttnRes mix: 32 values of a row a thread (H 7168 -> 8 warps), and at least 8 where the
+    scores run in tiles: one H100, mix + norm timed in CUDA graphs of 20 chained calls (2026-12-07), µs at 1 /
+    8 / 64 tokens, `small` (H 2048, 5 rows) 4 warps 3.32 / 3.38 / 3.50, 8 warps 3.00 / 3.03 / 3.23, 16 warps
+    3.32 / 3.37 / 3.54; K3 (H 7168, 9 rows) 11.4 / 11.7 / 12.7, 8.9 / 9.0 / 9.3, 10.5 / 10.5 / 11.0."""
+    return max(8 if tokens <= MIX_TILED_ROWS else 4, min(16, block_h // 1024))
 
 
 def mix_chunk(tokens: int, block_h: int, block_j: int) -> int:
@@ -192,7 +195,7 @@ def mix_chunk(tokens: int, block_h: int, block_j: int) -> int:
     On an H100 (bench/kernels.py --families norm --match mix, µs, rows -> tiles): `small` (H 2048, 5 rows) 1 token
     5 -> 4, 64 tokens 5 -> 5, 1,024 tokens 10 -> 12; K3 (H 7168, 9 rows) 1 and 64 tokens equal, 1,024 tokens
     74 -> 104, 16,384 1,165 -> 1,482; decode replays (`small`, MXFP4, gpu_ab) 1.0-1.5 % faster at batch 1-64."""
-    return min(block_h, 32 * 32 * mix_warps(block_h) // block_j) if tokens <= MIX_TILED_ROWS else 0
+    return min(block_h, 32 * 32 * mix_warps(block_h, tokens) // block_j) if tokens <= MIX_TILED_ROWS else 0
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -263,7 +266,7 @@ def _mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, e
             n_rows=flat[0].shape[0], s_r=flat[0].stride(0), s_o=out.stride(0), eps=eps, out_eps=out_eps, H=H,
             BLOCK_H=block_h, NUM=len(rows), BLOCK_J=block_j, CHUNK=mix_chunk(flat[0].shape[0], block_h, block_j),
             NORM=out_w is not None, INTERPRET=interpreting(), **pdl.launch_args(out.device),
-            num_warps=mix_warps(block_h), enable_fp_fusion=FP_FUSION)
+            num_warps=mix_warps(block_h, flat[0].shape[0]), enable_fp_fusion=FP_FUSION)
     return out.view(first.shape)
 
 
