@@ -2,7 +2,8 @@
 
 T = 1, 64, 1024, 16384 tokens at hidden 2048 (the `small` preset) and 7168 (K3):
 rms_norm; attn_res_mix and the fused attn_res_mix_norm over 5 (small: attn_res_block_size 6) and 9
-(K3) candidate rows;
+(K3) candidate rows, the fused one at 1-64 tokens also with the warps `mix_warps` does not take
+(`attn_res_mix_norm_w<warps>`);
 gated_rms_norm over T x 16 heads x 128 (KDA o_norm). Bytes are one read of every input and one
 write of the output. `--check` compares each case with its reference at tolerances.KERNEL and,
 on a GPU, replays it from a CUDA graph (bit-equal to eager).
@@ -10,7 +11,10 @@ on a GPU, replays it from a CUDA graph (bit-equal to eager).
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import triton
 
 from kernels import Case
 from kernels_mla import checker
@@ -43,6 +47,12 @@ def cases(args) -> list[Case]:
             add(f"attn_res_mix_norm/{wname}", f"T{T} H{H} n{n_rows}", norm.attn_res_mix_norm,
                 norm_ref.attn_res_mix_norm, (rows, ns, wp, 1e-5, w, 1e-5), (n_rows + 1) * T * H * 2,
                 roundings=2)  # the mix is rounded to bf16 before the norm (two roundings)
+            rule = norm.mix_warps(triton.next_power_of_2(H), T)
+            for warps in (4, 8, 16) if T <= norm.MIX_TILED_ROWS else ():  # mix_warps' alternatives
+                if warps != rule:
+                    add(f"attn_res_mix_norm_w{warps}/{wname}", f"T{T} H{H} n{n_rows}",
+                        functools.partial(norm.attn_res_mix_norm, warps=warps), norm_ref.attn_res_mix_norm,
+                        (rows, ns, wp, 1e-5, w, 1e-5), (n_rows + 1) * T * H * 2, roundings=2)
     D = HEAD_DIM if not args.smoke else 24
     wo = bf(D, scale=0.1) + 1
     for T in tokens:

@@ -184,18 +184,20 @@ MIX_TILED_ROWS = 64  # the AttnRes mix's scores in tiles up to this many tokens,
 
 def mix_warps(block_h: int, tokens: int) -> int:
     """num_warps of the AttnRes mix: 32 values of a row a thread (H 7168 -> 8 warps), and at least 8 where the
-    scores run in tiles: one H100, mix + norm timed in CUDA graphs of 20 chained calls (2026-12-07), µs at 1 /
-    8 / 64 tokens, `small` (H 2048, 5 rows) 4 warps 3.32 / 3.38 / 3.50, 8 warps 3.00 / 3.03 / 3.23, 16 warps
-    3.32 / 3.37 / 3.54; K3 (H 7168, 9 rows) 11.4 / 11.7 / 12.7, 8.9 / 9.0 / 9.3, 10.5 / 10.5 / 11.0."""
+    scores run in tiles (bench/kernels.py --families norm --match mix_norm times the others beside the rule). One
+    H100, mix + norm in CUDA graphs of 20 chained calls (2026-12-07), µs at 1 / 8 / 64 tokens, `small` (H 2048,
+    5 rows) 4 warps 3.32 / 3.38 / 3.50, 8 warps 3.00 / 3.03 / 3.23, 16 warps 3.32 / 3.37 / 3.54; K3 (H 7168,
+    9 rows) 11.4 / 11.7 / 12.7, 8.9 / 9.0 / 9.3, 10.5 / 10.5 / 11.0."""
     return max(8 if tokens <= MIX_TILED_ROWS else 4, min(16, block_h // 1024))
 
 
-def mix_chunk(tokens: int, block_h: int, block_j: int) -> int:
+def mix_chunk(tokens: int, block_h: int, block_j: int, warps: int | None = None) -> int:
     """Columns of the AttnRes scores' [block_j, chunk] tiles (32 values of each tile a thread), 0 for row by row.
     On an H100 (bench/kernels.py --families norm --match mix, µs, rows -> tiles): `small` (H 2048, 5 rows) 1 token
     5 -> 4, 64 tokens 5 -> 5, 1,024 tokens 10 -> 12; K3 (H 7168, 9 rows) 1 and 64 tokens equal, 1,024 tokens
     74 -> 104, 16,384 1,165 -> 1,482; decode replays (`small`, MXFP4, gpu_ab) 1.0-1.5 % faster at batch 1-64."""
-    return min(block_h, 32 * 32 * mix_warps(block_h, tokens) // block_j) if tokens <= MIX_TILED_ROWS else 0
+    warps = warps or mix_warps(block_h, tokens)
+    return min(block_h, 32 * 32 * warps // block_j) if tokens <= MIX_TILED_ROWS else 0
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -241,14 +243,14 @@ def attn_res_mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.T
 
 
 def attn_res_mix_norm(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
-                      out_w: torch.Tensor, out_eps: float) -> torch.Tensor:
+                      out_w: torch.Tensor, out_eps: float, *, warps: int | None = None) -> torch.Tensor:
     """`norm_ref.attn_res_mix_norm`: rms_norm(attn_res_mix(...)) in one kernel, the mixture rounded
-    to the model dtype before the norm as in the unfused path."""
-    return _mix(rows, norm_w, proj_w, eps, out_w, out_eps)
+    to the model dtype before the norm as in the unfused path. warps: instead of `mix_warps` (the bench)."""
+    return _mix(rows, norm_w, proj_w, eps, out_w, out_eps, warps)
 
 
 def _mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
-         out_w: torch.Tensor | None, out_eps: float) -> torch.Tensor:
+         out_w: torch.Tensor | None, out_eps: float, warps: int | None = None) -> torch.Tensor:
     first = rows[0]
     for j, r in enumerate(rows):
         if r.shape != first.shape or r.dtype != first.dtype:
@@ -260,13 +262,15 @@ def _mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, e
         flat = [r.contiguous() for r in flat]
     out = torch.empty(flat[0].shape, dtype=first.dtype, device=first.device)
     if out.numel():
+        T = flat[0].shape[0]
         block_h, block_j = triton.next_power_of_2(H), max(2, triton.next_power_of_2(len(rows)))
-        _attn_res_mix_kernel[(flat[0].shape[0],)](
+        warps = warps or mix_warps(block_h, T)
+        _attn_res_mix_kernel[(T,)](
             tuple(flat), norm_w, proj_w.reshape(-1), norm_w if out_w is None else out_w, out,
-            n_rows=flat[0].shape[0], s_r=flat[0].stride(0), s_o=out.stride(0), eps=eps, out_eps=out_eps, H=H,
-            BLOCK_H=block_h, NUM=len(rows), BLOCK_J=block_j, CHUNK=mix_chunk(flat[0].shape[0], block_h, block_j),
-            NORM=out_w is not None, INTERPRET=interpreting(), **pdl.launch_args(out.device),
-            num_warps=mix_warps(block_h, flat[0].shape[0]), enable_fp_fusion=FP_FUSION)
+            n_rows=T, s_r=flat[0].stride(0), s_o=out.stride(0), eps=eps, out_eps=out_eps, H=H,
+            BLOCK_H=block_h, NUM=len(rows), BLOCK_J=block_j, CHUNK=mix_chunk(T, block_h, block_j, warps),
+            NORM=out_w is not None, INTERPRET=interpreting(), **pdl.launch_args(out.device), num_warps=warps,
+            enable_fp_fusion=FP_FUSION)
     return out.view(first.shape)
 
 
