@@ -51,7 +51,7 @@ def cases(args) -> list[Case]:
             for warps in (4, 8, 16) if T <= norm.MIX_TILED_ROWS else ():  # mix_warps' alternatives
                 if warps != rule:
                     add(f"attn_res_mix_norm_w{warps}/{wname}", f"T{T} H{H} n{n_rows}",
-                        functools.partial(norm.attn_res_mix_norm, warps=warps), norm_ref.attn_res_mix_norm,
+                        functools.partial(norm.attn_res_mix_norm_with, warps=warps), norm_ref.attn_res_mix_norm,
                         (rows, ns, wp, 1e-5, w, 1e-5), (n_rows + 1) * T * H * 2, roundings=2)
     D = HEAD_DIM if not args.smoke else 24
     wo = bf(D, scale=0.1) + 1

@@ -243,9 +243,15 @@ def attn_res_mix(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.T
 
 
 def attn_res_mix_norm(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
-                      out_w: torch.Tensor, out_eps: float, *, warps: int | None = None) -> torch.Tensor:
+                      out_w: torch.Tensor, out_eps: float) -> torch.Tensor:
     """`norm_ref.attn_res_mix_norm`: rms_norm(attn_res_mix(...)) in one kernel, the mixture rounded
-    to the model dtype before the norm as in the unfused path. warps: instead of `mix_warps` (the bench)."""
+    to the model dtype before the norm as in the unfused path."""
+    return _mix(rows, norm_w, proj_w, eps, out_w, out_eps)
+
+
+def attn_res_mix_norm_with(rows: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+                           out_w: torch.Tensor, out_eps: float, warps: int) -> torch.Tensor:
+    """`attn_res_mix_norm` on `warps` warps instead of `mix_warps`' (bench/kernels_norm.py compares them)."""
     return _mix(rows, norm_w, proj_w, eps, out_w, out_eps, warps)
 
 
