@@ -190,13 +190,16 @@ def test_kernels_compile_for_hopper_without_spills():
 
     from k3backend.kernels import norm
 
-    H, n = 7168, 9
-    block_h = triton_next_pow2(H)
-    runs = [("attn_res_mix_norm", norm._attn_res_mix_kernel, norm.mix_warps(block_h, tokens),
-             dict(rows=("*bf16",) * n, norm_w_ptr="*bf16", proj_w_ptr="*bf16", out_w_ptr="*bf16", out_ptr="*bf16",
-                  n_rows=64, s_r=H, s_o=H, eps=1e-5, out_eps=1e-5),
-             dict(H=H, BLOCK_H=block_h, NUM=n, BLOCK_J=16, CHUNK=norm.mix_chunk(tokens, block_h, 16), NORM=True,
-                  INTERPRET=False)) for tokens in (1, 1024)]
+    H = 7168
+    runs = []
+    for h, n, tokens in ((H, 9, 1), (H, 9, 1024), (2048, 5, 1)):  # K3, and `small` on its 8 warps at 1 token
+        block_h, block_j = triton_next_pow2(h), triton_next_pow2(n)
+        warps = norm.mix_warps(block_h, tokens)
+        runs.append((f"attn_res_mix_norm H {h} T {tokens}", norm._attn_res_mix_kernel, warps,
+                     dict(rows=("*bf16",) * n, norm_w_ptr="*bf16", proj_w_ptr="*bf16", out_w_ptr="*bf16",
+                          out_ptr="*bf16", n_rows=64, s_r=h, s_o=h, eps=1e-5, out_eps=1e-5),
+                     dict(H=h, BLOCK_H=block_h, NUM=n, BLOCK_J=block_j,
+                          CHUNK=norm.mix_chunk(tokens, block_h, block_j, warps), NORM=True, INTERPRET=False)))
     for D, kind in ((H, 0), (128, 1)):
         block_d, block_rows, warps = norm.row_config(D)
         runs.append((f"row norm {kind}", norm._row_norm_kernel, warps,

@@ -191,12 +191,11 @@ def mix_warps(block_h: int, tokens: int) -> int:
     return max(8 if tokens <= MIX_TILED_ROWS else 4, min(16, block_h // 1024))
 
 
-def mix_chunk(tokens: int, block_h: int, block_j: int, warps: int | None = None) -> int:
+def mix_chunk(tokens: int, block_h: int, block_j: int, warps: int) -> int:
     """Columns of the AttnRes scores' [block_j, chunk] tiles (32 values of each tile a thread), 0 for row by row.
     On an H100 (bench/kernels.py --families norm --match mix, µs, rows -> tiles): `small` (H 2048, 5 rows) 1 token
     5 -> 4, 64 tokens 5 -> 5, 1,024 tokens 10 -> 12; K3 (H 7168, 9 rows) 1 and 64 tokens equal, 1,024 tokens
     74 -> 104, 16,384 1,165 -> 1,482; decode replays (`small`, MXFP4, gpu_ab) 1.0-1.5 % faster at batch 1-64."""
-    warps = warps or mix_warps(block_h, tokens)
     return min(block_h, 32 * 32 * warps // block_j) if tokens <= MIX_TILED_ROWS else 0
 
 
