@@ -319,10 +319,10 @@ _PDL_ONLY_HERE = {
              stride_yn=1024, stride_it=6, stride_ik=1, stride_pt=6, stride_pk=1),
         dict(TOP_K=6, GPU=True, EVEN_K=True, MX=False, DECODE=0, AHEAD=True, BLOCK_N=16, BLOCK_K=256, EARLY=False),
         4),
-    ("moe", "_sum_kernel"): (  # with the latent norm, in norm.row_config(1024)'s tile
+    ("moe", "_sum_kernel"): (  # with the latent norm, in norm.row_config(1024, 4)'s tile
         dict(y_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16", norm_w_ptr="*bf16", T=4, D=1024, E=64, scaling=1.0,
              eps=1e-5, stride_yn=1024, stride_it=6, stride_ik=1, stride_ot=1024),
-        dict(TOP_K=6, GPU=True, NORM=True, BLOCK_T=4, BLOCK_D=1024), 4),
+        dict(TOP_K=6, GPU=True, NORM=True, BLOCK_T=1, BLOCK_D=1024), 8),
 }
 _PDL_BUILT_ELSEWHERE = {  # compiled with PDL on (tests/sm90.py turns it on) by these files' hopper tests
     ("gemv", "_linear_kernel"), ("gemv", "_linear_dot_kernel"), ("norm", "_row_norm_kernel"),

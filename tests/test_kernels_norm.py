@@ -201,7 +201,7 @@ def test_kernels_compile_for_hopper_without_spills():
                      dict(H=h, BLOCK_H=block_h, NUM=n, BLOCK_J=block_j,
                           CHUNK=norm.mix_chunk(tokens, block_h, block_j, warps), NORM=True, INTERPRET=False)))
     for D, kind in ((H, 0), (128, 1)):
-        block_d, block_rows, warps = norm.row_config(D)
+        block_d, block_rows, warps = norm.row_config(D, 64)
         runs.append((f"row norm {kind}", norm._row_norm_kernel, warps,
                      dict(x_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", n_rows=64, s_x=D, s_z=D, s_y=D,
                           eps=1e-5),

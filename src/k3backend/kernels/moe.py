@@ -1378,7 +1378,7 @@ def _sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, scaling:
         block_d = min(1024, triton.next_power_of_2(D))
         block_t, warps = max(1, 2048 // block_d), 8
     else:
-        block_d, block_t, warps = norm_ops.row_config(D)
+        block_d, block_t, warps = norm_ops.row_config(D, T)
     _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
         y_ptr=y, ids_ptr=ids, out_ptr=out, norm_w_ptr=out if norm is None else norm[0], T=T, D=D, E=E,
         scaling=float(scaling), eps=0.0 if norm is None else float(norm[1]), stride_yn=y.stride(0),
